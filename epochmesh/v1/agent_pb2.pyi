@@ -1,0 +1,287 @@
+from epochmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_KIND_NONE: _ClassVar[TaskKind]
+    TASK_KIND_BENCHMARK: _ClassVar[TaskKind]
+    TASK_KIND_TRAIN: _ClassVar[TaskKind]
+TASK_KIND_NONE: TaskKind
+TASK_KIND_BENCHMARK: TaskKind
+TASK_KIND_TRAIN: TaskKind
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
+    peer_address: str
+    agent_version: str
+    node_id: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., agent_version: _Optional[str] = ..., node_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("node_id", "lease_id", "lease_ttl_ms", "heartbeat_interval_ms")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    lease_ttl_ms: int
+    heartbeat_interval_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "task_id", "draining")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    task_id: str
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_ttl_ms", "heartbeat_interval_ms", "state", "cancel_task")
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_TASK_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_ms: int
+    heartbeat_interval_ms: int
+    state: _common_pb2.NodeState
+    cancel_task: bool
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., cancel_task: _Optional[bool] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReportBenchmarkRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "task_id", "result")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    task_id: str
+    result: _common_pb2.BenchmarkResult
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., result: _Optional[_Union[_common_pb2.BenchmarkResult, _Mapping]] = ...) -> None: ...
+
+class ReportBenchmarkResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NextTaskRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "wait_ms")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    wait_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BENCHMARK_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    kind: TaskKind
+    job_id: str
+    spec: _common_pb2.JobSpec
+    program: _common_pb2.BlobRef
+    shards: _containers.RepeatedCompositeFieldContainer[_common_pb2.Shard]
+    epoch: int
+    round: int
+    ranges: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleRange]
+    local_batch: int
+    params_version: int
+    deadline_seconds: float
+    benchmark_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    ring: _common_pb2.RingAssignment
+    inner_steps: int
+    initial_state: _common_pb2.BlobRef
+    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ...) -> None: ...
+
+class FetchBlobRequest(_message.Message):
+    __slots__ = ("sha256", "offset")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    offset: int
+    def __init__(self, sha256: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class FetchBlobResponse(_message.Message):
+    __slots__ = ("total_size", "chunk")
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    total_size: int
+    chunk: _common_pb2.DataChunk
+    def __init__(self, total_size: _Optional[int] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ...) -> None: ...
+
+class UpdateHeader(_message.Message):
+    __slots__ = ("node_id", "lease_id", "task_id", "job_id", "round", "num_samples", "mean_loss", "compute_seconds", "bundle", "kind", "params_version", "params_checksum")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    task_id: str
+    job_id: str
+    round: int
+    num_samples: int
+    mean_loss: float
+    compute_seconds: float
+    bundle: _common_pb2.TensorBundle
+    kind: str
+    params_version: int
+    params_checksum: str
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., num_samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., kind: _Optional[str] = ..., params_version: _Optional[int] = ..., params_checksum: _Optional[str] = ...) -> None: ...
+
+class PushUpdateRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    chunk: _common_pb2.DataChunk
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ...) -> None: ...
+
+class PushUpdateResponse(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PullParametersRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "job_id", "version", "include_optimizer_state")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    job_id: str
+    version: int
+    include_optimizer_state: bool
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., version: _Optional[int] = ..., include_optimizer_state: _Optional[bool] = ...) -> None: ...
+
+class PullParametersResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ParametersHeader
+    chunk: _common_pb2.DataChunk
+    def __init__(self, header: _Optional[_Union[ParametersHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ...) -> None: ...
+
+class ParametersHeader(_message.Message):
+    __slots__ = ("job_id", "version", "bundle")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: int
+    bundle: _common_pb2.TensorBundle
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ...) -> None: ...
+
+class ReportProgressRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "compute_seconds", "communicate_seconds", "samples_done", "mean_loss", "params_checksum")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMUNICATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_DONE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    task_id: str
+    failed: bool
+    error: str
+    compute_seconds: float
+    communicate_seconds: float
+    samples_done: int
+    mean_loss: float
+    params_checksum: str
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., communicate_seconds: _Optional[float] = ..., samples_done: _Optional[int] = ..., mean_loss: _Optional[float] = ..., params_checksum: _Optional[str] = ...) -> None: ...
+
+class ReportProgressResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("payload", "response_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    response_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., response_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,79 @@
+from epochmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RingChunk(_message.Message):
+    __slots__ = ("job_id", "round", "attempt", "from_node_id", "phase", "step", "segment", "spec", "chunk", "last")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    attempt: int
+    from_node_id: str
+    phase: str
+    step: int
+    segment: int
+    spec: _common_pb2.TensorSpec
+    chunk: _common_pb2.DataChunk
+    last: bool
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., from_node_id: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., segment: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class RingAck(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class TransferStateRequest(_message.Message):
+    __slots__ = ("job_id", "node_id", "version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    version: int
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class TransferStateHeader(_message.Message):
+    __slots__ = ("job_id", "version", "bundle")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: int
+    bundle: _common_pb2.TensorBundle
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ...) -> None: ...
+
+class TransferStateResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: TransferStateHeader
+    chunk: _common_pb2.DataChunk
+    def __init__(self, header: _Optional[_Union[TransferStateHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("payload", "from_node_id")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    from_node_id: str
+    def __init__(self, payload: _Optional[bytes] = ..., from_node_id: _Optional[str] = ...) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,120 @@
+from epochmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ("states",)
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[_common_pb2.NodeState]
+    def __init__(self, states: _Optional[_Iterable[_Union[_common_pb2.NodeState, str]]] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[_common_pb2.NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class GetNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class ListAllJobsRequest(_message.Message):
+    __slots__ = ("states", "limit")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[_common_pb2.JobState]
+    limit: int
+    def __init__(self, states: _Optional[_Iterable[_Union[_common_pb2.JobState, str]]] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListAllJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[_common_pb2.Job, _Mapping]]] = ...) -> None: ...
+
+class GetAnyJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class GetAllocationRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class PreviewAllocationRequest(_message.Message):
+    __slots__ = ("global_batch", "node_ids", "num_samples")
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    global_batch: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_samples: int
+    def __init__(self, global_batch: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., num_samples: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("since_id", "follow", "node_id", "job_id", "kinds")
+    SINCE_ID_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    since_id: int
+    follow: bool
+    node_id: str
+    job_id: str
+    kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, since_id: _Optional[int] = ..., follow: _Optional[bool] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class ClusterStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterStatsResponse(_message.Message):
+    __slots__ = ("nodes_by_state", "jobs_by_state", "total_samples_per_second", "blobs", "blob_bytes", "events", "heartbeats_total", "uptime_ms")
+    class NodesByStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class JobsByStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODES_BY_STATE_FIELD_NUMBER: _ClassVar[int]
+    JOBS_BY_STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    BLOB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEATS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
+    nodes_by_state: _containers.ScalarMap[str, int]
+    jobs_by_state: _containers.ScalarMap[str, int]
+    total_samples_per_second: float
+    blobs: int
+    blob_bytes: int
+    events: int
+    heartbeats_total: int
+    uptime_ms: int
+    def __init__(self, nodes_by_state: _Optional[_Mapping[str, int]] = ..., jobs_by_state: _Optional[_Mapping[str, int]] = ..., total_samples_per_second: _Optional[float] = ..., blobs: _Optional[int] = ..., blob_bytes: _Optional[int] = ..., events: _Optional[int] = ..., heartbeats_total: _Optional[int] = ..., uptime_ms: _Optional[int] = ...) -> None: ...
