@@ -1,0 +1,124 @@
+"""Operator commands on nodes: ``nodes``, ``cordon``, ``uncordon``, ``drain``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from client.commands.context import Context
+from client.commands.output import node_state_name, parse_node_states, to_dict
+from client.render import fmt_age, fmt_bytes, fmt_rate
+from client.rpc import ExitCode
+from epochmesh.timeutil import now_ms
+from epochmesh.v1 import common_pb2, scheduler_pb2
+
+
+def device_summary(node: common_pb2.NodeInfo) -> str:
+    """A short description of a node's devices, e.g. ``2x NVIDIA H100 80GB`` or ``cpu 16c``."""
+    gpus = [d for d in node.devices if d.kind == "cuda"]
+    if gpus:
+        first = gpus[0]
+        name = first.name.replace("NVIDIA ", "") or "cuda"
+        mem = f" {first.total_memory_bytes / 2**30:.0f}G" if first.total_memory_bytes else ""
+        count = f"{len(gpus)}x " if len(gpus) > 1 else ""
+        return f"{count}{name}{mem}"
+    cpus = [d for d in node.devices if d.kind == "cpu"]
+    if cpus:
+        cores = sum(d.cores for d in cpus)
+        mem = cpus[0].total_memory_bytes
+        return f"cpu {cores}c" + (f" {fmt_bytes(mem).replace(' ', '')}" if mem else "")
+    return "-"
+
+
+def node_rate(node: common_pb2.NodeInfo) -> float:
+    """Observed samples/s when known, else the benchmark's."""
+    if node.observed_samples_per_second > 0:
+        return node.observed_samples_per_second
+    return node.benchmark.samples_per_second
+
+
+def cmd_nodes(ctx: Context) -> int:
+    states = parse_node_states(ctx.args.state) if ctx.args.state else []
+    coord = ctx.coordinator
+    reply = coord.call(
+        "ListNodes",
+        coord.scheduler.ListNodes,
+        scheduler_pb2.ListNodesRequest(states=states),
+    )
+    nodes = sorted(reply.nodes, key=lambda n: (n.name, n.node_id))
+    if ctx.json:
+        ctx.emit_json({"nodes": [to_dict(n) for n in nodes]})
+        return ExitCode.OK
+    if not nodes:
+        which = f" in state {ctx.args.state}" if ctx.args.state else ""
+        ctx.note(f"no nodes{which}; start one with `epochmesh-agent --coordinator ADDRESS`")
+        return ExitCode.OK
+    now = now_ms()
+    rows = [
+        [
+            n.node_id,
+            n.name or "-",
+            node_state_name(n.state),
+            device_summary(n),
+            fmt_rate(node_rate(n)),
+            n.current_job_id or "-",
+            fmt_age(n.last_heartbeat_ms, now),
+        ]
+        for n in nodes
+    ]
+    style = ctx.out_style
+    ctx.emit_table(
+        ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S", "JOB", "HEARTBEAT"],
+        rows,
+        right=(4,),
+        flex=1,
+        paint={2: style.state},
+    )
+    return ExitCode.OK
+
+
+def _node_action(verb: str, method_name: str, done: str) -> Callable[[Context], int]:
+    def run(ctx: Context) -> int:
+        node = ctx.get_node(ctx.args.node)
+        coord = ctx.coordinator
+        method = getattr(coord.scheduler, method_name)
+        updated = coord.call(method_name, method, scheduler_pb2.NodeRequest(node_id=node.node_id))
+        if ctx.json:
+            ctx.emit_json(to_dict(updated))
+        else:
+            label = f"{updated.node_id} ({updated.name})" if updated.name else updated.node_id
+            ctx.emit(f"node {label} {done}: now {node_state_name(updated.state)}")
+        return ExitCode.OK
+
+    run.__doc__ = f"{verb} a node"
+    return run
+
+
+cmd_cordon = _node_action("cordon", "Cordon", "cordoned")
+cmd_uncordon = _node_action("uncordon", "Uncordon", "uncordoned")
+cmd_drain = _node_action("drain", "Drain", "draining")
+
+
+def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "nodes",
+        parents=common,
+        help="list nodes",
+        description="List the nodes known to the coordinator.",
+    )
+    p.add_argument(
+        "--state",
+        metavar="S",
+        help="only nodes in these states (comma-separated): online, busy, draining, "
+        "cordoned, offline, quarantined",
+    )
+    p.set_defaults(func=cmd_nodes)
+
+    for name, func, text in (
+        ("cordon", cmd_cordon, "exclude a node from new work (it keeps its current round)"),
+        ("uncordon", cmd_uncordon, "make a cordoned node eligible for work again"),
+        ("drain", cmd_drain, "let a node finish its current round, then give it no work"),
+    ):
+        p = sub.add_parser(name, parents=common, help=text, description=text.capitalize() + ".")
+        p.add_argument("node", metavar="NODE", help="node id, unique id prefix or unique name")
+        p.set_defaults(func=func)

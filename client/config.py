@@ -1,0 +1,100 @@
+"""Where the coordinator is: the CLI's address resolution and its config file.
+
+Resolution order (the first that is set wins):
+
+1. ``--coordinator HOST:PORT`` on the command line;
+2. the ``EPOCHMESH_COORDINATOR`` environment variable;
+3. ``coordinator = "HOST:PORT"`` in the config file
+   ``$XDG_CONFIG_HOME/epochmesh/config.toml`` (``~/.config/epochmesh/config.toml`` when
+   ``XDG_CONFIG_HOME`` is unset or empty);
+4. ``127.0.0.1:7070``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from client.rpc import CliError, ExitCode
+
+DEFAULT_COORDINATOR = "127.0.0.1:7070"
+ENV_COORDINATOR = "EPOCHMESH_COORDINATOR"
+CONFIG_KEYS = ("coordinator",)
+
+
+@dataclass(frozen=True)
+class ResolvedAddress:
+    address: str
+    source: str  # "--coordinator", "EPOCHMESH_COORDINATOR", the config file's path, or "default"
+
+
+def config_path(env: Mapping[str, str] | None = None) -> Path:
+    """The CLI's config file, following the XDG base directory rules."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CONFIG_HOME", "")
+    root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".config"
+    return root / "epochmesh" / "config.toml"
+
+
+def load_config(path: Path) -> dict[str, object]:
+    """Reads the config file; a missing file is an empty config, a broken one a usage error."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        raise CliError(ExitCode.USAGE, f"cannot read config file {path}: {err.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise CliError(
+            ExitCode.USAGE,
+            f"config file {path} is not valid TOML: {err}",
+            f'fix it or remove it; it holds e.g. coordinator = "{DEFAULT_COORDINATOR}"',
+        ) from None
+    unknown = sorted(set(data) - set(CONFIG_KEYS))
+    if unknown:
+        raise CliError(
+            ExitCode.USAGE,
+            f"config file {path}: unknown key {unknown[0]!r}",
+            f"known keys: {', '.join(CONFIG_KEYS)}",
+        )
+    return data
+
+
+def validate_address(address: str, source: str) -> str:
+    """Checks HOST:PORT (IPv6 as [::1]:PORT); returns it stripped."""
+    address = address.strip()
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CliError(
+            ExitCode.USAGE,
+            f"bad coordinator address {address!r} (from {source})",
+            "write it as HOST:PORT, e.g. 127.0.0.1:7070",
+        )
+    return address
+
+
+def resolve_coordinator(flag: str | None, env: Mapping[str, str] | None = None) -> ResolvedAddress:
+    """Applies the resolution order above and validates the winner."""
+    env = os.environ if env is None else env
+    if flag:
+        return ResolvedAddress(validate_address(flag, "--coordinator"), "--coordinator")
+    from_env = env.get(ENV_COORDINATOR, "").strip()
+    if from_env:
+        return ResolvedAddress(validate_address(from_env, ENV_COORDINATOR), ENV_COORDINATOR)
+    path = config_path(env)
+    config = load_config(path)
+    value = config.get("coordinator")
+    if value is not None:
+        if not isinstance(value, str):
+            raise CliError(
+                ExitCode.USAGE,
+                f"config file {path}: coordinator must be a string",
+                f'write e.g. coordinator = "{DEFAULT_COORDINATOR}"',
+            )
+        return ResolvedAddress(validate_address(value, str(path)), str(path))
+    return ResolvedAddress(DEFAULT_COORDINATOR, "default")

@@ -1,0 +1,246 @@
+"""Talking to the coordinator from the CLI: the channel, the stubs and the error mapping.
+
+Every failure the user can cause or meet ends as a :class:`CliError` carrying one of the stable
+exit codes of :class:`ExitCode`, a one-line message and, where useful, a hint saying what to do.
+``client.main`` prints those as ``error: ...`` / ``hint: ...`` on stderr, never a traceback.
+
+gRPC status codes map to exit codes as follows:
+
+========================================  ==========================
+UNAVAILABLE, DEADLINE_EXCEEDED            4 coordinator unreachable
+NOT_FOUND                                 3 not found
+FAILED_PRECONDITION, ALREADY_EXISTS       6 precondition
+INVALID_ARGUMENT, OUT_OF_RANGE,           2 invalid input
+RESOURCE_EXHAUSTED
+anything else                             1 internal / unexpected
+========================================  ==========================
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from epochmesh.grpc_util import sync_channel
+from epochmesh.v1 import job_pb2_grpc, scheduler_pb2_grpc
+
+# How long the CLI waits for the channel to connect before it calls the coordinator unreachable.
+CONNECT_TIMEOUT_S = 3.0
+# Deadline of one unary call once connected (streams have none: they last as long as the job).
+CALL_TIMEOUT_S = 30.0
+
+
+class ExitCode(enum.IntEnum):
+    """Stable exit codes of the ``epochmesh`` CLI (documented in ``epochmesh --help``)."""
+
+    OK = 0
+    INTERNAL = 1
+    USAGE = 2
+    NOT_FOUND = 3
+    UNREACHABLE = 4
+    JOB_FAILED = 5
+    PRECONDITION = 6
+    INTERRUPTED = 130
+
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0    success
+  1    internal or unexpected error (run again with --debug for a traceback)
+  2    usage error, invalid input: bad arguments, bad job spec, missing file or extra
+  3    not found: unknown job or node
+  4    coordinator unreachable, or it did not answer in time
+  5    the job failed or was cancelled (watch, submit --watch)
+  6    precondition: e.g. download before the job finished, cancel of a finished job
+  130  interrupted (Ctrl-C)"""
+
+
+@dataclass
+class CliError(Exception):
+    """A user-facing failure: one line of message, an optional hint, and the exit code."""
+
+    code: ExitCode
+    message: str
+    hint: str = ""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_STATUS_TO_EXIT: dict[grpc.StatusCode, ExitCode] = {
+    grpc.StatusCode.UNAVAILABLE: ExitCode.UNREACHABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ExitCode.UNREACHABLE,
+    grpc.StatusCode.NOT_FOUND: ExitCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION: ExitCode.PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS: ExitCode.PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT: ExitCode.USAGE,
+    grpc.StatusCode.OUT_OF_RANGE: ExitCode.USAGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ExitCode.USAGE,
+}
+
+
+def exit_code_for(status: grpc.StatusCode) -> ExitCode:
+    return _STATUS_TO_EXIT.get(status, ExitCode.INTERNAL)
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line
+
+
+def error_from_rpc(err: grpc.RpcError, what: str, address: str) -> CliError:
+    """Turns a failed call into a CliError with a one-line message and a hint."""
+    status: grpc.StatusCode = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = _first_line(err.details() if hasattr(err, "details") else "") or status.name
+    code = exit_code_for(status)
+    if status == grpc.StatusCode.UNAVAILABLE:
+        return CliError(
+            code,
+            f"lost the coordinator at {address} during {what}: {details}",
+            "check that epochmesh-coordinator is running, then try again",
+        )
+    if status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return CliError(
+            code,
+            f"the coordinator at {address} did not answer {what} in time",
+            "it may be overloaded; try again",
+        )
+    if "http2 header" in details.lower():  # something else answers on that port
+        return CliError(
+            ExitCode.UNREACHABLE,
+            f"the server at {address} is not an epochmesh coordinator ({details})",
+            "check the address: --coordinator HOST:PORT or EPOCHMESH_COORDINATOR",
+        )
+    if status == grpc.StatusCode.UNIMPLEMENTED:
+        return CliError(
+            code,
+            f"the coordinator at {address} does not support {what}: {details}",
+            "upgrade or restart the coordinator with the training engine enabled",
+        )
+    if status in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        return CliError(code, f"{what} refused: {details}", "check your credentials")
+    if code == ExitCode.INTERNAL:
+        return CliError(
+            code,
+            f"{what} failed ({status.name}): {details}",
+            "see the coordinator's log; run again with --debug for details",
+        )
+    return CliError(code, details)
+
+
+T = TypeVar("T")
+
+# After a failed connection attempt, how long a retry may take before we give up early.
+_FAILURE_GRACE_S = 0.5
+
+
+def _wait_for_ready(channel: grpc.Channel, timeout: float) -> grpc.ChannelConnectivity:
+    """Waits until the channel is READY; returns early (within a short grace) when the
+    connection attempt fails, e.g. connection refused, so a wrong address answers fast."""
+    changed = threading.Condition()
+    seen: list[grpc.ChannelConnectivity] = []
+
+    def on_change(state: grpc.ChannelConnectivity) -> None:
+        with changed:
+            seen.append(state)
+            changed.notify_all()
+
+    channel.subscribe(on_change, try_to_connect=True)
+    try:
+        deadline = time.monotonic() + timeout
+        failed_at: float | None = None
+        with changed:
+            while True:
+                last = seen[-1] if seen else grpc.ChannelConnectivity.IDLE
+                if last == grpc.ChannelConnectivity.READY:
+                    return last
+                now = time.monotonic()
+                if last == grpc.ChannelConnectivity.TRANSIENT_FAILURE and failed_at is None:
+                    failed_at = now
+                if failed_at is not None and now - failed_at >= _FAILURE_GRACE_S:
+                    return grpc.ChannelConnectivity.TRANSIENT_FAILURE
+                if now >= deadline:
+                    return last
+                limit = deadline if failed_at is None else failed_at + _FAILURE_GRACE_S
+                changed.wait(timeout=max(0.01, min(limit, deadline) - now))
+    finally:
+        channel.unsubscribe(on_change)
+
+
+class Coordinator:
+    """A connected channel to the coordinator with the submitter and operator stubs.
+
+    ``connect()`` waits at most ``connect_timeout`` seconds for the channel and raises
+    ``CliError(UNREACHABLE)`` when it is not ready, so a wrong address answers within seconds.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        source: str = "",
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        call_timeout: float = CALL_TIMEOUT_S,
+    ) -> None:
+        self.address = address
+        self.source = source
+        self.connect_timeout = connect_timeout
+        self.call_timeout = call_timeout
+        self.channel: grpc.Channel = sync_channel(address)
+        self.jobs = job_pb2_grpc.JobServiceStub(self.channel)
+        self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        self._connected = False
+
+    def connect(self) -> Coordinator:
+        if self._connected:
+            return self
+        state = _wait_for_ready(self.channel, self.connect_timeout)
+        if state != grpc.ChannelConnectivity.READY:
+            from_where = f" (address from {self.source})" if self.source else ""
+            why = (
+                "connection failed"
+                if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+                else f"no answer within {self.connect_timeout:g}s"
+            )
+            raise CliError(
+                ExitCode.UNREACHABLE,
+                f"cannot reach the coordinator at {self.address}{from_where}: {why}",
+                "start it with `epochmesh-coordinator`, or point the CLI at it with "
+                "--coordinator HOST:PORT or EPOCHMESH_COORDINATOR",
+            )
+        self._connected = True
+        return self
+
+    def call(self, what: str, method: Callable[..., T], request: Any) -> T:
+        """Calls a unary method with the call deadline; failures become CliError."""
+        self.connect()
+        try:
+            return method(request, timeout=self.call_timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, what, self.address) from None
+
+    def stream(self, what: str, method: Callable[..., Iterator[T]], request: Any) -> Iterator[T]:
+        """Iterates a server stream (no deadline); failures become CliError."""
+        self.connect()
+        call = method(request)
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, what, self.address) from None
+        finally:
+            call.cancel()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,196 @@
+"""AgentService: node agents -> coordinator (leases, benchmarks, blobs, probes).
+
+The training RPCs (NextTask, PushUpdate, PullParameters, ReportProgress) go to the engine;
+NextTask, PullParameters and ReportProgress are lease-checked first.
+Method names are the RPC names; the server wraps them (error mapping, malformed input).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+
+import grpc
+
+from coordinator.blobs import BlobStore, require_sha256
+from coordinator.engine_api import TrainingEngine
+from coordinator.nodes import NodeRegistry, require_node_id
+from coordinator.store import InvalidArgumentError, check_text
+from epochmesh.limits import MAX_CHUNK_BYTES
+from epochmesh.v1 import agent_pb2, common_pb2
+
+Ctx = grpc.aio.ServicerContext
+
+MAX_DEVICES = 64
+MAX_LABELS = 64
+MAX_BENCHMARK_POINTS = 64
+_FILLER = bytes(MAX_CHUNK_BYTES)
+
+
+def _require_lease_id(value: str) -> str:
+    return check_text(value, "lease_id", max_len=64, required=True)
+
+
+def validate_device(device: common_pb2.Device, where: str) -> None:
+    check_text(device.kind, f"{where}.kind", max_len=32)
+    check_text(device.name, f"{where}.name", max_len=256)
+    check_text(device.compute_capability, f"{where}.compute_capability", max_len=32)
+    check_text(device.driver, f"{where}.driver", max_len=128)
+    if device.index < 0 or device.total_memory_bytes < 0 or device.cores < 0:
+        raise InvalidArgumentError(f"{where} has a negative index, memory or core count")
+
+
+def validate_benchmark(result: common_pb2.BenchmarkResult) -> None:
+    if result.job_id:
+        check_text(result.job_id, "result.job_id", max_len=64)
+    validate_device(result.device, "result.device")
+    if len(result.points) > MAX_BENCHMARK_POINTS:
+        raise InvalidArgumentError(
+            f"too many benchmark points ({len(result.points)} > {MAX_BENCHMARK_POINTS})"
+        )
+    numbers = {
+        "samples_per_second": result.samples_per_second,
+        "rtt_ms": result.rtt_ms,
+        "bandwidth_bytes_per_second": result.bandwidth_bytes_per_second,
+        "slowdown": result.slowdown,
+    }
+    for i, point in enumerate(result.points):
+        numbers[f"points[{i}].samples_per_second"] = point.samples_per_second
+        if point.batch_size < 0 or point.peak_memory_bytes < 0:
+            raise InvalidArgumentError(f"points[{i}] has a negative batch size or memory")
+    for name, value in numbers.items():
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgumentError(f"result.{name} must be a finite number >= 0, got {value}")
+    if result.max_batch_size < 0:
+        raise InvalidArgumentError("result.max_batch_size must not be negative")
+
+
+class AgentService:
+    def __init__(self, registry: NodeRegistry, blobs: BlobStore, engine: TrainingEngine) -> None:
+        self._registry = registry
+        self._blobs = blobs
+        self._engine = engine
+
+    async def Register(
+        self, req: agent_pb2.RegisterRequest, ctx: Ctx
+    ) -> agent_pb2.RegisterResponse:
+        check_text(req.name, "name", max_len=128, required=True)
+        if req.node_id:
+            require_node_id(req.node_id)
+        check_text(req.peer_address, "peer_address", max_len=256)
+        check_text(req.agent_version, "agent_version", max_len=64)
+        if len(req.devices) > MAX_DEVICES:
+            raise InvalidArgumentError(f"too many devices ({len(req.devices)} > {MAX_DEVICES})")
+        for i, device in enumerate(req.devices):
+            validate_device(device, f"devices[{i}]")
+        if len(req.labels) > MAX_LABELS:
+            raise InvalidArgumentError(f"too many labels ({len(req.labels)} > {MAX_LABELS})")
+        for key, value in req.labels.items():
+            check_text(key, "label key", max_len=128, required=True)
+            check_text(value, f"label {key!r}", max_len=256)
+        reg = await self._registry.register(
+            name=req.name,
+            devices=list(req.devices),
+            peer_address=req.peer_address,
+            agent_version=req.agent_version,
+            labels=dict(req.labels),
+            node_id=req.node_id,
+        )
+        return agent_pb2.RegisterResponse(
+            node_id=reg.node_id,
+            lease_id=reg.lease_id,
+            lease_ttl_ms=self._registry.lease_ttl_ms,
+            heartbeat_interval_ms=self._registry.heartbeat_interval_ms,
+        )
+
+    async def Heartbeat(
+        self, req: agent_pb2.HeartbeatRequest, ctx: Ctx
+    ) -> agent_pb2.HeartbeatResponse:
+        require_node_id(req.node_id)
+        _require_lease_id(req.lease_id)
+        check_text(req.task_id, "task_id", max_len=128)
+        state = await self._registry.heartbeat(req.node_id, req.lease_id, draining=req.draining)
+        cancel = bool(req.task_id) and self._engine.cancel_task(req.node_id, req.task_id)
+        return agent_pb2.HeartbeatResponse(
+            lease_ttl_ms=self._registry.lease_ttl_ms,
+            heartbeat_interval_ms=self._registry.heartbeat_interval_ms,
+            state=state,  # type: ignore[arg-type]
+            cancel_task=cancel,
+        )
+
+    async def Leave(self, req: agent_pb2.LeaveRequest, ctx: Ctx) -> agent_pb2.LeaveResponse:
+        require_node_id(req.node_id)
+        _require_lease_id(req.lease_id)
+        check_text(req.reason, "reason", max_len=1024)
+        await self._registry.leave(req.node_id, req.lease_id, req.reason)
+        return agent_pb2.LeaveResponse()
+
+    async def ReportBenchmark(
+        self, req: agent_pb2.ReportBenchmarkRequest, ctx: Ctx
+    ) -> agent_pb2.ReportBenchmarkResponse:
+        require_node_id(req.node_id)
+        _require_lease_id(req.lease_id)
+        check_text(req.task_id, "task_id", max_len=128)
+        if not req.HasField("result"):
+            raise InvalidArgumentError("result is required")
+        validate_benchmark(req.result)
+        self._registry.check_lease(req.node_id, req.lease_id)
+        await self._registry.set_benchmark(req.node_id, req.result)
+        await self._engine.on_benchmark(req.node_id, req.result)
+        return agent_pb2.ReportBenchmarkResponse()
+
+    async def NextTask(self, req: agent_pb2.NextTaskRequest, ctx: Ctx) -> agent_pb2.Task:
+        require_node_id(req.node_id)
+        _require_lease_id(req.lease_id)
+        if req.wait_ms < 0:
+            raise InvalidArgumentError(f"wait_ms must not be negative, got {req.wait_ms}")
+        self._registry.check_lease(req.node_id, req.lease_id)
+        return await self._engine.next_task(req, ctx)
+
+    async def FetchBlob(
+        self, req: agent_pb2.FetchBlobRequest, ctx: Ctx
+    ) -> AsyncIterator[agent_pb2.FetchBlobResponse]:
+        require_sha256(req.sha256)
+        if req.offset < 0:
+            raise InvalidArgumentError(f"offset must not be negative, got {req.offset}")
+        async for offset, data, total in self._blobs.read_chunks(req.sha256, req.offset):
+            yield agent_pb2.FetchBlobResponse(
+                total_size=total, chunk=common_pb2.DataChunk(offset=offset, data=data)
+            )
+
+    async def PushUpdate(
+        self, request_iterator: AsyncIterator[agent_pb2.PushUpdateRequest], ctx: Ctx
+    ) -> agent_pb2.PushUpdateResponse:
+        return await self._engine.push_update(request_iterator, ctx)
+
+    async def PullParameters(
+        self, req: agent_pb2.PullParametersRequest, ctx: Ctx
+    ) -> AsyncIterator[agent_pb2.PullParametersResponse]:
+        require_node_id(req.node_id)
+        _require_lease_id(req.lease_id)
+        self._registry.check_lease(req.node_id, req.lease_id)
+        async for part in self._engine.pull_parameters(req, ctx):
+            yield part
+
+    async def ReportProgress(
+        self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
+    ) -> agent_pb2.ReportProgressResponse:
+        require_node_id(req.node_id)
+        _require_lease_id(req.lease_id)
+        self._registry.check_lease(req.node_id, req.lease_id)
+        return await self._engine.report_progress(req, ctx)
+
+    async def Probe(self, req: agent_pb2.ProbeRequest, ctx: Ctx) -> agent_pb2.ProbeResponse:
+        """Echo ``payload`` when response_bytes is 0, else answer response_bytes of filler.
+        Both are capped at 1 MiB."""
+        if len(req.payload) > MAX_CHUNK_BYTES:
+            raise InvalidArgumentError(
+                f"probe payload of {len(req.payload)} bytes exceeds {MAX_CHUNK_BYTES} bytes"
+            )
+        if not 0 <= req.response_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidArgumentError(
+                f"response_bytes must be within 0..{MAX_CHUNK_BYTES}, got {req.response_bytes}"
+            )
+        if req.response_bytes:
+            return agent_pb2.ProbeResponse(payload=_FILLER[: req.response_bytes])
+        return agent_pb2.ProbeResponse(payload=req.payload)

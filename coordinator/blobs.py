@@ -1,0 +1,464 @@
+"""Content-addressed blob store: files under DATA_DIR/blobs/<sha[:2]>/<sha>.
+
+A blob becomes visible (readable, listed, deduplicated) only after its bytes have been hashed
+and match their sha256, the file is fsynced and renamed into place, and the store records it.
+Uploads in progress live under DATA_DIR/blobs/partial/<sha> (with <sha>.size holding the
+announced size) and can be resumed from the bytes held. A hash mismatch at the end of an upload
+discards the partial and is answered DATA_LOSS (the bytes were corrupted somewhere: start again
+from offset 0).
+
+At open, the directory and the store are reconciled: a blob file the store does not know (a
+crash between rename and record) is verified and recorded, or deleted if its bytes are wrong; a
+record whose file is gone is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from coordinator.events import EventLog
+from coordinator.store import (
+    AbortedError,
+    BlobRecord,
+    BlobStats,
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    Store,
+)
+from epochmesh.limits import MAX_CHUNK_BYTES
+from epochmesh.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+_HEX = frozenset("0123456789abcdef")
+_READ_BLOCK = 1 << 20
+# Upload file I/O runs here, so that a cancelled upload can wait for its last write to end.
+_UPLOAD_IO = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="blob-io")
+
+
+def is_sha256(value: str) -> bool:
+    """Lowercase hex sha256 (64 characters)."""
+    return len(value) == 64 and all(c in _HEX for c in value)
+
+
+def require_sha256(value: str, field: str = "sha256") -> str:
+    if not value:
+        raise InvalidArgumentError(f"{field} is required")
+    if not is_sha256(value):
+        raise InvalidArgumentError(
+            f"{field} must be 64 lowercase hex characters, got {value[:80]!r}"
+        )
+    return value
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class BlobStatus:
+    complete: bool
+    received_bytes: int
+    size: int  # announced size of a partial upload; the size of a complete blob; else 0
+
+
+class BlobStore:
+    def __init__(
+        self,
+        root: Path,
+        store: Store,
+        *,
+        max_blob_bytes: int,
+        events: EventLog | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.partial_dir = self.root / "partial"
+        self.max_blob_bytes = max_blob_bytes
+        self._store = store
+        self._events = events
+        self._active: set[str] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the directories, drop leftovers of interrupted writes, reconcile."""
+        await asyncio.to_thread(self._prepare_dirs)
+        await self._reconcile()
+
+    def _prepare_dirs(self) -> None:
+        self.partial_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.partial_dir.glob("tmp-*"):
+            leftover.unlink(missing_ok=True)
+
+    async def _reconcile(self) -> None:
+        on_disk = await asyncio.to_thread(self._scan)
+        recorded = {r.sha256: r for r in await self._store.list_blobs()}
+        for sha, path in on_disk.items():
+            if sha in recorded:
+                continue
+            actual = await asyncio.to_thread(sha256_file, path)
+            if actual == sha:
+                size = path.stat().st_size
+                await self._store.add_blob(sha, size)
+                log.warning("recorded blob %s (%d bytes) found on disk without a record", sha, size)
+            else:
+                path.unlink(missing_ok=True)
+                log.warning("deleted blob file %s: its bytes hash to %s", path, actual)
+        for sha in recorded:
+            if sha not in on_disk:
+                await self._store.remove_blob(sha)
+                log.error("blob %s is recorded but its file is missing: record dropped", sha)
+
+    def _scan(self) -> dict[str, Path]:
+        found: dict[str, Path] = {}
+        for sub in self.root.iterdir():
+            if sub.name == "partial" or not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                if is_sha256(path.name) and path.name[:2] == sub.name and path.is_file():
+                    found[path.name] = path
+        return found
+
+    # -- paths and queries ----------------------------------------------------------------------
+
+    def path(self, sha256: str) -> Path:
+        return self.root / sha256[:2] / sha256
+
+    def _partial(self, sha256: str) -> Path:
+        return self.partial_dir / sha256
+
+    def _partial_meta(self, sha256: str) -> Path:
+        return self.partial_dir / f"{sha256}.size"
+
+    async def get(self, sha256: str) -> BlobRecord | None:
+        return await self._store.get_blob(sha256)
+
+    async def exists(self, sha256: str) -> bool:
+        return await self._store.get_blob(sha256) is not None
+
+    def uploads_in_progress(self) -> set[str]:
+        return set(self._active)
+
+    async def stats(self) -> BlobStats:
+        return await self._store.blob_stats()
+
+    async def status(self, sha256: str) -> BlobStatus:
+        require_sha256(sha256)
+        record = await self._store.get_blob(sha256)
+        if record is not None:
+            return BlobStatus(complete=True, received_bytes=record.size, size=record.size)
+        held, size = await asyncio.to_thread(self._partial_state, sha256)
+        return BlobStatus(complete=False, received_bytes=held, size=size)
+
+    def _partial_state(self, sha256: str) -> tuple[int, int]:
+        try:
+            held = self._partial(sha256).stat().st_size
+            size = int(self._partial_meta(sha256).read_text())
+        except (FileNotFoundError, ValueError):
+            return 0, 0
+        return held, size
+
+    # -- uploads --------------------------------------------------------------------------------
+
+    async def begin_upload(self, sha256: str, size: int, offset: int) -> Upload | BlobRecord:
+        """Start (offset 0) or resume (offset = bytes held) an upload. Returns the existing
+        record if the blob is already stored (nothing to upload). Errors: InvalidArgumentError
+        (bad sha/size/offset), ResourceExhaustedError (size over the limit),
+        FailedPreconditionError (offset differs from the bytes held), AbortedError (another
+        upload of the same blob is in progress)."""
+        require_sha256(sha256)
+        if size < 0:
+            raise InvalidArgumentError(f"size must not be negative, got {size}")
+        if offset < 0 or offset > size:
+            raise InvalidArgumentError(f"offset {offset} is outside the blob (size {size})")
+        if size > self.max_blob_bytes:
+            raise ResourceExhaustedError(
+                f"blob of {size} bytes exceeds the limit of {self.max_blob_bytes} bytes"
+            )
+        record = await self._store.get_blob(sha256)
+        if record is not None:
+            if record.size != size:
+                raise InvalidArgumentError(
+                    f"blob {sha256} is stored with size {record.size}, not {size}"
+                )
+            return record
+        if sha256 in self._active:
+            raise AbortedError(f"an upload of blob {sha256} is already in progress: retry later")
+        self._active.add(sha256)
+        try:
+            upload = Upload(self, sha256, size)
+            await asyncio.to_thread(upload._open, offset)
+        except BaseException:
+            self._active.discard(sha256)
+            raise
+        return upload
+
+    async def _commit_file(self, sha256: str, size: int, src: Path) -> BlobRecord:
+        """Move a verified, fsynced file into place and record it."""
+        final = self.path(sha256)
+
+        def place() -> None:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, final)
+            _fsync_dir(final.parent)
+
+        await asyncio.to_thread(place)
+        record = await self._store.add_blob(sha256, size)
+        if self._events is not None:
+            await self._events.append(
+                "blob.stored",
+                message=f"blob {sha256[:12]} stored ({size} bytes)",
+                attrs={"sha256": sha256, "size": str(size)},
+            )
+        log.info("blob %s stored (%d bytes)", sha256, size)
+        return record
+
+    # -- blobs the coordinator makes itself -----------------------------------------------------
+
+    async def put_bytes(self, data: bytes) -> common_pb2.BlobRef:
+        """Store bytes made by the coordinator (checkpoints, results); no size limit applies."""
+        sha = hashlib.sha256(data).hexdigest()
+        if await self._store.get_blob(sha) is not None:
+            return common_pb2.BlobRef(sha256=sha, size=len(data))
+        tmp = self.partial_dir / f"tmp-{secrets.token_hex(8)}"
+
+        def write() -> None:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+
+        try:
+            await asyncio.to_thread(write)
+            await self._commit_file(sha, len(data), tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return common_pb2.BlobRef(sha256=sha, size=len(data))
+
+    async def put_file(self, src: Path) -> common_pb2.BlobRef:
+        """Store a copy of a local file (the file is left as it is)."""
+        tmp = self.partial_dir / f"tmp-{secrets.token_hex(8)}"
+
+        def copy() -> tuple[str, int]:
+            h = hashlib.sha256()
+            n = 0
+            with open(src, "rb") as fin, open(tmp, "wb") as fout:
+                while block := fin.read(_READ_BLOCK):
+                    h.update(block)
+                    fout.write(block)
+                    n += len(block)
+                fout.flush()
+                os.fsync(fout.fileno())
+            return h.hexdigest(), n
+
+        try:
+            sha, size = await asyncio.to_thread(copy)
+            if await self._store.get_blob(sha) is None:
+                await self._commit_file(sha, size, tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return common_pb2.BlobRef(sha256=sha, size=size)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    async def _require(self, sha256: str) -> BlobRecord:
+        require_sha256(sha256)
+        record = await self._store.get_blob(sha256)
+        if record is None:
+            raise NotFoundError(f"blob {sha256} not found")
+        return record
+
+    async def open(self, sha256: str) -> BinaryIO:
+        """An open binary file of a stored blob (the caller closes it)."""
+        await self._require(sha256)
+        return await asyncio.to_thread(open, self.path(sha256), "rb")
+
+    async def read_bytes(self, sha256: str) -> bytes:
+        await self._require(sha256)
+        return await asyncio.to_thread(self.path(sha256).read_bytes)
+
+    async def read_chunks(
+        self, sha256: str, offset: int = 0, chunk_size: int = MAX_CHUNK_BYTES
+    ) -> AsyncIterator[tuple[int, bytes, int]]:
+        """(offset, data, total_size) for the bytes from ``offset`` on, in chunks of at most
+        ``chunk_size``; a single empty chunk when nothing is left (so the size is known)."""
+        record = await self._require(sha256)
+        if offset < 0 or offset > record.size:
+            raise InvalidArgumentError(f"offset {offset} is outside the blob (size {record.size})")
+        chunk_size = max(1, min(chunk_size, MAX_CHUNK_BYTES))
+        f = await asyncio.to_thread(open, self.path(sha256), "rb")
+        try:
+            await asyncio.to_thread(f.seek, offset)
+            pos = offset
+            if pos == record.size:
+                yield pos, b"", record.size
+                return
+            while pos < record.size:
+                data = await asyncio.to_thread(f.read, chunk_size)
+                if not data:
+                    raise DataLossError(f"blob {sha256} is shorter on disk than recorded")
+                yield pos, data, record.size
+                pos += len(data)
+        finally:
+            f.close()
+
+
+class Upload:
+    """One upload of one blob; use as ``async with`` so the file and the lock are released.
+    Chunks must arrive in order: ``write(offset, data)`` with offset == ``received``."""
+
+    def __init__(self, blobs: BlobStore, sha256: str, size: int) -> None:
+        self._blobs = blobs
+        self.sha256 = sha256
+        self.size = size
+        self.received = 0
+        self._hash = hashlib.sha256()
+        self._file: BinaryIO | None = None
+        self._closed = False
+        self._inflight: concurrent.futures.Future[None] | None = None
+
+    async def _run(self, fn: Callable[[], None]) -> None:
+        """Run file work off the loop; if the caller is cancelled, the work still finishes
+        before `close` touches the file."""
+        self._inflight = _UPLOAD_IO.submit(fn)
+        await asyncio.wrap_future(self._inflight)
+
+    def _open(self, offset: int) -> None:
+        partial = self._blobs._partial(self.sha256)
+        meta = self._blobs._partial_meta(self.sha256)
+        if offset == 0:
+            meta.write_text(str(self.size))
+            self._file = open(partial, "wb")
+            return
+        held, size = self._blobs._partial_state(self.sha256)
+        if size != self.size or held != offset:
+            if size and size != self.size:
+                detail = f"the partial upload announced size {size}, not {self.size}"
+            else:
+                detail = f"the coordinator holds {held} bytes"
+            raise FailedPreconditionError(
+                f"cannot resume blob {self.sha256} at offset {offset}: {detail}; "
+                f"resume at offset {held if size == self.size else 0}"
+            )
+        f = open(partial, "r+b")
+        try:
+            while block := f.read(_READ_BLOCK):
+                self._hash.update(block)
+            if f.tell() != offset:
+                raise FailedPreconditionError(
+                    f"partial upload of {self.sha256} changed while resuming: start again"
+                )
+        except BaseException:
+            f.close()
+            raise
+        self._file = f
+        self.received = offset
+
+    async def write(self, offset: int, data: bytes) -> None:
+        if offset != self.received:
+            raise InvalidArgumentError(
+                f"chunk offset {offset} does not follow the bytes received ({self.received})"
+            )
+        if len(data) > MAX_CHUNK_BYTES:
+            raise InvalidArgumentError(
+                f"chunk of {len(data)} bytes exceeds the {MAX_CHUNK_BYTES}-byte chunk limit"
+            )
+        if self.received + len(data) > self.size:
+            raise InvalidArgumentError(
+                f"chunk at {offset} of {len(data)} bytes runs past the announced size {self.size}"
+            )
+        if not data:
+            return
+        try:
+            await self._run(lambda: self._write_sync(data))
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise ResourceExhaustedError("the coordinator's disk is full") from exc
+            raise
+        self.received += len(data)
+
+    def _write_sync(self, data: bytes) -> None:
+        assert self._file is not None
+        self._file.write(data)
+        self._hash.update(data)
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.size
+
+    async def finish(self) -> BlobRecord:
+        """Verify and publish the blob (all bytes must have been received). A hash mismatch
+        discards the partial upload and raises DataLossError."""
+        if not self.complete:
+            raise FailedPreconditionError(
+                f"blob {self.sha256} is incomplete: {self.received} of {self.size} bytes"
+            )
+        digest = self._hash.hexdigest()
+        partial = self._blobs._partial(self.sha256)
+
+        def sync_and_close() -> None:
+            assert self._file is not None
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+        await self._run(sync_and_close)
+        if digest != self.sha256:
+            await self._run(self._discard)
+            raise DataLossError(
+                f"the uploaded bytes hash to {digest}, not {self.sha256}: "
+                "the upload is discarded, start again from offset 0"
+            )
+        # Shielded: a client going away now must not leave the blob half published.
+        record = await asyncio.shield(self._blobs._commit_file(self.sha256, self.size, partial))
+        self._blobs._partial_meta(self.sha256).unlink(missing_ok=True)
+        return record
+
+    def _discard(self) -> None:
+        self._blobs._partial(self.sha256).unlink(missing_ok=True)
+        self._blobs._partial_meta(self.sha256).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._inflight is not None:
+            with contextlib.suppress(BaseException):
+                self._inflight.result(timeout=30)  # at most one chunk's write
+        if self._file is not None and not self._file.closed:
+            with contextlib.suppress(OSError):
+                self._file.flush()
+            self._file.close()
+        self._blobs._active.discard(self.sha256)
+
+    async def __aenter__(self) -> Upload:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

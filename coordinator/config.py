@@ -1,0 +1,83 @@
+"""Coordinator configuration: one immutable value built from the command line (or by tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES
+
+DEFAULT_DATA_DIR = Path(".epochmesh")
+DEFAULT_LISTEN = "127.0.0.1:7070"
+DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
+# A lease survives this many missed heartbeats, minus one.
+LEASE_TTL_HEARTBEATS = 3.0
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    data_dir: Path = DEFAULT_DATA_DIR
+    listen: str = DEFAULT_LISTEN
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    # None: LEASE_TTL_HEARTBEATS x heartbeat_interval_s (see `lease_ttl`).
+    lease_ttl_s: float | None = None
+    max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
+    # Heartbeat times are kept in memory and written to the store in batches this often.
+    heartbeat_flush_interval_s: float = 1.0
+    # How long in-flight calls may run on after SIGTERM before they are cancelled.
+    shutdown_grace_s: float = 5.0
+    # Upper bound of a NextTask long poll.
+    max_long_poll_s: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat interval must be positive")
+        if self.lease_ttl_s is not None and self.lease_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"lease TTL ({self.lease_ttl_s}s) must exceed the heartbeat interval "
+                f"({self.heartbeat_interval_s}s)"
+            )
+        if self.max_blob_bytes <= 0:
+            raise ValueError("max blob bytes must be positive")
+        if self.heartbeat_flush_interval_s <= 0:
+            raise ValueError("heartbeat flush interval must be positive")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("shutdown grace must not be negative")
+        parse_listen(self.listen)
+
+    @property
+    def lease_ttl(self) -> float:
+        if self.lease_ttl_s is not None:
+            return self.lease_ttl_s
+        return LEASE_TTL_HEARTBEATS * self.heartbeat_interval_s
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "coordinator.db"
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.data_dir / "blobs"
+
+    @property
+    def addr_file(self) -> Path:
+        return self.data_dir / "coordinator.addr"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.data_dir / "coordinator.lock"
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """Split HOST:PORT (IPv6 as [::1]:PORT); port 0 means any free port."""
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"listen address must be HOST:PORT, got {listen!r}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"listen port must be a number, got {port_text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"listen port out of range: {port}")
+    return host, port

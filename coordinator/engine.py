@@ -1,0 +1,505 @@
+"""The training engine: jobs, task hand-out, the parameter server's RPCs.
+
+`Engine` implements `coordinator.engine_api.TrainingEngine`. It owns one `JobRunner` per live
+job (coordinator/job_runner.py holds the round logic), a task queue per node (NextTask long
+polls on it), and the node -> job claims: a node works for at most one job at a time, jobs
+take free nodes in submission order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import deque
+from collections.abc import AsyncIterator
+
+from coordinator.allocator import segments, split_batch
+from coordinator.engine_api import CoordinatorContext, Ctx
+from coordinator.job_runner import TERMINAL, JobRunner
+from coordinator.store import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnimplementedError,
+)
+from epochmesh.errors import CodecError, SpecError
+from epochmesh.limits import MAX_CHUNK_BYTES
+from epochmesh.program import TrainableProgram
+from epochmesh.spec import validate_job_spec
+from epochmesh.tensors import BundleAssembler, iter_chunks
+from epochmesh.tensors import _safetensors_header as safetensors_header
+from epochmesh.timeutil import now_ms
+from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
+
+log = logging.getLogger(__name__)
+
+JS = common_pb2.JobState
+# WatchJob sends an update at least this often while nothing changes (keeps ETA fresh).
+WATCH_REFRESH_S = 1.0
+
+
+class Engine:
+    def __init__(self, ctx: CoordinatorContext) -> None:
+        self.ctx = ctx
+        self.runners: dict[str, JobRunner] = {}
+        self.queues: dict[str, deque[tuple[agent_pb2.Task, JobRunner]]] = {}
+        self.queue_events: dict[str, asyncio.Event] = {}
+        self.claims: dict[str, str] = {}  # node_id -> job_id
+        self.task_owner: dict[str, tuple[str, str]] = {}  # task_id -> (node_id, job_id)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        live = (JS.JOB_STATE_QUEUED, JS.JOB_STATE_RUNNING, JS.JOB_STATE_PAUSED)
+        jobs = await self.ctx.store.list_jobs(states=live)
+        for job in sorted(jobs, key=lambda j: j.created_ms):
+            self._start_runner(job)
+
+    async def stop(self) -> None:
+        runners = list(self.runners.values())
+        self.runners.clear()
+        await asyncio.gather(*(r.stop() for r in runners), return_exceptions=True)
+
+    def _start_runner(self, job: common_pb2.Job) -> JobRunner:
+        runner = JobRunner(self, job)
+        self.runners[job.job_id] = runner
+        runner.start()
+        return runner
+
+    def _wake_all(self) -> None:
+        for r in self.runners.values():
+            r.wake()
+
+    # -- nodes ----------------------------------------------------------------------------------
+
+    def reference_rate(self, node_id: str) -> float:
+        info = self.ctx.registry.get(node_id)
+        return info.benchmark.samples_per_second if info is not None else 0.0
+
+    def claimable_nodes(self, job_id: str) -> list[str]:
+        """Eligible nodes that are free or already this job's (older jobs claim first)."""
+        older_waiting = [
+            r.job_id
+            for r in self.runners.values()
+            if r.job_id != job_id
+            and not r.terminal
+            and r.job.created_ms < self.runners[job_id].job.created_ms
+            and len(r.nodes) < min(r.spec.max_nodes, r.spec.global_batch)
+        ]
+        out = []
+        for info in self.ctx.registry.eligible_nodes():
+            owner = self.claims.get(info.node_id)
+            if owner == job_id or (owner is None and not older_waiting):
+                out.append(info.node_id)
+        return out
+
+    def claim(self, node_id: str, job_id: str) -> None:
+        self.claims[node_id] = job_id
+
+    def release(self, node_id: str, job_id: str) -> bool:
+        if self.claims.get(node_id) == job_id:
+            del self.claims[node_id]
+            self.queues.pop(node_id, None)
+            self._wake_all()
+            return True
+        return False
+
+    def enqueue(self, node_id: str, task: agent_pb2.Task, runner: JobRunner) -> None:
+        self.task_owner[task.task_id] = (node_id, runner.job_id)
+        self.queues.setdefault(node_id, deque()).append((task, runner))
+        self.queue_events.setdefault(node_id, asyncio.Event()).set()
+
+    def round_finished(self, runner: JobRunner, record: common_pb2.RoundRecord) -> None:
+        # Forget task ids of closed rounds (bounded memory); benchmark tasks stay until answered.
+        live = {p.task_id for rs in [runner.round_state] if rs for p in rs.parts.values()}
+        for task_id, (_, job_id) in list(self.task_owner.items()):
+            if job_id == runner.job_id and task_id not in live and not any(
+                t == task_id for t, _ in runner.bench_pending.values()
+            ):
+                del self.task_owner[task_id]
+
+    async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
+        if result.job_id:
+            runner = self.runners.get(result.job_id)
+            if runner is not None:
+                runner.on_benchmark(node_id, result)
+        else:
+            self._wake_all()
+
+    async def on_node_offline(self, node_id: str) -> None:
+        self.queues.pop(node_id, None)
+        job_id = self.claims.pop(node_id, None)
+        if job_id is not None and job_id in self.runners:
+            self.runners[job_id].on_node_offline(node_id)
+        self._wake_all()
+
+    def cancel_task(self, node_id: str, task_id: str) -> bool:
+        owner = self.task_owner.get(task_id)
+        if owner is None:
+            return False  # unknown (e.g. from before a restart): let it report, it is refused
+        runner = self.runners.get(owner[1])
+        return runner is None or runner.terminal or not runner.task_is_live(node_id, task_id)
+
+    # -- AgentService ---------------------------------------------------------------------------
+
+    async def next_task(self, req: agent_pb2.NextTaskRequest, ctx: Ctx) -> agent_pb2.Task:
+        node_id = req.node_id
+        wait_s = min(max(req.wait_ms, 0) / 1000.0, self.ctx.config.max_long_poll_s)
+        self._wake_all()  # a polling node may be what a paused job waits for
+        event = self.queue_events.setdefault(node_id, asyncio.Event())
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            queue = self.queues.get(node_id)
+            while queue:
+                task, runner = queue.popleft()
+                if runner.terminal or not runner.task_is_live(node_id, task.task_id):
+                    continue
+                return task
+            event.clear()
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0 or self.ctx.shutdown.is_set():
+                return agent_pb2.Task(kind=agent_pb2.TASK_KIND_NONE)
+            waiter = asyncio.ensure_future(event.wait())
+            stopper = asyncio.ensure_future(self.ctx.shutdown.wait())
+            try:
+                await asyncio.wait({waiter, stopper}, timeout=left, return_when="FIRST_COMPLETED")
+            finally:
+                waiter.cancel()
+                stopper.cancel()
+
+    def _runner_for_task(self, node_id: str, task_id: str, job_id: str) -> JobRunner:
+        owner = self.task_owner.get(task_id)
+        if owner is None or owner[0] != node_id or (job_id and owner[1] != job_id):
+            raise FailedPreconditionError(
+                f"task {task_id!r} is not an open task of node {node_id} (finished, expired, "
+                "or from before a coordinator restart)"
+            )
+        runner = self.runners.get(owner[1])
+        if runner is None:
+            raise FailedPreconditionError(f"job {owner[1]} is no longer running")
+        return runner
+
+    async def push_update(
+        self, request_iterator: AsyncIterator[agent_pb2.PushUpdateRequest], ctx: Ctx
+    ) -> agent_pb2.PushUpdateResponse:
+        first = None
+        async for msg in request_iterator:
+            first = msg
+            break
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgumentError("PushUpdate must start with a header message")
+        h = first.header
+        self.ctx.registry.check_lease(h.node_id, h.lease_id)
+        runner = self._runner_for_task(h.node_id, h.task_id, h.job_id)
+        expected_samples = runner.expected_samples(h.node_id, h.task_id)
+        if expected_samples is None or not runner.task_is_live(h.node_id, h.task_id):
+            return agent_pb2.PushUpdateResponse(
+                accepted=False, reason="the round is closed (the update came after its deadline)"
+            )
+        if h.kind not in ("", "gradient"):
+            raise InvalidArgumentError(f"update kind {h.kind!r} is not expected in this job")
+        problem = ""
+        if h.num_samples != expected_samples:
+            problem = f"num_samples is {h.num_samples}, the task assigned {expected_samples}"
+        elif not math.isfinite(h.mean_loss):
+            problem = f"mean_loss is {h.mean_loss}"
+        elif not math.isfinite(h.compute_seconds) or h.compute_seconds < 0:
+            problem = f"compute_seconds is {h.compute_seconds}"
+        if problem:
+            runner.reject(h.node_id, h.task_id, problem)
+            raise InvalidArgumentError(f"update refused: {problem}")
+        try:
+            assembler = BundleAssembler(h.bundle, expected=runner.ps.expected())
+            async for msg in request_iterator:
+                if msg.WhichOneof("part") != "chunk":
+                    raise CodecError("only chunks may follow the header")
+                assembler.add(msg.chunk)
+            grads = assembler.finish()
+        except CodecError as exc:
+            runner.reject(h.node_id, h.task_id, str(exc))
+            raise InvalidArgumentError(f"update refused: {exc}") from None
+        reason = runner.submit_update(
+            h.node_id, h.task_id, h.num_samples, h.mean_loss, h.compute_seconds, grads
+        )
+        return agent_pb2.PushUpdateResponse(accepted=not reason, reason=reason)
+
+    async def pull_parameters(
+        self, req: agent_pb2.PullParametersRequest, ctx: Ctx
+    ) -> AsyncIterator[agent_pb2.PullParametersResponse]:
+        runner = self.runners.get(req.job_id)
+        if runner is None:
+            raise NotFoundError(f"no running job {req.job_id!r}")
+        if self.claims.get(req.node_id) != req.job_id:
+            raise FailedPreconditionError(f"node {req.node_id} does not work for {req.job_id}")
+        payload = runner.params_payload
+        version = runner.params_payload_version
+        if payload is None:
+            raise FailedPreconditionError("the job has no parameters to serve yet")
+        if req.version not in (0, version):
+            raise FailedPreconditionError(
+                f"parameters version {req.version} is gone; the current version is {version}"
+            )
+        header, data = payload
+        yield agent_pb2.PullParametersResponse(
+            header=agent_pb2.ParametersHeader(job_id=req.job_id, version=version, bundle=header)
+        )
+        for chunk in iter_chunks(data):
+            yield agent_pb2.PullParametersResponse(chunk=chunk)
+
+    async def report_progress(
+        self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
+    ) -> agent_pb2.ReportProgressResponse:
+        owner = self.task_owner.get(req.task_id)
+        if owner is None or owner[0] != req.node_id:
+            return agent_pb2.ReportProgressResponse()  # a stale task: nothing to do
+        runner = self.runners.get(owner[1])
+        if runner is not None and req.failed:
+            log.info("node %s reports task %s failed: %s", req.node_id, req.task_id, req.error)
+            runner.on_task_failed(req.node_id, req.task_id, req.error or "failed")
+        return agent_pb2.ReportProgressResponse()
+
+    # -- JobService -----------------------------------------------------------------------------
+
+    async def _require_blob(self, ref: common_pb2.BlobRef, what: str) -> None:
+        if not ref.sha256:
+            raise InvalidArgumentError(f"{what}: no blob given")
+        record = await self.ctx.blobs.get(ref.sha256)
+        if record is None:
+            raise FailedPreconditionError(f"{what}: blob {ref.sha256} is not uploaded")
+        if ref.size and ref.size != record.size:
+            raise InvalidArgumentError(
+                f"{what}: blob {ref.sha256} has {record.size} bytes, not {ref.size}"
+            )
+
+    async def submit_job(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job:
+        spec = req.spec
+        try:
+            validate_job_spec(spec)
+        except SpecError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        if spec.aggregation != "ps":
+            raise UnimplementedError(
+                f"aggregation {spec.aggregation!r} is not available yet; use aggregation = \"ps\""
+            )
+        if spec.sync not in ("", "sync"):
+            raise UnimplementedError(f"sync {spec.sync!r} is not available yet; use \"sync\"")
+        if spec.compression not in ("", "none"):
+            raise UnimplementedError(
+                f"compression {spec.compression!r} is not available yet; use \"none\""
+            )
+        if spec.global_batch < spec.min_nodes:
+            raise InvalidArgumentError(
+                f"global_batch {spec.global_batch} is smaller than min_nodes {spec.min_nodes}: "
+                "every node needs at least one sample per round"
+            )
+        await self._require_blob(req.program, "program")
+        await self._require_blob(req.initial_state, "initial_state")
+        if not req.shards:
+            raise InvalidArgumentError("the job has no dataset shards")
+        expected_start = 0
+        for i, shard in enumerate(req.shards):
+            if shard.start != expected_start or shard.count <= 0:
+                raise InvalidArgumentError(
+                    f"shard {i} covers [{shard.start}, {shard.start + shard.count}); shards "
+                    f"must be contiguous from 0 (expected start {expected_start}, count > 0)"
+                )
+            expected_start += shard.count
+            await self._require_blob(shard.blob, f"shard {i}")
+        num_samples = expected_start
+        await self._check_shards(req, spec)
+        program = await self.ctx.blobs.read_bytes(req.program.sha256)
+        state = await self.ctx.blobs.read_bytes(req.initial_state.sha256)
+        try:
+            await asyncio.to_thread(TrainableProgram.from_bytes, program, state, "cpu")
+        except Exception as exc:
+            raise InvalidArgumentError(f"program refused: {exc}") from None
+        job = common_pb2.Job(
+            name=spec.name,
+            state=JS.JOB_STATE_QUEUED,
+            spec=spec,
+            program=req.program,
+            initial_state=req.initial_state,
+            shards=req.shards,
+            num_samples=num_samples,
+            samples_total=num_samples * spec.epochs,
+            last_loss=float("nan"),
+            message="waiting for nodes",
+        )
+        job = await self.ctx.store.create_job(job, owner="")
+        await self.ctx.events.append(
+            "job.submitted",
+            job_id=job.job_id,
+            message=(
+                f"job {spec.name!r} submitted: {num_samples} samples, {spec.epochs} epochs, "
+                f"global batch {spec.global_batch}"
+            ),
+        )
+        self._start_runner(job)
+        return job
+
+    async def _check_shards(self, req: job_pb2.SubmitJobRequest, spec: common_pb2.JobSpec) -> None:
+        names = list(dict.fromkeys([*spec.inputs, *spec.targets]))
+        for i, shard in enumerate(req.shards):
+            data = await self.ctx.blobs.read_bytes(shard.blob.sha256)
+            try:
+                header = safetensors_header(data)
+            except CodecError as exc:
+                raise InvalidArgumentError(f"shard {i}: {exc}") from None
+            for name in names:
+                entry = header.get(name)
+                if not isinstance(entry, dict) or not entry.get("shape"):
+                    raise InvalidArgumentError(f"shard {i} has no tensor {name!r}")
+                if entry["shape"][0] != shard.count:
+                    raise InvalidArgumentError(
+                        f"shard {i}: tensor {name!r} has {entry['shape'][0]} samples, the shard "
+                        f"declares {shard.count}"
+                    )
+
+    def _runner(self, job_id: str) -> JobRunner | None:
+        return self.runners.get(job_id)
+
+    async def _job(self, job_id: str) -> common_pb2.Job:
+        runner = self.runners.get(job_id)
+        if runner is not None:
+            return runner.job
+        job = await self.ctx.store.get_job(job_id)
+        if job is None:
+            raise NotFoundError(f"no job {job_id!r}")
+        return job
+
+    async def watch_job(
+        self, req: job_pb2.WatchJobRequest, ctx: Ctx
+    ) -> AsyncIterator[job_pb2.JobUpdate]:
+        job = await self._job(req.job_id)
+        since_round = req.since_round
+        since_event = 0
+        while True:
+            runner = self.runners.get(req.job_id)
+            job = runner.job if runner is not None else await self._job(req.job_id)
+            update = job_pb2.JobUpdate()
+            update.job.CopyFrom(job)
+            if runner is not None:
+                update.allocation.CopyFrom(runner.allocation())
+            rounds = await self.ctx.store.list_rounds(req.job_id, since_round=since_round)
+            update.rounds.extend(rounds)
+            if rounds:
+                since_round = rounds[-1].round
+            events = await self.ctx.store.list_events(since_event, job_id=req.job_id)
+            update.events.extend(events)
+            if events:
+                since_event = events[-1].id
+            yield update
+            if job.state in TERMINAL or self.ctx.shutdown.is_set():
+                return
+            if runner is None:
+                await asyncio.sleep(WATCH_REFRESH_S)
+                continue
+            async with runner.changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(runner.changed.wait(), timeout=WATCH_REFRESH_S)
+
+    async def cancel_job(self, req: job_pb2.CancelJobRequest, ctx: Ctx) -> common_pb2.Job:
+        job = await self._job(req.job_id)
+        if job.state in TERMINAL:
+            name = JS.Name(job.state).removeprefix("JOB_STATE_")
+            raise FailedPreconditionError(f"job {req.job_id} already ended ({name})")
+        runner = self.runners.get(req.job_id)
+        if runner is not None:
+            await runner.cancel()
+            return runner.job
+        job.state = JS.JOB_STATE_CANCELLED
+        job.updated_ms = now_ms()
+        await self.ctx.store.update_job(job)
+        return job
+
+    async def download_result(
+        self, req: job_pb2.DownloadResultRequest, ctx: Ctx
+    ) -> AsyncIterator[job_pb2.DownloadResultResponse]:
+        job = await self._job(req.job_id)
+        if job.state != JS.JOB_STATE_SUCCEEDED or not job.result.sha256:
+            name = JS.Name(job.state).removeprefix("JOB_STATE_")
+            raise FailedPreconditionError(
+                f"job {req.job_id} is {name}: its model can be downloaded once it has SUCCEEDED"
+            )
+        size = job.result.size
+        if req.offset < 0 or req.offset > size:
+            raise InvalidArgumentError(f"offset {req.offset} is outside the result (0..{size})")
+        with await self.ctx.blobs.open(job.result.sha256) as f:
+            f.seek(req.offset)
+            offset = req.offset
+            while True:
+                data = f.read(MAX_CHUNK_BYTES)
+                if not data:
+                    break
+                yield job_pb2.DownloadResultResponse(
+                    total_size=size,
+                    sha256=job.result.sha256,
+                    chunk=common_pb2.DataChunk(offset=offset, data=data),
+                )
+                offset += len(data)
+        if offset == req.offset:  # an empty tail still tells the size and hash
+            yield job_pb2.DownloadResultResponse(total_size=size, sha256=job.result.sha256)
+
+    async def get_rounds(
+        self, req: job_pb2.GetRoundsRequest, ctx: Ctx
+    ) -> job_pb2.GetRoundsResponse:
+        await self._job(req.job_id)
+        rounds = await self.ctx.store.list_rounds(
+            req.job_id, since_round=req.since_round, limit=max(0, req.limit)
+        )
+        return job_pb2.GetRoundsResponse(rounds=rounds)
+
+    # -- SchedulerService -----------------------------------------------------------------------
+
+    async def get_allocation(
+        self, req: scheduler_pb2.GetAllocationRequest, ctx: Ctx
+    ) -> common_pb2.Allocation:
+        job = await self._job(req.job_id)
+        runner = self.runners.get(req.job_id)
+        if runner is None:
+            return common_pb2.Allocation(job_id=job.job_id, epoch=job.epoch, round=job.round)
+        return runner.allocation()
+
+    async def preview_allocation(
+        self, req: scheduler_pb2.PreviewAllocationRequest, ctx: Ctx
+    ) -> common_pb2.Allocation:
+        if req.global_batch <= 0:
+            raise InvalidArgumentError("global_batch must be > 0")
+        if req.num_samples < 0:
+            raise InvalidArgumentError("num_samples must be >= 0")
+        if req.node_ids:
+            infos = [self.ctx.registry.find(n) for n in req.node_ids]
+        else:
+            infos = self.ctx.registry.eligible_nodes()
+        rated = [i for i in infos if i.benchmark.samples_per_second > 0]
+        if not rated:
+            raise FailedPreconditionError("no benchmarked node to allocate to")
+        rates = {i.node_id: i.benchmark.samples_per_second for i in rated}
+        caps = {
+            i.node_id: (i.benchmark.max_batch_size or req.global_batch) for i in rated
+        }
+        try:
+            batches = split_batch(req.global_batch, rates, caps)
+        except ValueError as exc:
+            raise FailedPreconditionError(str(exc)) from None
+        segs = segments(req.num_samples, rates) if req.num_samples else {}
+        out = common_pb2.Allocation()
+        for i in rated:
+            na = common_pb2.NodeAllocation(
+                node_id=i.node_id,
+                name=i.name,
+                samples_per_second=rates[i.node_id],
+                share=batches[i.node_id] / req.global_batch,
+                local_batch=batches[i.node_id],
+                max_batch=caps[i.node_id],
+                rtt_ms=i.benchmark.rtt_ms,
+                bandwidth_bytes_per_second=i.benchmark.bandwidth_bytes_per_second,
+            )
+            if i.node_id in segs:
+                na.segment.start, na.segment.stop = segs[i.node_id]
+                na.remaining = segs[i.node_id][1] - segs[i.node_id][0]
+            out.nodes.append(na)
+        return out
+

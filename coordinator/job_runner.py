@@ -1,0 +1,766 @@
+"""One job's life on the coordinator: node set, benchmarks, rounds, checkpoints, the result.
+
+The runner is a single asyncio task per job; every change to the job's ledger, estimator and
+parameter server happens on it, so none of them needs a lock. RPC handlers (PushUpdate,
+ReportProgress, node events) only drop results into the open `RoundState` and wake it.
+
+A round:
+  1. node set: eligible nodes claimed for this job (at most max_nodes, at most global_batch),
+     each benchmarked on the job's own program first; fewer than min_nodes -> PAUSED;
+  2. plan: b_i from the throughput estimates (largest remainder, capped by each node's max
+     batch), slices from the epoch ledger, a deadline from the estimates;
+  3. wait until every node has pushed its gradient, failed, or the deadline passes;
+  4. apply: sample-weighted mean of the received gradients, one optimizer step; slices of
+     applied nodes commit, the others return to pending in the same epoch;
+  5. record the round (and every K rounds a checkpoint) in one store transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from coordinator.allocator import split_batch
+from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes, tensors_to_bytes
+from coordinator.ledger import EpochLedger, Range
+from coordinator.param_server import ParameterServer
+from coordinator.throughput import ThroughputEstimator
+from epochmesh.program import TrainableProgram
+from epochmesh.tensors import encode_bundle, to_safetensors
+from epochmesh.timeutil import now_ms
+from epochmesh.v1 import agent_pb2, common_pb2
+
+if TYPE_CHECKING:
+    from coordinator.engine import Engine
+
+log = logging.getLogger(__name__)
+
+JS = common_pb2.JobState
+TERMINAL = (JS.JOB_STATE_SUCCEEDED, JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED)
+# A node that fails this many tasks of a job in a row is left out of that job.
+MAX_CONSECUTIVE_FAILURES = 3
+# Benchmark tasks get this long, plus the node's lease, before they are asked again.
+BENCHMARK_TIMEOUT_S = 120.0
+BENCH_STATE_PREFIX = "bench/"
+
+
+@dataclass
+class Part:
+    node_id: str
+    task_id: str
+    ranges: list[Range]  # dataset index ranges, training order
+    local_batch: int
+    handed_out: float = 0.0
+    grads: dict[str, torch.Tensor] | None = None
+    mean_loss: float = float("nan")
+    compute_s: float = 0.0
+    wall_s: float = 0.0
+    status: str = "pending"  # pending | applied | failed | late | rejected
+    error: str = ""
+
+
+@dataclass
+class RoundState:
+    round: int
+    epoch: int
+    version: int
+    deadline_s: float
+    parts: dict[str, Part]
+    started: float = field(default_factory=time.monotonic)
+    started_ms: int = field(default_factory=now_ms)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+
+    def outstanding(self) -> list[Part]:
+        return [p for p in self.parts.values() if p.status == "pending"]
+
+
+@dataclass
+class NodeStats:
+    compute_s: float = 0.0
+    communicate_s: float = 0.0
+    failures_in_a_row: int = 0
+    excluded: bool = False
+
+
+class JobRunner:
+    def __init__(self, engine: Engine, job: common_pb2.Job) -> None:
+        self.engine = engine
+        self.ctx = engine.ctx
+        self.job = job
+        self.job_id = job.job_id
+        self.spec = job.spec
+        self.changed = asyncio.Condition()
+        self.round_state: RoundState | None = None
+        self.nodes: list[str] = []  # this job's node set, in join order
+        self.bench: dict[str, common_pb2.BenchmarkResult] = {}
+        self.bench_pending: dict[str, tuple[str, float]] = {}  # node -> (task_id, asked at)
+        self.stats: dict[str, NodeStats] = {}
+        self.batches: dict[str, int] = {}
+        self.estimator = ThroughputEstimator()
+        self.ps: ParameterServer
+        self.ledger: EpochLedger
+        self.state_names: list[str] = []
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.params_payload: tuple[common_pb2.TensorBundle, bytes] | None = None
+        self.params_payload_version = -1
+        self.next_round = 1
+        self.rounds_applied = 0
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._overhead_s = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._main(), name=f"job-{self.job_id}")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self.wake()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def wake(self) -> None:
+        self._wake.set()
+        rs = self.round_state
+        if rs is not None:
+            rs.changed.set()
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    @property
+    def terminal(self) -> bool:
+        return self.job.state in TERMINAL
+
+    async def _main(self) -> None:
+        try:
+            await self._restore()
+            while not self._stop.is_set() and not self.terminal:
+                if self.job.epoch >= self.spec.epochs:
+                    await self._finish()
+                    break
+                nodes = await self._gather_nodes()
+                if not nodes:
+                    continue
+                await self._run_round(nodes)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("job %s failed", self.job_id)
+            await self._fail(f"coordinator error: {type(exc).__name__}: {exc}")
+        finally:
+            await self._release_all()
+
+    # -- restore / init -------------------------------------------------------------------------
+
+    async def _load_program(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+        program = await self.ctx.blobs.read_bytes(self.job.program.sha256)
+        state = await self.ctx.blobs.read_bytes(self.job.initial_state.sha256)
+
+        def load() -> tuple[list[str], dict[str, torch.Tensor]]:
+            prog = TrainableProgram.from_bytes(program, state, "cpu")
+            return prog.param_names, prog.state_dict()
+
+        names, state_dict = await asyncio.to_thread(load)
+        return names, state_dict
+
+    def _new_ledger(self, epoch: int) -> EpochLedger:
+        block = self.job.shards[0].count if self.job.shards else None
+        return EpochLedger(self.job.num_samples, epoch, self.spec.seed, block_size=block)
+
+    async def _restore(self) -> None:
+        names, state_dict = await self._load_program()
+        self.state_names = list(state_dict)
+        self.buffers = {k: v for k, v in state_dict.items() if k not in set(names)}
+        self.ps = ParameterServer(self.spec, {n: state_dict[n] for n in names})
+        store = self.ctx.store
+        latest = await store.latest_checkpoint(self.job_id)
+        all_rounds = await store.list_rounds(self.job_id, include_rolled_back=True)
+        self.next_round = (max((r.round for r in all_rounds), default=0)) + 1
+        if latest is None:
+            self.ledger = self._new_ledger(0)
+            await self._checkpoint(last_round=0)
+        else:
+            _, manifest_bytes = latest
+            manifest = CheckpointManifest.from_bytes(manifest_bytes)
+            tensors = tensors_from_bytes(await self.ctx.blobs.read_bytes(manifest.tensors_sha256))
+            self.ps.load_state_tensors(tensors, manifest.params_version)
+            self.ledger = EpochLedger.from_state(manifest.ledger)
+            self.ledger.abort_open_rounds()
+            rolled = await store.rollback_rounds(self.job_id, manifest.round)
+            self.rounds_applied = manifest.rounds_applied
+            job = self.job
+            job.epoch = manifest.epoch
+            job.round = manifest.rounds_applied
+            job.params_version = manifest.params_version
+            job.samples_done = manifest.samples_done
+            job.last_loss = manifest.last_loss
+            if rolled:
+                await self.ctx.events.append(
+                    "job.rolled_back",
+                    job_id=self.job_id,
+                    message=(
+                        f"resumed from the checkpoint after round {manifest.round}: "
+                        f"{rolled} later rounds rolled back, their samples return to pending"
+                    ),
+                    attrs={"checkpoint_round": str(manifest.round), "rolled_back": str(rolled)},
+                )
+            await store.update_job(job)
+        for key_node, result in (await self._load_benchmarks()).items():
+            self.bench[key_node] = result
+        self.params_payload = None
+
+    async def _load_benchmarks(self) -> dict[str, common_pb2.BenchmarkResult]:
+        out: dict[str, common_pb2.BenchmarkResult] = {}
+        raw = await self.ctx.store.get_job_state(self.job_id, "benchmarks")
+        if raw:
+            for node_id, data in json.loads(raw.decode()).items():
+                out[node_id] = common_pb2.BenchmarkResult.FromString(bytes.fromhex(data))
+        return out
+
+    async def _save_benchmarks(self) -> None:
+        data = {n: r.SerializeToString().hex() for n, r in self.bench.items()}
+        await self.ctx.store.put_job_state(self.job_id, "benchmarks", json.dumps(data).encode())
+
+    # -- node set -------------------------------------------------------------------------------
+
+    def _usable(self, node_id: str) -> bool:
+        st = self.stats.get(node_id)
+        return st is None or not st.excluded
+
+    async def _gather_nodes(self) -> list[str]:
+        """The nodes of the next round (benchmarked on this job); waits while there are none."""
+        while not self._stop.is_set() and not self.terminal:
+            self._wake.clear()
+            max_nodes = min(self.spec.max_nodes, self.spec.global_batch)
+            candidates = self.engine.claimable_nodes(self.job_id)
+            candidates = [n for n in candidates if self._usable(n)]
+            # Nodes already in the job first, then the fastest by reference benchmark.
+            current = [n for n in self.nodes if n in candidates]
+            others = sorted(
+                (n for n in candidates if n not in current),
+                key=lambda n: -self.engine.reference_rate(n),
+            )
+            chosen = (current + others)[:max_nodes]
+            ready = [n for n in chosen if n in self.bench]
+            for n in chosen:
+                if n not in self.bench:
+                    await self._ask_benchmark(n)
+            for n in list(self.nodes):
+                if n not in chosen:
+                    await self._drop_node(n)
+            if len(ready) >= self.spec.min_nodes:
+                # Benchmarked nodes join now; nodes still benchmarking join a later round.
+                for n in ready:
+                    if n not in self.nodes:
+                        await self._join(n)
+                await self._set_state(JS.JOB_STATE_RUNNING, "")
+                return [n for n in self.nodes if n in ready]
+            if len(chosen) < self.spec.min_nodes:
+                await self._set_state(
+                    JS.JOB_STATE_PAUSED,
+                    f"waiting for nodes: {len(chosen)} available, min_nodes is "
+                    f"{self.spec.min_nodes}",
+                )
+            elif self.job.state == JS.JOB_STATE_QUEUED:
+                self.job.message = f"benchmarking {len(chosen) - len(ready)} node(s)"
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+        return []
+
+    async def _ask_benchmark(self, node_id: str) -> None:
+        pending = self.bench_pending.get(node_id)
+        now = time.monotonic()
+        timeout = BENCHMARK_TIMEOUT_S + self.ctx.config.lease_ttl
+        if pending is not None and now - pending[1] < timeout:
+            return
+        task_id = "t-" + uuid.uuid4().hex[:12]
+        b = self.spec.global_batch
+        sizes = sorted({max(1, b // 8), max(1, b // 4), max(1, b // 2), b})
+        task = agent_pb2.Task(
+            task_id=task_id,
+            kind=agent_pb2.TASK_KIND_BENCHMARK,
+            job_id=self.job_id,
+            spec=self.spec,
+            program=self.job.program,
+            initial_state=self.job.initial_state,
+            shards=list(self.job.shards),  # prefetches the dataset before the first round
+            benchmark_batch_sizes=sizes,
+        )
+        self.bench_pending[node_id] = (task_id, now)
+        self.engine.claim(node_id, self.job_id)
+        await self.ctx.registry.set_busy(node_id, self.job_id)
+        self.engine.enqueue(node_id, task, self)
+
+    def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
+        if result.samples_per_second <= 0 or not math.isfinite(result.samples_per_second):
+            self._note_failure(node_id, "benchmark reported no throughput")
+            return
+        self.bench_pending.pop(node_id, None)
+        self.bench[node_id] = result
+        asyncio.get_running_loop().create_task(self._save_benchmarks())
+        self.wake()
+
+    def _bench_rate(self, node_id: str, expected_batch: int) -> float:
+        """Samples/s at the benchmarked batch size closest to what the node will get."""
+        result = self.bench[node_id]
+        fits = [p for p in result.points if not p.out_of_memory and p.samples_per_second > 0]
+        if not fits:
+            return result.samples_per_second
+        best = min(fits, key=lambda p: abs(math.log(p.batch_size / max(1, expected_batch))))
+        return best.samples_per_second
+
+    def _max_batch(self, node_id: str) -> int:
+        result = self.bench.get(node_id)
+        cap = result.max_batch_size if result is not None else 0
+        return cap if cap > 0 else self.spec.global_batch
+
+    async def _join(self, node_id: str) -> None:
+        expected = max(1, self.spec.global_batch // max(1, len(self.nodes) + 1))
+        rate = self._bench_rate(node_id, expected)
+        result = self.bench[node_id]
+        comm = 0.0
+        if result.bandwidth_bytes_per_second > 0:
+            comm = 2 * self.ps.num_bytes() / result.bandwidth_bytes_per_second
+        comm += result.rtt_ms / 1000.0
+        self.estimator.add_node(node_id, rate, comm)
+        self.stats.setdefault(node_id, NodeStats())
+        self.nodes.append(node_id)
+        if node_id in self.ledger.nodes:
+            self.ledger.fail_node(node_id)  # a stale segment from before a restart
+        if self.ledger.nodes:
+            self.ledger.add_node(node_id, rate)
+        else:
+            self.ledger.assign_segments({node_id: rate})
+        self.engine.claim(node_id, self.job_id)
+        await self.ctx.registry.set_busy(node_id, self.job_id)
+        await self.ctx.events.append(
+            "job.node_joined",
+            node_id=node_id,
+            job_id=self.job_id,
+            message=f"node joined with {rate:.1f} samples/s on this job's model",
+            attrs={"samples_per_second": f"{rate:.3f}"},
+        )
+
+    async def _drop_node(self, node_id: str, reason: str = "") -> None:
+        if node_id in self.nodes:
+            self.nodes.remove(node_id)
+            self.estimator.remove_node(node_id)
+            if node_id in self.ledger.nodes:
+                self.ledger.fail_node(node_id)
+            await self.ctx.events.append(
+                "job.node_left",
+                node_id=node_id,
+                job_id=self.job_id,
+                message=reason or "node left the job; its unconsumed samples were reassigned",
+            )
+        self.batches.pop(node_id, None)
+        self.bench_pending.pop(node_id, None)
+        if self.engine.release(node_id, self.job_id) and self.ctx.registry.is_alive(node_id):
+            await self.ctx.registry.set_busy(node_id, None)
+
+    async def _release_all(self) -> None:
+        for n in list(self.nodes) + list(self.bench_pending):
+            try:
+                if self.engine.release(n, self.job_id) and self.ctx.registry.is_alive(n):
+                    await self.ctx.registry.set_busy(n, None)
+            except Exception:  # the node may be gone; nothing to release then
+                log.debug("releasing %s failed", n, exc_info=True)
+        self.nodes.clear()
+
+    def on_node_offline(self, node_id: str) -> None:
+        rs = self.round_state
+        if rs is not None and node_id in rs.parts and rs.parts[node_id].status == "pending":
+            rs.parts[node_id].status = "failed"
+            rs.parts[node_id].error = "node went offline"
+        self.bench_pending.pop(node_id, None)
+        self.wake()
+
+    def _note_failure(self, node_id: str, error: str) -> None:
+        st = self.stats.setdefault(node_id, NodeStats())
+        st.failures_in_a_row += 1
+        if st.failures_in_a_row >= MAX_CONSECUTIVE_FAILURES and not st.excluded:
+            st.excluded = True
+            asyncio.get_running_loop().create_task(
+                self.ctx.events.append(
+                    "job.node_excluded",
+                    node_id=node_id,
+                    job_id=self.job_id,
+                    message=f"{st.failures_in_a_row} failed tasks in a row; last: {error}",
+                )
+            )
+        self.wake()
+
+    def on_task_failed(self, node_id: str, task_id: str, error: str) -> None:
+        pending = self.bench_pending.get(node_id)
+        if pending is not None and pending[0] == task_id:
+            self.bench_pending.pop(node_id, None)
+            self._note_failure(node_id, error)
+            return
+        rs = self.round_state
+        if rs is not None:
+            part = rs.parts.get(node_id)
+            if part is not None and part.task_id == task_id and part.status == "pending":
+                part.status = "failed"
+                part.error = error[:500]
+                self._note_failure(node_id, error)
+                rs.changed.set()
+
+    # -- rounds ---------------------------------------------------------------------------------
+
+    def _plan_batches(self, nodes: list[str]) -> dict[str, int]:
+        rates = self.estimator.planning_rates(nodes)
+        caps = {n: self._max_batch(n) for n in nodes}
+        batch = min(self.spec.global_batch, sum(caps.values()))
+        return split_batch(batch, rates, caps)
+
+    async def _run_round(self, nodes: list[str]) -> None:
+        if self.ledger.complete:
+            await self._next_epoch()
+            return
+        self.ledger.rebalance(self.estimator.rates(nodes))
+        batches = self._plan_batches(nodes)
+        round_id = self.next_round
+        self.next_round += 1
+        plan = self.ledger.plan_round(round_id, batches)
+        sizes = {n: sum(b - a for a, b in rs) for n, rs in plan.items()}
+        self.batches = sizes
+        deadline = self.estimator.deadline(sizes, self._overhead_s)
+        await self._ensure_params_payload()
+        parts: dict[str, Part] = {}
+        for node_id, positions in plan.items():
+            index_ranges = self.ledger.positions_to_index_ranges(positions)
+            parts[node_id] = Part(
+                node_id=node_id,
+                task_id="t-" + uuid.uuid4().hex[:12],
+                ranges=index_ranges,
+                local_batch=sizes[node_id],
+            )
+        rs = RoundState(
+            round=round_id,
+            epoch=self.ledger.epoch,
+            version=self.ps.version,
+            deadline_s=deadline,
+            parts=parts,
+        )
+        self.round_state = rs
+        for node_id, part in parts.items():
+            part.handed_out = time.monotonic()
+            self.engine.enqueue(node_id, self._train_task(rs, part), self)
+        await self.notify()
+        # Wait for every node, a failure, or the deadline.
+        end = rs.started + deadline
+        while rs.outstanding():
+            left = end - time.monotonic()
+            if left <= 0 or self._stop.is_set():
+                break
+            rs.changed.clear()
+            try:
+                await asyncio.wait_for(rs.changed.wait(), timeout=left)
+            except TimeoutError:
+                break
+        rs.closed = True
+        waited = time.monotonic() - rs.started
+        for part in rs.outstanding():
+            part.status = "late"
+            part.error = f"missed the {deadline:.2f}s deadline"
+            self.estimator.observe_late(part.node_id, part.local_batch, waited)
+        if self._stop.is_set():
+            self.ledger.abort_round(round_id)
+            self.round_state = None
+            return
+        await self._apply_round(rs)
+
+    def _train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
+        shards = [
+            s
+            for s in self.job.shards
+            if any(a < s.start + s.count and b > s.start for a, b in part.ranges)
+        ]
+        return agent_pb2.Task(
+            task_id=part.task_id,
+            kind=agent_pb2.TASK_KIND_TRAIN,
+            job_id=self.job_id,
+            spec=self.spec,
+            program=self.job.program,
+            initial_state=self.job.initial_state,
+            shards=shards,
+            epoch=rs.epoch,
+            round=rs.round,
+            ranges=[common_pb2.SampleRange(start=a, stop=b) for a, b in part.ranges],
+            local_batch=part.local_batch,
+            params_version=rs.version,
+            deadline_seconds=rs.deadline_s,
+        )
+
+    async def _apply_round(self, rs: RoundState) -> None:
+        t0 = time.monotonic()
+        received = sorted(
+            (p for p in rs.parts.values() if p.status == "received"), key=lambda p: p.node_id
+        )
+        if received:
+            contributions = [(p.local_batch, p.grads or {}) for p in received]
+            await asyncio.to_thread(self.ps.apply, contributions)
+            for p in received:
+                p.status = "applied"
+                p.grads = None
+            self.rounds_applied += 1
+        applied = {p.node_id for p in received}
+        self.ledger.commit_round(rs.round, applied)
+        for p in rs.parts.values():
+            st = self.stats.setdefault(p.node_id, NodeStats())
+            if p.status == "applied":
+                st.failures_in_a_row = 0
+                st.compute_s += p.compute_s
+                comm = max(0.0, p.wall_s - p.compute_s)
+                st.communicate_s += comm
+                if p.node_id in self.estimator:
+                    self.estimator.observe(p.node_id, p.local_batch, p.compute_s, comm)
+        samples = sum(p.local_batch for p in received)
+        loss = (
+            sum(p.mean_loss * p.local_batch for p in received) / samples
+            if samples
+            else float("nan")
+        )
+        record = common_pb2.RoundRecord(
+            job_id=self.job_id,
+            epoch=rs.epoch,
+            round=rs.round,
+            started_ms=rs.started_ms,
+            finished_ms=now_ms(),
+            loss=loss,
+            params_version=self.ps.version,
+            parts=[
+                common_pb2.RoundPart(
+                    node_id=p.node_id,
+                    local_batch=p.local_batch,
+                    ranges=[common_pb2.SampleRange(start=a, stop=b) for a, b in p.ranges],
+                    mean_loss=p.mean_loss,
+                    seconds=p.compute_s,
+                    status=p.status,
+                )
+                for p in sorted(rs.parts.values(), key=lambda p: p.node_id)
+            ],
+        )
+        job = self.job
+        job.round = self.rounds_applied
+        job.params_version = self.ps.version
+        job.samples_done += samples
+        if samples:
+            job.last_loss = loss
+        job.epoch = self.ledger.epoch
+        job.eta_seconds = self._eta(time.monotonic() - rs.started)
+        job.updated_ms = now_ms()
+        self.round_state = None
+        for p in rs.parts.values():
+            if p.status in ("late", "failed", "rejected"):
+                log.info("job %s round %d: %s %s (%s)", self.job_id, rs.round, p.node_id,
+                         p.status, p.error)
+        checkpoint = (
+            self.spec.checkpoint_every > 0
+            and received
+            and self.rounds_applied % self.spec.checkpoint_every == 0
+        )
+        async with self.ctx.store.transaction():
+            await self.ctx.store.add_round(record)
+            await self.ctx.store.update_job(job)
+        if self.ledger.complete:
+            await self._next_epoch()
+        elif checkpoint:
+            await self._checkpoint(last_round=rs.round)
+        self._overhead_s = 0.5 * self._overhead_s + 0.5 * (time.monotonic() - t0)
+        self.engine.round_finished(self, record)
+        await self.notify()
+
+    def _eta(self, round_s: float) -> float:
+        left = self.spec.epochs * self.job.num_samples - self.job.samples_done
+        rate = sum(self.estimator.rates(self.nodes).values()) if self.nodes else 0.0
+        if rate <= 0:
+            return 0.0
+        return max(0.0, left / min(rate, self.spec.global_batch / max(round_s, 1e-6)))
+
+    async def _next_epoch(self) -> None:
+        done = self.ledger.epoch
+        await self.ctx.events.append(
+            "job.epoch_completed",
+            job_id=self.job_id,
+            message=f"epoch {done + 1}/{self.spec.epochs} complete, loss {self.job.last_loss:.4f}",
+            attrs={"epoch": str(done), "loss": f"{self.job.last_loss:.6f}"},
+        )
+        self.ledger = self.ledger.next_epoch()
+        self.job.epoch = self.ledger.epoch
+        await self._checkpoint(last_round=self.next_round - 1)
+
+    async def _ensure_params_payload(self) -> None:
+        if self.params_payload is None or self.params_payload_version != self.ps.version:
+            snapshot = self.ps.snapshot()
+            self.params_payload = await asyncio.to_thread(encode_bundle, snapshot)
+            self.params_payload_version = self.ps.version
+
+    # -- checkpoints, states, result ------------------------------------------------------------
+
+    async def _checkpoint(self, last_round: int) -> None:
+        tensors = await asyncio.to_thread(lambda: tensors_to_bytes(self.ps.state_tensors()))
+        ref = await self.ctx.blobs.put_bytes(tensors)
+        manifest = CheckpointManifest(
+            round=last_round,
+            epoch=self.ledger.epoch,
+            params_version=self.ps.version,
+            rounds_applied=self.rounds_applied,
+            samples_done=self.job.samples_done,
+            tensors_sha256=ref.sha256,
+            ledger=self.ledger.to_state(),
+            last_loss=self.job.last_loss,
+        )
+        async with self.ctx.store.transaction():
+            await self.ctx.store.save_checkpoint(self.job_id, last_round, manifest.to_bytes())
+            await self.ctx.store.update_job(self.job)
+
+    async def _set_state(self, state: int, message: str) -> None:
+        if self.job.state == state and self.job.message == message:
+            return
+        previous = self.job.state
+        self.job.state = state
+        self.job.message = message
+        self.job.updated_ms = now_ms()
+        await self.ctx.store.update_job(self.job)
+        if previous != state:
+            name = JS.Name(state).removeprefix("JOB_STATE_").lower()
+            await self.ctx.events.append(
+                f"job.{name}", job_id=self.job_id, message=message or f"job is {name}"
+            )
+        await self.notify()
+
+    async def _finish(self) -> None:
+        params = self.ps.snapshot()
+        state = {k: (params[k] if k in params else self.buffers[k]) for k in self.state_names}
+        data = await asyncio.to_thread(to_safetensors, state)
+        ref = await self.ctx.blobs.put_bytes(data)
+        self.job.result.CopyFrom(ref)
+        self.job.eta_seconds = 0.0
+        await self._checkpoint(last_round=self.next_round - 1)
+        await self._set_state(
+            JS.JOB_STATE_SUCCEEDED,
+            f"trained {self.spec.epochs} epochs in {self.rounds_applied} rounds, "
+            f"final loss {self.job.last_loss:.4f}",
+        )
+
+    async def _fail(self, message: str) -> None:
+        try:
+            await self._set_state(JS.JOB_STATE_FAILED, message)
+        except Exception:
+            log.exception("could not record the failure of job %s", self.job_id)
+
+    async def cancel(self) -> None:
+        await self._set_state(JS.JOB_STATE_CANCELLED, "cancelled by its submitter")
+        self._stop.set()
+        self.wake()
+
+    # -- RPC-side entry points ------------------------------------------------------------------
+
+    def submit_update(
+        self,
+        node_id: str,
+        task_id: str,
+        num_samples: int,
+        mean_loss: float,
+        compute_s: float,
+        grads: Mapping[str, torch.Tensor],
+    ) -> str:
+        """Hand a decoded gradient to the open round; returns "" or why it was not taken."""
+        rs = self.round_state
+        if rs is None or rs.closed:
+            return "the round is closed (the update came after its deadline)"
+        part = rs.parts.get(node_id)
+        if part is None or part.task_id != task_id:
+            return "the task is not part of the open round"
+        if part.status != "pending":
+            return f"the task is already {part.status}"
+        part.grads = dict(grads)
+        part.mean_loss = mean_loss
+        part.compute_s = compute_s
+        part.wall_s = time.monotonic() - part.handed_out
+        part.status = "received"
+        rs.changed.set()
+        return ""
+
+    def expected_samples(self, node_id: str, task_id: str) -> int | None:
+        rs = self.round_state
+        if rs is None:
+            return None
+        part = rs.parts.get(node_id)
+        if part is None or part.task_id != task_id:
+            return None
+        return part.local_batch
+
+    def reject(self, node_id: str, task_id: str, error: str) -> None:
+        rs = self.round_state
+        if rs is None:
+            return
+        part = rs.parts.get(node_id)
+        if part is not None and part.task_id == task_id and part.status == "pending":
+            part.status = "rejected"
+            part.error = error[:500]
+            rs.changed.set()
+
+    def task_is_live(self, node_id: str, task_id: str) -> bool:
+        pending = self.bench_pending.get(node_id)
+        if pending is not None and pending[0] == task_id:
+            return True
+        rs = self.round_state
+        if rs is None or rs.closed:
+            return False
+        part = rs.parts.get(node_id)
+        return part is not None and part.task_id == task_id and part.status == "pending"
+
+    def allocation(self) -> common_pb2.Allocation:
+        out = common_pb2.Allocation(
+            job_id=self.job_id, epoch=self.job.epoch, round=self.job.round
+        )
+        rs = self.round_state
+        if rs is not None:
+            out.round_deadline_seconds = rs.deadline_s
+        total = sum(self.batches.values()) or 1
+        for n in self.nodes:
+            info = self.ctx.registry.get(n)
+            bench = self.bench.get(n)
+            st = self.stats.get(n, NodeStats())
+            seg = self.ledger.segment_of(n)
+            na = common_pb2.NodeAllocation(
+                node_id=n,
+                name=info.name if info is not None else "",
+                samples_per_second=self.estimator.estimate(n) if n in self.estimator else 0.0,
+                share=self.batches.get(n, 0) / total,
+                local_batch=self.batches.get(n, 0),
+                max_batch=self._max_batch(n),
+                remaining=self.ledger.remaining(n),
+                compute_seconds=st.compute_s,
+                communicate_seconds=st.communicate_s,
+            )
+            if seg is not None:
+                na.segment.start, na.segment.stop = seg
+            if bench is not None:
+                na.rtt_ms = bench.rtt_ms
+                na.bandwidth_bytes_per_second = bench.bandwidth_bytes_per_second
+            out.nodes.append(na)
+        return out
+

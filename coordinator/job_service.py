@@ -1,0 +1,143 @@
+"""JobService: submitters -> coordinator (blob uploads, job queries, job events).
+
+SubmitJob, WatchJob, CancelJob, DownloadResult and GetRounds go to the training engine.
+
+UploadBlob protocol: the first message is the header (sha256 lowercase hex, size, offset); the
+others are chunks of at most 1 MiB whose offsets follow each other from the header's offset.
+- The blob already stored: answered at once (dedup), the rest of the stream is not read.
+- offset must equal the bytes held for this blob (GetBlobStatus.received_bytes), else
+  FAILED_PRECONDITION saying how many are held; offset 0 always starts afresh.
+- size over --max-blob-bytes: RESOURCE_EXHAUSTED before any byte is stored.
+- The stream ends with every byte received: the hash is verified and the blob published; the
+  response carries ``blob``. A mismatch is DATA_LOSS and the partial upload is discarded.
+- The stream ends early: OK with ``received_bytes`` (< size) and an empty ``blob``: resume
+  later from received_bytes. A call cut off (cancelled, connection lost) keeps the bytes
+  written so far for the same purpose.
+- Another upload of the same blob in progress: ABORTED.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection
+
+import grpc
+
+from coordinator.blobs import BlobStore, Upload, require_sha256
+from coordinator.engine_api import TrainingEngine
+from coordinator.store import (
+    InvalidArgumentError,
+    NotFoundError,
+    Store,
+    require_job_id,
+)
+from epochmesh.v1 import common_pb2, job_pb2
+
+Ctx = grpc.aio.ServicerContext
+
+DEFAULT_LIST_LIMIT = 100
+MAX_LIST_LIMIT = 1000
+
+
+def clamp_limit(limit: int) -> int:
+    if limit < 0:
+        raise InvalidArgumentError(f"limit must not be negative, got {limit}")
+    return DEFAULT_LIST_LIMIT if limit == 0 else min(limit, MAX_LIST_LIMIT)
+
+
+def check_job_states(states: Collection[int]) -> list[int]:
+    valid = set(common_pb2.JobState.values()) - {common_pb2.JOB_STATE_UNSPECIFIED}
+    for state in states:
+        if state not in valid:
+            raise InvalidArgumentError(f"unknown job state {state}")
+    return list(states)
+
+
+async def get_job(store: Store, job_id: str) -> common_pb2.Job:
+    require_job_id(job_id)
+    job = await store.get_job(job_id)
+    if job is None:
+        raise NotFoundError(f"job {job_id} not found")
+    return job
+
+
+async def list_jobs(store: Store, states: Collection[int], limit: int) -> list[common_pb2.Job]:
+    return await store.list_jobs(states=check_job_states(states), limit=clamp_limit(limit))
+
+
+class JobService:
+    def __init__(self, store: Store, blobs: BlobStore, engine: TrainingEngine) -> None:
+        self._store = store
+        self._blobs = blobs
+        self._engine = engine
+
+    async def UploadBlob(
+        self, request_iterator: AsyncIterator[job_pb2.UploadBlobRequest], ctx: Ctx
+    ) -> job_pb2.UploadBlobResponse:
+        messages = aiter(request_iterator)
+        first = await anext(messages, None)
+        if first is None:
+            raise InvalidArgumentError("empty UploadBlob stream: send the header first")
+        if first.WhichOneof("part") != "header":
+            raise InvalidArgumentError("the first UploadBlob message must be the header")
+        header = first.header
+        started = await self._blobs.begin_upload(header.sha256, header.size, header.offset)
+        if not isinstance(started, Upload):
+            ref = common_pb2.BlobRef(sha256=started.sha256, size=started.size)
+            return job_pb2.UploadBlobResponse(blob=ref, received_bytes=started.size)
+        async with started as upload:
+            async for msg in messages:
+                if msg.WhichOneof("part") != "chunk":
+                    raise InvalidArgumentError("only the first UploadBlob message is a header")
+                await upload.write(msg.chunk.offset, msg.chunk.data)
+            if not upload.complete:
+                return job_pb2.UploadBlobResponse(received_bytes=upload.received)
+            record = await upload.finish()
+        ref = common_pb2.BlobRef(sha256=record.sha256, size=record.size)
+        return job_pb2.UploadBlobResponse(blob=ref, received_bytes=record.size)
+
+    async def GetBlobStatus(
+        self, req: job_pb2.GetBlobStatusRequest, ctx: Ctx
+    ) -> job_pb2.GetBlobStatusResponse:
+        require_sha256(req.sha256)
+        status = await self._blobs.status(req.sha256)
+        return job_pb2.GetBlobStatusResponse(
+            complete=status.complete, received_bytes=status.received_bytes, size=status.size
+        )
+
+    async def SubmitJob(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job:
+        return await self._engine.submit_job(req, ctx)
+
+    async def GetJob(self, req: job_pb2.GetJobRequest, ctx: Ctx) -> common_pb2.Job:
+        return await get_job(self._store, req.job_id)
+
+    async def ListJobs(self, req: job_pb2.ListJobsRequest, ctx: Ctx) -> job_pb2.ListJobsResponse:
+        return job_pb2.ListJobsResponse(jobs=await list_jobs(self._store, req.states, req.limit))
+
+    async def WatchJob(
+        self, req: job_pb2.WatchJobRequest, ctx: Ctx
+    ) -> AsyncIterator[job_pb2.JobUpdate]:
+        async for update in self._engine.watch_job(req, ctx):
+            yield update
+
+    async def CancelJob(self, req: job_pb2.CancelJobRequest, ctx: Ctx) -> common_pb2.Job:
+        return await self._engine.cancel_job(req, ctx)
+
+    async def DownloadResult(
+        self, req: job_pb2.DownloadResultRequest, ctx: Ctx
+    ) -> AsyncIterator[job_pb2.DownloadResultResponse]:
+        async for part in self._engine.download_result(req, ctx):
+            yield part
+
+    async def GetRounds(self, req: job_pb2.GetRoundsRequest, ctx: Ctx) -> job_pb2.GetRoundsResponse:
+        return await self._engine.get_rounds(req, ctx)
+
+    async def GetJobEvents(
+        self, req: job_pb2.GetJobEventsRequest, ctx: Ctx
+    ) -> job_pb2.GetJobEventsResponse:
+        await get_job(self._store, req.job_id)
+        if req.since_id < 0:
+            raise InvalidArgumentError(f"since_id must not be negative, got {req.since_id}")
+        events = await self._store.list_events(
+            req.since_id, job_id=req.job_id, limit=clamp_limit(req.limit)
+        )
+        return job_pb2.GetJobEventsResponse(events=events)

@@ -1,0 +1,519 @@
+"""The node registry: leases, node states and operator actions.
+
+Leases live in memory (monotonic clock). Heartbeats only touch memory; their times are written
+to the store in batches every ``flush_interval_s``. Every state change is written at once,
+together with its event, in one store transaction.
+
+States (common.proto NodeState):
+  ONLINE      leased, idle, eligible for work (after Register; Uncordon)
+  BUSY        leased, working for a job (set by the engine through `set_busy`)
+  DRAINING    finishes its current round, then gets no work and is expected to Leave
+              (operator Drain, or a heartbeat with draining=True)
+  CORDONED    leased but no new work (operator Cordon; Uncordon undoes it)
+  OFFLINE     lease lapsed (the sweeper) or the node left; it must Register again
+  QUARANTINED leased but excluded (set by a later issue)
+CORDONED and QUARANTINED survive a re-registration; a draining node that registers again is
+ONLINE. A cordoned or draining node may still carry ``current_job_id`` (it finishes its round).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from coordinator.events import EventLog
+from coordinator.store import (
+    FailedPreconditionError,
+    HeartbeatUpdate,
+    InvalidArgumentError,
+    NodeRecord,
+    NotFoundError,
+    Store,
+)
+from epochmesh.timeutil import now_ms
+from epochmesh.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+NS = common_pb2.NodeState
+ONLINE = NS.NODE_STATE_ONLINE
+BUSY = NS.NODE_STATE_BUSY
+DRAINING = NS.NODE_STATE_DRAINING
+CORDONED = NS.NODE_STATE_CORDONED
+OFFLINE = NS.NODE_STATE_OFFLINE
+QUARANTINED = NS.NODE_STATE_QUARANTINED
+
+NODE_ID_PREFIX = "n-"
+NODE_ID_HEX = 10
+LEASE_EXPIRED = "lease expired: register again"
+
+OfflineListener = Callable[[str], Awaitable[None]]
+
+
+def new_node_id() -> str:
+    return NODE_ID_PREFIX + secrets.token_hex(NODE_ID_HEX // 2)
+
+
+def is_node_id(value: str) -> bool:
+    if len(value) != len(NODE_ID_PREFIX) + NODE_ID_HEX or not value.startswith(NODE_ID_PREFIX):
+        return False
+    return all(c in "0123456789abcdef" for c in value[len(NODE_ID_PREFIX) :])
+
+
+def require_node_id(value: str, field: str = "node_id") -> str:
+    if not value:
+        raise InvalidArgumentError(f"{field} is required")
+    if not is_node_id(value):
+        raise InvalidArgumentError(f"malformed {field} {value[:80]!r} (expected n- and 10 hex)")
+    return value
+
+
+def state_name(state: int) -> str:
+    """ "ONLINE" for NODE_STATE_ONLINE, and so on."""
+    return NS.Name(state).removeprefix("NODE_STATE_")  # type: ignore[arg-type]
+
+
+class LeaseExpiredError(FailedPreconditionError):
+    def __init__(self, message: str = LEASE_EXPIRED) -> None:
+        super().__init__(message)
+
+
+@dataclass
+class _Node:
+    info: common_pb2.NodeInfo
+    lease_id: str
+    expires: float  # monotonic deadline of the lease; meaningless when OFFLINE
+
+
+@dataclass(frozen=True)
+class Registration:
+    node_id: str
+    lease_id: str
+    rejoined: bool
+
+
+class NodeRegistry:
+    def __init__(
+        self,
+        store: Store,
+        events: EventLog,
+        *,
+        heartbeat_interval_s: float,
+        lease_ttl_s: float,
+        flush_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._events = events
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.lease_ttl_s = lease_ttl_s
+        self._flush_interval_s = flush_interval_s
+        self._clock = clock
+        self._nodes: dict[str, _Node] = {}
+        self._dirty: set[str] = set()
+        self._offline_listeners: list[OfflineListener] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.heartbeats_total = 0
+
+    @property
+    def lease_ttl_ms(self) -> int:
+        return int(self.lease_ttl_s * 1000)
+
+    @property
+    def heartbeat_interval_ms(self) -> int:
+        return int(self.heartbeat_interval_s * 1000)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Load nodes from the store. Nodes that were leased keep their lease id and get a fresh
+        TTL from now, so their agents carry on heartbeating across a coordinator restart."""
+        now, wall = self._clock(), now_ms()
+        for record in await self._store.list_nodes():
+            info = record.info
+            node = _Node(info=info, lease_id=record.lease_id, expires=0.0)
+            if info.state != OFFLINE:
+                node.expires = now + self.lease_ttl_s
+                info.lease_expires_ms = wall + self.lease_ttl_ms
+                self._dirty.add(info.node_id)
+            self._nodes[info.node_id] = node
+        log.info(
+            "loaded %d nodes (%d leased)",
+            len(self._nodes),
+            sum(1 for n in self._nodes.values() if n.info.state != OFFLINE),
+        )
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._sweep_loop(), name="lease-sweeper"),
+            asyncio.create_task(self._flush_loop(), name="heartbeat-flusher"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self.flush_heartbeats()
+
+    def add_offline_listener(self, listener: OfflineListener) -> None:
+        """``await listener(node_id)`` runs whenever a node's lease ends: expiry, Leave, or a
+        re-registration that replaces a live lease (the old incarnation's work is void)."""
+        self._offline_listeners.append(listener)
+
+    # -- queries (synchronous, from memory) -----------------------------------------------------
+
+    def get(self, node_id: str) -> common_pb2.NodeInfo | None:
+        node = self._nodes.get(node_id)
+        return None if node is None else _copy(node.info)
+
+    def require(self, node_id: str) -> common_pb2.NodeInfo:
+        return _copy(self._require(node_id).info)
+
+    def find(self, id_or_name: str) -> common_pb2.NodeInfo:
+        """A node by id, else by name. A name shared by several nodes resolves to the only
+        one that is not OFFLINE, if there is exactly one; otherwise FailedPreconditionError."""
+        node = self._nodes.get(id_or_name)
+        if node is not None:
+            return _copy(node.info)
+        named = [n for n in self._nodes.values() if n.info.name == id_or_name]
+        if len(named) > 1:
+            live = [n for n in named if n.info.state != OFFLINE]
+            if len(live) != 1:
+                ids = ", ".join(sorted(n.info.node_id for n in named))
+                raise FailedPreconditionError(
+                    f"node name {id_or_name!r} is ambiguous ({ids}): use the node id"
+                )
+            named = live
+        if not named:
+            raise NotFoundError(f"no node with id or name {id_or_name!r}")
+        return _copy(named[0].info)
+
+    def list(self, states: Collection[int] = ()) -> list[common_pb2.NodeInfo]:
+        wanted = set(states)
+        return [_copy(n.info) for n in self._nodes.values() if not wanted or n.info.state in wanted]
+
+    def is_alive(self, node_id: str) -> bool:
+        """Leased: known, not OFFLINE and the lease has not lapsed (QUARANTINED is alive)."""
+        node = self._nodes.get(node_id)
+        return node is not None and self._leased(node, self._clock())
+
+    def eligible_nodes(self) -> list[common_pb2.NodeInfo]:
+        """Leased nodes that may get new work: ONLINE or BUSY."""
+        now = self._clock()
+        return [
+            _copy(n.info)
+            for n in self._nodes.values()
+            if n.info.state in (ONLINE, BUSY) and self._leased(n, now)
+        ]
+
+    def counts_by_state(self) -> dict[int, int]:
+        counts = dict.fromkeys(NS.values(), 0)
+        counts.pop(NS.NODE_STATE_UNSPECIFIED, None)
+        for n in self._nodes.values():
+            counts[n.info.state] = counts.get(n.info.state, 0) + 1
+        return counts
+
+    def check_lease(self, node_id: str, lease_id: str) -> common_pb2.NodeInfo:
+        """NotFoundError for an unknown node, LeaseExpiredError for a wrong or lapsed lease;
+        returns (a copy of) the node otherwise. Does not renew the lease."""
+        node = self._require(node_id)
+        if node.lease_id != lease_id or not self._leased(node, self._clock()):
+            raise LeaseExpiredError()
+        return _copy(node.info)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    # -- agent calls ----------------------------------------------------------------------------
+
+    async def register(
+        self,
+        *,
+        name: str,
+        devices: Sequence[common_pb2.Device] = (),
+        peer_address: str = "",
+        agent_version: str = "",
+        labels: Mapping[str, str] | None = None,
+        node_id: str = "",
+    ) -> Registration:
+        """Join with a new id, or re-join as ``node_id`` (NotFoundError if unknown), keeping the
+        id and history. Either way a new lease starts."""
+        now, wall = self._clock(), now_ms()
+        lease_id = secrets.token_hex(8)
+        replaced_live_lease = False
+        if node_id:
+            node = self._require(node_id)
+            info = node.info
+            replaced_live_lease = self._leased(node, now)
+            previous = info.state
+            if previous not in (CORDONED, QUARANTINED):
+                info.state = ONLINE
+            info.current_job_id = ""
+            kind = "node.rejoined"
+        else:
+            node_id = new_node_id()
+            while node_id in self._nodes:
+                node_id = new_node_id()
+            info = common_pb2.NodeInfo(node_id=node_id, state=ONLINE, registered_at_ms=wall)
+            node = _Node(info=info, lease_id="", expires=0.0)
+            kind = "node.registered"
+        info.name = name
+        del info.devices[:]
+        info.devices.extend(devices)
+        info.peer_address = peer_address
+        info.agent_version = agent_version
+        info.labels.clear()
+        info.labels.update(labels or {})
+        info.last_heartbeat_ms = wall
+        info.lease_expires_ms = wall + self.lease_ttl_ms
+        node.lease_id = lease_id
+        node.expires = now + self.lease_ttl_s
+        self._nodes[node_id] = node
+        self._dirty.discard(node_id)
+        await self._persist(
+            node,
+            kind,
+            f"{name} {'re-joined' if kind == 'node.rejoined' else 'registered'}"
+            f" ({len(info.devices)} devices)",
+        )
+        if replaced_live_lease:
+            await self._notify_offline(node_id)
+        log.info("%s %s (%s) state %s", kind, node_id, name, state_name(info.state))
+        return Registration(node_id=node_id, lease_id=lease_id, rejoined=kind == "node.rejoined")
+
+    async def heartbeat(self, node_id: str, lease_id: str, draining: bool = False) -> int:
+        """Renew the lease; returns the node's state. NotFoundError / LeaseExpiredError."""
+        node = self._require(node_id)
+        info = node.info
+        if node.lease_id != lease_id or info.state == OFFLINE:
+            raise LeaseExpiredError()
+        now = self._clock()
+        if now > node.expires:
+            await self._expire(node)
+            raise LeaseExpiredError()
+        wall = now_ms()
+        node.expires = now + self.lease_ttl_s
+        info.last_heartbeat_ms = wall
+        info.lease_expires_ms = wall + self.lease_ttl_ms
+        self._dirty.add(node_id)
+        self.heartbeats_total += 1
+        if draining and info.state in (ONLINE, BUSY, CORDONED):
+            info.state = DRAINING
+            await self._persist(node, "node.draining", "agent is draining", {"by": "agent"})
+        return int(info.state)
+
+    async def leave(self, node_id: str, lease_id: str, reason: str = "") -> None:
+        node = self._require(node_id)
+        if node.lease_id != lease_id or node.info.state == OFFLINE:
+            raise LeaseExpiredError()
+        node.info.state = OFFLINE
+        node.info.current_job_id = ""
+        await self._persist(
+            node, "node.left", f"left: {reason or 'no reason given'}", {"reason": reason}
+        )
+        log.info("node %s (%s) left: %s", node_id, node.info.name, reason)
+        await self._notify_offline(node_id)
+
+    # -- operator calls -------------------------------------------------------------------------
+
+    async def cordon(self, node_id: str) -> common_pb2.NodeInfo:
+        """No new work for the node (its current round goes on). Idempotent; a DRAINING node
+        stays DRAINING."""
+        node = self._require_live(node_id, "cordon")
+        if node.info.state in (ONLINE, BUSY):
+            node.info.state = CORDONED
+            await self._persist(node, "node.cordoned", "cordoned by an operator")
+        return _copy(node.info)
+
+    async def uncordon(self, node_id: str) -> common_pb2.NodeInfo:
+        """Back to ONLINE (BUSY if it carries a job) from CORDONED or DRAINING. Idempotent."""
+        node = self._require_live(node_id, "uncordon")
+        if node.info.state in (CORDONED, DRAINING):
+            node.info.state = BUSY if node.info.current_job_id else ONLINE
+            await self._persist(node, "node.uncordoned", "uncordoned by an operator")
+        return _copy(node.info)
+
+    async def drain(self, node_id: str) -> common_pb2.NodeInfo:
+        """The node finishes its current round, gets no new work, and its agent leaves."""
+        node = self._require_live(node_id, "drain")
+        if node.info.state != DRAINING:
+            node.info.state = DRAINING
+            await self._persist(node, "node.draining", "drained by an operator", {"by": "operator"})
+        return _copy(node.info)
+
+    # -- engine calls ---------------------------------------------------------------------------
+
+    async def set_busy(self, node_id: str, job_id: str | None) -> common_pb2.NodeInfo:
+        """Record that the node works for ``job_id`` (ONLINE -> BUSY) or is idle again (None:
+        BUSY -> ONLINE). CORDONED / DRAINING nodes keep their state but carry the job id.
+        FailedPreconditionError when giving work to an OFFLINE or QUARANTINED node."""
+        node = self._require(node_id)
+        info = node.info
+        if job_id:
+            if info.state in (OFFLINE, QUARANTINED):
+                raise FailedPreconditionError(
+                    f"node {node_id} is {state_name(info.state)}: it cannot work for {job_id}"
+                )
+            if info.current_job_id == job_id and info.state != ONLINE:
+                return _copy(info)
+            info.current_job_id = job_id
+            if info.state == ONLINE:
+                info.state = BUSY
+            await self._persist(node, "node.busy", f"working for {job_id}", job_id=job_id)
+        else:
+            if not info.current_job_id and info.state != BUSY:
+                return _copy(info)
+            previous_job = info.current_job_id
+            info.current_job_id = ""
+            if info.state == BUSY:
+                info.state = ONLINE
+            await self._persist(node, "node.idle", "idle", job_id=previous_job)
+        return _copy(info)
+
+    async def set_benchmark(
+        self, node_id: str, result: common_pb2.BenchmarkResult
+    ) -> common_pb2.NodeInfo:
+        """Record a benchmark. The reference benchmark (empty job_id) is kept on the node
+        (NodeInfo.benchmark); a job's benchmark is only logged as an event (the engine keeps
+        per-job figures). measured_at_ms defaults to now."""
+        node = self._require(node_id)
+        if result.job_id:
+            await self._events.append(
+                "node.benchmark",
+                node_id=node_id,
+                job_id=result.job_id,
+                message=f"benchmark for {result.job_id}: {result.samples_per_second:.1f} samples/s",
+                attrs={"samples_per_second": f"{result.samples_per_second:.3f}"},
+            )
+            return _copy(node.info)
+        node.info.benchmark.CopyFrom(result)
+        if not node.info.benchmark.measured_at_ms:
+            node.info.benchmark.measured_at_ms = now_ms()
+        await self._persist(
+            node,
+            "node.benchmark",
+            f"reference benchmark: {result.samples_per_second:.1f} samples/s",
+            {"samples_per_second": f"{result.samples_per_second:.3f}"},
+        )
+        return _copy(node.info)
+
+    async def set_observed_throughput(self, node_id: str, samples_per_second: float) -> None:
+        """The engine's running estimate of the node's throughput (no event)."""
+        node = self._require(node_id)
+        node.info.observed_samples_per_second = samples_per_second
+        await self._persist(node, None, "")
+
+    # -- lease expiry and heartbeat flushing ----------------------------------------------------
+
+    async def sweep(self) -> list[str]:
+        """Mark every node whose lease lapsed OFFLINE; returns their ids."""
+        now = self._clock()
+        lapsed = [n for n in self._nodes.values() if n.info.state != OFFLINE and now > n.expires]
+        for node in lapsed:
+            if node.info.state != OFFLINE and self._clock() > node.expires:
+                await self._expire(node)
+        return [n.info.node_id for n in lapsed]
+
+    async def flush_heartbeats(self) -> int:
+        if not self._dirty:
+            return 0
+        dirty, self._dirty = self._dirty, set()
+        updates = [
+            HeartbeatUpdate(n.info.node_id, n.info.last_heartbeat_ms, n.info.lease_expires_ms)
+            for node_id in dirty
+            if (n := self._nodes.get(node_id)) is not None
+        ]
+        try:
+            await self._store.update_heartbeats(updates)
+        except BaseException:
+            self._dirty |= dirty
+            raise
+        return len(updates)
+
+    def _sweep_interval(self) -> float:
+        return max(0.02, min(1.0, self.lease_ttl_s / 10))
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_interval())
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("lease sweep failed")
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._flush_interval_s)
+            try:
+                await self.flush_heartbeats()
+            except Exception:
+                log.exception("heartbeat flush failed")
+
+    async def _expire(self, node: _Node) -> None:
+        info = node.info
+        info.state = OFFLINE
+        info.current_job_id = ""
+        await self._persist(
+            node,
+            "node.offline",
+            f"lease expired (last heartbeat {info.last_heartbeat_ms} ms)",
+            {"reason": "lease expired"},
+        )
+        log.info("node %s (%s) is OFFLINE: lease expired", info.node_id, info.name)
+        await self._notify_offline(info.node_id)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _leased(self, node: _Node, now: float) -> bool:
+        return node.info.state != OFFLINE and now <= node.expires
+
+    def _require(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise NotFoundError(f"unknown node {node_id!r}")
+        return node
+
+    def _require_live(self, node_id: str, action: str) -> _Node:
+        node = self._require(node_id)
+        if node.info.state in (OFFLINE, QUARANTINED):
+            raise FailedPreconditionError(
+                f"cannot {action} node {node_id}: it is {state_name(node.info.state)}"
+            )
+        return node
+
+    async def _persist(
+        self,
+        node: _Node,
+        kind: str | None,
+        message: str,
+        attrs: Mapping[str, str] | None = None,
+        job_id: str = "",
+    ) -> None:
+        record = NodeRecord(info=_copy(node.info), lease_id=node.lease_id)
+        async with self._store.transaction():
+            await self._store.upsert_node(record)
+            if kind:
+                await self._events.append(
+                    kind, node_id=node.info.node_id, job_id=job_id, message=message, attrs=attrs
+                )
+
+    async def _notify_offline(self, node_id: str) -> None:
+        for listener in list(self._offline_listeners):
+            try:
+                await listener(node_id)
+            except Exception:
+                log.exception("offline listener failed for node %s", node_id)
+
+
+def _copy(info: common_pb2.NodeInfo) -> common_pb2.NodeInfo:
+    out = common_pb2.NodeInfo()
+    out.CopyFrom(info)
+    return out

@@ -1,0 +1,89 @@
+"""The parameter server's arithmetic: sample-weighted aggregation and the optimizer step.
+
+Each node sends the gradient of the *mean* loss over its ``b_i`` samples. The aggregate
+``sum_i (b_i / sum_j b_j) * g_i`` is then exactly the gradient of the mean loss over the union
+of the round's samples, so N heterogeneous nodes train like one process on the same batches.
+No networking here: the engine feeds decoded tensors in and streams the parameters out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from epochmesh.optim import (
+    build_optimizer,
+    load_optimizer_state_tensors,
+    optimizer_state_tensors,
+)
+from epochmesh.v1 import common_pb2
+
+
+class ParameterServer:
+    """Holds a job's trainable parameters and optimizer; applies aggregated rounds."""
+
+    def __init__(
+        self,
+        spec: common_pb2.JobSpec,
+        params: Mapping[str, torch.Tensor],
+        version: int = 0,
+    ) -> None:
+        self.names: list[str] = list(params)
+        self.params: dict[str, torch.nn.Parameter] = {
+            name: torch.nn.Parameter(t.detach().clone(), requires_grad=True)
+            for name, t in params.items()
+        }
+        self.optimizer = build_optimizer(spec, [self.params[n] for n in self.names])
+        self.version = version
+
+    def expected(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The dtype and shape every gradient tensor must have, by name, in order."""
+        return {n: (p.dtype, tuple(p.shape)) for n, p in self.params.items()}
+
+    def num_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The current parameters as plain tensors (a copy, safe to encode later)."""
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+    def apply(self, parts: list[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
+        """Apply one round: ``parts`` holds (samples, mean-loss gradients) per node.
+
+        The caller orders ``parts`` deterministically (by node id) so that a replay sums in
+        the same order.
+        """
+        total = sum(n for n, _ in parts)
+        if total <= 0:
+            raise ValueError("a round needs at least one sample")
+        with torch.no_grad():
+            for name in self.names:
+                acc = torch.zeros_like(self.params[name])
+                for samples, grads in parts:
+                    acc.add_(grads[name].to(acc.dtype), alpha=samples / total)
+                self.params[name].grad = acc
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    def apply_delta(self, parts: list[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
+        """Apply one round of pseudo-gradients (local SGD): same weighting, same optimizer."""
+        self.apply(parts)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters and optimizer state as named tensors, for a safetensors checkpoint."""
+        out: dict[str, torch.Tensor] = {
+            f"param/{n}": p.detach().clone() for n, p in self.params.items()
+        }
+        for key, t in optimizer_state_tensors(self.optimizer, self.names).items():
+            out[f"optim/{key}"] = t
+        return out
+
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(tensors[f"param/{n}"])
+        optim = {k.removeprefix("optim/"): v for k, v in tensors.items() if k.startswith("optim/")}
+        load_optimizer_state_tensors(self.optimizer, self.names, optim)
+        self.version = version

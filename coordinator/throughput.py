@@ -1,0 +1,280 @@
+"""Per-node throughput estimation from observed rounds, and round deadlines (pure logic).
+
+Model. For each node we forecast next round's ``log(samples/s)`` with two predictors and use
+whichever has been forecasting better:
+
+- It starts at the node's benchmark (``add_node``); the first observed round replaces it
+  (it measures the real pipeline: data, transfers, not synthetic input).
+- SLOW: an exponentially weighted moving average in log space, weight ``alpha`` = 0.25.
+  Round-to-round noise is damped to ~0.38 of its size (sqrt(alpha / (2 - alpha))); a
+  ratio-based average treats "2x faster" and "2x slower" alike. With change detection: an
+  observation off by more than ``change_ratio`` (1.5x) only moves the average (a single GC
+  pause must not halve a node's share for good), but two in a row in the same direction
+  mean the node changed speed (throttling, another tenant, a shared link) and reset the
+  average to the mean of those two.
+- FAST: the last observation. Right when the speed wanders (a random walk, a ramp): it has
+  no lag, while the average lags (1 - alpha) / alpha = 3 rounds behind a trend.
+- Each predictor's one-step forecast error is tracked (EWMA of squared log errors, weight
+  ERROR_BETA, clipped at log(change_ratio)^2 so one outlier does not dominate); the estimate
+  is the predictor with the smaller error (SLOW on ties). So a node with noisy but stationary
+  speed is averaged, a drifting one is followed, and a node that becomes 4x slower has its
+  share cut by ~1/3 after one round and is at its new speed after two.
+- Planning is asymmetric: in a lockstep round one over-loaded node stalls all n nodes,
+  while an under-loaded one wastes at most 1/n of the fleet. So batches are sized by
+  :meth:`ThroughputEstimator.planning_rates`, which is the estimate except for a node with
+  no observed round yet (a joiner known only by its benchmark): UNOBSERVED_DISCOUNT = 0.75
+  of its benchmark, i.e. its first round is planned for a benchmark up to 33% optimistic.
+- Communication time per round (parameter pull + update push, observed by the coordinator as
+  round wall time minus reported compute) is smoothed per node with a plain EWMA.
+
+Deadlines (:meth:`ThroughputEstimator.deadline`): a round's deadline is
+
+    max_i( b_i / rate_i * slack_i + comm_i * COMM_SLACK ) + overhead_s,  at least MIN_DEADLINE_S
+
+with ``slack_i = clamp(exp(Z * sigma_i), MIN_SLACK, MAX_SLACK)``, where ``sigma_i`` is the
+RMS log error of the node's forecasts and Z = 4 (with log-normal errors a healthy node
+misses the deadline with probability ~3e-5 per round). MIN_SLACK = 1.5 matches
+``change_ratio``: a node running 1.5x slower than forecast is a straggler, not noise, and
+cutting it loose for that round costs only its own b_i samples (they return to the ledger).
+MAX_SLACK = 4 bounds the wait for a hung node. A node that has not completed a round yet gets
+UNOBSERVED_SLACK = 3: its rate is a benchmark on synthetic input that misses the data pipeline,
+parameter transfer and warm-up. The only absolute constant is the floor MIN_DEADLINE_S = 1 s,
+which covers task hand-out and event-loop/GC jitter that dominate tiny rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = [
+    "COMM_SLACK",
+    "MAX_SLACK",
+    "MIN_DEADLINE_S",
+    "MIN_SLACK",
+    "UNOBSERVED_DISCOUNT",
+    "UNOBSERVED_SLACK",
+    "ThroughputEstimator",
+]
+
+MIN_DEADLINE_S = 1.0
+MIN_SLACK = 1.5
+MAX_SLACK = 4.0
+UNOBSERVED_SLACK = 3.0
+UNOBSERVED_DISCOUNT = 0.75
+COMM_SLACK = 2.0
+SLACK_Z = 4.0
+ERROR_BETA = 0.1
+STATE_VERSION = 1
+
+
+@dataclass
+class _Node:
+    log_rate: float  # SLOW predictor: EWMA of log(samples/s) with change detection
+    fast_log: float  # FAST predictor: the last observation
+    err_slow: float = 0.0  # EWMA of squared one-step log errors of each predictor (clipped)
+    err_fast: float = 0.0
+    observations: int = 0
+    comm_s: float = 0.0
+    comm_observations: int = 0
+    suspect_log: float | None = None  # last observation if it was a big deviation
+    suspect_sign: int = 0
+
+
+def _positive(name: str, value: float) -> float:
+    v = float(value)
+    if not math.isfinite(v) or v <= 0.0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return v
+
+
+class ThroughputEstimator:
+    """Smoothed samples/s and communication time per node; see the module docstring."""
+
+    def __init__(self, alpha: float = 0.25, change_ratio: float = 1.5) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if change_ratio <= 1.0:
+            raise ValueError(f"change_ratio must be > 1, got {change_ratio}")
+        self.alpha = alpha
+        self.change_ratio = change_ratio
+        self._nodes: dict[str, _Node] = {}
+
+    # ----------------------------------------------------------------- membership
+    def add_node(self, node: str, samples_per_s: float, comm_s: float = 0.0) -> None:
+        """Seed (or re-seed, after a new benchmark) a node from its benchmark figures.
+
+        ``comm_s``: expected communication seconds per round, e.g. 2 * model bytes /
+        bandwidth + RTT from the benchmark, until rounds are observed.
+        """
+        rate = _positive(f"benchmark rate of node {node!r}", samples_per_s)
+        comm = float(comm_s)
+        if not math.isfinite(comm) or comm < 0.0:
+            raise ValueError(f"comm_s of node {node!r} must be >= 0, got {comm_s!r}")
+        self._nodes[node] = _Node(log_rate=math.log(rate), fast_log=math.log(rate), comm_s=comm)
+
+    def remove_node(self, node: str) -> None:
+        self._nodes.pop(node, None)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._nodes
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(self._nodes)
+
+    def _get(self, node: str) -> _Node:
+        try:
+            return self._nodes[node]
+        except KeyError:
+            raise KeyError(f"node {node!r} has no throughput estimate (add_node first)") from None
+
+    # ----------------------------------------------------------------- observations
+    def observe(
+        self, node: str, samples: int, compute_s: float, comm_s: float | None = None
+    ) -> None:
+        """Record one finished round: ``samples`` trained in ``compute_s`` seconds.
+
+        ``comm_s``: seconds the round spent outside compute for this node (parameter pull,
+        update push, queueing), when known.
+
+        Raises ValueError when ``compute_s`` is not a finite number > 0 (with samples > 0) or
+        ``comm_s`` is negative: figures reported by an agent must be validated first.
+        """
+        st = self._get(node)
+        if samples < 0:
+            raise ValueError(f"samples must be >= 0, got {samples}")
+        secs = _positive("compute_s", compute_s) if samples > 0 else 0.0
+        if comm_s is not None:
+            c = float(comm_s)
+            if not math.isfinite(c) or c < 0.0:
+                raise ValueError(f"comm_s must be a finite number >= 0, got {comm_s!r}")
+            if st.comm_observations == 0:
+                st.comm_s = c
+            else:
+                st.comm_s += self.alpha * (c - st.comm_s)
+            st.comm_observations += 1
+        if samples > 0:
+            self._update_rate(st, math.log(samples / secs))
+
+    def observe_late(self, node: str, samples: int, waited_s: float) -> None:
+        """The node did not finish ``samples`` within ``waited_s`` (missed its deadline).
+
+        Its rate is at most samples / waited_s; that bound is fed as an observation when it
+        is below the current estimate (it says nothing when it is above).
+        """
+        st = self._get(node)
+        if samples <= 0:
+            return
+        bound = math.log(samples / _positive("waited_s", waited_s))
+        if bound < self._log_estimate(st):
+            self._update_rate(st, bound)
+
+    def _update_rate(self, st: _Node, x: float) -> None:
+        st.observations += 1
+        if st.observations == 1:
+            # The first real round replaces the benchmark. If it is slow because of warm-up
+            # the node is under-loaded for a round or two, which is cheap.
+            st.log_rate = st.fast_log = x
+            return
+        threshold = math.log(self.change_ratio)
+        cap = threshold * threshold
+        st.err_slow += ERROR_BETA * (min((x - st.log_rate) ** 2, cap) - st.err_slow)
+        st.err_fast += ERROR_BETA * (min((x - st.fast_log) ** 2, cap) - st.err_fast)
+        st.fast_log = x
+        resid = x - st.log_rate
+        if abs(resid) > threshold:
+            sign = 1 if resid > 0 else -1
+            if st.suspect_log is not None and st.suspect_sign == sign:
+                # Second big deviation in the same direction: the node changed speed.
+                st.log_rate = 0.5 * (x + st.suspect_log)
+                st.suspect_log, st.suspect_sign = None, 0
+                return
+            st.suspect_log, st.suspect_sign = x, sign
+        else:
+            st.suspect_log, st.suspect_sign = None, 0
+        st.log_rate += self.alpha * resid
+
+    @staticmethod
+    def _log_estimate(st: _Node) -> float:
+        return st.log_rate if st.err_slow <= st.err_fast else st.fast_log
+
+    # ----------------------------------------------------------------- queries
+    def estimate(self, node: str) -> float:
+        """Current samples/s estimate of ``node``."""
+        return math.exp(self._log_estimate(self._get(node)))
+
+    def rates(self, nodes: Iterable[str] | None = None) -> dict[str, float]:
+        """Estimates of ``nodes`` (default: all), in the given order."""
+        return {n: self.estimate(n) for n in (self._nodes if nodes is None else nodes)}
+
+    def planning_rate(self, node: str) -> float:
+        """The rate to size ``node``'s batch by: its estimate, times UNOBSERVED_DISCOUNT
+        while no round of it has been observed (see the module docstring)."""
+        st = self._get(node)
+        discount = UNOBSERVED_DISCOUNT if st.observations == 0 else 1.0
+        return math.exp(self._log_estimate(st)) * discount
+
+    def planning_rates(self, nodes: Iterable[str] | None = None) -> dict[str, float]:
+        """``planning_rate`` of ``nodes`` (default: all): what split_batch should weigh by."""
+        return {n: self.planning_rate(n) for n in (self._nodes if nodes is None else nodes)}
+
+    def comm_estimate(self, node: str) -> float:
+        """Smoothed communication seconds per round of ``node``."""
+        return self._get(node).comm_s
+
+    def observations(self, node: str) -> int:
+        return self._get(node).observations
+
+    def noise(self, node: str) -> float:
+        """RMS log error of the node's forecasts by the predictor in use (0 until observed)."""
+        st = self._get(node)
+        return math.sqrt(max(min(st.err_slow, st.err_fast), 0.0))
+
+    def slack(self, node: str) -> float:
+        """Multiplier on the node's expected compute time that its deadline allows."""
+        st = self._get(node)
+        if st.observations == 0:
+            return UNOBSERVED_SLACK
+        return min(MAX_SLACK, max(MIN_SLACK, math.exp(SLACK_Z * self.noise(node))))
+
+    def expected_seconds(self, node: str, batch: int) -> float:
+        """Expected compute + communication seconds of a round of ``batch`` samples."""
+        return batch / self.estimate(node) + self.comm_estimate(node)
+
+    def deadline(self, nodes_batches: Mapping[str, int], overhead_s: float = 0.0) -> float:
+        """Deadline in seconds for a round giving ``b_i`` samples to each node.
+
+        ``overhead_s``: coordinator-side per-round overhead measured by the caller
+        (aggregation, optimizer step), added once. Nodes with ``b_i == 0`` are ignored.
+        """
+        if not math.isfinite(overhead_s) or overhead_s < 0.0:
+            raise ValueError(f"overhead_s must be a finite number >= 0, got {overhead_s!r}")
+        worst = 0.0
+        for node, b in nodes_batches.items():
+            if b <= 0:
+                continue
+            t = b / self.estimate(node) * self.slack(node) + self.comm_estimate(node) * COMM_SLACK
+            worst = max(worst, t)
+        return max(MIN_DEADLINE_S, worst + overhead_s)
+
+    # ----------------------------------------------------------------- persistence
+    def to_state(self) -> dict[str, Any]:
+        """JSON-able snapshot."""
+        return {
+            "version": STATE_VERSION,
+            "alpha": self.alpha,
+            "change_ratio": self.change_ratio,
+            "nodes": {n: asdict(st) for n, st in self._nodes.items()},
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> ThroughputEstimator:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported throughput state version {state.get('version')!r}")
+        est = cls(alpha=float(state["alpha"]), change_ratio=float(state["change_ratio"]))
+        for n, d in dict(state["nodes"]).items():
+            est._nodes[str(n)] = _Node(**d)
+        return est

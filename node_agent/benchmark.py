@@ -1,0 +1,524 @@
+"""Compute benchmark: samples/s and peak memory of a model's training step at several batch sizes.
+
+The benchmark is written against a *step factory*: `make_step(batch_size)` prepares a batch and
+returns `step()`, one full training step (forward, backward, update) that returns only once the
+device finished. The same code therefore measures the built-in reference model and a job's
+exported program. Every step runs through the `SlowdownController`, so `--slowdown F` shows up
+in the figures exactly as it shows up in training.
+
+Per batch size: a few warm-up steps, then timed steps until both a minimum count and a minimum
+time are reached; samples/s = samples of the timed steps / their total time. (Not the median
+step: the slowdown controller pays back a late wake-up on the following step, so only the
+total is F times the compute time.) The headline figure the allocator weighs by is the
+throughput at the largest batch that fits.
+
+Peak memory:
+- CUDA: the caching allocator's peak (`torch.cuda.max_memory_allocated`, reset per batch size).
+- CPU: the same quantity, counted: the bytes of the CPU tensors alive before the step (model,
+  optimizer state, batch; found through the garbage collector) plus the peak of the storages
+  its operators allocate (a TorchDispatchMode that adds each new storage and subtracts it when
+  it dies). Resident memory (RSS) was the alternative, but in a long-lived process freed
+  memory is reused without growing it, so its figure depends on what ran before; tensor bytes
+  do not, which keeps --memory-limit (emulated small devices) deterministic. The count leaves
+  out allocator overhead and memory outside tensors (e.g. oneDNN scratch space).
+Tracking slows a step, so the first warm-up step of each batch size is the tracked one.
+
+Out of memory is an answer, not a crash: `torch.cuda.OutOfMemoryError`, `MemoryError` and the
+allocators' RuntimeErrors end the sweep at that batch size (larger sizes are reported as out of
+memory too, untried). `--memory-limit` emulates a smaller device: a batch whose measured peak,
+or whose peak extrapolated from the smaller batches, exceeds the limit counts as out of memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from epochmesh.timeutil import now_ms
+from epochmesh.v1 import common_pb2
+from node_agent.slowdown import SlowdownController
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+StepFn = Callable[[], None]
+StepFactory = Callable[[int], StepFn]
+
+# Fraction of a device's total memory a batch may plan to use when extrapolating the max batch.
+MEMORY_HEADROOM = 0.9
+# The max batch is never extrapolated beyond this multiple of the largest batch measured.
+MAX_EXTRAPOLATION = 16
+
+
+@dataclass(frozen=True)
+class BenchmarkPlan:
+    batch_sizes: tuple[int, ...]
+    warmup_steps: int = 2
+    min_steps: int = 8
+    max_steps: int = 500
+    # Timed steps per batch size continue until min_steps and min_seconds are both reached,
+    # and stop after max_steps or max_seconds (wall time, slowdown included).
+    min_seconds: float = 0.5
+    max_seconds: float = 10.0
+
+    def with_batch_sizes(self, batch_sizes: Sequence[int]) -> BenchmarkPlan:
+        sizes = tuple(sorted({int(b) for b in batch_sizes if int(b) > 0}))
+        return BenchmarkPlan(
+            batch_sizes=sizes or self.batch_sizes,
+            warmup_steps=self.warmup_steps,
+            min_steps=self.min_steps,
+            max_steps=self.max_steps,
+            min_seconds=self.min_seconds,
+            max_seconds=self.max_seconds,
+        )
+
+
+# About two seconds on a 2-core CPU for the reference model.
+FULL_PLAN = BenchmarkPlan(batch_sizes=(32, 128, 512))
+# For tests: a handful of steps, well under 100 ms on a CPU.
+QUICK_PLAN = BenchmarkPlan(
+    batch_sizes=(16, 64), warmup_steps=1, min_steps=3, max_steps=3, min_seconds=0.0
+)
+# A job's program, at the batch sizes its BENCHMARK task names.
+JOB_PLAN = BenchmarkPlan(batch_sizes=(16, 64, 256), warmup_steps=2, min_steps=5, min_seconds=0.2)
+
+
+@dataclass(frozen=True)
+class Point:
+    batch_size: int
+    samples_per_second: float
+    peak_memory_bytes: int
+    out_of_memory: bool
+    steps: int = 0
+    median_step_seconds: float = 0.0
+
+    def to_proto(self) -> common_pb2.BenchmarkPoint:
+        return common_pb2.BenchmarkPoint(
+            batch_size=self.batch_size,
+            samples_per_second=self.samples_per_second,
+            peak_memory_bytes=self.peak_memory_bytes,
+            out_of_memory=self.out_of_memory,
+        )
+
+
+class BenchmarkCancelled(Exception):
+    """The agent asked the benchmark to stop (drain, task cancelled)."""
+
+
+class MemoryLimitExceeded(Exception):
+    """A batch needs more memory than `--memory-limit` allows (emulated out-of-memory)."""
+
+
+# -- memory meters ----------------------------------------------------------------------------
+
+
+class MemoryMeter(Protocol):
+    def reset(self) -> None:
+        """Start a new peak (called before each batch size)."""
+
+    def track(self, fn: Callable[[], T]) -> T:
+        """Run one step with its memory tracked (the first step of each batch size)."""
+
+    def peak_bytes(self) -> int:
+        """Peak since the last reset."""
+
+
+def _cpu_tensors(tree: Any) -> list[torch.Tensor]:
+    return [
+        t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+    ]
+
+
+def live_cpu_tensor_bytes() -> int:
+    """Bytes of every CPU tensor storage Python can see (parameters, buffers, batches, ...)."""
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue  # tensors without storage (e.g. meta, sparse)
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+class _AllocationTracker(TorchDispatchMode):
+    """Counts the storages that operators allocate, and frees them again when they die."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing here is compiled; skipping would import torch._dynamo (~2 s)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._finalizers: dict[int, weakref.finalize] = {}  # type: ignore[type-arg]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        # Outputs sharing an input's storage (views, in-place and out= ops) allocate nothing.
+        inputs = {t.untyped_storage().data_ptr() for t in _cpu_tensors((args, kwargs))}
+        for t in _cpu_tensors(out):
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if size == 0 or key in inputs or key in self._finalizers:
+                continue
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            self._finalizers[key] = weakref.finalize(storage, self._freed, key, size)
+        return out
+
+    def _freed(self, key: int, size: int) -> None:
+        self.live -= size
+        self._finalizers.pop(key, None)
+
+
+class CpuMemoryMeter:
+    """Peak bytes of CPU tensors during a step: the tensors alive before it (model, optimizer
+    state, batch) plus the peak of what its operators allocate -- what the CUDA allocator's
+    peak counts on a GPU, so both devices report the same quantity."""
+
+    def __init__(self) -> None:
+        self._baseline = 0
+        self._peak = 0
+
+    def reset(self) -> None:
+        self._baseline = 0
+        self._peak = 0
+
+    def track(self, fn: Callable[[], T]) -> T:
+        baseline = live_cpu_tensor_bytes()
+        tracker = _AllocationTracker()
+        with tracker:
+            result = fn()
+        self._peak = max(self._peak, baseline + tracker.peak)
+        return result
+
+    def peak_bytes(self) -> int:
+        return self._peak
+
+
+class CudaMemoryMeter:
+    """The CUDA caching allocator's peak of allocated bytes on one device."""
+
+    def __init__(self, device: str) -> None:
+        self._device = torch.device(device)
+
+    def reset(self) -> None:
+        torch.cuda.synchronize(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+
+    def track(self, fn: Callable[[], T]) -> T:
+        return fn()  # the allocator keeps the peak of every step by itself
+
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self._device))
+
+
+def memory_meter_for(device: str) -> MemoryMeter:
+    return CudaMemoryMeter(device) if device.startswith("cuda") else CpuMemoryMeter()
+
+
+def release_memory(device: str) -> None:
+    """Give memory back after an out-of-memory error so the agent can go on."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# -- out of memory ----------------------------------------------------------------------------
+
+_OOM_MESSAGES = (
+    "out of memory",
+    "defaultcpuallocator: can't allocate",
+    "can't allocate memory",
+    "not enough memory",
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether an exception raised by a step means the batch does not fit in memory."""
+    if isinstance(exc, MemoryError | MemoryLimitExceeded):
+        return True
+    if type(exc).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError, any torch build
+        return True
+    if isinstance(exc, RuntimeError):
+        message = str(exc).lower()
+        return any(m in message for m in _OOM_MESSAGES)
+    return False
+
+
+# -- pure math --------------------------------------------------------------------------------
+
+
+def fitting(points: Sequence[Point]) -> list[Point]:
+    return [p for p in points if not p.out_of_memory]
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] | None:
+    """Least-squares (intercept, slope) of y over x; None without two distinct x."""
+    if len(xs) < 2 or len(set(xs)) < 2:
+        return None
+    mx = statistics.fmean(xs)
+    my = statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope = sxy / sxx
+    return my - slope * mx, slope
+
+
+def estimate_peak_bytes(points: Sequence[Point], batch_size: int) -> float | None:
+    """Peak memory at `batch_size` extrapolated from the batches that fit (None if unknown).
+
+    Two or more points: a straight line through them (memory = fixed part + per-sample part);
+    one point: proportional to the batch size (an upper bound for a larger batch).
+    """
+    fits = [p for p in fitting(points) if p.peak_memory_bytes > 0]
+    if not fits:
+        return None
+    if len(fits) == 1:
+        p = fits[0]
+        return p.peak_memory_bytes * batch_size / p.batch_size
+    line = linear_fit([p.batch_size for p in fits], [p.peak_memory_bytes for p in fits])
+    if line is None:
+        return float(max(p.peak_memory_bytes for p in fits))
+    intercept, slope = line
+    return intercept + max(slope, 0.0) * batch_size
+
+
+def max_batch_size(points: Sequence[Point], capacity_bytes: int | None) -> int:
+    """The largest batch that fits in memory.
+
+    After an out-of-memory answer: the largest batch that was measured to fit. Without one:
+    the batch at which the memory line through the measured points reaches `capacity_bytes`,
+    never below the largest batch measured nor above MAX_EXTRAPOLATION times it; the largest
+    batch measured when the capacity or the line is unknown.
+    """
+    fits = fitting(points)
+    if not fits:
+        return 0
+    largest = max(p.batch_size for p in fits)
+    if len(fits) < len(points) or not capacity_bytes:
+        return largest
+    line = linear_fit([p.batch_size for p in fits], [p.peak_memory_bytes for p in fits])
+    if line is None:
+        return largest
+    intercept, slope = line
+    if slope <= 0:
+        return largest * MAX_EXTRAPOLATION
+    estimate = math.floor((capacity_bytes - intercept) / slope)
+    return int(min(max(estimate, largest), largest * MAX_EXTRAPOLATION))
+
+
+def headline_samples_per_second(points: Sequence[Point]) -> float:
+    """The figure the allocator weighs by: the throughput at the largest batch that fits
+    (the most work per step, so the least disturbed by per-step overheads and noise)."""
+    fits = fitting(points)
+    if not fits:
+        return 0.0
+    return max(fits, key=lambda p: p.batch_size).samples_per_second
+
+
+def bandwidth_bytes_per_second(
+    bytes_moved: int, seconds: Sequence[float], rtt_seconds: float
+) -> float:
+    """Bandwidth from the durations of transfers of `bytes_moved` bytes each: bytes over the
+    median duration less one round trip (a transfer faster than the RTT counts as one RTT)."""
+    if not seconds or bytes_moved <= 0:
+        return 0.0
+    median = statistics.median(seconds)
+    transfer = max(median - rtt_seconds, median / 2, 1e-9)
+    return bytes_moved / transfer
+
+
+def memory_capacity(device: common_pb2.Device, memory_limit_bytes: int | None) -> int:
+    """Memory one batch may use: the emulated limit, else a share of the device's memory."""
+    if memory_limit_bytes:
+        return memory_limit_bytes
+    return int(device.total_memory_bytes * MEMORY_HEADROOM)
+
+
+def build_result(
+    points: Sequence[Point],
+    device: common_pb2.Device,
+    *,
+    slowdown: float,
+    memory_limit_bytes: int | None = None,
+    rtt_ms: float = 0.0,
+    bandwidth: float = 0.0,
+    job_id: str = "",
+) -> common_pb2.BenchmarkResult:
+    return common_pb2.BenchmarkResult(
+        job_id=job_id,
+        device=device,
+        points=[p.to_proto() for p in points],
+        max_batch_size=max_batch_size(points, memory_capacity(device, memory_limit_bytes)),
+        samples_per_second=headline_samples_per_second(points),
+        rtt_ms=rtt_ms,
+        bandwidth_bytes_per_second=bandwidth,
+        measured_at_ms=now_ms(),
+        slowdown=slowdown,
+    )
+
+
+# -- the sweep --------------------------------------------------------------------------------
+
+
+def _never() -> bool:
+    return False
+
+
+def run_compute_benchmark(
+    make_step: StepFactory,
+    plan: BenchmarkPlan,
+    slowdown: SlowdownController,
+    meter: MemoryMeter,
+    *,
+    memory_limit_bytes: int | None = None,
+    should_stop: Callable[[], bool] = _never,
+    on_oom: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[Point]:
+    """Measure every batch size of the plan, smallest first, until one does not fit.
+
+    Raises BenchmarkCancelled when `should_stop()` turns true (checked between steps); any
+    error other than out-of-memory propagates.
+    """
+    sizes = sorted({b for b in plan.batch_sizes if b > 0})
+    points: list[Point] = []
+    for i, batch_size in enumerate(sizes):
+        if should_stop():
+            raise BenchmarkCancelled()
+        if memory_limit_bytes is not None:
+            estimate = estimate_peak_bytes(points, batch_size)
+            if estimate is not None and estimate > memory_limit_bytes:
+                log.info(
+                    "batch %d: estimated peak %.0f bytes exceeds the memory limit %d",
+                    batch_size,
+                    estimate,
+                    memory_limit_bytes,
+                )
+                points.extend(Point(b, 0.0, 0, True) for b in sizes[i:])
+                break
+        try:
+            point = _measure(
+                make_step, batch_size, plan, slowdown, meter, memory_limit_bytes, should_stop, clock
+            )
+        except BenchmarkCancelled:
+            raise
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            log.info("batch %d does not fit: %s", batch_size, exc)
+            if on_oom is not None:
+                on_oom()
+            points.extend(Point(b, 0.0, 0, True) for b in sizes[i:])
+            break
+        log.debug(
+            "batch %d: %.1f samples/s over %d steps, peak %d bytes",
+            batch_size,
+            point.samples_per_second,
+            point.steps,
+            point.peak_memory_bytes,
+        )
+        points.append(point)
+    return points
+
+
+def _measure(
+    make_step: StepFactory,
+    batch_size: int,
+    plan: BenchmarkPlan,
+    slowdown: SlowdownController,
+    meter: MemoryMeter,
+    memory_limit_bytes: int | None,
+    should_stop: Callable[[], bool],
+    clock: Callable[[], float],
+) -> Point:
+    def check_limit() -> None:
+        if memory_limit_bytes is not None:
+            peak = meter.peak_bytes()
+            if peak > memory_limit_bytes:
+                raise MemoryLimitExceeded(
+                    f"peak {peak} bytes exceeds the memory limit {memory_limit_bytes}"
+                )
+
+    meter_pending = True
+    meter.reset()
+    step = make_step(batch_size)
+    # The first warm-up step is the tracked one (tracking slows a step down: never timed).
+    for _ in range(max(1, plan.warmup_steps)):
+        if should_stop():
+            raise BenchmarkCancelled()
+        if meter_pending:
+            meter.track(partial(slowdown.timed_step, step))
+            meter_pending = False
+            check_limit()
+        else:
+            slowdown.timed_step(step)
+    times: list[float] = []
+    start = clock()
+    while len(times) < max(1, plan.max_steps):
+        if should_stop():
+            raise BenchmarkCancelled()
+        t0 = clock()
+        slowdown.timed_step(step)
+        times.append(clock() - t0)
+        spent = clock() - start
+        if len(times) >= plan.min_steps and spent >= plan.min_seconds:
+            break
+        if spent >= plan.max_seconds:
+            break
+    check_limit()
+    total = sum(times)
+    return Point(
+        batch_size=batch_size,
+        samples_per_second=batch_size * len(times) / total if total > 0 else 0.0,
+        peak_memory_bytes=meter.peak_bytes(),
+        out_of_memory=False,
+        steps=len(times),
+        median_step_seconds=statistics.median(times),
+    )
+
+
+def benchmark_model(
+    build: Callable[[], StepFactory],
+    device: str,
+    plan: BenchmarkPlan,
+    slowdown: SlowdownController,
+    *,
+    memory_limit_bytes: int | None = None,
+    should_stop: Callable[[], bool] = _never,
+) -> list[Point]:
+    """Build a model with `build()` and sweep it on `device` (blocking: run it in a thread)."""
+    meter = memory_meter_for(device)
+    make_step = build()
+    try:
+        return run_compute_benchmark(
+            make_step,
+            plan,
+            slowdown,
+            meter,
+            memory_limit_bytes=memory_limit_bytes,
+            should_stop=should_stop,
+            on_oom=lambda: release_memory(device),
+        )
+    finally:
+        del make_step
+        release_memory(device)

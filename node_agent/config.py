@@ -1,0 +1,187 @@
+"""Command line and configuration of the node agent (`epochmesh-agent`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCHMARK_MODES = ("full", "quick", "off")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything the agent needs to know at start; built by `parse_args`."""
+
+    coordinator: str
+    data_dir: Path
+    device: str = "auto"
+    name: str = field(default_factory=socket.gethostname)
+    slowdown: float = 1.0
+    memory_limit_bytes: int | None = None
+    benchmark: str = "full"
+    log_level: str = "INFO"
+    # Seconds a drain (SIGTERM, operator drain) waits for the current task before abandoning it.
+    drain_grace_seconds: float = 10.0
+    # Long-poll bound sent with NextTask; the coordinator may cap it.
+    poll_wait_ms: int = 5_000
+    labels: dict[str, str] = field(default_factory=dict)
+    # CPU threads torch may use for one operation (None: torch's default, one per core).
+    threads: int | None = None
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.data_dir / "cache"
+
+    @property
+    def slowdown_file(self) -> Path:
+        return self.data_dir / "slowdown"
+
+    @property
+    def benchmark_file(self) -> Path:
+        return self.data_dir / "benchmark.json"
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count such as `1048576`, `512M`, `1.5GiB` (binary units)."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ValueError(f"not a byte size: {text!r} (examples: 1048576, 512M, 2GiB)")
+    number, unit, _ = match.groups()
+    value = int(float(number) * _SIZE_UNITS[unit.lower()])
+    if value <= 0:
+        raise ValueError(f"byte size must be positive: {text!r}")
+    return value
+
+
+def _slowdown(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--slowdown must be a number, got {text!r}") from None
+    if not value >= 1.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"--slowdown must be a finite number >= 1, got {text!r}")
+    return value
+
+
+def _device(text: str) -> str:
+    if text in ("auto", "cpu") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"--device must be auto, cpu or cuda:N, got {text!r}")
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--label must be KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epochmesh-agent",
+        description="epochmesh node agent: registers this machine's device with a coordinator, "
+        "benchmarks it and trains the rounds it is given.",
+    )
+    parser.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    parser.add_argument(
+        "--data-dir",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="node identity, blob cache, slowdown control file",
+    )
+    parser.add_argument("--device", default="auto", type=_device, help="auto | cpu | cuda:N")
+    parser.add_argument("--name", default=None, help="display name (default: host name)")
+    parser.add_argument(
+        "--slowdown",
+        default=1.0,
+        type=_slowdown,
+        metavar="F",
+        help="make every training step take F times its compute time (emulates a slower "
+        "device); changeable at run time by writing a number to DATA_DIR/slowdown",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        default=None,
+        type=_size_arg,
+        metavar="BYTES",
+        help="emulate a smaller device: a batch whose peak memory exceeds this counts as OOM",
+    )
+    parser.add_argument(
+        "--benchmark",
+        default="full",
+        choices=BENCHMARK_MODES,
+        help="reference benchmark at start: full (default), quick (tests), off",
+    )
+    parser.add_argument(
+        "--drain-grace",
+        default=10.0,
+        type=_positive_float,
+        metavar="SECONDS",
+        help="on SIGTERM, how long to let the current task finish before abandoning it",
+    )
+    parser.add_argument("--poll-wait-ms", default=5_000, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--label", action="append", default=[], type=_label, metavar="KEY=VALUE")
+    parser.add_argument(
+        "--threads",
+        default=None,
+        type=_positive_int,
+        metavar="N",
+        help="CPU threads per torch operation (default: one per core); several agents "
+        "sharing one machine run far steadier with --threads 1",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> AgentConfig:
+    args = build_parser().parse_args(argv)
+    return AgentConfig(
+        coordinator=args.coordinator,
+        data_dir=args.data_dir.expanduser().resolve(),
+        device=args.device,
+        name=args.name or socket.gethostname(),
+        slowdown=args.slowdown,
+        memory_limit_bytes=args.memory_limit,
+        benchmark=args.benchmark,
+        log_level=args.log_level,
+        drain_grace_seconds=args.drain_grace,
+        poll_wait_ms=max(0, args.poll_wait_ms),
+        labels=dict(args.label),
+        threads=args.threads,
+    )

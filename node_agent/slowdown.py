@@ -1,0 +1,175 @@
+"""Emulated slow devices: `--slowdown F` makes every training step take F times its compute time.
+
+A step that computes for t seconds is followed by a sleep of (F - 1) * t, so a node with F = 4
+really delivers a quarter of the samples per second, whatever the machine's load, and the
+benchmark (which goes through the same controller) measures exactly that slowed speed.
+
+The factor can change while the agent runs (the fault-tolerance tests make stragglers that way):
+write a number to the watch file (DATA_DIR/slowdown); the controller notices the change through
+a cheap stat() before every step. SIGUSR1 makes the agent call `reload()` explicitly. The agent
+writes its initial factor to the file at start, so the file always shows the factor in force.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_StatKey = tuple[int, int, int]
+
+
+def parse_factor(text: str) -> float:
+    """Parse a slowdown factor: a finite number >= 1. Raises ValueError with a clear message."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"slowdown factor must be a number, got {text.strip()!r}") from None
+    if not math.isfinite(value) or value < 1.0:
+        raise ValueError(f"slowdown factor must be a finite number >= 1, got {value}")
+    return value
+
+
+def padding_seconds(factor: float, compute_seconds: float) -> float:
+    """How long to sleep after a step of `compute_seconds` so that it takes `factor` times as long."""
+    return max(0.0, (factor - 1.0) * max(0.0, compute_seconds))
+
+
+class SlowdownController:
+    """Stretches steps by a factor that may change at run time. Thread-safe."""
+
+    def __init__(
+        self,
+        factor: float = 1.0,
+        watch_file: Path | None = None,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._factor = parse_factor(str(factor))
+        self._watch_file = watch_file
+        self._sleep = sleep
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seen: _StatKey | None = None
+        self._overslept = 0.0
+        self.steps = 0
+        self.compute_seconds = 0.0
+        self.padding_seconds = 0.0
+        if watch_file is not None:
+            self._write_watch_file(self._factor)
+
+    @property
+    def watch_file(self) -> Path | None:
+        return self._watch_file
+
+    @property
+    def factor(self) -> float:
+        """The factor in force, after picking up any change of the watch file."""
+        self._check_watch_file()
+        return self._factor
+
+    def set_factor(self, factor: float) -> None:
+        """Change the factor (and the watch file, so that both agree)."""
+        value = parse_factor(str(factor))
+        with self._lock:
+            self._factor = value
+        if self._watch_file is not None:
+            self._write_watch_file(value)
+
+    def reload(self) -> None:
+        """Re-read the watch file even if its stat did not change (SIGUSR1)."""
+        with self._lock:
+            self._seen = None
+        self._check_watch_file()
+
+    def timed_step(self, fn: Callable[[], T]) -> T:
+        """Run `fn`, then sleep (F - 1) times its duration. Exceptions propagate, unpadded."""
+        factor = self.factor
+        start = self._clock()
+        result = fn()
+        elapsed = self._clock() - start
+        self.pad(elapsed, factor)
+        return result
+
+    def pad(self, compute_seconds: float, factor: float | None = None) -> float:
+        """Sleep after a step the caller timed itself; returns the seconds slept.
+
+        Sleeps overshoot (a loaded machine wakes a sleeper late); the excess is carried over
+        and taken off the following pads, so that over a run of steps the wall time is F times
+        the compute time rather than F times plus the wake-up latency of every step.
+        """
+        f = self.factor if factor is None else factor
+        wanted = padding_seconds(f, compute_seconds)
+        with self._lock:
+            debt = self._overslept
+        request = max(0.0, wanted - debt)
+        slept = 0.0
+        if request > 0:
+            start = self._clock()
+            self._sleep(request)
+            slept = self._clock() - start
+        with self._lock:
+            if wanted > 0:
+                # Carry at most one step's padding over: a long pause is not paid back.
+                self._overslept = min(max(0.0, debt + slept - wanted), wanted)
+            self.steps += 1
+            self.compute_seconds += max(0.0, compute_seconds)
+            self.padding_seconds += slept
+        return slept
+
+    # -- watch file ---------------------------------------------------------------------------
+
+    def _write_watch_file(self, value: float) -> None:
+        assert self._watch_file is not None
+        path = self._watch_file
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(f"{value:g}\n")
+            os.replace(tmp, path)
+            key = _stat_key(path)
+        except OSError as exc:
+            log.warning("cannot write slowdown file %s: %s", path, exc)
+            return
+        with self._lock:
+            self._seen = key
+
+    def _check_watch_file(self) -> None:
+        path = self._watch_file
+        if path is None:
+            return
+        key = _stat_key(path)
+        with self._lock:
+            if key == self._seen:
+                return
+            self._seen = key
+        if key is None:
+            return  # file removed: keep the factor in force
+        try:
+            value = parse_factor(path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring slowdown file %s: %s", path, exc)
+            return
+        with self._lock:
+            changed = value != self._factor
+            self._factor = value
+        if changed:
+            log.info("slowdown factor is now %g (from %s)", value, path)
+
+
+def _stat_key(path: Path) -> _StatKey | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)

@@ -1,0 +1,374 @@
+"""The agent's life: start, register, benchmark, take tasks, drain, leave.
+
+Start-up order (registration comes first so that a node shows up within a couple of seconds):
+1. load the node id (DATA_DIR/node.json), discover devices, write DATA_DIR/slowdown;
+2. Register (retried with backoff until the coordinator answers), start the heartbeat task;
+3. reference benchmark of the built-in model on the training device (on the compute thread),
+   RTT and bandwidth probes, ReportBenchmark (job_id empty), also written to
+   DATA_DIR/benchmark.json; the report is sent again after every later registration;
+4. the work loop: NextTask long-poll, run the task (node_agent.tasks), repeat.
+
+Draining (SIGTERM, SIGINT, or the coordinator reporting the node DRAINING): take no new task,
+tell the coordinator (a Heartbeat with draining=True), let the current task finish for up to
+--drain-grace seconds, else abandon it and report it failed so the coordinator re-queues it,
+then Leave and exit 0. A second signal abandons the current task at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from google.protobuf import json_format
+
+from epochmesh import __version__
+from epochmesh.v1 import agent_pb2, common_pb2
+from node_agent.benchmark import (
+    FULL_PLAN,
+    QUICK_PLAN,
+    BenchmarkCancelled,
+    benchmark_model,
+    build_result,
+)
+from node_agent.cache import BlobCache
+from node_agent.config import AgentConfig
+from node_agent.connection import (
+    HEARTBEAT_LEASE_CODES,
+    CoordinatorConnection,
+    HeartbeatHooks,
+    Stopped,
+    describe,
+    device_summary,
+)
+from node_agent.devices import DeviceError, Discovered, discover_devices
+from node_agent.reference_model import reference_step_factory
+from node_agent.slowdown import SlowdownController
+from node_agent.tasks import TaskContext, dispatch_task
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# After abandoning a task, how long to wait for its handler to notice before leaving anyway.
+ABANDON_WAIT_S = 5.0
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.current: TaskContext | None = None
+        self.reference_result: common_pb2.BenchmarkResult | None = None
+        self.drain_reason = ""
+        # Created in run(), inside the event loop.
+        self._drain: asyncio.Event
+        self._hurry: asyncio.Event
+        self._stop: asyncio.Event
+        self._wake_heartbeat: asyncio.Event
+        self._draining_flag = threading.Event()  # readable from the compute thread
+        self.slowdown: SlowdownController
+        self.discovered: Discovered
+        self.cache: BlobCache
+        self.connection: CoordinatorConnection
+
+    # -- control --------------------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._draining_flag.is_set()
+
+    def request_drain(self, reason: str) -> None:
+        """Start draining; a second request abandons the current task at once."""
+        if self._drain.is_set():
+            if not self._hurry.is_set():
+                log.warning("%s again: abandoning the current task now", reason)
+                self._hurry.set()
+            return
+        log.info("draining (%s): no new tasks; finishing the current one", reason)
+        self.drain_reason = reason
+        self._draining_flag.set()
+        self._drain.set()
+        self._wake_heartbeat.set()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_drain, signal.Signals(sig).name)
+        loop.add_signal_handler(signal.SIGUSR1, self.slowdown.reload)
+
+    def _on_node_state(self, state: int) -> None:
+        if state == common_pb2.NODE_STATE_DRAINING and not self.draining:
+            self.request_drain("the coordinator drains this node")
+
+    def _on_cancel_task(self, task_id: str) -> None:
+        ctx = self.current
+        if ctx is not None and ctx.task.task_id == task_id:
+            ctx.log.warning("the coordinator cancelled this task")
+            ctx.cancel("cancelled by the coordinator")
+
+    async def _until_drain(self, aw: Awaitable[T]) -> T | None:
+        """Await `aw`, unless a drain starts first (then it is cancelled and None returned)."""
+        task = asyncio.ensure_future(aw)
+        drain = asyncio.ensure_future(self._drain.wait())
+        try:
+            await asyncio.wait({task, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Stopped, grpc.aio.AioRpcError):
+            await task
+        return None
+
+    # -- main -----------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self._drain = asyncio.Event()
+        self._hurry = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._wake_heartbeat = asyncio.Event()
+        config = self.config
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.slowdown = SlowdownController(config.slowdown, config.slowdown_file)
+        self._install_signal_handlers()
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        try:
+            self.discovered = await asyncio.to_thread(discover_devices, config.device)
+        except DeviceError as exc:
+            log.error("%s", exc)
+            return EXIT_CONFIG
+        for device in self.discovered.devices:
+            log.info("device: %s", device_summary(device))
+        log.info("training on %s (slowdown %g)", self.discovered.torch_device, self.slowdown.factor)
+        self.cache = BlobCache(config.cache_dir)
+        self.connection = CoordinatorConnection(
+            config.coordinator,
+            config.data_dir,
+            self._register_request,
+            stop=self._stop,
+            on_registered=self._after_registration,
+        )
+        heartbeats: asyncio.Task[None] | None = None
+        try:
+            await self._until_drain(self.connection.register())
+            if self.connection.registered:
+                heartbeats = asyncio.create_task(
+                    self.connection.heartbeat_loop(
+                        HeartbeatHooks(
+                            current_task_id=self._current_task_id,
+                            draining=lambda: self.draining,
+                            on_state=self._on_node_state,
+                            on_cancel_task=self._on_cancel_task,
+                        ),
+                        self._wake_heartbeat,
+                    ),
+                    name="heartbeats",
+                )
+            if not self.draining and config.benchmark != "off":
+                await self._reference_benchmark()
+            if not self.draining:
+                await self._work_loop()
+        finally:
+            await self._shutdown(heartbeats)
+        return EXIT_OK
+
+    async def _shutdown(self, heartbeats: asyncio.Task[None] | None) -> None:
+        if self.connection.registered:
+            await self.connection.send_draining(task_id="")
+        self._stop.set()
+        if heartbeats is not None:
+            heartbeats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeats
+        await self.connection.leave(self.drain_reason or "agent stopped")
+        await self.connection.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        log.info("agent stopped")
+
+    def _register_request(self) -> agent_pb2.RegisterRequest:
+        return agent_pb2.RegisterRequest(
+            name=self.config.name,
+            devices=self.discovered.devices,
+            agent_version=__version__,
+            labels={"device": self.discovered.torch_device, **self.config.labels},
+        )
+
+    def _current_task_id(self) -> str:
+        return self.current.task.task_id if self.current is not None else ""
+
+    async def _after_registration(self) -> None:
+        """After a re-registration, the coordinator hears the reference benchmark again."""
+        if self.reference_result is not None and self.connection.registrations > 1:
+            await self._report_reference()
+
+    # -- reference benchmark --------------------------------------------------------------------
+
+    async def _reference_benchmark(self) -> None:
+        plan = QUICK_PLAN if self.config.benchmark == "quick" else FULL_PLAN
+        device = self.discovered.torch_device
+        loop = asyncio.get_running_loop()
+        try:
+            points = await loop.run_in_executor(
+                self.executor,
+                partial(
+                    benchmark_model,
+                    partial(reference_step_factory, device),
+                    device,
+                    plan,
+                    self.slowdown,
+                    memory_limit_bytes=self.config.memory_limit_bytes,
+                    should_stop=self._draining_flag.is_set,
+                ),
+            )
+        except BenchmarkCancelled:
+            log.info("reference benchmark abandoned (draining)")
+            return
+        network = await self._until_drain(self.connection.measure_network())
+        rtt_ms, bandwidth = network if network is not None else (0.0, 0.0)
+        result = build_result(
+            points,
+            self.discovered.selected,
+            slowdown=self.slowdown.factor,
+            memory_limit_bytes=self.config.memory_limit_bytes,
+            rtt_ms=rtt_ms,
+            bandwidth=bandwidth,
+        )
+        self.reference_result = result
+        log.info(
+            "reference benchmark: %.1f samples/s, max batch %d (%s)",
+            result.samples_per_second,
+            result.max_batch_size,
+            ", ".join(
+                f"b{p.batch_size}: {'OOM' if p.out_of_memory else f'{p.samples_per_second:.0f}/s'}"
+                for p in result.points
+            ),
+        )
+        self._write_benchmark_file(result)
+        await self._until_drain(self._report_reference())
+
+    def _write_benchmark_file(self, result: common_pb2.BenchmarkResult) -> None:
+        path = self.config.benchmark_file
+        tmp = path.with_suffix(".json.tmp")
+        try:
+            tmp.write_text(json.dumps(json_format.MessageToDict(result), indent=2))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", path, exc)
+
+    async def _report_reference(self) -> None:
+        result = self.reference_result
+        assert result is not None
+        try:
+            await self.connection.call(
+                "ReportBenchmark",
+                lambda: agent_pb2.ReportBenchmarkRequest(
+                    node_id=self.connection.node_id,
+                    lease_id=self.connection.lease_id,
+                    result=result,
+                ),
+            )
+        except Stopped:
+            return
+        except grpc.aio.AioRpcError as exc:
+            log.error("the coordinator refused the benchmark report: %s", describe(exc))
+            return
+        log.info("reference benchmark reported")
+
+    # -- work loop ------------------------------------------------------------------------------
+
+    async def _work_loop(self) -> None:
+        wait_ms = self.config.poll_wait_ms
+        backoff = self.connection.new_backoff()
+
+        def request() -> agent_pb2.NextTaskRequest:
+            return agent_pb2.NextTaskRequest(
+                node_id=self.connection.node_id,
+                lease_id=self.connection.lease_id,
+                wait_ms=wait_ms,
+            )
+
+        while not self.draining:
+            try:
+                task: Any = await self._until_drain(
+                    self.connection.call(
+                        "NextTask",
+                        request,
+                        timeout=wait_ms / 1000.0 + 10.0,
+                        lease_codes=HEARTBEAT_LEASE_CODES,
+                    )
+                )
+            except Stopped:
+                return
+            except grpc.aio.AioRpcError as exc:
+                log.error("NextTask refused: %s", describe(exc))
+                await self._until_drain(asyncio.sleep(max(1.0, backoff.next_delay())))
+                continue
+            backoff.reset()
+            if task is None:
+                return
+            if task.kind == agent_pb2.TASK_KIND_NONE:
+                continue
+            await self._run_task(task)
+
+    async def _run_task(self, task: agent_pb2.Task) -> None:
+        ctx = TaskContext(
+            task=task,
+            connection=self.connection,
+            cache=self.cache,
+            device=self.discovered.torch_device,
+            device_info=self.discovered.selected,
+            slowdown=self.slowdown,
+            executor=self.executor,
+            memory_limit_bytes=self.config.memory_limit_bytes,
+        )
+        self.current = ctx
+        self._wake_heartbeat.set()  # the coordinator hears the task id at once
+        job = asyncio.create_task(dispatch_task(ctx), name=f"task-{task.task_id}")
+        try:
+            await self._until_drain(asyncio.shield(job))
+            if job.done():
+                self._reap(job)
+                return
+            grace = self.config.drain_grace_seconds
+            ctx.log.info("draining: letting the task finish (up to %.1fs)", grace)
+            hurry = asyncio.ensure_future(self._hurry.wait())
+            try:
+                await asyncio.wait({job, hurry}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hurry.cancel()
+            if job.done():
+                self._reap(job)
+                return
+            ctx.cancel("the agent is draining")
+            done, _ = await asyncio.wait({job}, timeout=ABANDON_WAIT_S)
+            if done:
+                self._reap(job)
+                return
+            ctx.log.warning("the task does not stop; leaving it behind")
+            await ctx.report_failure("abandoned: the agent is draining")
+        finally:
+            self.current = None
+
+    @staticmethod
+    def _reap(job: asyncio.Task[None]) -> None:
+        if job.cancelled():
+            return
+        exc = job.exception()
+        if exc is not None and not isinstance(exc, Stopped):
+            log.error("task handler crashed: %s", describe(exc))

@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Control-plane benchmark: one coordinator process, N simulated agents heartbeating.
+
+    .venv/bin/python scripts/bench_control_plane.py [--agents 2000] [--interval 5] [--duration 30]
+
+Starts `epochmesh-coordinator` on a fresh data dir and port, then client processes (asyncio,
+grpc.aio) that register the agents (each agent on its own connection by default); like real
+agents, each heartbeats every --interval seconds from its registration on, at its own random
+phase. Once all are registered, --duration seconds are measured. Prints one JSON line:
+
+  agents, heartbeats, heartbeats_per_s, p50_ms, p99_ms, max_ms, errors,
+  coordinator_cpu_s_per_1000_heartbeats (user+system CPU of the coordinator process during the
+  measured window, per 1000 heartbeats), duration_s, register_s, client_processes
+
+Latency is the agent's view: from issuing Heartbeat to the response. The load generator runs on
+the same machine and competes with the coordinator for CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epochmesh.grpc_util import CHANNEL_OPTIONS
+from epochmesh.v1 import agent_pb2, agent_pb2_grpc
+
+# -- client worker (a subprocess of the bench) ------------------------------------------------
+
+
+async def run_worker(args: argparse.Namespace) -> None:
+    """Register ``args.agents`` agents, say READY, wait for the start time on stdin, heartbeat
+    until the end time, print the latencies (ms) as one JSON line."""
+    n = args.agents
+    n_channels = min(n, args.connections) if args.connections > 0 else n
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(args.address, options=options) for _ in range(n_channels)]
+    stubs = [agent_pb2_grpc.AgentServiceStub(ch) for ch in channels]
+    leases: list[tuple[str, str]] = [("", "")] * n
+    sem = asyncio.Semaphore(64)
+
+    async def register(i: int) -> None:
+        async with sem:
+            req = agent_pb2.RegisterRequest(name=f"{args.prefix}-{i}", agent_version="bench")
+            req.devices.add(kind="cpu", index=0, cores=1)
+            resp = await stubs[i % n_channels].Register(req, timeout=60)
+            leases[i] = (resp.node_id, resp.lease_id)
+
+    latencies: list[float] = []
+    errors = 0
+    rng = random.Random(args.seed)
+    # Measurement window (wall clock), set by the driver once every agent is registered.
+    window = [float("inf"), float("inf")]
+    stop = asyncio.Event()
+
+    async def agent_loop(i: int) -> None:
+        """Like a real agent: heartbeat every interval from registration on, at its own
+        phase; only heartbeats sent inside the window are measured."""
+        nonlocal errors
+        await register(i)
+        node_id, lease_id = leases[i]
+        stub = stubs[i % n_channels]
+        req = agent_pb2.HeartbeatRequest(node_id=node_id, lease_id=lease_id)
+        next_at = time.time() + rng.uniform(0, args.interval)
+        while True:
+            delay = next_at - time.time()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
+                except TimeoutError:
+                    pass
+            now = time.time()
+            if stop.is_set() or now >= window[1]:
+                return
+            measured = now >= window[0]
+            sent = time.perf_counter()
+            try:
+                await stub.Heartbeat(req, timeout=10)
+                if measured:
+                    latencies.append((time.perf_counter() - sent) * 1000.0)
+            except grpc.aio.AioRpcError:
+                if measured:
+                    errors += 1
+            next_at += args.interval
+
+    t0 = time.monotonic()
+    agents = [asyncio.create_task(agent_loop(i)) for i in range(n)]
+    while not all(lease[0] for lease in leases):
+        await asyncio.sleep(0.05)
+    register_s = time.monotonic() - t0
+    print(json.dumps({"ready": True, "register_s": register_s}), flush=True)
+
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    window[0], window[1] = map(float, line.split())
+    await asyncio.sleep(max(0.0, window[1] - time.time()))
+    stop.set()
+    await asyncio.gather(*agents)
+    for ch in channels:
+        await ch.close()
+    print(json.dumps({"latencies": latencies, "errors": errors}), flush=True)
+
+
+# -- the bench driver -------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100.0 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def wait_for_coordinator(proc: subprocess.Popen[bytes], addr_file: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"coordinator exited with {proc.returncode}")
+        if addr_file.exists() and (address := addr_file.read_text().strip()):
+            with grpc.insecure_channel(address) as ch:
+                try:
+                    resp = health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1
+                    )
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return address
+                except grpc.RpcError:
+                    pass
+        time.sleep(0.05)
+    raise RuntimeError("coordinator did not start in time")
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, object]:
+    own_dir = args.data_dir is None
+    data_dir = Path(tempfile.mkdtemp(prefix="bench-cp-")) if own_dir else Path(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    coordinator_bin = Path(sys.executable).parent / "epochmesh-coordinator"
+    log = open(data_dir / "coordinator-stderr.log", "ab")
+    coord = subprocess.Popen(
+        [
+            str(coordinator_bin),
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            "127.0.0.1:0",
+            "--heartbeat-interval",
+            str(args.interval),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        address = wait_for_coordinator(coord, data_dir / "coordinator.addr", 60)
+        per_worker = [args.agents // args.clients] * args.clients
+        for i in range(args.agents % args.clients):
+            per_worker[i] += 1
+        for w, count in enumerate(per_worker):
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--address",
+                address,
+                "--agents",
+                str(count),
+                "--interval",
+                str(args.interval),
+                "--connections",
+                str(args.connections),
+                "--prefix",
+                f"bench{w}",
+                "--seed",
+                str(args.seed + w),
+            ]
+            workers.append(
+                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            )
+        register_s = 0.0
+        for worker in workers:
+            assert worker.stdout is not None
+            ready = json.loads(worker.stdout.readline())
+            register_s = max(register_s, float(ready["register_s"]))
+
+        cpu = psutil.Process(coord.pid)
+        start = time.time() + 0.5
+        end = start + args.duration
+        for worker in workers:
+            assert worker.stdin is not None
+            worker.stdin.write(f"{start} {end}\n")
+            worker.stdin.flush()
+        time.sleep(max(0.0, start - time.time()))
+        cpu_start = cpu.cpu_times()
+        time.sleep(max(0.0, end - time.time()))
+        cpu_end = cpu.cpu_times()
+
+        latencies: list[float] = []
+        errors = 0
+        for worker in workers:
+            assert worker.stdout is not None
+            result = json.loads(worker.stdout.readline())
+            latencies.extend(result["latencies"])
+            errors += int(result["errors"])
+            worker.wait(timeout=60)
+        cpu_s = (cpu_end.user - cpu_start.user) + (cpu_end.system - cpu_start.system)
+        count = len(latencies)
+        return {
+            "agents": args.agents,
+            "heartbeats": count,
+            "heartbeats_per_s": round(count / args.duration, 1),
+            "p50_ms": round(percentile(latencies, 50), 2),
+            "p99_ms": round(percentile(latencies, 99), 2),
+            "max_ms": round(max(latencies, default=float("nan")), 2),
+            "errors": errors,
+            "coordinator_cpu_s_per_1000_heartbeats": round(cpu_s / count * 1000, 3)
+            if count
+            else None,
+            "duration_s": args.duration,
+            "interval_s": args.interval,
+            "register_s": round(register_s, 2),
+            "client_processes": args.clients,
+        }
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        if coord.poll() is None:
+            coord.send_signal(signal.SIGTERM)
+            try:
+                coord.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                coord.kill()
+                coord.wait()
+        log.close()
+        if own_dir and not args.keep:
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=2000)
+    parser.add_argument("--interval", type=float, default=5.0, help="heartbeat period (s)")
+    parser.add_argument("--duration", type=float, default=30.0, help="measured time (s)")
+    parser.add_argument("--clients", type=int, default=1, help="load-generator processes")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=0,
+        help="channels per client process (0 = one per agent, like real agents)",
+    )
+    parser.add_argument("--data-dir", default=None, help="coordinator data dir (default: temp)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary data dir")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--address", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--prefix", default="bench", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        asyncio.run(run_worker(args))
+        return 0
+    if args.agents <= 0 or args.clients <= 0 or args.duration <= 0 or args.interval <= 0:
+        parser.error("agents, clients, duration and interval must be positive")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    print(json.dumps(run_bench(args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""NodeRegistry and EventLog on a real SQLite store, with a controlled clock."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.events import EventLog
+from coordinator.nodes import LeaseExpiredError, NodeRegistry, is_node_id
+from coordinator.sqlite_store import SqliteStore
+from coordinator.store import FailedPreconditionError, NotFoundError
+from epochmesh.v1 import common_pb2
+from tests.procs import async_wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+NS = common_pb2.NodeState
+TTL = 6.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    s = await SqliteStore.open(tmp_path / "c.db")
+    yield s
+    await s.close()
+
+
+async def make_registry(store: SqliteStore, clock: Clock) -> tuple[NodeRegistry, EventLog]:
+    events = EventLog(store)
+    await events.start()
+    reg = NodeRegistry(store, events, heartbeat_interval_s=2.0, lease_ttl_s=TTL, clock=clock)
+    await reg.load()
+    return reg, events
+
+
+async def test_expiry_by_sweep_and_by_late_heartbeat(store: SqliteStore) -> None:
+    clock = Clock()
+    reg, _ = await make_registry(store, clock)
+    offline: list[str] = []
+
+    async def listener(node_id: str) -> None:
+        offline.append(node_id)
+
+    reg.add_offline_listener(listener)
+    a = await reg.register(name="a")
+    b = await reg.register(name="b")
+    assert is_node_id(a.node_id) and not a.rejoined
+    clock.t += TTL - 1
+    assert await reg.heartbeat(a.node_id, a.lease_id) == NS.NODE_STATE_ONLINE
+    clock.t += 2  # b lapsed (TTL + 1 since its registration), a renewed 2 s ago
+    assert await reg.sweep() == [b.node_id]
+    assert offline == [b.node_id]
+    assert reg.get(b.node_id).state == NS.NODE_STATE_OFFLINE  # type: ignore[union-attr]
+    assert reg.is_alive(a.node_id) and not reg.is_alive(b.node_id)
+
+    # A heartbeat that arrives after expiry but before the sweeper: refused, node OFFLINE.
+    clock.t += TTL + 0.1
+    with pytest.raises(LeaseExpiredError, match="lease expired: register again"):
+        await reg.heartbeat(a.node_id, a.lease_id)
+    assert offline == [b.node_id, a.node_id]
+    stored = await store.get_node(a.node_id)
+    assert stored is not None and stored.info.state == NS.NODE_STATE_OFFLINE
+    kinds = [(e.kind, e.node_id) for e in await store.list_events(kinds=["node.offline"])]
+    assert kinds == [("node.offline", b.node_id), ("node.offline", a.node_id)]
+    with pytest.raises(NotFoundError):
+        await reg.heartbeat("n-0123456789", "x")
+
+
+async def test_heartbeats_are_flushed_in_batches(store: SqliteStore) -> None:
+    clock = Clock()
+    reg, _ = await make_registry(store, clock)
+    a = await reg.register(name="a")
+    registered = await store.get_node(a.node_id)
+    assert registered is not None
+    first_hb = registered.info.last_heartbeat_ms
+    await asyncio.sleep(0.01)
+    await reg.heartbeat(a.node_id, a.lease_id)
+    in_memory = reg.get(a.node_id)
+    assert in_memory is not None and in_memory.last_heartbeat_ms > first_hb
+    stale = await store.get_node(a.node_id)
+    assert stale is not None and stale.info.last_heartbeat_ms == first_hb
+    assert await reg.flush_heartbeats() == 1
+    assert await reg.flush_heartbeats() == 0
+    fresh = await store.get_node(a.node_id)
+    assert fresh is not None and fresh.info.last_heartbeat_ms == in_memory.last_heartbeat_ms
+    assert reg.heartbeats_total == 1
+
+
+async def test_reload_keeps_leases_with_a_fresh_ttl(store: SqliteStore) -> None:
+    clock = Clock()
+    reg, _ = await make_registry(store, clock)
+    a = await reg.register(name="a")
+    gone = await reg.register(name="gone")
+    await reg.leave(gone.node_id, gone.lease_id, "bye")
+    clock.t += TTL - 0.5  # about to lapse when the coordinator "restarts"
+    reg2, _ = await make_registry(store, clock)
+    clock.t += TTL - 0.5  # past the old deadline, within the fresh TTL
+    assert await reg2.heartbeat(a.node_id, a.lease_id) == NS.NODE_STATE_ONLINE
+    with pytest.raises(LeaseExpiredError):
+        await reg2.heartbeat(gone.node_id, gone.lease_id)
+    assert reg2.get(gone.node_id).state == NS.NODE_STATE_OFFLINE  # type: ignore[union-attr]
+
+
+async def test_rejoin_replacing_a_live_lease_notifies_and_keeps_cordon(
+    store: SqliteStore,
+) -> None:
+    clock = Clock()
+    reg, _ = await make_registry(store, clock)
+    offline: list[str] = []
+
+    async def listener(node_id: str) -> None:
+        offline.append(node_id)
+
+    reg.add_offline_listener(listener)
+    a = await reg.register(name="a")
+    await reg.set_busy(a.node_id, "j-0123456789")
+    await reg.cordon(a.node_id)
+    again = await reg.register(name="a", node_id=a.node_id)
+    assert again.rejoined and again.node_id == a.node_id and again.lease_id != a.lease_id
+    assert offline == [a.node_id]  # the old incarnation's work is void
+    info = reg.get(a.node_id)
+    assert info is not None and info.state == NS.NODE_STATE_CORDONED and not info.current_job_id
+    with pytest.raises(LeaseExpiredError):
+        await reg.heartbeat(a.node_id, a.lease_id)
+    with pytest.raises(NotFoundError):
+        await reg.register(name="x", node_id="n-ffffffffff")
+
+
+async def test_busy_idle_eligibility_and_names(store: SqliteStore) -> None:
+    clock = Clock()
+    reg, _ = await make_registry(store, clock)
+    a = await reg.register(name="same")
+    b = await reg.register(name="same")
+    c = await reg.register(name="other")
+    assert {n.node_id for n in reg.eligible_nodes()} == {a.node_id, b.node_id, c.node_id}
+    info = await reg.set_busy(a.node_id, "j-0123456789")
+    assert info.state == NS.NODE_STATE_BUSY and info.current_job_id == "j-0123456789"
+    assert a.node_id in {n.node_id for n in reg.eligible_nodes()}  # BUSY stays eligible
+    info = await reg.set_busy(a.node_id, None)
+    assert info.state == NS.NODE_STATE_ONLINE and not info.current_job_id
+    await reg.drain(c.node_id)
+    assert c.node_id not in {n.node_id for n in reg.eligible_nodes()}
+    with pytest.raises(FailedPreconditionError, match="ambiguous"):
+        reg.find("same")
+    await reg.leave(b.node_id, b.lease_id)
+    assert reg.find("same").node_id == a.node_id  # the only live one of that name
+    assert reg.find(c.node_id).name == "other"
+    with pytest.raises(NotFoundError):
+        reg.find("nobody")
+    with pytest.raises(FailedPreconditionError, match="OFFLINE"):
+        await reg.set_busy(b.node_id, "j-0123456789")
+    counts = reg.counts_by_state()
+    assert counts[NS.NODE_STATE_ONLINE] == 1 and counts[NS.NODE_STATE_DRAINING] == 1
+    assert counts[NS.NODE_STATE_OFFLINE] == 1 and counts[NS.NODE_STATE_QUARANTINED] == 0
+
+
+async def test_event_log_watch_past_the_buffer_then_follow(store: SqliteStore) -> None:
+    events = EventLog(store, buffer_events=3)
+    for i in range(4):
+        await events.append("old", message=str(i))  # before start: only in the store
+    await events.start()
+    for i in range(6):
+        await events.append("node.x" if i % 2 else "job.y", message=str(i))
+    everything = [e async for e in events.watch()]
+    assert [e.kind for e in everything][:4] == ["old"] * 4 and len(everything) == 10
+    assert [e.id for e in everything] == sorted(e.id for e in everything)
+    only_nodes = [e.message async for e in events.watch(kinds=["node.*"])]
+    assert only_nodes == ["1", "3", "5"]
+    tail = [e.id async for e in events.watch(everything[7].id)]
+    assert tail == [e.id for e in everything[8:]]
+
+    got: list[str] = []
+
+    async def follow() -> None:
+        async for e in events.watch(everything[-1].id, follow=True, kinds=["node.*"]):
+            got.append(e.message)
+
+    follower = asyncio.create_task(follow())
+    await events.append("job.y", message="skip")
+    await events.append("node.x", message="new")
+    # A transaction that rolls back announces nothing.
+    with pytest.raises(RuntimeError):
+        async with store.transaction():
+            await events.append("node.x", message="rolled back")
+            raise RuntimeError("abort")
+    async with store.transaction():
+        await events.append("node.x", message="committed")
+    await async_wait_until(lambda: len(got) >= 2, timeout=5)
+    assert got == ["new", "committed"]
+    events.close()
+    await asyncio.wait_for(follower, timeout=5)

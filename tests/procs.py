@@ -1,0 +1,252 @@
+"""Launch and control coordinators for tests: real subprocesses through the console script,
+or an in-process `Coordinator` for fast integration tests.
+
+Public helpers:
+- ``free_port()``: a TCP port free on 127.0.0.1 right now.
+- ``wait_until(pred, timeout, interval)`` / ``async_wait_until(...)``: poll with a deadline.
+- ``start_coordinator(data_dir, *extra_args, env=None)`` -> ``CoordinatorProc``: runs
+  ``epochmesh-coordinator --data-dir DATA_DIR --listen 127.0.0.1:0 EXTRA_ARGS`` and waits for
+  ``DATA_DIR/coordinator.addr`` and a SERVING health check (``--listen HOST:PORT`` in
+  EXTRA_ARGS wins, for a fixed port).
+- ``in_process_coordinator(data_dir, **config_overrides)``: async context manager yielding a
+  started in-process ``coordinator.server.Coordinator``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+if TYPE_CHECKING:
+    from coordinator.server import Coordinator
+
+ADDR_FILE = "coordinator.addr"
+STDERR_LOG = "coordinator-stderr.log"
+
+
+def free_port() -> int:
+    """A port that is free on 127.0.0.1 at the time of the call (racy by nature: prefer
+    ``--listen 127.0.0.1:0`` and reading the bound address where a program supports it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(
+    pred: Callable[[], object],
+    timeout: float = 10.0,
+    interval: float = 0.05,
+    message: str = "",
+) -> object:
+    """Call ``pred`` until it returns something truthy (returned) or ``timeout`` seconds pass
+    (raises TimeoutError). Exceptions raised by ``pred`` propagate."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(message or f"condition not met within {timeout:.1f}s")
+        time.sleep(interval)
+
+
+async def async_wait_until(
+    pred: Callable[[], object | Awaitable[object]],
+    timeout: float = 10.0,
+    interval: float = 0.05,
+    message: str = "",
+) -> object:
+    """Async ``wait_until``; ``pred`` may be a plain or an async callable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(message or f"condition not met within {timeout:.1f}s")
+        await asyncio.sleep(interval)
+
+
+def console_script(name: str) -> Path:
+    """Path of a console script installed in the running interpreter's venv."""
+    return Path(sys.executable).parent / name
+
+
+def health_status(address: str, service: str = "", timeout: float = 1.0) -> str | None:
+    """The grpc.health.v1 status name of ``service`` at ``address`` ("SERVING", ...), or None if
+    the server cannot be reached."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return None
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+class CoordinatorProc:
+    """A coordinator running as a subprocess of the test."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        extra_args: Sequence[str],
+        env: dict[str, str] | None,
+        start_timeout: float,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.extra_args = list(extra_args)
+        self.env = env
+        self.start_timeout = start_timeout
+        self.log_path = self.data_dir / STDERR_LOG
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.address = ""
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> CoordinatorProc:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"coordinator already running (pid {self.proc.pid})")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        addr_file = self.data_dir / ADDR_FILE
+        addr_file.unlink(missing_ok=True)  # a kill -9 leaves a stale one behind
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = [
+            str(console_script("epochmesh-coordinator")),
+            "--data-dir",
+            str(self.data_dir),
+            "--listen",
+            "127.0.0.1:0",
+            *self.extra_args,
+        ]
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== start {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
+        self.address = ""
+        try:
+            wait_until(
+                self._started,
+                timeout=self.start_timeout,
+                interval=0.05,
+                message=f"coordinator did not start within {self.start_timeout}s",
+            )
+        except BaseException as exc:
+            self.kill9()
+            raise RuntimeError(f"{exc}\n--- log tail ---\n{self.log_tail()}") from exc
+        return self
+
+    def _started(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(
+                f"coordinator exited with {self.proc.returncode} during start\n"
+                f"--- log tail ---\n{self.log_tail()}"
+            )
+        addr_file = self.data_dir / ADDR_FILE
+        if not self.address:
+            try:
+                text = addr_file.read_text().strip()
+            except FileNotFoundError:
+                return False
+            if not text:
+                return False
+            self.address = text
+        return health_status(self.address, timeout=0.5) == "SERVING"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        """SIGKILL the coordinator and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait up to ``timeout`` seconds for exit (SIGKILL after that), and return the
+        exit status (negative: killed by that signal)."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        return int(self.proc.returncode)
+
+    def restart(self) -> CoordinatorProc:
+        """Start again on the same data dir (a new port). A running coordinator is first
+        terminated gracefully."""
+        if self.running():
+            self.terminate()
+        return self.start()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def __enter__(self) -> CoordinatorProc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.running():
+            self.kill9()
+
+
+def start_coordinator(
+    data_dir: Path | str,
+    *extra_args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> CoordinatorProc:
+    """Launch ``epochmesh-coordinator`` on 127.0.0.1 with an ephemeral port and wait until it
+    serves. Its stdout+stderr go to ``DATA_DIR/coordinator-stderr.log``. Use it as a context
+    manager (or call ``kill9``/``terminate``) so that it does not outlive the test."""
+    return CoordinatorProc(Path(data_dir), extra_args, env, timeout).start()
+
+
+@contextlib.asynccontextmanager
+async def in_process_coordinator(
+    data_dir: Path | str, engine_factory: Any = None, **overrides: Any
+) -> AsyncIterator[Coordinator]:
+    """A started in-process Coordinator on 127.0.0.1:0; ``overrides`` are CoordinatorConfig
+    fields (e.g. heartbeat_interval_s=0.2, lease_ttl_s=0.6). Stopped on exit."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+
+    overrides.setdefault("listen", "127.0.0.1:0")
+    overrides.setdefault("shutdown_grace_s", 1.0)
+    config = CoordinatorConfig(data_dir=Path(data_dir), **overrides)
+    coord = Coordinator(config, engine_factory=engine_factory)
+    await coord.start()
+    try:
+        yield coord
+    finally:
+        await coord.stop()

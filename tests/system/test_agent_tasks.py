@@ -1,0 +1,256 @@
+"""Agent processes working on tasks handed out by a real in-process coordinator (real gRPC on
+loopback) whose training engine is a small scripted one: benchmarks of a job's exported
+program, the blob cache (a corrupted entry is detected and fetched again), task errors,
+cancellation from the coordinator, a slowdown changed at run time, and drain on SIGTERM with
+a task in progress (finished within the grace, or abandoned and reported failed)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coordinator.engine_api import CoordinatorContext, NullEngine
+from epochmesh.packaging import LossWrapper, export_program
+from epochmesh.tensors import to_safetensors
+from epochmesh.v1 import agent_pb2, common_pb2
+from tests.procs import async_wait_until, in_process_coordinator
+from tests.system.test_agent import AgentProc
+
+log = logging.getLogger(__name__)
+
+NS = common_pb2.NodeState
+SAMPLES = 64
+
+
+class ScriptedEngine(NullEngine):
+    """Hands out the tasks a test queues for a node, and records what the agents report."""
+
+    def __init__(self, context: CoordinatorContext) -> None:
+        super().__init__(context)
+        self.queues: defaultdict[str, asyncio.Queue[agent_pb2.Task]] = defaultdict(asyncio.Queue)
+        self.handed: dict[str, str] = {}  # task id -> node id
+        self.benchmarks: list[tuple[str, common_pb2.BenchmarkResult]] = []
+        self.progress: list[agent_pb2.ReportProgressRequest] = []
+        self.cancelled: set[str] = set()
+
+    def push(self, node_id: str, task: agent_pb2.Task) -> None:
+        self.queues[node_id].put_nowait(task)
+
+    async def next_task(self, req: agent_pb2.NextTaskRequest, ctx: object) -> agent_pb2.Task:
+        wait_s = min(req.wait_ms / 1000.0, self._context.config.max_long_poll_s)
+        get = asyncio.ensure_future(self.queues[req.node_id].get())
+        stop = asyncio.ensure_future(self._context.shutdown.wait())
+        await asyncio.wait({get, stop}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if get.done():
+            task = get.result()
+            self.handed[task.task_id] = req.node_id
+            return task
+        get.cancel()
+        return agent_pb2.Task(kind=agent_pb2.TASK_KIND_NONE)
+
+    async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
+        self.benchmarks.append((node_id, result))
+
+    def cancel_task(self, node_id: str, task_id: str) -> bool:
+        return task_id in self.cancelled
+
+    async def report_progress(
+        self, req: agent_pb2.ReportProgressRequest, ctx: object
+    ) -> agent_pb2.ReportProgressResponse:
+        self.progress.append(req)
+        return agent_pb2.ReportProgressResponse()
+
+    # -- test helpers ---------------------------------------------------------------------------
+
+    def benchmark_of(self, node_id: str, job_id: str) -> common_pb2.BenchmarkResult | None:
+        for node, result in self.benchmarks:
+            if node == node_id and result.job_id == job_id:
+                return result
+        return None
+
+    def progress_of(self, task_id: str) -> agent_pb2.ReportProgressRequest | None:
+        return next((p for p in self.progress if p.task_id == task_id), None)
+
+
+@pytest.fixture(scope="module")
+def job_blobs() -> dict[str, bytes]:
+    """A tiny job as packaging makes it: exported program, initial state, one shard."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    x = torch.randn(SAMPLES, 8)
+    y = torch.randint(0, 3, (SAMPLES,))
+    program = export_program(LossWrapper(model, F.cross_entropy, 1), (x[:4], y[:4]))
+    return {
+        "program": program,
+        "initial_state": to_safetensors(model.state_dict()),
+        "shard": to_safetensors({"x": x, "y": y}),
+    }
+
+
+def benchmark_task(
+    task_id: str, job_id: str, refs: dict[str, common_pb2.BlobRef], batch_sizes: list[int]
+) -> agent_pb2.Task:
+    return agent_pb2.Task(
+        task_id=task_id,
+        kind=agent_pb2.TASK_KIND_BENCHMARK,
+        job_id=job_id,
+        spec=common_pb2.JobSpec(name="tiny", inputs=["x"], targets=["y"]),
+        program=refs["program"],
+        initial_state=refs["initial_state"],
+        shards=[common_pb2.Shard(blob=refs["shard"], start=0, count=SAMPLES)],
+        benchmark_batch_sizes=batch_sizes,
+        deadline_seconds=120,
+    )
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+async def wait_for(pred: Callable[[], object], agent: AgentProc, what: str, timeout: float = 30):  # type: ignore[no-untyped-def]
+    def check() -> object:
+        if not agent.running():
+            raise AssertionError(f"agent exited with {agent.proc.returncode} ({what})\n{agent}")
+        return pred()
+
+    return await async_wait_until(check, timeout=timeout, message=f"{what}\n{agent}")
+
+
+async def start_agent(
+    engine: ScriptedEngine, address: str, data_dir: Path, *args: str
+) -> tuple[AgentProc, str]:
+    agent = AgentProc(address, data_dir, *args)
+    node_id = str(await wait_for(agent.node_id, agent, "registration"))
+    await wait_for(
+        lambda: engine.benchmark_of(node_id, "") is not None, agent, "reference benchmark"
+    )
+    return agent, node_id
+
+
+@pytest.mark.timeout(120)
+async def test_job_benchmark_cache_corruption_errors_and_cancel(
+    tmp_path: Path, job_blobs: dict[str, bytes]
+) -> None:
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=ScriptedEngine, heartbeat_interval_s=0.2, lease_ttl_s=2.0
+    ) as coord:
+        engine: ScriptedEngine = coord.engine  # type: ignore[assignment]
+        refs = {name: await coord.blobs.put_bytes(data) for name, data in job_blobs.items()}
+        data_dir = tmp_path / "agent"
+        agent, node_id = await start_agent(engine, coord.address, data_dir)
+        try:
+            # a job's program, benchmarked at the task's batch sizes
+            engine.push(node_id, benchmark_task("t1", "j-1", refs, [8, 32]))
+            r1 = await wait_for(lambda: engine.benchmark_of(node_id, "j-1"), agent, "t1 report")
+            assert [p.batch_size for p in r1.points] == [8, 32]
+            assert all(p.samples_per_second > 0 and p.peak_memory_bytes > 0 for p in r1.points)
+            assert r1.device.kind == "cpu" and r1.slowdown == 1.0 and r1.max_batch_size >= 32
+            assert r1.rtt_ms > 0 and r1.bandwidth_bytes_per_second > 0
+            assert "benchmarking the job's program" in agent.log_text()
+
+            cache = data_dir / "cache"
+            for ref in refs.values():
+                assert sha256_of(cache / ref.sha256) == ref.sha256
+            shard = cache / refs["shard"].sha256
+            program_inode = os.stat(cache / refs["program"].sha256).st_ino
+            shard_inode = os.stat(shard).st_ino
+
+            # corrupt the shard in the cache between two tasks (same size, same mtime)
+            st = os.stat(shard)
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+            engine.push(node_id, benchmark_task("t2", "j-2", refs, [8]))
+            await wait_for(lambda: engine.benchmark_of(node_id, "j-2"), agent, "t2 report")
+            assert sha256_of(shard) == refs["shard"].sha256
+            assert os.stat(shard).st_ino != shard_inode  # fetched again...
+            assert os.stat(cache / refs["program"].sha256).st_ino == program_inode  # ...alone
+            assert f"cache entry {refs['shard'].sha256} is corrupt" in agent.log_text()
+
+            # failing tasks are reported, and the agent goes on
+            engine.push(node_id, agent_pb2.Task(task_id="t3", kind=99, job_id="j-3"))  # type: ignore[arg-type]
+            missing = common_pb2.BlobRef(sha256="0" * 64, size=10)
+            engine.push(node_id, benchmark_task("t4", "j-4", {**refs, "program": missing}, [8]))
+            p3 = await wait_for(lambda: engine.progress_of("t3"), agent, "t3 failure")
+            assert p3.failed and "unsupported task kind" in p3.error
+            p4 = await wait_for(lambda: engine.progress_of("t4"), agent, "t4 failure")
+            assert p4.failed and "NOT_FOUND" in p4.error
+
+            # a slowdown raised at run time, and a long task the coordinator cancels
+            (data_dir / "slowdown").write_text("50\n")
+            engine.push(node_id, benchmark_task("t5", "j-5", refs, [8, 16, 32, 64, 128, 256]))
+            await wait_for(lambda: "t5" in engine.handed, agent, "t5 handed out")
+            engine.cancelled.add("t5")
+            p5 = await wait_for(lambda: engine.progress_of("t5"), agent, "t5 abandoned")
+            assert p5.failed and "cancelled by the coordinator" in p5.error
+            assert engine.benchmark_of(node_id, "j-5") is None
+            assert "slowdown factor is now 50" in agent.log_text()
+
+            (data_dir / "slowdown").write_text("1\n")
+            engine.push(node_id, benchmark_task("t6", "j-6", refs, [8]))
+            r6 = await wait_for(lambda: engine.benchmark_of(node_id, "j-6"), agent, "t6 report")
+            assert r6.slowdown == 1.0
+            assert not [p for p in engine.progress if p.task_id in ("t1", "t2", "t6")]
+
+            assert await asyncio.to_thread(agent.terminate) == 0, str(agent)
+        finally:
+            await asyncio.to_thread(agent.kill9)
+
+
+@pytest.mark.timeout(120)
+async def test_sigterm_finishes_or_abandons_the_current_task(
+    tmp_path: Path, job_blobs: dict[str, bytes]
+) -> None:
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=ScriptedEngine, heartbeat_interval_s=0.2, lease_ttl_s=2.0
+    ) as coord:
+        engine: ScriptedEngine = coord.engine  # type: ignore[assignment]
+        refs = {name: await coord.blobs.put_bytes(data) for name, data in job_blobs.items()}
+        finisher, finisher_id = await start_agent(
+            engine, coord.address, tmp_path / "finisher", "--slowdown", "10"
+        )
+        quitter, quitter_id = await start_agent(
+            engine, coord.address, tmp_path / "quitter", "--slowdown", "10", "--drain-grace", "0"
+        )
+        try:
+            sizes = [8, 16, 32, 64]
+            engine.push(finisher_id, benchmark_task("f1", "j-f", refs, sizes))
+            engine.push(quitter_id, benchmark_task("q1", "j-q", refs, sizes))
+            await wait_for(lambda: "f1" in engine.handed, finisher, "f1 handed out")
+            await wait_for(lambda: "q1" in engine.handed, quitter, "q1 handed out")
+            finisher.send(signal.SIGTERM)
+            quitter.send(signal.SIGTERM)
+            rc_f, rc_q = await asyncio.gather(
+                asyncio.to_thread(finisher.proc.wait, 60), asyncio.to_thread(quitter.proc.wait, 60)
+            )
+            assert rc_f == 0, str(finisher)
+            assert rc_q == 0, str(quitter)
+
+            # the finisher completed its task within the grace, reported it, then left
+            assert "draining: letting the task finish" in finisher.log_text()
+            assert engine.benchmark_of(finisher_id, "j-f") is not None
+            assert engine.progress_of("f1") is None
+            # the quitter abandoned its task and reported it failed, so it can be re-queued
+            q1 = engine.progress_of("q1")
+            assert q1 is not None and q1.failed and "draining" in q1.error
+            assert engine.benchmark_of(quitter_id, "j-q") is None
+            for node_id in (finisher_id, quitter_id):
+                info = coord.registry.get(node_id)
+                assert info is not None and info.state == NS.NODE_STATE_OFFLINE
+        finally:
+            await asyncio.to_thread(finisher.kill9)
+            await asyncio.to_thread(quitter.kill9)
