@@ -112,9 +112,10 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 
 def default_engine_factory() -> EngineFactory | None:
-    """The training engine the console script runs with (None: `NullEngine`, control plane
-    only). The training engine's issue plugs its factory in here."""
-    return None
+    """The training engine the console script runs with."""
+    from coordinator.engine import Engine
+
+    return Engine
 
 
 async def serve(config: CoordinatorConfig, engine_factory: EngineFactory | None = None) -> int:

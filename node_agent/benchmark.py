@@ -146,14 +146,17 @@ def live_cpu_tensor_bytes() -> int:
     seen: set[int] = set()
     total = 0
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":
+        if issubclass(type(obj), torch.Tensor):
             try:
+                if obj.device.type != "cpu":
+                    continue
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue  # tensors without storage (e.g. meta, sparse)
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
+                key, size = storage.data_ptr(), storage.nbytes()
+            except Exception:
+                continue  # no real storage: fake, functional, meta or sparse tensors
+            if key not in seen:
+                seen.add(key)
+                total += size
     return total
 
 

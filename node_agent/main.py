@@ -21,9 +21,9 @@ def configure_logging(level: str) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # gRPC and asyncio chatter stays at WARNING unless asked for.
-    if level != "DEBUG":
-        logging.getLogger("asyncio").setLevel(logging.WARNING)
+    # Library chatter stays out of the agent's debug log.
+    for name in ("asyncio", "grpc", "torch"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def _join_threads(timeout: float) -> bool:

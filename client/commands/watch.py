@@ -60,6 +60,8 @@ class WatchState:
     last_record: common_pb2.RoundRecord | None = None
     # (monotonic seconds, samples_done) at the first snapshot: the ETA fallback's origin.
     origin: tuple[float, int] | None = None
+    # node_id -> name, remembered from allocations (round records carry ids only).
+    names: dict[str, str] = field(default_factory=dict)
 
     def apply(
         self, update: job_pb2.JobUpdate, now: float | None = None
@@ -72,6 +74,7 @@ class WatchState:
                 self.origin = (now, update.job.samples_done)
         if update.HasField("allocation") and update.allocation.job_id:
             self.allocation = update.allocation
+            self.names.update({n.node_id: n.name for n in update.allocation.nodes if n.name})
         added: list[common_pb2.RoundRecord] = []
         for record in sorted(update.rounds, key=lambda r: r.round):
             if record.round <= self.last_round:
@@ -126,7 +129,7 @@ class WatchState:
         return [
             NodeRow(
                 p.node_id,
-                "",
+                self.names.get(p.node_id, ""),
                 p.local_batch / p.seconds if p.seconds > 0 else 0.0,
                 p.local_batch / total,
                 p.local_batch,

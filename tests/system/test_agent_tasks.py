@@ -91,7 +91,8 @@ def job_blobs() -> dict[str, bytes]:
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
     x = torch.randn(SAMPLES, 8)
     y = torch.randint(0, 3, (SAMPLES,))
-    program = export_program(LossWrapper(model, F.cross_entropy, 1), (x[:4], y[:4]))
+    example = (x[:4].clone(), y[:4].clone())  # not views: those would pin the batch size
+    program = export_program(LossWrapper(model, F.cross_entropy, 1), example)
     return {
         "program": program,
         "initial_state": to_safetensors(model.state_dict()),
@@ -125,7 +126,10 @@ async def wait_for(pred: Callable[[], object], agent: AgentProc, what: str, time
             raise AssertionError(f"agent exited with {agent.proc.returncode} ({what})\n{agent}")
         return pred()
 
-    return await async_wait_until(check, timeout=timeout, message=f"{what}\n{agent}")
+    try:
+        return await async_wait_until(check, timeout=timeout)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}\n{agent}") from None
 
 
 async def start_agent(

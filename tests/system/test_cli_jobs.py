@@ -401,7 +401,10 @@ def test_long_job_download_early_watch_tty_and_cancel(jobs: JobCluster, tmp_path
             watcher.wait()
     assert_clean_error(cli.run("cancel", job_id), 6, "already cancelled")
     assert_clean_error(cli.run("download", job_id, "-o", str(tmp_path / "x")), 6, "cancelled")
+    # Watching a job that already ended shows its last state and exits 5 at once.
     watch_again = cli.run("watch", job_id, timeout=30)
-    assert_clean_error(watch_again, 5, "cancelled")
+    assert watch_again.code == 5, watch_again.stderr
+    assert f"error: job {job_id} cancelled" in watch_again.stderr
+    assert "Traceback" not in watch_again.stderr and watch_again.stdout == ""
     status = cli.run("status", job_id, "--output", "json").json()
     assert status["state"] == "cancelled"
