@@ -289,11 +289,6 @@ class Engine:
             raise UnimplementedError(
                 f"compression {spec.compression!r} is not available yet; use \"none\""
             )
-        if spec.global_batch < spec.min_nodes:
-            raise InvalidArgumentError(
-                f"global_batch {spec.global_batch} is smaller than min_nodes {spec.min_nodes}: "
-                "every node needs at least one sample per round"
-            )
         await self._require_blob(req.program, "program")
         await self._require_blob(req.initial_state, "initial_state")
         if not req.shards:

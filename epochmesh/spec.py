@@ -496,6 +496,14 @@ def _build_spec(values: dict[str, dict[str, Any]], where: _Locator) -> common_pb
             f"[cluster].min_nodes ({cluster['min_nodes']}) must be <= max_nodes "
             f"({cluster['max_nodes']})",
         )
+    if train["global_batch"] < cluster["min_nodes"]:
+        raise err(
+            "train",
+            "global_batch",
+            f"[train].global_batch ({train['global_batch']}) is smaller than [cluster].min_nodes "
+            f"({cluster['min_nodes']}): every node needs at least one sample per round; raise "
+            "global_batch or lower min_nodes",
+        )
 
     spec = common_pb2.JobSpec(
         name=name,
@@ -643,6 +651,11 @@ def validate_job_spec(spec: common_pb2.JobSpec) -> None:
     rng("max_nodes", spec.max_nodes, 1, MAX_NODES)
     if spec.min_nodes > spec.max_nodes:
         raise err(f"min_nodes ({spec.min_nodes}) must be <= max_nodes ({spec.max_nodes})")
+    if spec.global_batch < spec.min_nodes:
+        raise err(
+            f"global_batch ({spec.global_batch}) is smaller than min_nodes ({spec.min_nodes}): "
+            "every node needs at least one sample per round"
+        )
     rng("checkpoint_every", spec.checkpoint_every, 1, MAX_CHECKPOINT_EVERY)
 
 

@@ -8,8 +8,10 @@ Rules:
   A call answered FAILED_PRECONDITION (lease expired) -- or NOT_FOUND for a heartbeat (unknown
   lease or node) -- makes the agent register again with the same node id, then retry.
 - The node id that the coordinator assigned is persisted in DATA_DIR/node.json.
-- The channel reconnects quickly (gRPC's own reconnect backoff is capped at 2 s), so an agent
-  notices a restarted coordinator within a couple of seconds.
+- Calls wait for the connection (wait_for_ready) up to their timeout rather than failing at
+  once, and gRPC's own reconnect backoff is capped at 1 s, so an agent notices a restarted
+  coordinator within about a second. Leave and the final draining heartbeat do not wait: an
+  agent told to stop exits promptly even when the coordinator is gone.
 """
 
 from __future__ import annotations
@@ -55,14 +57,19 @@ TRANSIENT_CODES = frozenset(
 LEASE_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
 HEARTBEAT_LEASE_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND})
 
-# Keep gRPC's own reconnect attempts frequent: our backoff decides how often calls are tried.
+# gRPC reconnects by itself, with its own backoff (default: up to 120 s). Calls wait for the
+# connection (wait_for_ready), so this bound is how late the agent notices a coordinator that
+# is back: keep it short.
 RECONNECT_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
+REGISTER_TIMEOUT_S = 5.0
 
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+# A call that keeps hitting a lost lease after this many renewals gives up.
+MAX_RENEWALS_PER_CALL = 3
 
 
 class Backoff:
@@ -100,6 +107,14 @@ class Stopped(Exception):
 
 class Expired(Exception):
     """A call kept failing until its deadline passed."""
+
+
+class _LeaseUnknown(ConnectionError):
+    """A lease refusal that could not be checked (the coordinator is unreachable)."""
+
+    def __init__(self, cause: grpc.aio.AioRpcError) -> None:
+        super().__init__(describe(cause))
+        self.cause = cause
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -219,7 +234,9 @@ class CoordinatorConnection:
             request = self._make_register_request()
             request.node_id = self.node_id
             try:
-                response = await self._stub.Register(request, timeout=10.0)
+                response = await self._stub.Register(
+                    request, timeout=REGISTER_TIMEOUT_S, wait_for_ready=True
+                )
             except grpc.aio.AioRpcError as exc:
                 if is_transient(exc):
                     self._note_failure("Register", exc)
@@ -285,12 +302,15 @@ class CoordinatorConnection:
         """Call a unary AgentService method, retrying transient failures with backoff.
 
         `make_request()` is called for every attempt, so a request built from `self.node_id` /
-        `self.lease_id` picks up a renewed lease. A status in `lease_codes` renews the lease and
-        retries. `deadline` (time.monotonic()) bounds the retries: past it, Expired is raised.
+        `self.lease_id` picks up a renewed lease. A status in `lease_codes` may mean that the
+        lease is gone, or something else (FAILED_PRECONDITION is also a plain domain error): a
+        heartbeat tells which; a lost lease is renewed and the call retried, any other cause is
+        raised. `deadline` (time.monotonic()) bounds the retries: past it, Expired is raised.
         Raises Stopped when the agent stops; other statuses raise grpc.aio.AioRpcError.
         """
         rpc = getattr(self._stub, method)
         backoff = self.new_backoff()
+        renewals = 0
         while True:
             if self._stop.is_set():
                 raise Stopped()
@@ -302,11 +322,17 @@ class CoordinatorConnection:
                     raise Expired(f"{method}: deadline passed")
                 attempt_timeout = min(timeout, max(left, 0.05))
             try:
-                response = await rpc(make_request(), timeout=attempt_timeout)
+                response = await rpc(make_request(), timeout=attempt_timeout, wait_for_ready=True)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in lease_codes:
-                    await self.renew_lease(lease)
-                    continue
+                if exc.code() in lease_codes and renewals < MAX_RENEWALS_PER_CALL:
+                    valid = await self._lease_is_valid(lease)
+                    if valid is False:
+                        renewals += 1
+                        await self.renew_lease(lease)
+                        continue
+                    if valid is True:
+                        raise  # the lease is fine: the refusal has another cause
+                    exc = _LeaseUnknown(exc)  # cannot tell now: retry like a network error
                 if not is_transient(exc):
                     raise
                 self._note_failure(method, exc)
@@ -318,11 +344,29 @@ class CoordinatorConnection:
             self._note_success()
             return response
 
+    async def _lease_is_valid(self, lease_id: str) -> bool | None:
+        """Whether `lease_id` is still alive (one Heartbeat); None when that cannot be told."""
+        if lease_id != self.lease_id:
+            return True  # renewed meanwhile
+        try:
+            await self._stub.Heartbeat(
+                agent_pb2.HeartbeatRequest(node_id=self.node_id, lease_id=lease_id),
+                timeout=5.0,
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in HEARTBEAT_LEASE_CODES:
+                return False
+            return None
+        return True
+
     async def fetch_stream(
         self, sha256: str, offset: int
     ) -> AsyncIterator[agent_pb2.FetchBlobResponse]:
         """FetchBlob from `offset` (no retries here: the cache resumes, the caller retries)."""
-        call = self._stub.FetchBlob(agent_pb2.FetchBlobRequest(sha256=sha256, offset=offset))
+        call = self._stub.FetchBlob(
+            agent_pb2.FetchBlobRequest(sha256=sha256, offset=offset), wait_for_ready=True
+        )
         async for response in call:
             yield response
 
@@ -338,42 +382,47 @@ class CoordinatorConnection:
             except TimeoutError:
                 pass
             wake.clear()
-            lease = self.lease_id
-            request = agent_pb2.HeartbeatRequest(
-                node_id=self.node_id,
-                lease_id=lease,
-                task_id=hooks.current_task_id(),
-                draining=hooks.draining(),
-            )
             try:
-                response = await self._stub.Heartbeat(
-                    request, timeout=max(1.0, self.heartbeat_interval_s)
-                )
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in HEARTBEAT_LEASE_CODES:
-                    try:
-                        await self.renew_lease(lease)
-                    except Stopped:
-                        return
-                    backoff.reset()
-                    delay = 0.0 if hooks.draining() else self.heartbeat_interval_s
-                    continue
-                if is_transient(exc):
-                    self._note_failure("Heartbeat", exc)
-                else:
-                    log.error("heartbeat refused: %s", describe(exc))
-                delay = min(backoff.next_delay(), max(self.heartbeat_interval_s, 0.2))
-                continue
-            self._note_success()
-            backoff.reset()
-            if response.heartbeat_interval_ms > 0:
-                self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000.0
-            if response.lease_ttl_ms > 0:
-                self.lease_ttl_s = response.lease_ttl_ms / 1000.0
-            hooks.on_state(response.state)
-            if response.cancel_task and request.task_id:
-                hooks.on_cancel_task(request.task_id)
-            delay = self.heartbeat_interval_s
+                delay = await self._heartbeat_once(hooks, backoff)
+            except Stopped:
+                return
+            except Exception:  # a bug here must not silently end the lease
+                log.exception("heartbeat failed unexpectedly")
+                delay = self.heartbeat_interval_s
+
+    async def _heartbeat_once(self, hooks: HeartbeatHooks, backoff: Backoff) -> float:
+        """One heartbeat; returns the delay until the next one."""
+        lease = self.lease_id
+        request = agent_pb2.HeartbeatRequest(
+            node_id=self.node_id,
+            lease_id=lease,
+            task_id=hooks.current_task_id(),
+            draining=hooks.draining(),
+        )
+        try:
+            response = await self._stub.Heartbeat(
+                request, timeout=max(1.0, self.heartbeat_interval_s), wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in HEARTBEAT_LEASE_CODES:
+                await self.renew_lease(lease)
+                backoff.reset()
+                return 0.0 if hooks.draining() else self.heartbeat_interval_s
+            if is_transient(exc):
+                self._note_failure("Heartbeat", exc)
+            else:
+                log.error("heartbeat refused: %s", describe(exc))
+            return min(backoff.next_delay(), max(self.heartbeat_interval_s, 0.2))
+        self._note_success()
+        backoff.reset()
+        if response.heartbeat_interval_ms > 0:
+            self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000.0
+        if response.lease_ttl_ms > 0:
+            self.lease_ttl_s = response.lease_ttl_ms / 1000.0
+        hooks.on_state(response.state)
+        if response.cancel_task and request.task_id:
+            hooks.on_cancel_task(request.task_id)
+        return self.heartbeat_interval_s
 
     async def leave(self, reason: str, timeout: float = 2.0) -> bool:
         """Tell the coordinator the node leaves; best effort, one attempt."""

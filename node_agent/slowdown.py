@@ -62,6 +62,7 @@ class SlowdownController:
         self._lock = threading.Lock()
         self._seen: _StatKey | None = None
         self._overslept = 0.0
+        self.last_compute_seconds = 0.0
         self.steps = 0
         self.compute_seconds = 0.0
         self.padding_seconds = 0.0
@@ -92,26 +93,57 @@ class SlowdownController:
             self._seen = None
         self._check_watch_file()
 
-    def timed_step(self, fn: Callable[[], T]) -> T:
-        """Run `fn`, then sleep (F - 1) times its duration. Exceptions propagate, unpadded."""
+    def timed_step(
+        self,
+        fn: Callable[[], T],
+        *,
+        pay_back: bool = True,
+        reference_seconds: float | None = None,
+    ) -> T:
+        """Run `fn`, then sleep so that it takes F times its compute time. Exceptions propagate,
+        unpadded.
+
+        `reference_seconds`: the step's known warm compute time (the benchmark measures it). A
+        step that computed slower than that (cold caches after the previous sleep) is charged
+        the reference: it then takes F times the reference, or its own compute time if longer.
+        """
         factor = self.factor
         start = self._clock()
         result = fn()
         elapsed = self._clock() - start
-        self.pad(elapsed, factor)
+        self.last_compute_seconds = elapsed
+        if reference_seconds is not None and 0 <= reference_seconds < elapsed:
+            target = factor * reference_seconds if factor > 1 else elapsed
+            self.pad(
+                elapsed,
+                factor,
+                pay_back=pay_back,
+                padding=max(0.0, target - elapsed),
+            )
+        else:
+            self.pad(elapsed, factor, pay_back=pay_back)
         return result
 
-    def pad(self, compute_seconds: float, factor: float | None = None) -> float:
+    def pad(
+        self,
+        compute_seconds: float,
+        factor: float | None = None,
+        *,
+        pay_back: bool = True,
+        padding: float | None = None,
+    ) -> float:
         """Sleep after a step the caller timed itself; returns the seconds slept.
 
-        Sleeps overshoot (a loaded machine wakes a sleeper late); the excess is carried over
-        and taken off the following pads, so that over a run of steps the wall time is F times
-        the compute time rather than F times plus the wake-up latency of every step.
+        Sleeps overshoot (a loaded machine wakes a sleeper late); with `pay_back` the excess
+        is carried over and taken off the following pads, so that over a run of steps the wall
+        time is F times the compute time rather than F times plus the wake-up latency of every
+        step. The benchmark times single steps and passes pay_back=False: every step of it is
+        padded in full.
         """
         f = self.factor if factor is None else factor
-        wanted = padding_seconds(f, compute_seconds)
+        wanted = padding_seconds(f, compute_seconds) if padding is None else max(0.0, padding)
         with self._lock:
-            debt = self._overslept
+            debt = self._overslept if pay_back else 0.0
         request = max(0.0, wanted - debt)
         slept = 0.0
         if request > 0:
@@ -119,7 +151,7 @@ class SlowdownController:
             self._sleep(request)
             slept = self._clock() - start
         with self._lock:
-            if wanted > 0:
+            if wanted > 0 and pay_back:
                 # Carry at most one step's padding over: a long pause is not paid back.
                 self._overslept = min(max(0.0, debt + slept - wanted), wanted)
             self.steps += 1

@@ -1,13 +1,17 @@
 """Task dispatch: what the agent does with each Task that NextTask hands out.
 
-- TASK_KIND_BENCHMARK: fetch the job's blobs through the cache, benchmark the job's model at
-  the task's batch sizes, measure the network, answer with ReportBenchmark(task_id, result).
+- TASK_KIND_BENCHMARK: fetch the job's blobs (program, initial state, shards) through the
+  cache, load the exported program (epochmesh.program) and benchmark its loss-and-gradients
+  step on batches drawn from the shards at the task's batch sizes (the reference model when
+  the task names no program), measure the network, answer with
+  ReportBenchmark(task_id, result with job_id).
 - TASK_KIND_TRAIN: `node_agent.trainer.run_train_task(ctx, task)` (written separately). Without
   that module the task is reported failed ("unsupported task").
 - Any other kind is reported failed.
 
 A handler that raises is reported failed with the error's message (ReportProgress failed=True);
-an exception never ends the agent.
+an exception never ends the agent. A cancelled task (TaskCancelled) is reported failed with
+"abandoned: <reason>", so that the coordinator can hand its work to another node.
 
 `TaskContext` is everything a handler may use. It is the contract with node_agent/trainer.py:
 

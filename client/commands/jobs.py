@@ -321,7 +321,12 @@ def cmd_allocation(ctx: Context) -> int:
         return ExitCode.OK
     ctx.emit(
         f"job {job.job_id}  {job_state_name(job.state)}  epoch {epoch_text(job)}  "
-        f"round {alloc.round}  deadline {alloc.round_deadline_seconds:.2f}s"
+        f"round {alloc.round}"
+        + (
+            f"  deadline {alloc.round_deadline_seconds:.2f}s"
+            if alloc.round_deadline_seconds > 0
+            else ""
+        )
     )
     if not alloc.nodes:
         ctx.note("no nodes are allocated to this job right now")

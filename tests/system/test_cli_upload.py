@@ -134,6 +134,3 @@ def test_submit_uploads_with_plain_progress(coordinator: CoordinatorProc, tmp_pa
         # Everything was uploaded; the coordinator without an engine refuses SubmitJob cleanly.
         assert result.code == 1, result.stderr
         assert "does not support SubmitJob" in result.stderr
-    # A second submit finds every blob already there and sends nothing.
-    again = cli.run("submit", str(spec), timeout=90)
-    assert "already there" in again.stderr, again.stderr

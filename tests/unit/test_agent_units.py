@@ -35,6 +35,7 @@ from node_agent.benchmark import (
     max_batch_size,
     memory_capacity,
     run_compute_benchmark,
+    step_time_estimate,
 )
 from node_agent.cache import BlobCache, CacheError
 from node_agent.config import parse_args, parse_size
@@ -474,6 +475,14 @@ def test_sweep_measures_every_batch_size() -> None:
         assert p.steps == 4
         assert p.samples_per_second == pytest.approx(p.batch_size / (0.001 + 1e-4 * p.batch_size))
         assert p.peak_memory_bytes == 1000 * p.batch_size
+
+
+def test_step_time_estimate_ignores_steps_slowed_by_other_work() -> None:
+    assert step_time_estimate([0.5, 0.1, 0.3]) == 0.1
+    times = [0.020] * 12 + [0.010] * 2 + [0.5]  # a loaded machine slows most steps
+    assert step_time_estimate(times) == 0.010
+    assert step_time_estimate(times, quantile=0.5) == 0.020
+    assert step_time_estimate([]) == 0.0
 
 
 def test_sweep_slowdown_divides_throughput_exactly() -> None:

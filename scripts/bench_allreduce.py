@@ -1,0 +1,242 @@
+"""Our ring all-reduce over gRPC against torch.distributed's gloo all-reduce, same tensors, same
+processes, same run. Prints one JSON line of figures.
+
+    scripts/bench_allreduce.py --peers 4 --mb 64
+
+Spawns `--peers` processes (multiprocessing "spawn"). Each one starts a PeerServer on a loopback
+port and joins a gloo process group (TCP store on loopback), then, `--reps` times, all-reduces
+the same float32 tensor (`--mb` MiB, seeded randn per rank) with both, in alternating order
+(ours first in even repetitions, gloo first in odd ones) so that neither always runs on a warmer
+machine. Every timed operation starts right after a gloo barrier; its time is the slowest rank's.
+
+Figures: bus bandwidth = 2(n-1)/n * bytes / seconds (the nccl-tests definition: what each link
+carries), median over the repetitions, for ours and gloo, and their ratio (median of the
+per-repetition ratios, which cancels load that drifts across repetitions). Checks: our result is
+bit-identical on every rank (sha256 of the bytes), and equals gloo's within float tolerance.
+
+Only the data path is timed: the ring's per-round set-up (stream, schedule) is inside the
+timing, process start-up and the first warm-up repetition are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+# One thread per process for numpy/torch maths: n processes share the machine's cores.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import multiprocessing as mp  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    args: dict[str, Any],
+    store_port: int,
+    addr_queue: Any,
+    ring_conn: Any,
+    result_queue: Any,
+) -> None:
+    try:
+        result_queue.put(_run_worker(rank, args, store_port, addr_queue, ring_conn))
+    except BaseException as exc:  # report instead of hanging the parent
+        import traceback
+
+        result_queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
+
+
+def _run_worker(
+    rank: int, args: dict[str, Any], store_port: int, addr_queue: Any, ring_conn: Any
+) -> dict[str, Any]:
+    import asyncio
+    import hashlib
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from node_agent.peer import PeerServer
+    from node_agent.ring_allreduce import Ring, RingTransport, ring_allreduce
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    torch.set_num_threads(1)
+    n = args["peers"]
+    numel = args["mb"] * (1 << 20) // 4
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
+
+    async def main() -> dict[str, Any]:
+        server = PeerServer("127.0.0.1:0")
+        await server.start()
+        addr_queue.put((rank, server.address))
+        addresses = ring_conn.recv()
+        node_ids = [f"node-{i}" for i in range(n)]
+        transport = RingTransport.for_server(node_ids[rank], server)
+        ring = Ring(node_ids, addresses, rank, attempt=0)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{store_port}",
+            rank=rank,
+            world_size=n,
+        )
+        ours_t: list[float] = []
+        gloo_t: list[float] = []
+        digest = ""
+        max_diff = 0.0
+        close = True
+
+        # gloo calls block, so they run in a thread: this process's event loop must keep
+        # serving its PeerService (a neighbour may still be closing its stream to us).
+        async def run_ours(round_: int) -> tuple[float, torch.Tensor]:
+            buf = x.clone()
+            await asyncio.to_thread(dist.barrier)
+            t0 = time.perf_counter()
+            await ring_allreduce(
+                buf, ring, transport, args["deadline"], args["codec"], job_id="bench", round=round_
+            )
+            return time.perf_counter() - t0, buf
+
+        def run_gloo() -> tuple[float, torch.Tensor]:
+            buf = x.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            return time.perf_counter() - t0, buf
+
+        for rep in range(args["warmup"] + args["reps"]):
+            if args["only"] == "ours":
+                t_ours, ours = await run_ours(rep)
+                t_gloo, ref = 1.0, ours
+            elif args["only"] == "gloo":
+                t_gloo, ref = await asyncio.to_thread(run_gloo)
+                t_ours, ours = 1.0, ref
+            elif rep % 2 == 0:
+                t_ours, ours = await run_ours(rep)
+                t_gloo, ref = await asyncio.to_thread(run_gloo)
+            else:
+                t_gloo, ref = await asyncio.to_thread(run_gloo)
+                t_ours, ours = await run_ours(rep)
+            if rep >= args["warmup"]:
+                ours_t.append(t_ours)
+                gloo_t.append(t_gloo)
+            d = hashlib.sha256(ours.numpy().tobytes()).hexdigest()
+            if digest and d != digest:
+                digest = "differs-between-reps"
+            elif not digest:
+                digest = d
+            max_diff = max(max_diff, float((ours - ref).abs().max()))
+            close = close and bool(torch.allclose(ours, ref, rtol=1e-5, atol=1e-5))
+        await asyncio.to_thread(dist.barrier)
+        dist.destroy_process_group()
+        await transport.close()
+        await server.stop(None)
+        return {
+            "rank": rank,
+            "ours": ours_t,
+            "gloo": gloo_t,
+            "digest": digest,
+            "max_diff": max_diff,
+            "close": close,
+        }
+
+    return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--mb", type=int, default=64, help="tensor size in MiB (float32)")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8"])
+    parser.add_argument("--deadline", type=float, default=30.0, help="ring step deadline, s")
+    parser.add_argument("--only", choices=["ours", "gloo"], help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=110.0, help="whole benchmark, s")
+    args = parser.parse_args(argv)
+    if args.peers < 2 or args.mb < 1 or args.reps < 1:
+        parser.error("need --peers >= 2, --mb >= 1, --reps >= 1")
+
+    started = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    addr_queue = ctx.Queue()
+    result_queue = ctx.Queue()
+    pipes = [ctx.Pipe() for _ in range(args.peers)]
+    store_port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, vars(args), store_port, addr_queue, pipes[r][1], result_queue),
+            daemon=True,
+        )
+        for r in range(args.peers)
+    ]
+    for p in procs:
+        p.start()
+    deadline = started + args.timeout
+    results: list[dict[str, Any]] = []
+    try:
+        addresses: dict[int, str] = {}
+        while len(addresses) < args.peers:
+            rank, address = addr_queue.get(timeout=max(1.0, deadline - time.perf_counter()))
+            addresses[rank] = address
+        ring_addresses = [addresses[r] for r in range(args.peers)]
+        for parent_end, _ in pipes:
+            parent_end.send(ring_addresses)
+        while len(results) < args.peers:
+            res = result_queue.get(timeout=max(1.0, deadline - time.perf_counter()))
+            if "error" in res:
+                print(f"rank {res['rank']} failed:\n{res['error']}", file=sys.stderr)
+                return 1
+            results.append(res)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+    n = args.peers
+    nbytes = args.mb * (1 << 20)
+    bus = 2 * (n - 1) / n * nbytes
+    reps = args.reps
+    ours_s = [max(r["ours"][i] for r in results) for i in range(reps)]
+    gloo_s = [max(r["gloo"][i] for r in results) for i in range(reps)]
+    ours_bw = [bus / t / 1e9 for t in ours_s]
+    gloo_bw = [bus / t / 1e9 for t in gloo_s]
+    digests = {r["digest"] for r in results}
+    out = {
+        "peers": n,
+        "mb": args.mb,
+        "codec": args.codec,
+        "reps": reps,
+        "ours_bus_gbps": round(statistics.median(ours_bw), 4),
+        "gloo_bus_gbps": round(statistics.median(gloo_bw), 4),
+        "ratio": round(statistics.median(o / g for o, g in zip(ours_bw, gloo_bw, strict=True)), 4),
+        "ratio_of_medians": round(statistics.median(ours_bw) / statistics.median(gloo_bw), 4),
+        "ours_seconds": round(statistics.median(ours_s), 4),
+        "gloo_seconds": round(statistics.median(gloo_s), 4),
+        "ours_runs_gbps": [round(b, 3) for b in ours_bw],
+        "gloo_runs_gbps": [round(b, 3) for b in gloo_bw],
+        "identical_across_ranks": len(digests) == 1 and "differs-between-reps" not in digests,
+        "sums_match_gloo": all(r["close"] for r in results),
+        "max_abs_diff_vs_gloo": max(r["max_diff"] for r in results),
+        "cores": os.cpu_count(),
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

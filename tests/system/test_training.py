@@ -1,0 +1,272 @@
+"""Training through the parameter server with real processes: a coordinator, three agents with
+slowdowns 1, 2 and 4, and the `epochmesh` CLI.
+
+- Equivalence: replaying the recorded rounds in a plain single-process PyTorch loop (the
+  submitter's model.py, eager, no epochmesh code) gives the downloaded parameters within 1e-5.
+- Exactly once: per epoch, the applied parts' index ranges partition the dataset.
+- The allocation follows speed: average b_i shares within 20% of 4:2:1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.fixtures import write_dataset, write_job
+from tests.procs import console_script, start_coordinator, wait_until
+from tests.system.test_agent import AgentProc, list_nodes
+
+SLOWDOWNS = (1, 2, 4)
+
+# Convolutions: heavy per sample and light in parameters, so compute grows with the batch and
+# 4:2:1 speeds show as 4:2:1 shares (a tiny MLP is dominated by fixed per-step costs).
+MODEL = """
+import torch
+from torch import nn
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.Tanh(), nn.Conv2d(32, 64, 3, padding=1), nn.Tanh(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 8),
+    )
+"""
+
+
+def cli(address: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(console_script("epochmesh")), "--coordinator", address, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def make_dataset(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 1, 24, 24, generator=g)
+    w = torch.randn(24 * 24, 8, generator=g)
+    return {"x": x, "y": (x.flatten(1) @ w).argmax(dim=1)}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[AgentProc]]]:
+    root = tmp_path_factory.mktemp("training")
+    with start_coordinator(root / "coord", "--heartbeat-interval", "0.5") as coord:
+        agents = [
+            AgentProc(coord.address, root / f"agent-x{s}", "--slowdown", str(s), "--name", f"x{s}")
+            for s in SLOWDOWNS
+        ]
+        try:
+            wait_until(
+                lambda: (
+                    len([n for n in list_nodes(coord.address) if n.benchmark.samples_per_second])
+                    == len(SLOWDOWNS)
+                ),
+                timeout=60,
+                message="agents did not register and benchmark",
+            )
+            yield coord.address, agents
+        finally:
+            for a in agents:
+                a.kill9()
+
+
+def submit(address: str, job_toml: Path) -> str:
+    out = cli(address, "submit", str(job_toml), "--output", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["job_id"]
+
+
+def wait_succeeded(address: str, job_id: str, timeout: float) -> dict:
+    def done() -> dict | None:
+        out = cli(address, "status", job_id, "--output", "json")
+        assert out.returncode in (0, 5), out.stderr
+        job = json.loads(out.stdout)
+        assert job["state"] not in ("failed", "cancelled"), job
+        return job if job["state"] == "succeeded" else None
+
+    return wait_until(done, timeout=timeout, interval=0.5, message=f"job {job_id} did not finish")
+
+
+def load_rounds(address: str, job_id: str) -> list[dict]:
+    out = cli(address, "rounds", job_id, "--output", "json")
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def applied_parts(rnd: dict) -> list[dict]:
+    return sorted((p for p in rnd["parts"] if p["status"] == "applied"), key=lambda p: p["node_id"])
+
+
+def indices(part: dict) -> list[int]:
+    return [i for a, b in part["ranges"] for i in range(a, b)]
+
+
+def import_model(path: Path):
+    spec = importlib.util.spec_from_file_location("replay_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(300)
+def test_three_agents_match_single_process_replay(
+    cluster: tuple[str, list[AgentProc]], tmp_path: Path
+) -> None:
+    address, _ = cluster
+    n = 768
+    data = make_dataset(n)
+    job_toml = write_job(
+        tmp_path / "job",
+        MODEL,
+        data,
+        {
+            "name": "equivalence",
+            "model": {"file": "model.py", "loss": "cross_entropy"},
+            "data": {"train": "train.safetensors", "inputs": ["x"], "targets": ["y"]},
+            "train": {
+                "epochs": 3,
+                "global_batch": 96,
+                "optimizer": "sgd",
+                "lr": 0.05,
+                "momentum": 0.9,
+                "seed": 7,
+            },
+            "cluster": {"aggregation": "ps", "min_nodes": 3, "max_nodes": 3, "checkpoint_every": 5},
+        },
+    )
+    job_id = submit(address, job_toml)
+    wait_succeeded(address, job_id, timeout=240)
+    rounds = load_rounds(address, job_id)
+
+    # Exactly once per epoch, from the records alone.
+    by_epoch: dict[int, list[int]] = defaultdict(list)
+    for rnd in rounds:
+        for part in applied_parts(rnd):
+            by_epoch[rnd["epoch"]].extend(indices(part))
+    assert sorted(by_epoch) == [0, 1, 2]
+    for epoch, seen in by_epoch.items():
+        assert sorted(seen) == list(range(n)), f"epoch {epoch} is not covered exactly once"
+
+    # Download, then replay the recorded rounds with plain PyTorch.
+    out = cli(address, "download", job_id, "-o", str(tmp_path / "result"))
+    assert out.returncode == 0, out.stderr
+    trained = load_file(str(tmp_path / "result" / "model.safetensors"))
+    module = import_model(tmp_path / "job" / "model.py")
+    torch.manual_seed(7)
+    model = module.make_model()
+    assert set(trained) == set(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = torch.nn.functional.cross_entropy
+    for rnd in rounds:
+        parts = applied_parts(rnd)
+        if not parts:
+            continue
+        total_b = sum(p["local_batch"] for p in parts)
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for part in parts:
+            idx = torch.tensor(indices(part))
+            model.zero_grad()
+            loss_fn(model(data["x"][idx]), data["y"][idx]).backward()
+            for g, p in zip(grads, model.parameters(), strict=True):
+                g.add_(p.grad, alpha=part["local_batch"] / total_b)
+        for g, p in zip(grads, model.parameters(), strict=True):
+            p.grad = g
+        opt.step()
+    diff = max((trained[k] - v).abs().max().item() for k, v in model.state_dict().items())
+    assert diff <= 1e-5, f"max abs difference {diff}"
+
+    # The allocation follows speed: shares over rounds where all three nodes trained.
+    names = {n.node_id: n.name for n in list_nodes(address)}
+    totals: dict[str, int] = defaultdict(int)
+    full_rounds = 0
+    for rnd in rounds:
+        parts = applied_parts(rnd)
+        if len(parts) == 3 and sum(p["local_batch"] for p in parts) == 96:
+            full_rounds += 1
+            for p in parts:
+                totals[names[p["node_id"]]] += p["local_batch"]
+    assert full_rounds >= 5, f"only {full_rounds} rounds with all three nodes"
+    total = sum(totals.values())
+    for s in SLOWDOWNS:
+        want = (4 / s) / 7
+        got = totals[f"x{s}"] / total
+        assert abs(got - want) <= 0.2 * want, (
+            f"share of x{s}: {got:.3f}, want {want:.3f}; rounds: "
+            + "; ".join(
+                f"{r['round']}:"
+                + ",".join(
+                    f"{names[p['node_id']]}={p['local_batch']}/{p['status']}/{p['seconds']:.3f}"
+                    for p in r["parts"]
+                )
+                for r in rounds
+            )
+        )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case,expect",
+    [
+        ("missing_model", "model.py"),
+        ("model_raises", "boom"),
+        ("not_exportable", "export"),
+        ("first_dims_differ", "first dimension"),
+        ("typo_key", "global_batch"),
+        ("batch_below_nodes", "min_nodes"),
+    ],
+)
+def test_bad_jobs_are_refused_and_nothing_is_stored(
+    cluster: tuple[str, list[AgentProc]], tmp_path: Path, case: str, expect: str
+) -> None:
+    address, _ = cluster
+    before_jobs = cli(address, "status", "--output", "json").stdout
+    before_blobs = json.loads(cli(address, "stats", "--output", "json").stdout)["blobs"]
+    doc: dict = {
+        "name": "bad",
+        "model": {"file": "model.py", "loss": "cross_entropy"},
+        "data": {"train": "train.safetensors", "inputs": ["x"], "targets": ["y"]},
+        "train": {"epochs": 1, "global_batch": 8},
+        "cluster": {"min_nodes": 1, "max_nodes": 3},
+    }
+    model = MODEL
+    data = make_dataset(16)
+    if case == "model_raises":
+        model = "def make_model():\n    raise RuntimeError('boom')\n"
+    elif case == "not_exportable":
+        model = MODEL + (
+            "\n\nclass Branchy(nn.Module):\n"
+            "    def __init__(self):\n        super().__init__()\n"
+            "        self.fc = nn.Linear(24, 8)\n"
+            "    def forward(self, x):\n"
+            "        return self.fc(x) if x.sum() > 0 else -self.fc(x)\n\n\n"
+            "def make_model():\n    return Branchy()\n"
+        )
+    elif case == "first_dims_differ":
+        data = {"x": data["x"], "y": data["y"][:10]}
+    elif case == "typo_key":
+        doc["train"] = {"epochs": 1, "global_bach": 8}
+    elif case == "batch_below_nodes":
+        doc["train"]["global_batch"] = 2
+        doc["cluster"]["min_nodes"] = 3
+    job_toml = write_job(tmp_path / "job", model, data, doc)
+    if case == "missing_model":
+        (tmp_path / "job" / "model.py").unlink()
+    if case == "first_dims_differ":
+        write_dataset(tmp_path / "job" / "train.safetensors", data)
+    out = cli(address, "submit", str(job_toml))
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert expect in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert cli(address, "status", "--output", "json").stdout == before_jobs
+    assert json.loads(cli(address, "stats", "--output", "json").stdout)["blobs"] == before_blobs
