@@ -1,25 +1,27 @@
 """Compute benchmark: samples/s and peak memory of a model's training step at several batch sizes.
 
 The benchmark is written against a *step factory*: `make_step(batch_size)` prepares a batch and
-returns `step()`, one full training step (forward, backward, update) that returns only once the
-device finished. The same code therefore measures the built-in reference model and a job's
-exported program. Every step runs through the `SlowdownController`, so `--slowdown F` shows up
-in the figures exactly as it shows up in training.
+returns `step()`, one full training step that returns only once the device finished. The same
+code therefore measures the built-in reference model and a job's exported program.
 
-Per batch size: a few warm-up steps, then timed steps until both a minimum count and a minimum
-time are reached; samples/s = batch size / the fastest step time. A step can be slowed by
-anything else the machine runs, but never sped up, so the fast end of the distribution is the
-device's own speed and the figure stays put on a loaded machine (a mean or median there
-measures the load; measured: ratios of 0.17 to 0.52 instead of 0.25 between --slowdown 4 and
-1 with the mean, on a 2-core machine with a load average of 5). Each
-step is padded in full by the slowdown controller (no pay-back of late wake-ups) to F times
-the device's *warm* compute time for the batch: the fastest of the unpadded warm-up steps run
-back to back (and of the timed steps). A padded step starts after a sleep, on cold caches,
-and on a loaded 2-core VM computes 10-50% slower than a warm one; charging F times that cold
-time would make --slowdown 4 measure about 4.5-5 times slower than --slowdown 1 (measured:
-ratios 0.19-0.22 instead of 0.25). The headline figure the
-allocator weighs by is the throughput at the largest batch that fits; the coordinator
-re-estimates throughput from observed round times anyway.
+Per batch size (see BenchmarkPlan): one memory-tracked step, a few unpadded warm-up steps run
+back to back, then a fixed number of timed steps, each through the SlowdownController.
+
+samples/s = batch size / the fastest timed step. A step can be slowed by anything else the
+machine runs, but never sped up, so the fast end of the distribution is the device's own speed
+and the figure holds still on a loaded machine. (With the mean step, the ratio between
+--slowdown 4 and --slowdown 1 came out anywhere from 0.17 to 0.52 on a 2-core VM with a load
+average of 5; a fixed step count gives every factor the same number of samples.)
+
+--slowdown F: each timed step is padded to F times the device's *warm* compute time for the
+batch (the fastest unpadded step so far), or left as it is if it computed longer than that. A
+padded step starts after a sleep, on cold caches, and on a loaded VM computes 10-50% slower
+than a warm one; charging F times that cold time would make --slowdown 4 measure 4.5-5 times
+slower than --slowdown 1 (measured ratios 0.19-0.22 instead of 0.25). Training steps are
+padded by F times their own compute time (SlowdownController.timed_step without a reference).
+
+The headline figure the allocator weighs by is the throughput at the largest batch that fits
+(the coordinator re-estimates throughput from observed round times anyway).
 
 Peak memory:
 - CUDA: the caching allocator's peak (`torch.cuda.max_memory_allocated`, reset per batch size).
@@ -30,7 +32,6 @@ Peak memory:
   memory is reused without growing it, so its figure depends on what ran before; tensor bytes
   do not, which keeps --memory-limit (emulated small devices) deterministic. The count leaves
   out allocator overhead and memory outside tensors (e.g. oneDNN scratch space).
-Tracking slows a step, so the first warm-up step of each batch size is the tracked one.
 
 Out of memory is an answer, not a crash: `torch.cuda.OutOfMemoryError`, `MemoryError` and the
 allocators' RuntimeErrors end the sweep at that batch size (larger sizes are reported as out of

@@ -346,3 +346,27 @@ def test_waits_for_the_coordinator_and_reconnects_after_its_restart(tmp_path: Pa
             assert "the coordinator drains this node" in agent.log_text()
             info = get_node(address, node_id)
             assert info is not None and info.state == NS.NODE_STATE_OFFLINE
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_that_is_not_there_is_a_clear_error(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the request would be valid")
+    result = subprocess.run(
+        [
+            str(console_script("epochmesh-agent")),
+            "--coordinator",
+            f"127.0.0.1:{free_port()}",
+            "--data-dir",
+            str(tmp_path),
+            "--device",
+            "cuda:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert result.returncode == 2
+    assert "--device cuda:0: CUDA is not available on this machine" in result.stderr
