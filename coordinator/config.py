@@ -28,6 +28,8 @@ class CoordinatorConfig:
     shutdown_grace_s: float = 5.0
     # Upper bound of a NextTask long poll.
     max_long_poll_s: float = 30.0
+    # "throughput": b_i in proportion to measured speed; "equal": the baseline of benchmarks.
+    split: str = "throughput"
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -42,6 +44,8 @@ class CoordinatorConfig:
             raise ValueError("max blob bytes must be positive")
         if self.heartbeat_flush_interval_s <= 0:
             raise ValueError("heartbeat flush interval must be positive")
+        if self.split not in ("throughput", "equal"):
+            raise ValueError(f"split must be 'throughput' or 'equal', not {self.split!r}")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown grace must not be negative")
         parse_listen(self.listen)

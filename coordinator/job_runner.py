@@ -431,6 +431,8 @@ class JobRunner:
         rates = self.estimator.planning_rates(nodes)
         caps = {n: self._max_batch(n) for n in nodes}
         batch = min(self.spec.global_batch, sum(caps.values()))
+        if self.ctx.config.split == "equal":
+            rates = dict.fromkeys(rates, 1.0)
         return split_batch(batch, rates, caps)
 
     async def _run_round(self, nodes: list[str]) -> None:

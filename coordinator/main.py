@@ -97,6 +97,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="time calls in flight get to finish after SIGTERM (default 5)",
     )
+    parser.add_argument(
+        "--split",
+        choices=("throughput", "equal"),
+        default="throughput",
+        help="how a round's global batch is split over nodes: in proportion to measured "
+        "throughput (default), or equally (a baseline for benchmarks)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
@@ -107,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         lease_ttl_s=args.lease_ttl,
         max_blob_bytes=args.max_blob_bytes,
         shutdown_grace_s=args.shutdown_grace,
+        split=args.split,
         log_level=args.log_level,
     )
 

@@ -207,6 +207,18 @@ def test_registers_devices_reports_benchmark_and_leaves_on_sigterm(tmp_path: Pat
             assert info is not None and info.state == NS.NODE_STATE_OFFLINE
             assert "left the coordinator" in agent.log_text()
 
+        # started again on the same data dir, it is the same node (DATA_DIR/node.json)
+        with AgentProc(coord.address, tmp_path / "agent", "--name", "alpha") as again:
+            wait_node(
+                coord.address,
+                node_id,
+                lambda n: n.state == NS.NODE_STATE_ONLINE,
+                what="the restarted agent re-joins as the same node",
+            )
+            assert again.node_id() == node_id
+            assert [n.node_id for n in list_nodes(coord.address)] == [node_id]
+            assert again.terminate() == 0, str(again)
+
 
 @pytest.mark.timeout(120)
 def test_slowdown_4_benchmarks_a_quarter_of_slowdown_1(tmp_path: Path) -> None:
@@ -241,11 +253,25 @@ def test_lease_lapses_after_kill9_and_a_frozen_agent_registers_again(tmp_path: P
     with start_coordinator(tmp_path / "coord", *coordinator_args(0.2, ttl)) as coord:
         with (
             AgentProc(coord.address, tmp_path / "a", "--name", "frozen") as frozen,
-            AgentProc(coord.address, tmp_path / "b", "--name", "killed") as killed,
+            AgentProc(
+                coord.address, tmp_path / "b", "--name", "killed", "--memory-limit", "1280000"
+            ) as killed,
         ):
             frozen_id, killed_id = frozen.wait_node_id(), killed.wait_node_id()
             for node_id in (frozen_id, killed_id):
                 wait_node(coord.address, node_id, lambda n: n.state == NS.NODE_STATE_ONLINE)
+
+            # --memory-limit emulates a small device: batch 16 fits, 64 does not
+            info = wait_node(
+                coord.address,
+                killed_id,
+                lambda n: n.benchmark.samples_per_second > 0,
+                what="benchmark under a memory limit",
+            )
+            points = [(p.batch_size, p.out_of_memory) for p in info.benchmark.points]
+            assert points == [(16, False), (64, True)]
+            assert info.benchmark.max_batch_size == 16
+            assert 0 < info.benchmark.points[0].peak_memory_bytes <= 1_280_000
 
             # kill -9: no Leave, the lease simply lapses
             killed.kill9()
