@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 JS = common_pb2.JobState
 # WatchJob sends an update at least this often while nothing changes (keeps ETA fresh).
 WATCH_REFRESH_S = 1.0
+# A node in a round that has not heartbeated for this many heartbeat intervals is presumed
+# dead (kill -9, network cut, hang) and the round closes without it; the agent heartbeats
+# every interval from its event loop, also while it computes. Its lease (3 intervals) later
+# makes it OFFLINE; a false alarm only costs its part of one round (returned to pending).
+SILENCE_HEARTBEATS = 1.5
 
 
 class Engine:
@@ -48,6 +53,9 @@ class Engine:
         self.queue_events: dict[str, asyncio.Event] = {}
         self.claims: dict[str, str] = {}  # node_id -> job_id
         self.task_owner: dict[str, tuple[str, str]] = {}  # task_id -> (node_id, job_id)
+        # Heartbeat times loaded from the store after a restart are old: nobody is judged
+        # silent for a gap that began before this engine started.
+        self.started_ms = now_ms()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -77,6 +85,24 @@ class Engine:
     def reference_rate(self, node_id: str) -> float:
         info = self.ctx.registry.get(node_id)
         return info.benchmark.samples_per_second if info is not None else 0.0
+
+    def silence_limit_s(self) -> float:
+        """How long a leased node may go without a heartbeat before it is presumed dead for
+        the round in progress (its lease, 3 intervals by default, decides when it is OFFLINE)."""
+        return SILENCE_HEARTBEATS * self.ctx.registry.heartbeat_interval_s
+
+    def silent_until_ms(self, node_id: str) -> int | None:
+        """Wall-clock ms at which ``node_id`` counts as silent (already past: it is); None
+        for a node that is unknown or OFFLINE."""
+        info = self.ctx.registry.get(node_id)
+        if info is None or info.state == common_pb2.NODE_STATE_OFFLINE:
+            return None
+        heard = max(info.last_heartbeat_ms, self.started_ms)
+        return heard + int(self.silence_limit_s() * 1000)
+
+    def is_silent(self, node_id: str) -> bool:
+        until = self.silent_until_ms(node_id)
+        return until is None or now_ms() > until
 
     def claimable_nodes(self, job_id: str) -> list[str]:
         """Eligible nodes that are free or already this job's (older jobs claim first)."""
@@ -115,8 +141,10 @@ class Engine:
         # Forget task ids of closed rounds (bounded memory); benchmark tasks stay until answered.
         live = {p.task_id for rs in [runner.round_state] if rs for p in rs.parts.values()}
         for task_id, (_, job_id) in list(self.task_owner.items()):
-            if job_id == runner.job_id and task_id not in live and not any(
-                t == task_id for t, _ in runner.bench_pending.values()
+            if (
+                job_id == runner.job_id
+                and task_id not in live
+                and not any(t == task_id for t, _ in runner.bench_pending.values())
             ):
                 del self.task_owner[task_id]
 
@@ -281,13 +309,13 @@ class Engine:
             raise InvalidArgumentError(str(exc)) from None
         if spec.aggregation != "ps":
             raise UnimplementedError(
-                f"aggregation {spec.aggregation!r} is not available yet; use aggregation = \"ps\""
+                f'aggregation {spec.aggregation!r} is not available yet; use aggregation = "ps"'
             )
         if spec.sync not in ("", "sync"):
-            raise UnimplementedError(f"sync {spec.sync!r} is not available yet; use \"sync\"")
+            raise UnimplementedError(f'sync {spec.sync!r} is not available yet; use "sync"')
         if spec.compression not in ("", "none"):
             raise UnimplementedError(
-                f"compression {spec.compression!r} is not available yet; use \"none\""
+                f'compression {spec.compression!r} is not available yet; use "none"'
             )
         await self._require_blob(req.program, "program")
         await self._require_blob(req.initial_state, "initial_state")
@@ -472,9 +500,7 @@ class Engine:
         if not rated:
             raise FailedPreconditionError("no benchmarked node to allocate to")
         rates = {i.node_id: i.benchmark.samples_per_second for i in rated}
-        caps = {
-            i.node_id: (i.benchmark.max_batch_size or req.global_batch) for i in rated
-        }
+        caps = {i.node_id: (i.benchmark.max_batch_size or req.global_batch) for i in rated}
         try:
             batches = split_batch(req.global_batch, rates, caps)
         except ValueError as exc:
@@ -497,4 +523,3 @@ class Engine:
                 na.remaining = segs[i.node_id][1] - segs[i.node_id][0]
             out.nodes.append(na)
         return out
-

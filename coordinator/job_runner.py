@@ -9,10 +9,26 @@ A round:
      each benchmarked on the job's own program first; fewer than min_nodes -> PAUSED;
   2. plan: b_i from the throughput estimates (largest remainder, capped by each node's max
      batch), slices from the epoch ledger, a deadline from the estimates;
-  3. wait until every node has pushed its gradient, failed, or the deadline passes;
+  3. wait until every node has pushed its gradient or failed, the deadline passes, or a node
+     falls silent (no heartbeat for SILENCE_HEARTBEATS intervals: killed, cut off, hung);
   4. apply: sample-weighted mean of the received gradients, one optimizer step; slices of
      applied nodes commit, the others return to pending in the same epoch;
   5. record the round (and every K rounds a checkpoint) in one store transaction.
+
+Faults:
+  - a node whose lease ends (expiry, Leave, or a re-registration of the same id after a
+    restart) leaves the job at the next round boundary: its segment returns to the others, and
+    its job benchmark is forgotten, so that a returning agent is benchmarked again and joins
+    with a fresh share;
+  - a silent node (see 3.) sits out the following rounds until it heartbeats again or its
+    lease lapses;
+  - fewer than min_nodes usable nodes: the job is PAUSED (an event says why) until enough
+    come back;
+  - after a coordinator restart the job resumes from its last checkpoint: parameters,
+    optimizer state and the ledger as they were then; later rounds are marked rolled back (their
+    samples are pending again), round numbers continue after the highest one ever recorded, and
+    the parameter version jumps past every version ever handed out, so that no agent mistakes
+    the parameters it holds from before the restart for the restored ones.
 """
 
 from __future__ import annotations
@@ -79,6 +95,7 @@ class RoundState:
     started_ms: int = field(default_factory=now_ms)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
+    waited_s: float = 0.0
 
     def outstanding(self) -> list[Part]:
         return [p for p in self.parts.values() if p.status == "pending"]
@@ -119,6 +136,7 @@ class JobRunner:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._overhead_s = 0.0
+        self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -201,7 +219,11 @@ class JobRunner:
             _, manifest_bytes = latest
             manifest = CheckpointManifest.from_bytes(manifest_bytes)
             tensors = tensors_from_bytes(await self.ctx.blobs.read_bytes(manifest.tensors_sha256))
-            self.ps.load_state_tensors(tensors, manifest.params_version)
+            # Versions after the checkpoint (rolled back below) were handed out to agents with
+            # other parameters: continue past all of them so that a version names one set only.
+            newest = max((r.params_version for r in all_rounds), default=0)
+            version = max(manifest.params_version, newest) + 1
+            self.ps.load_state_tensors(tensors, version)
             self.ledger = EpochLedger.from_state(manifest.ledger)
             self.ledger.abort_open_rounds()
             rolled = await store.rollback_rounds(self.job_id, manifest.round)
@@ -209,19 +231,27 @@ class JobRunner:
             job = self.job
             job.epoch = manifest.epoch
             job.round = manifest.rounds_applied
-            job.params_version = manifest.params_version
+            job.params_version = version
             job.samples_done = manifest.samples_done
             job.last_loss = manifest.last_loss
-            if rolled:
-                await self.ctx.events.append(
-                    "job.rolled_back",
-                    job_id=self.job_id,
-                    message=(
-                        f"resumed from the checkpoint after round {manifest.round}: "
-                        f"{rolled} later rounds rolled back, their samples return to pending"
-                    ),
-                    attrs={"checkpoint_round": str(manifest.round), "rolled_back": str(rolled)},
-                )
+            await self.ctx.events.append(
+                "job.restored",
+                job_id=self.job_id,
+                message=(
+                    f"resumed from the checkpoint after round {manifest.round} (epoch "
+                    f"{manifest.epoch + 1}, {manifest.rounds_applied} rounds applied): "
+                    + (
+                        f"{rolled} later round(s) rolled back, their samples are pending again"
+                        if rolled
+                        else "nothing to roll back"
+                    )
+                ),
+                attrs={
+                    "checkpoint_round": str(manifest.round),
+                    "rolled_back": str(rolled),
+                    "params_version": str(version),
+                },
+            )
             await store.update_job(job)
         for key_node, result in (await self._load_benchmarks()).items():
             self.bench[key_node] = result
@@ -246,9 +276,11 @@ class JobRunner:
         return st is None or not st.excluded
 
     async def _gather_nodes(self) -> list[str]:
-        """The nodes of the next round (benchmarked on this job); waits while there are none."""
+        """The nodes of the next round (benchmarked on this job); waits while there are too
+        few (PAUSED below min_nodes)."""
         while not self._stop.is_set() and not self.terminal:
             self._wake.clear()
+            await self._handle_departures()
             max_nodes = min(self.spec.max_nodes, self.spec.global_batch)
             candidates = self.engine.claimable_nodes(self.job_id)
             candidates = [n for n in candidates if self._usable(n)]
@@ -259,33 +291,53 @@ class JobRunner:
                 key=lambda n: -self.engine.reference_rate(n),
             )
             chosen = (current + others)[:max_nodes]
-            ready = [n for n in chosen if n in self.bench]
             for n in chosen:
                 if n not in self.bench:
                     await self._ask_benchmark(n)
             for n in list(self.nodes):
                 if n not in chosen:
                     await self._drop_node(n)
-            if len(ready) >= self.spec.min_nodes:
+            ready = [n for n in chosen if n in self.bench]
+            # A silent node (no heartbeat lately: probably dead, its lease not lapsed yet) sits
+            # out; it stays in the job and takes part again once it heartbeats.
+            live = [n for n in ready if not self.engine.is_silent(n)]
+            if len(live) >= self.spec.min_nodes:
+                self._drop_ghosts()
                 # Benchmarked nodes join now; nodes still benchmarking join a later round.
-                for n in ready:
+                for n in live:
                     if n not in self.nodes:
                         await self._join(n)
                 await self._set_state(JS.JOB_STATE_RUNNING, "")
-                return [n for n in self.nodes if n in ready]
+                return [n for n in self.nodes if n in live]
             if len(chosen) < self.spec.min_nodes:
                 await self._set_state(
                     JS.JOB_STATE_PAUSED,
-                    f"waiting for nodes: {len(chosen)} available, min_nodes is "
-                    f"{self.spec.min_nodes}",
+                    f"waiting for nodes: {len(chosen)} usable, min_nodes is {self.spec.min_nodes}",
                 )
             elif self.job.state == JS.JOB_STATE_QUEUED:
                 self.job.message = f"benchmarking {len(chosen) - len(ready)} node(s)"
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                timeout = min(1.0, self.ctx.registry.heartbeat_interval_s)
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             except TimeoutError:
                 pass
         return []
+
+    async def _handle_departures(self) -> None:
+        """Nodes whose lease ended since the last round leave the job (see on_node_offline)."""
+        if not self._departed:
+            return
+        departed, self._departed = self._departed, {}
+        for node_id, reason in departed.items():
+            await self._drop_node(node_id, reason)
+        await self._save_benchmarks()
+
+    def _drop_ghosts(self) -> None:
+        """Give the segments of ledger nodes that are not in the job (restored from a checkpoint
+        of an earlier process) to the nodes that are; a ghost that comes back joins afresh."""
+        for n in self.ledger.nodes:
+            if n not in self.nodes:
+                self.ledger.fail_node(n)
 
     async def _ask_benchmark(self, node_id: str) -> None:
         pending = self.bench_pending.get(node_id)
@@ -388,11 +440,19 @@ class JobRunner:
         self.nodes.clear()
 
     def on_node_offline(self, node_id: str) -> None:
+        """The node's lease ended (lapsed, Leave, or the same id registered again after a
+        restart). Its part of the open round fails now; between rounds it leaves the job, and
+        its job benchmark is forgotten so that it is benchmarked again if it comes back."""
         rs = self.round_state
         if rs is not None and node_id in rs.parts and rs.parts[node_id].status == "pending":
             rs.parts[node_id].status = "failed"
             rs.parts[node_id].error = "node went offline"
         self.bench_pending.pop(node_id, None)
+        if node_id in self.nodes or node_id in self.bench:
+            self.bench.pop(node_id, None)
+            self._departed[node_id] = (
+                "node went offline (lease ended); its unconsumed samples go to the other nodes"
+            )
         self.wake()
 
     def _note_failure(self, node_id: str, error: str) -> None:
@@ -469,19 +529,25 @@ class JobRunner:
             part.handed_out = time.monotonic()
             self.engine.enqueue(node_id, self._train_task(rs, part), self)
         await self.notify()
-        # Wait for every node, a failure, or the deadline.
+        # Wait for every node, a failure, a silent node, or the deadline.
         end = rs.started + deadline
         while rs.outstanding():
-            left = end - time.monotonic()
+            now = time.monotonic()
+            left = end - now
             if left <= 0 or self._stop.is_set():
                 break
+            next_check = self._fail_silent(rs)
+            if not rs.outstanding():
+                break
+            wait = left if next_check is None else min(left, max(0.01, next_check - now))
             rs.changed.clear()
             try:
-                await asyncio.wait_for(rs.changed.wait(), timeout=left)
+                await asyncio.wait_for(rs.changed.wait(), timeout=wait)
             except TimeoutError:
-                break
+                continue  # the deadline or a silence check is due: the loop looks again
         rs.closed = True
         waited = time.monotonic() - rs.started
+        rs.waited_s = waited
         for part in rs.outstanding():
             part.status = "late"
             part.error = f"missed the {deadline:.2f}s deadline"
@@ -491,6 +557,25 @@ class JobRunner:
             self.round_state = None
             return
         await self._apply_round(rs)
+
+    def _fail_silent(self, rs: RoundState) -> float | None:
+        """Fail the pending parts of nodes that stopped heartbeating (dead, cut off, hung): the
+        round need not wait for its deadline. Returns the monotonic time of the next check
+        (None when no part is pending)."""
+        now_wall = now_ms()
+        soonest: int | None = None
+        for part in rs.outstanding():
+            until = self.engine.silent_until_ms(part.node_id)
+            if until is None or now_wall > until:
+                silent_s = self.engine.silence_limit_s()
+                part.status = "failed"
+                part.error = f"no heartbeat for more than {silent_s:.2f}s (node unresponsive)"
+                log.info("job %s round %d: %s is silent", self.job_id, rs.round, part.node_id)
+                continue
+            soonest = until if soonest is None else min(soonest, until)
+        if soonest is None:
+            return None
+        return time.monotonic() + (soonest - now_wall) / 1000.0 + 0.001
 
     def _train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
         shards = [
@@ -535,8 +620,19 @@ class JobRunner:
                 st.compute_s += p.compute_s
                 comm = max(0.0, p.wall_s - p.compute_s)
                 st.communicate_s += comm
-                if p.node_id in self.estimator:
+                if p.node_id not in self.estimator:
+                    continue
+                if p.compute_s > 0 and math.isfinite(p.compute_s):
                     self.estimator.observe(p.node_id, p.local_batch, p.compute_s, comm)
+                else:  # a figure the estimator cannot use: keep the gradient, skip the rate
+                    log.warning(
+                        "job %s round %d: %s reported %r compute seconds; rate not updated",
+                        self.job_id,
+                        rs.round,
+                        p.node_id,
+                        p.compute_s,
+                    )
+                    self.estimator.observe(p.node_id, 0, 0.0, comm)
         samples = sum(p.local_batch for p in received)
         loss = (
             sum(p.mean_loss * p.local_batch for p in received) / samples
@@ -573,10 +669,14 @@ class JobRunner:
         job.eta_seconds = self._eta(time.monotonic() - rs.started)
         job.updated_ms = now_ms()
         self.round_state = None
-        for p in rs.parts.values():
-            if p.status in ("late", "failed", "rejected"):
-                log.info("job %s round %d: %s %s (%s)", self.job_id, rs.round, p.node_id,
-                         p.status, p.error)
+        dropped = sorted(
+            (p for p in rs.parts.values() if p.status in ("late", "failed", "rejected")),
+            key=lambda p: p.node_id,
+        )
+        for p in dropped:
+            log.info(
+                "job %s round %d: %s %s (%s)", self.job_id, rs.round, p.node_id, p.status, p.error
+            )
         checkpoint = (
             self.spec.checkpoint_every > 0
             and received
@@ -585,6 +685,8 @@ class JobRunner:
         async with self.ctx.store.transaction():
             await self.ctx.store.add_round(record)
             await self.ctx.store.update_job(job)
+            if dropped:
+                await self._record_dropped(rs, dropped)
         if self.ledger.complete:
             await self._next_epoch()
         elif checkpoint:
@@ -592,6 +694,29 @@ class JobRunner:
         self._overhead_s = 0.5 * self._overhead_s + 0.5 * (time.monotonic() - t0)
         self.engine.round_finished(self, record)
         await self.notify()
+
+    async def _record_dropped(self, rs: RoundState, dropped: list[Part]) -> None:
+        """One event per round that closed without some of its parts (their samples are
+        pending again): who, why, the deadline and how long the round waited."""
+        samples = sum(p.local_batch for p in dropped)
+        what = "; ".join(f"{p.node_id} {p.status} ({p.error})" for p in dropped)
+        await self.ctx.events.append(
+            "round.incomplete",
+            job_id=self.job_id,
+            message=(
+                f"round {rs.round} closed after {rs.waited_s:.2f}s without {what}; "
+                f"their {samples} samples are pending again in epoch {rs.epoch + 1}"
+            ),
+            attrs={
+                "round": str(rs.round),
+                "epoch": str(rs.epoch),
+                "deadline_s": f"{rs.deadline_s:.3f}",
+                "waited_s": f"{rs.waited_s:.3f}",
+                "late": ",".join(p.node_id for p in dropped if p.status == "late"),
+                "failed": ",".join(p.node_id for p in dropped if p.status != "late"),
+                "samples": str(samples),
+            },
+        )
 
     def _eta(self, round_s: float) -> float:
         left = self.spec.epochs * self.job.num_samples - self.job.samples_done
@@ -735,9 +860,7 @@ class JobRunner:
         return part is not None and part.task_id == task_id and part.status == "pending"
 
     def allocation(self) -> common_pb2.Allocation:
-        out = common_pb2.Allocation(
-            job_id=self.job_id, epoch=self.job.epoch, round=self.job.round
-        )
+        out = common_pb2.Allocation(job_id=self.job_id, epoch=self.job.epoch, round=self.job.round)
         rs = self.round_state
         if rs is not None:
             out.round_deadline_seconds = rs.deadline_s
@@ -765,4 +888,3 @@ class JobRunner:
                 na.bandwidth_bytes_per_second = bench.bandwidth_bytes_per_second
             out.nodes.append(na)
         return out
-

@@ -19,6 +19,7 @@ from epochmesh.dataset import ShardedDataset, ranges_to_indices
 from epochmesh.program import TrainableProgram
 from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2
+from node_agent.connection import Expired
 from node_agent.tasks import TaskContext
 
 # Loaded programs kept per agent process (a donor rarely serves more than a couple of jobs).
@@ -98,6 +99,11 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     if job.version != task.params_version:
         await _pull_parameters(ctx, job, task)
     ctx.check_cancelled()
+    due = ctx.deadline
+    if due is not None and time.monotonic() > due:
+        # The round closed without this part (the agent was busy or cut off): computing it now
+        # would only delay the next task. The coordinator has returned its samples to pending.
+        raise Expired(f"the round's {task.deadline_seconds:.2f}s deadline passed before compute")
     indices = ranges_to_indices(task.ranges)
     if len(indices) != task.local_batch:
         raise ValueError(f"task names {len(indices)} samples but local_batch {task.local_batch}")
