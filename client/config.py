@@ -8,6 +8,10 @@ Resolution order (the first that is set wins):
    ``$XDG_CONFIG_HOME/epochmesh/config.toml`` (``~/.config/epochmesh/config.toml`` when
    ``XDG_CONFIG_HOME`` is unset or empty);
 4. ``127.0.0.1:7070``.
+
+Credentials: ``epochmesh login --token T`` stores ``ca.pem``, ``cert.pem`` and ``key.pem``
+(0600) in ``$XDG_CONFIG_HOME/epochmesh/credentials/`` and the coordinator's address in the
+config file; every later command uses them (`load_credentials`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.rpc import CliError, ExitCode
+from epochmesh.identity import Identity, IdentityError, write_private
 
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
 ENV_COORDINATOR = "EPOCHMESH_COORDINATOR"
@@ -37,6 +42,34 @@ def config_path(env: Mapping[str, str] | None = None) -> Path:
     base = env.get("XDG_CONFIG_HOME", "")
     root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".config"
     return root / "epochmesh" / "config.toml"
+
+
+def credentials_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where ``epochmesh login`` keeps the user's certificate, key and the coordinator's CA."""
+    return config_path(env).parent / "credentials"
+
+
+def load_credentials(env: Mapping[str, str] | None = None) -> Identity | None:
+    """The stored identity, or None when not logged in."""
+    directory = credentials_dir(env)
+    if not Identity.exists(directory):
+        return None
+    try:
+        return Identity.load(directory)
+    except IdentityError as err:
+        raise CliError(
+            ExitCode.AUTH, f"cannot read credentials: {err}", "log in again: epochmesh login"
+        ) from None
+
+
+def save_login(identity: Identity, address: str, env: Mapping[str, str] | None = None) -> Path:
+    """Store credentials (0600) and remember ``address`` in the config file."""
+    directory = credentials_dir(env)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    identity.save(directory)
+    path = config_path(env)
+    write_private(path, f'coordinator = "{address}"\n'.encode(), mode=0o644)
+    return directory
 
 
 def load_config(path: Path) -> dict[str, object]:

@@ -20,7 +20,7 @@ from typing import NoReturn
 
 import grpc
 
-from client.commands import cluster, jobs, nodes, submit, watch
+from client.commands import auth, cluster, jobs, nodes, submit, watch
 from client.commands.context import Context
 from client.commands.output import closest
 from client.config import DEFAULT_COORDINATOR, ENV_COORDINATOR, resolve_coordinator
@@ -34,6 +34,10 @@ the coordinator's address comes from, in order: --coordinator HOST:PORT, the
 {ENV_COORDINATOR} environment variable, `coordinator = "HOST:PORT"` in
 $XDG_CONFIG_HOME/epochmesh/config.toml (~/.config/epochmesh/config.toml),
 else {DEFAULT_COORDINATOR}.
+
+credentials: `epochmesh login --token TOKEN` enrolls (TLS, a key made here) and
+stores the certificate under $XDG_CONFIG_HOME/epochmesh/credentials; every
+command then uses it. --insecure talks plaintext to an --insecure coordinator.
 
 output: data goes to stdout, progress and messages to stderr. --output json prints
 one JSON document (status, nodes, stats, allocation, ...) or JSON lines, one object
@@ -80,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_COORDINATOR})",
     )
     parser.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext gRPC without credentials (for an --insecure coordinator)",
+    )
     parser.add_argument("--no-color", action="store_true", help="never use colors")
     parser.add_argument("--version", action="version", version=f"epochmesh {_version()}")
 
@@ -94,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--coordinator", metavar="HOST:PORT", default=argparse.SUPPRESS)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    common.add_argument("--insecure", action="store_true", default=argparse.SUPPRESS)
     common.add_argument("--no-color", action="store_true", default=argparse.SUPPRESS)
 
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -102,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch.register(sub, [common])
     nodes.register(sub, [common])
     cluster.register(sub, [common])
+    auth.register(sub, [common])
     return parser
 
 

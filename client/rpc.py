@@ -7,6 +7,7 @@ exit codes of :class:`ExitCode`, a one-line message and, where useful, a hint sa
 gRPC status codes map to exit codes as follows:
 
 ========================================  ==========================
+UNAUTHENTICATED, PERMISSION_DENIED        7 not authorized
 UNAVAILABLE, DEADLINE_EXCEEDED            4 coordinator unreachable
 NOT_FOUND                                 3 not found
 FAILED_PRECONDITION, ALREADY_EXISTS       6 precondition
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 import grpc
 
 from epochmesh.grpc_util import sync_channel
+from epochmesh.identity import Identity, secure_sync_channel
 from epochmesh.v1 import job_pb2_grpc, scheduler_pb2_grpc
 
 # How long the CLI waits for the channel to connect before it calls the coordinator unreachable.
@@ -46,6 +48,7 @@ class ExitCode(enum.IntEnum):
     UNREACHABLE = 4
     JOB_FAILED = 5
     PRECONDITION = 6
+    AUTH = 7
     INTERRUPTED = 130
 
 
@@ -58,6 +61,8 @@ exit codes:
   4    coordinator unreachable, or it did not answer in time
   5    the job failed or was cancelled (watch, submit --watch)
   6    precondition: e.g. download before the job finished, cancel of a finished job
+  7    not authorized: not logged in (epochmesh login), wrong role, revoked, or not
+       your job
   130  interrupted (Ctrl-C)"""
 
 
@@ -82,6 +87,8 @@ _STATUS_TO_EXIT: dict[grpc.StatusCode, ExitCode] = {
     grpc.StatusCode.INVALID_ARGUMENT: ExitCode.USAGE,
     grpc.StatusCode.OUT_OF_RANGE: ExitCode.USAGE,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ExitCode.USAGE,
+    grpc.StatusCode.UNAUTHENTICATED: ExitCode.AUTH,
+    grpc.StatusCode.PERMISSION_DENIED: ExitCode.AUTH,
 }
 
 
@@ -123,8 +130,15 @@ def error_from_rpc(err: grpc.RpcError, what: str, address: str) -> CliError:
             f"the coordinator at {address} does not support {what}: {details}",
             "upgrade or restart the coordinator with the training engine enabled",
         )
-    if status in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-        return CliError(code, f"{what} refused: {details}", "check your credentials")
+    if status == grpc.StatusCode.UNAUTHENTICATED:
+        return CliError(
+            code,
+            f"{what} refused: {details}",
+            "log in again with `epochmesh login --token TOKEN` (a token from "
+            "`epochmesh-coordinator token create --role submitter`)",
+        )
+    if status == grpc.StatusCode.PERMISSION_DENIED:
+        return CliError(code, f"{what} refused: {details}", "your role does not allow this")
     if code == ExitCode.INTERNAL:
         return CliError(
             code,
@@ -178,6 +192,8 @@ class Coordinator:
 
     ``connect()`` waits at most ``connect_timeout`` seconds for the channel and raises
     ``CliError(UNREACHABLE)`` when it is not ready, so a wrong address answers within seconds.
+    With ``identity`` the channel is TLS with that client certificate, else plaintext
+    (``--insecure``).
     """
 
     def __init__(
@@ -187,12 +203,15 @@ class Coordinator:
         source: str = "",
         connect_timeout: float = CONNECT_TIMEOUT_S,
         call_timeout: float = CALL_TIMEOUT_S,
+        identity: Identity | None = None,
     ) -> None:
         self.address = address
         self.source = source
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
-        self.channel: grpc.Channel = sync_channel(address)
+        self.channel: grpc.Channel = (
+            sync_channel(address) if identity is None else secure_sync_channel(address, identity)
+        )
         self.jobs = job_pb2_grpc.JobServiceStub(self.channel)
         self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self._connected = False

@@ -12,10 +12,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from coordinator.auth import current_principal, require_self
 from coordinator.blobs import BlobStore, require_sha256
 from coordinator.engine_api import TrainingEngine
 from coordinator.nodes import NodeRegistry, require_node_id
-from coordinator.store import InvalidArgumentError, check_text
+from coordinator.store import (
+    CoordinatorError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    check_text,
+)
+from epochmesh.errors import CodecError
+from epochmesh.identity import ROLE_NODE
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, common_pb2
 
@@ -65,6 +73,20 @@ def validate_benchmark(result: common_pb2.BenchmarkResult) -> None:
         raise InvalidArgumentError("result.max_batch_size must not be negative")
 
 
+async def _own_updates(
+    first: agent_pb2.PushUpdateRequest | None,
+    messages: AsyncIterator[agent_pb2.PushUpdateRequest],
+) -> AsyncIterator[agent_pb2.PushUpdateRequest]:
+    """The update stream again (``first`` already read), refused (PERMISSION_DENIED) when a
+    header names another node."""
+    if first is not None:
+        yield first
+    async for msg in messages:
+        if msg.WhichOneof("part") == "header":
+            require_self(msg.header.node_id)
+        yield msg
+
+
 class AgentService:
     def __init__(self, registry: NodeRegistry, blobs: BlobStore, engine: TrainingEngine) -> None:
         self._registry = registry
@@ -77,6 +99,16 @@ class AgentService:
         check_text(req.name, "name", max_len=128, required=True)
         if req.node_id:
             require_node_id(req.node_id)
+        # A node with a certificate is the node its certificate names.
+        principal = current_principal()
+        node_id, new_id_ok = req.node_id, False
+        if principal is not None and principal.role == ROLE_NODE:
+            if req.node_id and req.node_id != principal.id:
+                raise PermissionDeniedError(
+                    f"node {principal.id} may not register as {req.node_id}: "
+                    "its certificate names only itself"
+                )
+            node_id, new_id_ok = principal.id, True
         check_text(req.peer_address, "peer_address", max_len=256)
         check_text(req.agent_version, "agent_version", max_len=64)
         if len(req.devices) > MAX_DEVICES:
@@ -94,7 +126,8 @@ class AgentService:
             peer_address=req.peer_address,
             agent_version=req.agent_version,
             labels=dict(req.labels),
-            node_id=req.node_id,
+            node_id=node_id,
+            new_id_ok=new_id_ok,
         )
         return agent_pb2.RegisterResponse(
             node_id=reg.node_id,
@@ -107,6 +140,7 @@ class AgentService:
         self, req: agent_pb2.HeartbeatRequest, ctx: Ctx
     ) -> agent_pb2.HeartbeatResponse:
         require_node_id(req.node_id)
+        require_self(req.node_id)
         _require_lease_id(req.lease_id)
         check_text(req.task_id, "task_id", max_len=128)
         state = await self._registry.heartbeat(req.node_id, req.lease_id, draining=req.draining)
@@ -120,6 +154,7 @@ class AgentService:
 
     async def Leave(self, req: agent_pb2.LeaveRequest, ctx: Ctx) -> agent_pb2.LeaveResponse:
         require_node_id(req.node_id)
+        require_self(req.node_id)
         _require_lease_id(req.lease_id)
         check_text(req.reason, "reason", max_len=1024)
         await self._registry.leave(req.node_id, req.lease_id, req.reason)
@@ -129,6 +164,7 @@ class AgentService:
         self, req: agent_pb2.ReportBenchmarkRequest, ctx: Ctx
     ) -> agent_pb2.ReportBenchmarkResponse:
         require_node_id(req.node_id)
+        require_self(req.node_id)
         _require_lease_id(req.lease_id)
         check_text(req.task_id, "task_id", max_len=128)
         if not req.HasField("result"):
@@ -141,6 +177,7 @@ class AgentService:
 
     async def NextTask(self, req: agent_pb2.NextTaskRequest, ctx: Ctx) -> agent_pb2.Task:
         require_node_id(req.node_id)
+        require_self(req.node_id)
         _require_lease_id(req.lease_id)
         if req.wait_ms < 0:
             raise InvalidArgumentError(f"wait_ms must not be negative, got {req.wait_ms}")
@@ -161,12 +198,31 @@ class AgentService:
     async def PushUpdate(
         self, request_iterator: AsyncIterator[agent_pb2.PushUpdateRequest], ctx: Ctx
     ) -> agent_pb2.PushUpdateResponse:
-        return await self._engine.push_update(request_iterator, ctx)
+        messages = aiter(request_iterator)
+        first = await anext(messages, None)
+        if first is not None and first.WhichOneof("part") == "header":
+            require_self(first.header.node_id)  # before the engine reads a byte
+        try:
+            return await self._engine.push_update(_own_updates(first, messages), ctx)
+        except (InvalidArgumentError, CodecError) as exc:
+            # A refused update (wrong shape/dtype/size, NaN/Inf, ...): the engine returned the
+            # slice to pending; the node gets a strike (quarantined at the limit).
+            if first is not None and first.WhichOneof("part") == "header":
+                header = first.header
+                try:  # only a node holding its lease: never a strike for a forged header
+                    self._registry.check_lease(header.node_id, header.lease_id)
+                except CoordinatorError:
+                    raise exc from None
+                await self._registry.add_strike(
+                    header.node_id, f"refused update: {exc}", job_id=header.job_id[:64]
+                )
+            raise
 
     async def PullParameters(
         self, req: agent_pb2.PullParametersRequest, ctx: Ctx
     ) -> AsyncIterator[agent_pb2.PullParametersResponse]:
         require_node_id(req.node_id)
+        require_self(req.node_id)
         _require_lease_id(req.lease_id)
         self._registry.check_lease(req.node_id, req.lease_id)
         async for part in self._engine.pull_parameters(req, ctx):
@@ -176,6 +232,7 @@ class AgentService:
         self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
     ) -> agent_pb2.ReportProgressResponse:
         require_node_id(req.node_id)
+        require_self(req.node_id)
         _require_lease_id(req.lease_id)
         self._registry.check_lease(req.node_id, req.lease_id)
         return await self._engine.report_progress(req, ctx)

@@ -31,6 +31,10 @@ class CoordinatorConfig:
     # "throughput": b_i in proportion to measured speed; "equal": the baseline of benchmarks.
     split: str = "throughput"
     log_level: str = "INFO"
+    # Plaintext gRPC without authentication (explicit opt-out of TLS).
+    insecure: bool = False
+    # Extra host names / addresses for the server certificate (--advertise).
+    advertise: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
@@ -67,6 +71,10 @@ class CoordinatorConfig:
     @property
     def addr_file(self) -> Path:
         return self.data_dir / "coordinator.addr"
+
+    @property
+    def ca_cert_path(self) -> Path:
+        return self.data_dir / "ca.pem"
 
     @property
     def lock_file(self) -> Path:

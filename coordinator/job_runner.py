@@ -50,7 +50,8 @@ from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes, tenso
 from coordinator.ledger import EpochLedger, Range
 from coordinator.param_server import ParameterServer
 from coordinator.throughput import ThroughputEstimator
-from epochmesh.program import TrainableProgram
+from epochmesh.errors import ProgramError
+from epochmesh.program import TrainableProgram, read_initial_state
 from epochmesh.tensors import encode_bundle, to_safetensors
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2
@@ -128,6 +129,7 @@ class JobRunner:
         self.ledger: EpochLedger
         self.state_names: list[str] = []
         self.buffers: dict[str, torch.Tensor] = {}
+        self.aliases: dict[str, str] = {}  # tied weights: {alias: parameter name}
         self.params_payload: tuple[common_pb2.TensorBundle, bytes] | None = None
         self.params_payload_version = -1
         self.next_round = 1
@@ -188,25 +190,38 @@ class JobRunner:
 
     # -- restore / init -------------------------------------------------------------------------
 
-    async def _load_program(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+    async def _load_state(self) -> tuple[list[str], dict[str, torch.Tensor], dict[str, str]]:
+        """Parameter names, initial state and tied-weight aliases of the job.
+
+        They come from the initial state's metadata (written by packaging; the program was
+        checked against them at submission), which spares a restarted coordinator the first
+        torch.export load (about two seconds); the program is loaded only for a state
+        without that metadata."""
+        state_bytes = await self.ctx.blobs.read_bytes(self.job.initial_state.sha256)
+        try:
+            init = await asyncio.to_thread(read_initial_state, state_bytes)
+            if init.param_names is not None:
+                return list(init.param_names), dict(init.state), dict(init.aliases)
+        except ProgramError:
+            pass
         program = await self.ctx.blobs.read_bytes(self.job.program.sha256)
-        state = await self.ctx.blobs.read_bytes(self.job.initial_state.sha256)
 
         def load() -> tuple[list[str], dict[str, torch.Tensor]]:
-            prog = TrainableProgram.from_bytes(program, state, "cpu")
+            prog = TrainableProgram.from_bytes(program, state_bytes, "cpu")
             return prog.param_names, prog.state_dict()
 
         names, state_dict = await asyncio.to_thread(load)
-        return names, state_dict
+        return names, state_dict, {}
 
     def _new_ledger(self, epoch: int) -> EpochLedger:
         block = self.job.shards[0].count if self.job.shards else None
         return EpochLedger(self.job.num_samples, epoch, self.spec.seed, block_size=block)
 
     async def _restore(self) -> None:
-        names, state_dict = await self._load_program()
+        names, state_dict, self.aliases = await self._load_state()
         self.state_names = list(state_dict)
-        self.buffers = {k: v for k, v in state_dict.items() if k not in set(names)}
+        skip = set(names) | set(self.aliases)
+        self.buffers = {k: v for k, v in state_dict.items() if k not in skip}
         self.ps = ParameterServer(self.spec, {n: state_dict[n] for n in names})
         store = self.ctx.store
         latest = await store.latest_checkpoint(self.job_id)
@@ -779,7 +794,10 @@ class JobRunner:
 
     async def _finish(self) -> None:
         params = self.ps.snapshot()
-        state = {k: (params[k] if k in params else self.buffers[k]) for k in self.state_names}
+        # Keyed like make_model().state_dict(): trained parameters (a tied alias gets its
+        # parameter's values), buffers as submitted.
+        params.update({a: params[p] for a, p in self.aliases.items() if p in params})
+        state = {k: params[k] if k in params else self.buffers[k] for k in self.state_names}
         data = await asyncio.to_thread(to_safetensors, state)
         ref = await self.ctx.blobs.put_bytes(data)
         self.job.result.CopyFrom(ref)

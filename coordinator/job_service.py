@@ -22,12 +22,14 @@ from collections.abc import AsyncIterator, Collection
 
 import grpc
 
+from coordinator.auth import owner_filter, require_job_access
 from coordinator.blobs import BlobStore, Upload, require_sha256
 from coordinator.engine_api import TrainingEngine
 from coordinator.store import (
     InvalidArgumentError,
     NotFoundError,
     Store,
+    is_job_id,
     require_job_id,
 )
 from epochmesh.v1 import common_pb2, job_pb2
@@ -53,15 +55,20 @@ def check_job_states(states: Collection[int]) -> list[int]:
 
 
 async def get_job(store: Store, job_id: str) -> common_pb2.Job:
+    """The job, if the caller may see it (a submitter: only its own, else PERMISSION_DENIED)."""
     require_job_id(job_id)
     job = await store.get_job(job_id)
     if job is None:
         raise NotFoundError(f"job {job_id} not found")
+    require_job_access(job)
     return job
 
 
 async def list_jobs(store: Store, states: Collection[int], limit: int) -> list[common_pb2.Job]:
-    return await store.list_jobs(states=check_job_states(states), limit=clamp_limit(limit))
+    """Jobs the caller may see (a submitter: only its own)."""
+    return await store.list_jobs(
+        states=check_job_states(states), owner=owner_filter(), limit=clamp_limit(limit)
+    )
 
 
 class JobService:
@@ -69,6 +76,15 @@ class JobService:
         self._store = store
         self._blobs = blobs
         self._engine = engine
+
+    async def _check_owner(self, job_id: str) -> None:
+        """Before handing a job RPC to the engine: a submitter may touch only its own jobs
+        (an unknown job is left to the engine to answer)."""
+        if owner_filter() is None or not is_job_id(job_id):
+            return
+        job = await self._store.get_job(job_id)
+        if job is not None:
+            require_job_access(job)
 
     async def UploadBlob(
         self, request_iterator: AsyncIterator[job_pb2.UploadBlobRequest], ctx: Ctx
@@ -116,19 +132,23 @@ class JobService:
     async def WatchJob(
         self, req: job_pb2.WatchJobRequest, ctx: Ctx
     ) -> AsyncIterator[job_pb2.JobUpdate]:
+        await self._check_owner(req.job_id)
         async for update in self._engine.watch_job(req, ctx):
             yield update
 
     async def CancelJob(self, req: job_pb2.CancelJobRequest, ctx: Ctx) -> common_pb2.Job:
+        await self._check_owner(req.job_id)
         return await self._engine.cancel_job(req, ctx)
 
     async def DownloadResult(
         self, req: job_pb2.DownloadResultRequest, ctx: Ctx
     ) -> AsyncIterator[job_pb2.DownloadResultResponse]:
+        await self._check_owner(req.job_id)
         async for part in self._engine.download_result(req, ctx):
             yield part
 
     async def GetRounds(self, req: job_pb2.GetRoundsRequest, ctx: Ctx) -> job_pb2.GetRoundsResponse:
+        await self._check_owner(req.job_id)
         return await self._engine.get_rounds(req, ctx)
 
     async def GetJobEvents(

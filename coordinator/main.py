@@ -2,8 +2,16 @@
 
     epochmesh-coordinator [serve] [--data-dir DIR] [--listen HOST:PORT] ...
 
-Subcommands: ``serve`` (the default when the first argument is an option or absent). Later
-issues add more (e.g. ``token create``) to `SUBCOMMANDS`.
+    epochmesh-coordinator token create --role node|submitter|operator [--ttl 24h]
+                                       [--reusable] [--data-dir DIR]
+
+Subcommands: ``serve`` (the default when the first argument is an option or absent) and
+``token create``, which runs on the coordinator's machine against its data dir (creating the
+CA if the coordinator never ran) and prints one join token on stdout.
+
+TLS is on by default: the first start creates a CA in the data dir (ca.pem, ca.key) and serves
+with it; ``--advertise HOST`` adds names to that certificate; ``--insecure`` serves plaintext
+without authentication (logged as a warning).
 """
 
 from __future__ import annotations
@@ -98,6 +106,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="time calls in flight get to finish after SIGTERM (default 5)",
     )
     parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext gRPC with no authentication (default: TLS with client "
+        "certificates from the coordinator's own CA)",
+    )
+    parser.add_argument(
+        "--advertise",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="host name or address clients use to reach this coordinator, written into the "
+        "server certificate when the CA is created (repeatable)",
+    )
+    parser.add_argument(
         "--split",
         choices=("throughput", "equal"),
         default="throughput",
@@ -116,6 +138,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         shutdown_grace_s=args.shutdown_grace,
         split=args.split,
         log_level=args.log_level,
+        insecure=args.insecure,
+        advertise=tuple(args.advertise),
     )
 
 
@@ -156,10 +180,66 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def add_token_args(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="token_action", metavar="ACTION", required=True)
+    create = actions.add_parser("create", help="print a new join token")
+    add_common_args(create)
+    create.add_argument(
+        "--role",
+        required=True,
+        choices=("node", "submitter", "operator"),
+        help="what the token's holder becomes: a node agent, a job submitter, or an operator",
+    )
+    create.add_argument(
+        "--ttl",
+        default="24h",
+        metavar="DURATION",
+        help="how long the token stays valid, e.g. 30m, 24h, 7d (default 24h)",
+    )
+    create.add_argument(
+        "--reusable",
+        action="store_true",
+        help="may enroll any number of holders until it expires (default: single use)",
+    )
+
+
+async def _create_token(data_dir: Path, role: str, ttl_s: float, reusable: bool) -> str:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.sqlite_store import SqliteStore
+    from coordinator.tokens import create_token, ensure_ca
+
+    config = CoordinatorConfig(data_dir=data_dir)
+    ca = ensure_ca(data_dir)
+    store = await SqliteStore.open(config.db_path)
+    try:
+        return await create_token(store, ca, role, ttl_s, reusable)
+    finally:
+        await store.close()
+
+
+def run_token(args: argparse.Namespace) -> int:
+    from coordinator.tokens import parse_ttl
+
+    try:
+        ttl_s = parse_ttl(args.ttl)
+    except ValueError as exc:
+        log.error("invalid --ttl: %s", exc)
+        return 2
+    try:
+        token = asyncio.run(_create_token(args.data_dir, args.role, ttl_s, args.reusable))
+    except (RuntimeError, CoordinatorError, OSError) as exc:
+        log.error("cannot create a token in %s: %s", args.data_dir, exc)
+        return 1
+    sys.stdout.write(token + "\n")
+    sys.stdout.flush()
+    return 0
+
+
 SUBCOMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]
 ] = {
     "serve": ("run the coordinator (the default)", add_serve_args, run_serve),
+    "token": ("manage join tokens (token create --role ROLE)", add_token_args, run_token),
 }
 
 

@@ -51,6 +51,8 @@ QUARANTINED = NS.NODE_STATE_QUARANTINED
 NODE_ID_PREFIX = "n-"
 NODE_ID_HEX = 10
 LEASE_EXPIRED = "lease expired: register again"
+# Refused updates a node may send before it is quarantined.
+DEFAULT_STRIKE_LIMIT = 3
 
 OfflineListener = Callable[[str], Awaitable[None]]
 
@@ -243,13 +245,19 @@ class NodeRegistry:
         agent_version: str = "",
         labels: Mapping[str, str] | None = None,
         node_id: str = "",
+        new_id_ok: bool = False,
     ) -> Registration:
-        """Join with a new id, or re-join as ``node_id`` (NotFoundError if unknown), keeping the
-        id and history. Either way a new lease starts."""
+        """Join with a new id, or re-join as ``node_id`` (NotFoundError if unknown, unless
+        ``new_id_ok``: a node whose certificate names its id joins under that id the first
+        time), keeping the id and history. Either way a new lease starts."""
         now, wall = self._clock(), now_ms()
         lease_id = secrets.token_hex(8)
         replaced_live_lease = False
-        if node_id:
+        if node_id and new_id_ok and node_id not in self._nodes:
+            info = common_pb2.NodeInfo(node_id=node_id, state=ONLINE, registered_at_ms=wall)
+            node = _Node(info=info, lease_id="", expires=0.0)
+            kind = "node.registered"
+        elif node_id:
             node = self._require(node_id)
             info = node.info
             replaced_live_lease = self._leased(node, now)
@@ -348,6 +356,38 @@ class NodeRegistry:
             node.info.state = DRAINING
             await self._persist(node, "node.draining", "drained by an operator", {"by": "operator"})
         return _copy(node.info)
+
+    # -- strikes -----------------------------------------------------------------------------
+
+    async def add_strike(
+        self, node_id: str, reason: str, *, limit: int = DEFAULT_STRIKE_LIMIT, job_id: str = ""
+    ) -> common_pb2.NodeInfo:
+        """Count a strike against the node (it sent an update the coordinator refused: wrong
+        shape, dtype or size, NaN/Inf, ...): a ``node.strike`` event, and at ``limit``
+        strikes the node is QUARANTINED (no more work; it survives re-registration) with a
+        ``node.quarantined`` event. An unknown node is ignored (returns an empty NodeInfo)."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            log.warning("strike for unknown node %s ignored: %s", node_id, reason)
+            return common_pb2.NodeInfo()
+        info = node.info
+        info.strikes += 1
+        reason = reason[:512]
+        attrs = {"strikes": str(info.strikes), "limit": str(limit), "reason": reason}
+        await self._persist(
+            node, "node.strike", f"strike {info.strikes}/{limit}: {reason}", attrs, job_id=job_id
+        )
+        if info.strikes >= limit and info.state != QUARANTINED:
+            info.state = QUARANTINED
+            await self._persist(
+                node,
+                "node.quarantined",
+                f"quarantined after {info.strikes} strikes (last: {reason})",
+                attrs,
+                job_id=job_id,
+            )
+            log.warning("node %s quarantined after %d strikes: %s", node_id, info.strikes, reason)
+        return _copy(info)
 
     # -- engine calls ---------------------------------------------------------------------------
 

@@ -11,12 +11,22 @@ from collections.abc import AsyncIterator, Collection
 
 import grpc
 
+from coordinator.auth import Authorizer, owner_filter, require_job_access
 from coordinator.blobs import BlobStore
 from coordinator.engine_api import TrainingEngine
 from coordinator.events import EventLog
 from coordinator.job_service import get_job, list_jobs
-from coordinator.nodes import NodeRegistry, state_name
-from coordinator.store import InvalidArgumentError, Store, check_text
+from coordinator.nodes import NodeRegistry, is_node_id, state_name
+from coordinator.store import (
+    CoordinatorError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    Store,
+    check_text,
+    is_job_id,
+)
+from coordinator.tokens import USER_ID_PREFIX
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
 Ctx = grpc.aio.ServicerContext
@@ -44,12 +54,14 @@ class SchedulerService:
         blobs: BlobStore,
         events: EventLog,
         engine: TrainingEngine,
+        authorizer: Authorizer | None = None,
     ) -> None:
         self._registry = registry
         self._store = store
         self._blobs = blobs
         self._events = events
         self._engine = engine
+        self._authorizer = authorizer
         self._started = time.monotonic()
 
     def _node(self, id_or_name: str) -> common_pb2.NodeInfo:
@@ -77,6 +89,10 @@ class SchedulerService:
     async def GetAllocation(
         self, req: scheduler_pb2.GetAllocationRequest, ctx: Ctx
     ) -> common_pb2.Allocation:
+        if owner_filter() is not None and is_job_id(req.job_id):
+            job = await self._store.get_job(req.job_id)
+            if job is not None:
+                require_job_access(job)
         return await self._engine.get_allocation(req, ctx)
 
     async def PreviewAllocation(
@@ -115,6 +131,44 @@ class SchedulerService:
 
     async def Drain(self, req: scheduler_pb2.NodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
         return await self._registry.drain(self._node(req.node_id).node_id)
+
+    async def Revoke(
+        self, req: scheduler_pb2.RevokeRequest, ctx: Ctx
+    ) -> scheduler_pb2.RevokeResponse:
+        """Refuse a principal's certificates from now on: a node (by id or unique name) or a
+        user id. A revoked node's lease then lapses; it is also cordoned at once."""
+        check_text(req.principal, "principal", max_len=128, required=True)
+        check_text(req.reason, "reason", max_len=1024)
+        if self._authorizer is None:
+            raise FailedPreconditionError(
+                "the coordinator runs --insecure: there are no certificates to revoke"
+            )
+        principal, role = req.principal, ""
+        try:
+            node = self._registry.find(req.principal)
+        except NotFoundError:
+            node = None
+        if node is not None:
+            principal, role = node.node_id, "node"
+        elif is_node_id(principal):
+            role = "node"
+        elif not principal.startswith(USER_ID_PREFIX):
+            raise NotFoundError(f"no node or user {req.principal!r}")
+        added = await self._store.add_revocation(principal, role or "user", req.reason)
+        self._authorizer.revoke(principal)
+        if added:
+            await self._events.append(
+                "principal.revoked",
+                node_id=principal if role == "node" else "",
+                message=f"{principal} revoked" + (f": {req.reason}" if req.reason else ""),
+                attrs={"principal": principal, "reason": req.reason},
+            )
+            if node is not None and node.state != common_pb2.NODE_STATE_OFFLINE:
+                try:
+                    await self._registry.cordon(principal)
+                except CoordinatorError:
+                    pass
+        return scheduler_pb2.RevokeResponse(principal=principal, already_revoked=not added)
 
     async def ClusterStats(
         self, req: scheduler_pb2.ClusterStatsRequest, ctx: Ctx

@@ -11,6 +11,11 @@ JobService, SchedulerService, grpc.health.v1 and server reflection.
     ...
     await coord.stop()           # health NOT_SERVING, stop accepting, grace, close the store
 
+TLS is on unless ``config.insecure``: the CA in the data dir (coordinator/tokens.py) is the
+server certificate; IdentityService (enrollment) is served; every AgentService, JobService and
+SchedulerService call is authenticated and role-checked first (coordinator/auth.py), and the
+caller's principal is available to handlers through ``coordinator.auth.current_principal()``.
+
 Every RPC handler is wrapped (`service_handlers`): a request that does not parse is answered
 INVALID_ARGUMENT; a `CoordinatorError` becomes its status code with its message; the shared
 library's input errors (epochmesh.errors SpecError, CodecError, ProgramError) become
@@ -37,25 +42,32 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.agent_service import AgentService
+from coordinator.auth import Authorizer, set_principal
 from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig, parse_listen
 from coordinator.engine_api import CoordinatorContext, EngineFactory, NullEngine, TrainingEngine
 from coordinator.events import EventLog
+from coordinator.identity_service import IdentityService
 from coordinator.job_service import JobService
 from coordinator.nodes import NodeRegistry
 from coordinator.scheduler_service import SchedulerService
 from coordinator.sqlite_store import SqliteStore
 from coordinator.store import CoordinatorError, InvalidArgumentError
+from coordinator.tokens import CertificateAuthority, ensure_ca, issue_identity
 from epochmesh.errors import CodecError, ProgramError, SpecError
 from epochmesh.grpc_util import SERVER_OPTIONS
-from epochmesh.v1 import agent_pb2, job_pb2, scheduler_pb2
+from epochmesh.identity import Identity, coordinator_server_credentials
+from epochmesh.v1 import agent_pb2, identity_pb2, job_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
 
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 JOB_SERVICE = job_pb2.DESCRIPTOR.services_by_name["JobService"]
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"]
-SERVICE_NAMES = tuple(s.full_name for s in (AGENT_SERVICE, JOB_SERVICE, SCHEDULER_SERVICE))
+IDENTITY_SERVICE = identity_pb2.DESCRIPTOR.services_by_name["IdentityService"]
+SERVICE_NAMES = tuple(
+    s.full_name for s in (AGENT_SERVICE, JOB_SERVICE, SCHEDULER_SERVICE, IDENTITY_SERVICE)
+)
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 # -- handler wrapping -------------------------------------------------------------------------
@@ -112,11 +124,22 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield request
 
 
-def _wrap(method: str, fn: Callable[..., Any], client_stream: bool, server_stream: bool) -> Any:
+def _wrap(
+    method: str,
+    fn: Callable[..., Any],
+    client_stream: bool,
+    server_stream: bool,
+    authorizer: Authorizer | None = None,
+) -> Any:
+    def authorize(ctx: grpc.aio.ServicerContext) -> None:
+        if authorizer is not None:
+            set_principal(authorizer.check(method, ctx))
+
     if server_stream:
 
         async def stream_handler(request: Any, ctx: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
+                authorize(ctx)
                 if client_stream:
                     request = _checked_stream(request)
                 elif isinstance(request, _Malformed):
@@ -132,6 +155,7 @@ def _wrap(method: str, fn: Callable[..., Any], client_stream: bool, server_strea
 
     async def unary_handler(request: Any, ctx: grpc.aio.ServicerContext) -> Any:
         try:
+            authorize(ctx)
             if client_stream:
                 request = _checked_stream(request)
             elif isinstance(request, _Malformed):
@@ -146,10 +170,11 @@ def _wrap(method: str, fn: Callable[..., Any], client_stream: bool, server_strea
 
 
 def service_handlers(
-    service: ServiceDescriptor, servicer: object
+    service: ServiceDescriptor, servicer: object, authorizer: Authorizer | None = None
 ) -> dict[str, grpc.RpcMethodHandler]:
     """Method handlers for ``service`` calling ``servicer.<RpcName>(request, context)``,
-    wrapped with malformed-input checks and error mapping."""
+    wrapped with the role check (when ``authorizer`` is given), malformed-input checks and
+    error mapping."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
         fn = getattr(servicer, method.name, None)
@@ -159,7 +184,7 @@ def service_handlers(
         resp_cls = message_factory.GetMessageClass(method.output_type)
         full = f"{service.full_name}/{method.name}"
         cs, ss = method.client_streaming, method.server_streaming
-        wrapped = _wrap(full, fn, cs, ss)
+        wrapped = _wrap(full, fn, cs, ss, authorizer)
         kwargs: dict[str, Any] = {
             "request_deserializer": _deserializer(req_cls),
             "response_serializer": resp_cls.SerializeToString,
@@ -175,8 +200,13 @@ def service_handlers(
     return handlers
 
 
-def add_service(server: grpc.aio.Server, service: ServiceDescriptor, servicer: object) -> None:
-    handlers = service_handlers(service, servicer)
+def add_service(
+    server: grpc.aio.Server,
+    service: ServiceDescriptor,
+    servicer: object,
+    authorizer: Authorizer | None = None,
+) -> None:
+    handlers = service_handlers(service, servicer, authorizer)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
@@ -242,6 +272,9 @@ class Coordinator:
         self.engine: TrainingEngine
         self.health: health.aio.HealthServicer
         self._server: grpc.aio.Server
+        # None with --insecure.
+        self.ca: CertificateAuthority | None = None
+        self.authorizer: Authorizer | None = None
 
     @property
     def context(self) -> CoordinatorContext:
@@ -294,22 +327,42 @@ class Coordinator:
         self.engine = factory(self.context)
         self.registry.add_offline_listener(self.engine.on_node_offline)
 
+        if not cfg.insecure:
+            self.ca = ensure_ca(cfg.data_dir, cfg.advertise)
+            self.authorizer = Authorizer(self.ca.cert_pem, await self.store.list_revocations())
+        auth = self.authorizer
         server = grpc.aio.server(options=SERVER_OPTIONS)
         self._server = server
-        add_service(server, AGENT_SERVICE, AgentService(self.registry, self.blobs, self.engine))
-        add_service(server, JOB_SERVICE, JobService(self.store, self.blobs, self.engine))
+        add_service(
+            server, AGENT_SERVICE, AgentService(self.registry, self.blobs, self.engine), auth
+        )
+        add_service(server, JOB_SERVICE, JobService(self.store, self.blobs, self.engine), auth)
         add_service(
             server,
             SCHEDULER_SERVICE,
-            SchedulerService(self.registry, self.store, self.blobs, self.events, self.engine),
+            SchedulerService(self.registry, self.store, self.blobs, self.events, self.engine, auth),
+            auth,
         )
+        if self.ca is not None:
+            # No role check: the join token is the credential.
+            add_service(server, IDENTITY_SERVICE, IdentityService(self.store, self.ca, self.events))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        served = SERVICE_NAMES if self.ca is not None else SERVICE_NAMES[:-1]
         reflection.enable_server_reflection(
-            (*SERVICE_NAMES, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+            (*served, HEALTH_SERVICE, reflection.SERVICE_NAME), server
         )
         try:
-            port = server.add_insecure_port(cfg.listen)
+            if self.ca is None:
+                log.warning(
+                    "--insecure: serving PLAINTEXT gRPC on %s with no authentication; anyone "
+                    "who can reach it can act as any node, submitter or operator",
+                    cfg.listen,
+                )
+                port = server.add_insecure_port(cfg.listen)
+            else:
+                creds = coordinator_server_credentials(self.ca.cert_pem, self.ca.key_pem)
+                port = server.add_secure_port(cfg.listen, creds)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen on {cfg.listen}: {exc}") from exc
         if port == 0:
@@ -322,7 +375,7 @@ class Coordinator:
         self._cleanup.push_async_callback(self.registry.stop)
         await self.engine.start()
         self._cleanup.push_async_callback(self.engine.stop)
-        for name in ("", *SERVICE_NAMES):
+        for name in ("", *served):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.events.append(
             "coordinator.started",
@@ -337,6 +390,13 @@ class Coordinator:
             cfg.data_dir,
             len(self.registry),
         )
+
+    def issue_identity(self, role: str, principal: str = "") -> Identity:
+        """A key and certificate for ``role`` straight from this coordinator's CA (tests and
+        local tools; remote parties enroll with a join token instead)."""
+        if self.ca is None:
+            raise RuntimeError("the coordinator runs --insecure: it has no CA")
+        return issue_identity(self.ca, role, principal)
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: health NOT_SERVING for every service, the engine and watchers told

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import aiosqlite
 
+from coordinator.auth import current_principal_id
 from coordinator.store import (
     AlreadyExistsError,
     BlobRecord,
@@ -34,6 +35,7 @@ from coordinator.store import (
     NotFoundError,
     Store,
     StoreError,
+    TokenRecord,
     new_job_id,
 )
 from epochmesh.timeutil import now_ms
@@ -125,6 +127,26 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX events_node ON events (node_id, id)",
             "CREATE INDEX events_job ON events (job_id, id)",
             "CREATE INDEX jobs_owner ON jobs (owner, created_ms)",
+        ),
+    ),
+    Migration(
+        4,
+        "trust: join tokens and revoked principals",
+        (
+            """CREATE TABLE tokens (
+                token_hash TEXT PRIMARY KEY,
+                role TEXT NOT NULL,
+                created_ms INTEGER NOT NULL,
+                expires_ms INTEGER NOT NULL,
+                reusable INTEGER NOT NULL,
+                uses INTEGER NOT NULL DEFAULT 0
+            )""",
+            """CREATE TABLE revocations (
+                principal TEXT PRIMARY KEY,
+                role TEXT NOT NULL,
+                revoked_ms INTEGER NOT NULL,
+                reason TEXT NOT NULL
+            )""",
         ),
     ),
 )
@@ -489,7 +511,9 @@ class SqliteStore(Store):
         stored.CopyFrom(job)
         if not stored.job_id:
             stored.job_id = new_job_id()
-        stored.owner = owner
+        # The caller's identity when the engine does not name an owner (coordinator/auth.py).
+        stored.owner = owner or current_principal_id()
+        owner = stored.owner
         now = now_ms()
         if stored.created_ms == 0:
             stored.created_ms = now
@@ -638,6 +662,60 @@ class SqliteStore(Store):
             removed = cur.rowcount > 0
             await cur.close()
         return removed
+
+    # -- trust ----------------------------------------------------------------------------------
+
+    async def add_token(self, record: TokenRecord) -> None:
+        async with self._write() as db:
+            try:
+                await db.execute(
+                    "INSERT INTO tokens (token_hash, role, created_ms, expires_ms, reusable, uses)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        record.token_hash,
+                        record.role,
+                        record.created_ms,
+                        record.expires_ms,
+                        int(record.reusable),
+                        record.uses,
+                    ),
+                )
+            except sqlite3.IntegrityError:
+                raise AlreadyExistsError("token already exists") from None
+
+    async def redeem_token(self, token_hash: str, now_ms: int) -> TokenRecord | None:
+        async with self._write() as db:
+            cur = await db.execute(
+                "UPDATE tokens SET uses = uses + 1 WHERE token_hash = ? AND expires_ms > ?"
+                " AND (reusable = 1 OR uses = 0)",
+                (token_hash, now_ms),
+            )
+            changed = cur.rowcount > 0
+            await cur.close()
+            if not changed:
+                return None
+            async with db.execute(
+                "SELECT token_hash, role, created_ms, expires_ms, reusable, uses FROM tokens"
+                " WHERE token_hash = ?",
+                (token_hash,),
+            ) as cur2:
+                row = await cur2.fetchone()
+        assert row is not None
+        return TokenRecord(row[0], row[1], row[2], row[3], bool(row[4]), row[5])
+
+    async def add_revocation(self, principal: str, role: str, reason: str) -> bool:
+        async with self._write() as db:
+            cur = await db.execute(
+                "INSERT INTO revocations (principal, role, revoked_ms, reason) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (principal) DO NOTHING",
+                (principal, role, now_ms(), reason),
+            )
+            added = cur.rowcount > 0
+            await cur.close()
+        return added
+
+    async def list_revocations(self) -> list[str]:
+        return [str(r[0]) for r in await self._fetchall("SELECT principal FROM revocations")]
 
 
 async def _current_version(db: aiosqlite.Connection) -> int:

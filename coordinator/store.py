@@ -67,6 +67,14 @@ class UnimplementedError(CoordinatorError):
     code = "UNIMPLEMENTED"
 
 
+class UnauthenticatedError(CoordinatorError):
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(CoordinatorError):
+    code = "PERMISSION_DENIED"
+
+
 class StoreError(CoordinatorError):
     """The store cannot be used (e.g. its schema is newer than this program)."""
 
@@ -178,6 +186,18 @@ def event_matches(
 
 
 # -- the interface ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """A join token as stored: only the SHA-256 of its secret, never the secret."""
+
+    token_hash: str
+    role: str
+    created_ms: int
+    expires_ms: int
+    reusable: bool
+    uses: int = 0
 
 
 class Store(ABC):
@@ -343,3 +363,22 @@ class Store(ABC):
 
     @abstractmethod
     async def delete_job_state(self, job_id: str, key: str) -> bool: ...
+
+    # -- trust: join tokens and revocations -----------------------------------------------------
+
+    @abstractmethod
+    async def add_token(self, record: TokenRecord) -> None:
+        """Store a new join token (AlreadyExistsError if the hash is taken)."""
+
+    @abstractmethod
+    async def redeem_token(self, token_hash: str, now_ms: int) -> TokenRecord | None:
+        """Atomically use a token: the record (uses counted) when it exists, has not expired and
+        is reusable or unused; else None and nothing changes."""
+
+    @abstractmethod
+    async def add_revocation(self, principal: str, role: str, reason: str) -> bool:
+        """Refuse ``principal`` from now on; False if it was already revoked."""
+
+    @abstractmethod
+    async def list_revocations(self) -> list[str]:
+        """Every revoked principal id."""

@@ -33,6 +33,10 @@ class AgentConfig:
     labels: dict[str, str] = field(default_factory=dict)
     # CPU threads torch may use for one operation (None: torch's default, one per core).
     threads: int | None = None
+    # Join token for the first start (enrollment); later starts reuse DATA_DIR's certificate.
+    token: str = ""
+    # Plaintext gRPC without certificates (against an --insecure coordinator).
+    insecure: bool = False
 
     @property
     def cache_dir(self) -> Path:
@@ -161,6 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
         "sharing one machine run far steadier with --threads 1",
     )
     parser.add_argument(
+        "--token",
+        default="",
+        metavar="TOKEN",
+        help="join token (epochmesh-coordinator token create --role node): on the first start "
+        "the agent makes its key pair in DATA_DIR and enrolls for a certificate; later starts "
+        "reuse it",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="talk plaintext gRPC without a certificate (to an --insecure coordinator)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -184,4 +201,6 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         poll_wait_ms=max(0, args.poll_wait_ms),
         labels=dict(args.label),
         threads=args.threads,
+        token=args.token,
+        insecure=args.insecure,
     )

@@ -8,6 +8,9 @@ Rules:
   A call answered FAILED_PRECONDITION (lease expired) -- or NOT_FOUND for a heartbeat (unknown
   lease or node) -- makes the agent register again with the same node id, then retry.
 - The node id that the coordinator assigned is persisted in DATA_DIR/node.json.
+- TLS: the channel trusts only the coordinator's CA and every call carries the node's
+  certificate (epochmesh.identity.CertificateAuth) from DATA_DIR (node_agent/identity.py);
+  plaintext only after ``--insecure``.
 - Calls wait for the connection (wait_for_ready) up to their timeout rather than failing at
   once, and gRPC's own reconnect backoff is capped at 1 s, so an agent notices a restarted
   coordinator within about a second. Leave and the final draining heartbeat do not wait: an
@@ -29,10 +32,11 @@ from typing import Any, TypeVar
 import grpc
 
 from epochmesh.grpc_util import CHANNEL_OPTIONS
+from epochmesh.identity import Identity, coordinator_channel_options, identity_credentials
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from node_agent.benchmark import bandwidth_bytes_per_second
-from node_agent.identity import load_node_id, save_node_id
+from node_agent.identity import load_node_id, save_node_id, transport_identity
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +133,16 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    """The agent's channel: the shared options plus a short reconnect backoff."""
-    return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+def open_channel(address: str, identity: Identity | None = None) -> grpc.aio.Channel:
+    """The agent's channel: the shared options plus a short reconnect backoff; TLS with the
+    node's certificate when ``identity`` is given, else plaintext (--insecure)."""
+    if identity is None:
+        return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+    return grpc.aio.secure_channel(
+        address,
+        identity_credentials(identity),
+        options=[*coordinator_channel_options(), *RECONNECT_OPTIONS],
+    )
 
 
 @dataclass
@@ -165,7 +176,7 @@ class CoordinatorConnection:
         self._on_registered = on_registered
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
-        self._channel = open_channel(address)
+        self._channel = open_channel(address, transport_identity(data_dir))
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
         self.node_id = load_node_id(data_dir)
         self.lease_id = ""

@@ -9,7 +9,12 @@ import sys
 import threading
 import time
 
-from node_agent.config import parse_args
+import grpc
+
+from epochmesh.identity import IdentityError
+from node_agent.config import AgentConfig, parse_args
+from node_agent.devices import DeviceError, select_device
+from node_agent.identity import ensure_identity, set_insecure
 from node_agent.worker import Agent
 
 log = logging.getLogger("node_agent")
@@ -39,12 +44,58 @@ def _join_threads(timeout: float) -> bool:
     )
 
 
+def prepare_identity(config: AgentConfig) -> int:
+    """TLS set-up before the agent starts: enroll on the first start, or --insecure. Returns
+    an exit code (0: go on)."""
+    import torch
+
+    try:  # a bad --device is a usage error before anything is asked of the coordinator
+        select_device(config.device, torch.cuda.device_count())
+    except DeviceError as exc:
+        log.error("%s", exc)
+        return 2
+    if config.insecure:
+        log.warning("--insecure: talking plaintext to the coordinator, without a certificate")
+        set_insecure(True)
+        return 0
+    while True:
+        try:
+            identity = ensure_identity(
+                config.data_dir, config.coordinator, config.token, config.name
+            )
+        except IdentityError as exc:
+            log.error("%s", exc)
+            return 2
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                log.warning(
+                    "coordinator %s unreachable (Enroll: %s); retrying", config.coordinator, code
+                )
+                time.sleep(1.0)
+                continue
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            log.error("enrollment refused: %s", details)
+            return 2
+        except ConnectionError as exc:
+            log.warning(
+                "coordinator %s unreachable (Enroll: %s); retrying", config.coordinator, exc
+            )
+            time.sleep(1.0)
+            continue
+        log.info("node %s: TLS with a certificate from the coordinator's CA", identity.principal.id)
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     configure_logging(config.log_level)
     log.info(
         "epochmesh-agent starting: coordinator %s, data dir %s", config.coordinator, config.data_dir
     )
+    code = prepare_identity(config)
+    if code:
+        return code
     agent = Agent(config)
     try:
         code = asyncio.run(agent.run())

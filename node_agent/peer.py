@@ -301,7 +301,8 @@ class RingReceiver(Protocol):
         """A member reports that `failed_node_id` failed in this attempt."""
 
     def on_stream_end(self, reason: str) -> None:
-        """The left neighbour's stream ended (normally or not)."""
+        """The left neighbour's stream ended: done if every chunk arrived, else a failure of the
+        left neighbour for `reason` (ignored once the attempt has failed)."""
 
     def failed_node(self) -> str | None:
         """The failed node once this attempt has failed, else None."""
@@ -576,11 +577,9 @@ class PeerService:
                 self.received_chunks += 1
                 chunk = None
         finally:
-            if not receiver.complete and receiver.failed_node() is None:
-                receiver.on_stream_end(
-                    "its stream ended early"
-                    + (" (cancelled)" if context.cancelled() else "")
-                )
+            receiver.on_stream_end(
+                "its stream ended early" + (" (cancelled)" if context.cancelled() else "")
+            )
         failed = receiver.failed_node()
         if failed is not None and not receiver.complete:
             await _abort_failed(context, key, failed)

@@ -254,6 +254,7 @@ class _ReceiveSlot:
         self._forward: dict[int, memoryview] = {}
         self._waiter: tuple[int, asyncio.Future[None]] | None = None
         self._failure: RingPeerFailed | None = None
+        self.closed = asyncio.Event()  # the left neighbour's stream ended after every chunk
         self.failed_future: asyncio.Future[RingPeerFailed] = (
             asyncio.get_running_loop().create_future()
         )
@@ -332,7 +333,9 @@ class _ReceiveSlot:
         )
 
     def on_stream_end(self, reason: str) -> None:
-        if not self.complete:
+        if self.complete:
+            self.closed.set()
+        else:
             self.fail(
                 RingPeerFailed(
                     self.left_node_id,
@@ -537,6 +540,17 @@ class _RingRun:
             )
         if not self.slot.complete:
             await self._await_input(self.slot.total - 1, self.deadline_s)
+        # Return only once the left neighbour has closed its stream: the handler is then done
+        # with the buffer, and the left neighbour's confirmation is on its way.
+        if not self.slot.closed.is_set():
+            try:
+                async with asyncio.timeout(self.deadline_s):
+                    await self.slot.closed.wait()
+            except TimeoutError:
+                raise RingPeerFailed(
+                    self.left, f"did not close its stream within {self.deadline_s:.1f}s",
+                    key=self.key,
+                ) from None
 
     def _payload(self, s: _Send) -> bytes | memoryview:
         if self.codec == "none":

@@ -10,6 +10,16 @@ Public helpers:
   EXTRA_ARGS wins, for a fixed port).
 - ``in_process_coordinator(data_dir, **config_overrides)``: async context manager yielding a
   started in-process ``coordinator.server.Coordinator``.
+
+TLS is on in every test, transparently: each coordinator the helpers start has its own CA
+(made on its first start in its data dir) and is remembered by address, so that
+- ``identity_for(address, role)`` gives a certificate of that role (subprocess coordinators:
+  through a real ``epochmesh-coordinator token create`` + enrollment; in-process ones:
+  issued by the coordinator's CA), cached per coordinator and role;
+- ``sync_channel_for(address, role="operator")`` / ``aio_channel_for(...)`` open channels
+  with it (plaintext when the coordinator runs ``--insecure``);
+- ``token_for(address, role)`` creates a join token (AgentProc uses it for ``--token``);
+- ``health_status`` speaks TLS to a known TLS coordinator.
 """
 
 from __future__ import annotations
@@ -29,6 +39,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epochmesh.grpc_util import CHANNEL_OPTIONS
+from epochmesh.identity import (
+    ROLE_OPERATOR,
+    Identity,
+    channel_credentials,
+    coordinator_channel_options,
+    enroll_with_token,
+    identity_credentials,
+)
 
 if TYPE_CHECKING:
     from coordinator.server import Coordinator
@@ -87,10 +107,132 @@ def console_script(name: str) -> Path:
     return Path(sys.executable).parent / name
 
 
+# -- trust plumbing -----------------------------------------------------------------------------
+
+
+class _Trust:
+    """What the helpers know about one coordinator they started: how to get credentials."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        insecure: bool,
+        coordinator: Coordinator | None = None,
+    ) -> None:
+        self.data_dir = data_dir
+        self.insecure = insecure
+        self.coordinator = coordinator
+        self.identities: dict[str, Identity] = {}
+
+    def ca_pem(self) -> bytes | None:
+        if self.insecure:
+            return None
+        try:
+            return (self.data_dir / "ca.pem").read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def token(self, role: str, *extra: str) -> str:
+        return create_token(self.data_dir, role, *extra)
+
+    def identity(self, address: str, role: str) -> Identity | None:
+        if self.insecure:
+            return None
+        if role not in self.identities:
+            if self.coordinator is not None:
+                self.identities[role] = self.coordinator.issue_identity(role)
+            else:
+                self.identities[role] = enroll_with_token(address, self.token(role))
+        return self.identities[role]
+
+
+_TRUST: dict[str, _Trust] = {}
+
+
+def _remember(address: str, trust: _Trust) -> None:
+    _TRUST[address] = trust
+
+
+def trust_of(address: str) -> _Trust | None:
+    return _TRUST.get(address)
+
+
+def create_token(data_dir: Path | str, role: str, *extra: str) -> str:
+    """A join token from the real ``epochmesh-coordinator token create`` on ``data_dir``
+    (``extra``: e.g. "--ttl", "1s", "--reusable")."""
+    result = subprocess.run(
+        [
+            str(console_script("epochmesh-coordinator")),
+            "token",
+            "create",
+            "--data-dir",
+            str(data_dir),
+            "--role",
+            role,
+            "--log-level",
+            "WARNING",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"token create failed ({result.returncode}): {result.stderr}")
+    return result.stdout.strip()
+
+
+def token_for(address: str, role: str = "node", *extra: str) -> str | None:
+    """A join token of the coordinator the helpers started at ``address`` (None: unknown or
+    --insecure)."""
+    trust = _TRUST.get(address)
+    if trust is None or trust.insecure:
+        return None
+    return trust.token(role, *extra)
+
+
+def identity_for(address: str, role: str = ROLE_OPERATOR) -> Identity | None:
+    """A certificate of ``role`` for the coordinator at ``address`` (None: unknown/insecure)."""
+    trust = _TRUST.get(address)
+    return None if trust is None else trust.identity(address, role)
+
+
+def sync_channel_for(address: str, role: str = ROLE_OPERATOR) -> grpc.Channel:
+    """A blocking channel to a coordinator the helpers started, as ``role``."""
+    identity = identity_for(address, role)
+    if identity is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(
+        address, identity_credentials(identity), options=coordinator_channel_options()
+    )
+
+
+def aio_channel_for(
+    address: str, role: str = ROLE_OPERATOR, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    """An asyncio channel to a coordinator the helpers started, as ``role``."""
+    identity = identity_for(address, role)
+    if identity is None:
+        return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
+    return grpc.aio.secure_channel(
+        address,
+        identity_credentials(identity),
+        options=[*coordinator_channel_options(), *options],
+    )
+
+
 def health_status(address: str, service: str = "", timeout: float = 1.0) -> str | None:
     """The grpc.health.v1 status name of ``service`` at ``address`` ("SERVING", ...), or None if
-    the server cannot be reached."""
-    with grpc.insecure_channel(address) as channel:
+    the server cannot be reached. TLS (no client certificate) for a known TLS coordinator."""
+    trust = _TRUST.get(address)
+    ca = trust.ca_pem() if trust is not None else None
+    channel = (
+        grpc.secure_channel(address, channel_credentials(ca), options=coordinator_channel_options())
+        if ca is not None
+        else grpc.insecure_channel(address)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -170,7 +312,19 @@ class CoordinatorProc:
             if not text:
                 return False
             self.address = text
+            _remember(text, _Trust(self.data_dir, self.insecure))
         return health_status(self.address, timeout=0.5) == "SERVING"
+
+    @property
+    def insecure(self) -> bool:
+        return "--insecure" in self.extra_args
+
+    def create_token(self, role: str, *extra: str) -> str:
+        """A join token through the real ``epochmesh-coordinator token create``."""
+        return create_token(self.data_dir, role, *extra)
+
+    def identity(self, role: str = ROLE_OPERATOR) -> Identity | None:
+        return identity_for(self.address, role)
 
     @property
     def pid(self) -> int:
@@ -246,6 +400,7 @@ async def in_process_coordinator(
     config = CoordinatorConfig(data_dir=Path(data_dir), **overrides)
     coord = Coordinator(config, engine_factory=engine_factory)
     await coord.start()
+    _remember(coord.address, _Trust(config.data_dir, config.insecure, coord))
     try:
         yield coord
     finally:

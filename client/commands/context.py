@@ -4,16 +4,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from client.commands.output import closest
-from client.config import ResolvedAddress
+from client.config import ResolvedAddress, load_credentials
 from client.render import Style, render_table, terminal_width
-from client.rpc import CliError, Coordinator, ExitCode
+from client.rpc import CONNECT_TIMEOUT_S, CliError, Coordinator, ExitCode
+from epochmesh.identity import fetch_server_certificate
 from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
+
+
+def not_logged_in(address: str, source: str) -> CliError:
+    """The error for a command run without credentials: "unreachable" when nothing speaks
+    TLS at ``address`` (so a wrong address still answers exit 4), else "not logged in"."""
+    try:
+        fetch_server_certificate(address, timeout=CONNECT_TIMEOUT_S)
+    except ssl.SSLError:
+        return CliError(
+            ExitCode.UNREACHABLE,
+            f"cannot reach the coordinator at {address} over TLS (it does not speak TLS)",
+            "if it runs with --insecure, pass --insecure",
+        )
+    except (OSError, ValueError) as err:
+        from_where = f" (address from {source})" if source else ""
+        return CliError(
+            ExitCode.UNREACHABLE,
+            f"cannot reach the coordinator at {address}{from_where}: {err}",
+            "start it with `epochmesh-coordinator`, or point the CLI at it with "
+            "--coordinator HOST:PORT or EPOCHMESH_COORDINATOR",
+        )
+    return CliError(
+        ExitCode.AUTH,
+        f"not logged in to the coordinator at {address}",
+        "run `epochmesh login --token TOKEN` with a token from "
+        "`epochmesh-coordinator token create --role submitter` (or --insecure)",
+    )
 
 
 @dataclass
@@ -26,9 +55,17 @@ class Context:
 
     @property
     def coordinator(self) -> Coordinator:
-        """The coordinator, connected on first use (unreachable -> CliError exit 4)."""
+        """The coordinator, connected on first use (unreachable -> CliError exit 4; not
+        logged in -> exit 7). TLS with the stored credentials unless ``--insecure``."""
         if self._coordinator is None:
-            self._coordinator = Coordinator(self.address.address, source=self.address.source)
+            identity = None
+            if not getattr(self.args, "insecure", False):
+                identity = load_credentials()
+                if identity is None:
+                    raise not_logged_in(self.address.address, self.address.source)
+            self._coordinator = Coordinator(
+                self.address.address, source=self.address.source, identity=identity
+            )
         return self._coordinator.connect()
 
     def close(self) -> None:

@@ -118,3 +118,19 @@ class ClusterStatsResponse(_message.Message):
     heartbeats_total: int
     uptime_ms: int
     def __init__(self, nodes_by_state: _Optional[_Mapping[str, int]] = ..., jobs_by_state: _Optional[_Mapping[str, int]] = ..., total_samples_per_second: _Optional[float] = ..., blobs: _Optional[int] = ..., blob_bytes: _Optional[int] = ..., events: _Optional[int] = ..., heartbeats_total: _Optional[int] = ..., uptime_ms: _Optional[int] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("principal", "reason")
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    principal: str
+    reason: str
+    def __init__(self, principal: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RevokeResponse(_message.Message):
+    __slots__ = ("principal", "already_revoked")
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_REVOKED_FIELD_NUMBER: _ClassVar[int]
+    principal: str
+    already_revoked: bool
+    def __init__(self, principal: _Optional[str] = ..., already_revoked: _Optional[bool] = ...) -> None: ...

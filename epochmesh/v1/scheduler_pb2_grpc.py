@@ -90,6 +90,11 @@ class SchedulerServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_scheduler__pb2.ClusterStatsRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.ClusterStatsResponse.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/epochmesh.v1.SchedulerService/Revoke',
+                request_serializer=epochmesh_dot_v1_dot_scheduler__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.RevokeResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -162,6 +167,13 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """Refuse a principal's certificates from now on (node id, unique node name, or user id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -219,6 +231,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.ClusterStats,
                     request_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.ClusterStatsRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_scheduler__pb2.ClusterStatsResponse.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.RevokeRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_scheduler__pb2.RevokeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -518,6 +535,33 @@ class SchedulerService:
             '/epochmesh.v1.SchedulerService/ClusterStats',
             epochmesh_dot_v1_dot_scheduler__pb2.ClusterStatsRequest.SerializeToString,
             epochmesh_dot_v1_dot_scheduler__pb2.ClusterStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.SchedulerService/Revoke',
+            epochmesh_dot_v1_dot_scheduler__pb2.RevokeRequest.SerializeToString,
+            epochmesh_dot_v1_dot_scheduler__pb2.RevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from coordinator.server import Coordinator
-from epochmesh.grpc_util import CHANNEL_OPTIONS, aio_channel
+from epochmesh.grpc_util import CHANNEL_OPTIONS
 from epochmesh.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -20,7 +20,7 @@ from epochmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from tests.procs import in_process_coordinator
+from tests.procs import aio_channel_for, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +40,7 @@ async def coord(tmp_path: Path) -> AsyncIterator[Coordinator]:
 
 @pytest.fixture
 async def channel(coord: Coordinator) -> AsyncIterator[grpc.aio.Channel]:
-    async with aio_channel(coord.address) as ch:
+    async with aio_channel_for(coord.address) as ch:
         yield ch
 
 
@@ -212,7 +212,7 @@ async def test_malformed_and_oversized_messages(
     # A message over the server's 4 MiB receive limit; the client may send it.
     big_options = [o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_send_message_length"]
     big_options.append(("grpc.max_send_message_length", 64 << 20))
-    async with grpc.aio.insecure_channel(coord.address, options=big_options) as big:
+    async with aio_channel_for(coord.address, options=big_options[-1:]) as big:
         agent = agent_pb2_grpc.AgentServiceStub(big)
         await expect(
             agent.Probe(agent_pb2.ProbeRequest(payload=b"x" * (5 << 20))),

@@ -12,10 +12,9 @@ import grpc
 import pytest
 
 from coordinator.server import Coordinator
-from epochmesh.grpc_util import aio_channel
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
-from tests.procs import async_wait_until, in_process_coordinator
+from tests.procs import aio_channel_for, async_wait_until, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,7 +30,7 @@ async def coord(tmp_path: Path) -> AsyncIterator[Coordinator]:
 
 @pytest.fixture
 async def channel(coord: Coordinator) -> AsyncIterator[grpc.aio.Channel]:
-    async with aio_channel(coord.address) as ch:
+    async with aio_channel_for(coord.address) as ch:
         yield ch
 
 

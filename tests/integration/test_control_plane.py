@@ -12,7 +12,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator.server import Coordinator
-from epochmesh.grpc_util import aio_channel
 from epochmesh.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -22,7 +21,7 @@ from epochmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from tests.procs import async_wait_until, in_process_coordinator
+from tests.procs import aio_channel_for, async_wait_until, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,7 +50,7 @@ async def coord(tmp_path: Path, lease_times: tuple[float, float]) -> AsyncIterat
 
 @pytest.fixture
 async def channel(coord: Coordinator) -> AsyncIterator[grpc.aio.Channel]:
-    async with aio_channel(coord.address) as ch:
+    async with aio_channel_for(coord.address) as ch:
         yield ch
 
 
@@ -394,7 +393,7 @@ async def test_watch_events_resume_and_follow(
 
 async def test_follow_stream_ends_when_the_coordinator_stops(tmp_path: Path) -> None:
     async with in_process_coordinator(tmp_path / "d", shutdown_grace_s=5.0) as coord:
-        async with aio_channel(coord.address) as ch:
+        async with aio_channel_for(coord.address) as ch:
             sched = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             call = sched.WatchEvents(scheduler_pb2.WatchEventsRequest(follow=True))
             first = await call.read()
@@ -446,6 +445,7 @@ async def test_health_and_reflection(channel: grpc.aio.Channel) -> None:
         "epochmesh.v1.AgentService",
         "epochmesh.v1.JobService",
         "epochmesh.v1.SchedulerService",
+        "epochmesh.v1.IdentityService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
     }
@@ -518,7 +518,7 @@ class _BrokenEngine:
 
 async def test_unexpected_engine_error_is_internal_and_server_survives(tmp_path: Path) -> None:
     async with in_process_coordinator(tmp_path / "d", engine_factory=_BrokenEngine) as coord:
-        async with aio_channel(coord.address) as ch:
+        async with aio_channel_for(coord.address) as ch:
             sched = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             details = await expect_status(
                 sched.GetAllocation(scheduler_pb2.GetAllocationRequest(job_id="j-0123456789")),
@@ -566,7 +566,7 @@ async def test_engine_hooks(tmp_path: Path) -> None:
     async with in_process_coordinator(tmp_path / "d", engine_factory=_RecordingEngine) as coord:
         engine = _RecordingEngine.instances[-1]
         assert engine.calls == [("start", None)]
-        async with aio_channel(coord.address) as ch:
+        async with aio_channel_for(coord.address) as ch:
             agent = agent_pb2_grpc.AgentServiceStub(ch)
             sched = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             reg = await register(agent, "hooked")

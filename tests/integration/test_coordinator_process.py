@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.main import build_parser, config_from_args
 from coordinator.sqlite_store import SqliteStore
-from epochmesh.grpc_util import sync_channel
 from epochmesh.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -28,7 +27,7 @@ from epochmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from tests.procs import console_script, start_coordinator, wait_until
+from tests.procs import console_script, start_coordinator, sync_channel_for, wait_until
 
 MIB = 1 << 20
 NS = common_pb2.NodeState
@@ -36,7 +35,7 @@ NS = common_pb2.NodeState
 
 class Client:
     def __init__(self, address: str) -> None:
-        self.channel = sync_channel(address)
+        self.channel = sync_channel_for(address)
         self.agent = agent_pb2_grpc.AgentServiceStub(self.channel)
         self.jobs = job_pb2_grpc.JobServiceStub(self.channel)
         self.sched = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)

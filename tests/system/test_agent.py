@@ -20,9 +20,16 @@ import grpc
 import psutil
 import pytest
 
-from epochmesh.grpc_util import sync_channel
 from epochmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.procs import console_script, free_port, start_coordinator, wait_until
+from tests.procs import (
+    console_script,
+    create_token,
+    free_port,
+    start_coordinator,
+    sync_channel_for,
+    token_for,
+    wait_until,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +37,19 @@ NS = common_pb2.NodeState
 AGENT_LOG = "agent.log"
 
 
+def agent_trust_args(coordinator: str, data_dir: Path, args: tuple[str, ...]) -> tuple[str, ...]:
+    """``--token T`` for an agent without a certificate yet, of a coordinator the test helpers
+    started (a fresh node token through `epochmesh-coordinator token create`); nothing when
+    the caller passes --token/--insecure, or the data dir already holds a certificate."""
+    if "--token" in args or "--insecure" in args or (data_dir / "cert.pem").exists():
+        return ()
+    token = token_for(coordinator, "node")
+    return ("--token", token) if token else ()
+
+
 class AgentProc:
-    """An `epochmesh-agent` subprocess; its output goes to DATA_DIR/agent.log."""
+    """An `epochmesh-agent` subprocess; its output goes to DATA_DIR/agent.log. Against a
+    coordinator started by the test helpers it enrolls with a fresh node token."""
 
     def __init__(
         self,
@@ -43,6 +61,7 @@ class AgentProc:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.data_dir / AGENT_LOG
+        args = (*agent_trust_args(coordinator, self.data_dir, args), *args)
         cmd = [
             str(console_script("epochmesh-agent")),
             "--coordinator",
@@ -123,7 +142,7 @@ class AgentProc:
 
 def get_node(address: str, node_id: str) -> common_pb2.NodeInfo | None:
     """The coordinator's view of a node (None if unknown or the coordinator is down)."""
-    with sync_channel(address) as channel:
+    with sync_channel_for(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         try:
             return stub.GetNode(scheduler_pb2.GetNodeRequest(node_id=node_id), timeout=5)
@@ -132,7 +151,7 @@ def get_node(address: str, node_id: str) -> common_pb2.NodeInfo | None:
 
 
 def list_nodes(address: str) -> list[common_pb2.NodeInfo]:
-    with sync_channel(address) as channel:
+    with sync_channel_for(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         return list(stub.ListNodes(scheduler_pb2.ListNodesRequest(), timeout=5).nodes)
 
@@ -321,10 +340,11 @@ def test_waits_for_the_coordinator_and_reconnects_after_its_restart(tmp_path: Pa
     port = free_port()
     address = f"127.0.0.1:{port}"
     args = ["--listen", address, *coordinator_args(0.3, 1.5)]
-    with AgentProc(address, tmp_path / "agent") as agent:
-        # nobody listens yet: the agent keeps trying, and does not exit
+    token = create_token(tmp_path / "coord", "node")  # the CA exists before the coordinator runs
+    with AgentProc(address, tmp_path / "agent", "--token", token) as agent:
+        # nobody listens yet: the agent keeps trying (to enroll), and does not exit
         wait_until(
-            lambda: "unreachable (Register" in agent.log_text() or not agent.running(),
+            lambda: "unreachable (Enroll" in agent.log_text() or not agent.running(),
             timeout=30,
             message="agent never tried to register",
         )
@@ -364,7 +384,7 @@ def test_waits_for_the_coordinator_and_reconnects_after_its_restart(tmp_path: Pa
             assert "reachable again" in agent.log_text()
 
             # an operator drain: the agent finishes (nothing to do here), leaves and exits 0
-            with sync_channel(address) as channel:
+            with sync_channel_for(address) as channel:
                 scheduler_pb2_grpc.SchedulerServiceStub(channel).Drain(
                     scheduler_pb2.NodeRequest(node_id=node_id), timeout=5
                 )

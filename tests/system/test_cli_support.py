@@ -2,6 +2,11 @@
 
 Every CLI run gets an isolated environment: its own ``XDG_CONFIG_HOME`` (so a developer's
 config file never leaks in), no ``EPOCHMESH_COORDINATOR`` unless given, no ``NO_COLOR``.
+
+TLS: a `Cli` for a coordinator started by the test helpers logs in first, as an operator
+unless told otherwise, through the real ``epochmesh login --token`` (the token from the real
+``epochmesh-coordinator token create``), so its credentials live in its ``XDG_CONFIG_HOME``.
+Agents get ``--token`` the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import os
 import queue
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -21,9 +27,8 @@ from typing import IO, Any
 import grpc
 import pytest
 
-from epochmesh.grpc_util import sync_channel
 from epochmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.procs import console_script, start_coordinator, wait_until
+from tests.procs import console_script, start_coordinator, sync_channel_for, token_for, wait_until
 
 EPOCHMESH = str(console_script("epochmesh"))
 
@@ -40,6 +45,22 @@ def cli_env(config_home: Path, coordinator: str | None = None, **extra: str) -> 
         env["EPOCHMESH_COORDINATOR"] = coordinator
     env.update(extra)
     return env
+
+
+_LOGGED_IN_HOMES: dict[str, Path] = {}
+
+
+def logged_in_env(address: str, role: str = "operator") -> dict[str, str]:
+    """An environment for running ``epochmesh`` against a coordinator the test helpers started:
+    its own XDG_CONFIG_HOME (one per address and role, made once) where ``epochmesh login``
+    stored credentials, and EPOCHMESH_COORDINATOR set."""
+    key = f"{address}/{role}"
+    home = _LOGGED_IN_HOMES.get(key)
+    if home is None:
+        home = Path(tempfile.mkdtemp(prefix="epochmesh-cli-"))
+        Cli(address, home, role=role)
+        _LOGGED_IN_HOMES[key] = home
+    return cli_env(home, address)
 
 
 @dataclass
@@ -59,10 +80,26 @@ class CliResult:
 class Cli:
     """Runs ``epochmesh`` against one coordinator, with an isolated config dir."""
 
-    def __init__(self, address: str, config_home: Path) -> None:
+    def __init__(self, address: str, config_home: Path, role: str | None = "operator") -> None:
         self.address = address
         self.config_home = config_home
         config_home.mkdir(parents=True, exist_ok=True)
+        if role is not None and not self.logged_in():
+            self.login(role)
+
+    def logged_in(self) -> bool:
+        return (self.config_home / "epochmesh" / "credentials" / "cert.pem").exists()
+
+    def login(self, role: str = "operator") -> CliResult | None:
+        """``epochmesh login`` with a fresh token of ``role`` (None: the coordinator is not one
+        the helpers started, or runs --insecure)."""
+        token = token_for(self.address, role)
+        if token is None:
+            return None
+        result = self.run("login", "--token", token)
+        if result.code != 0:
+            raise RuntimeError(f"epochmesh login failed: {result.stderr}")
+        return result
 
     def env(self, **extra: str) -> dict[str, str]:
         return cli_env(self.config_home, self.address, **extra)
@@ -137,6 +174,10 @@ class AgentProc:
 
     def __init__(self, coordinator: str, data_dir: Path, name: str, *extra: str) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
+        if not (data_dir / "cert.pem").exists() and "--insecure" not in extra:
+            token = token_for(coordinator, "node")
+            if token:
+                extra = (*extra, "--token", token)
         self.name = name
         self.log_path = data_dir / "agent.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -173,7 +214,7 @@ class AgentProc:
 
 
 def list_nodes(address: str) -> list[common_pb2.NodeInfo]:
-    with sync_channel(address) as channel:
+    with sync_channel_for(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         try:
             return list(stub.ListNodes(scheduler_pb2.ListNodesRequest(), timeout=5).nodes)

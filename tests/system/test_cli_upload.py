@@ -13,10 +13,9 @@ import pytest
 
 from client.rpc import Coordinator
 from client.upload import Uploader, blob_ref
-from epochmesh.grpc_util import sync_channel
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
-from tests.procs import CoordinatorProc, start_coordinator
+from tests.procs import CoordinatorProc, identity_for, start_coordinator, sync_channel_for
 from tests.system.test_cli_support import Cli, engine_available
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,7 +34,7 @@ def coordinator_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Co
 
 
 def _blob_status(address: str, sha: str) -> job_pb2.GetBlobStatusResponse:
-    with sync_channel(address) as channel:
+    with sync_channel_for(address) as channel:
         stub = job_pb2_grpc.JobServiceStub(channel)
         return stub.GetBlobStatus(job_pb2.GetBlobStatusRequest(sha256=sha), timeout=5)
 
@@ -55,7 +54,7 @@ def _cut_off_upload(address: str, data: bytes, chunks: int) -> None:
             )
         raise ConnectionAbortedError("client died")
 
-    with sync_channel(address) as channel:
+    with sync_channel_for(address) as channel:
         stub = job_pb2_grpc.JobServiceStub(channel)
         with pytest.raises(grpc.RpcError):
             stub.UploadBlob(requests(), timeout=10)
@@ -70,7 +69,7 @@ def test_upload_resumes_and_dedups(coordinator: CoordinatorProc) -> None:
     assert before.received_bytes <= 2 * MAX_CHUNK_BYTES
 
     progress: list[tuple[int, int]] = []
-    coord = Coordinator(coordinator.address)
+    coord = Coordinator(coordinator.address, identity=identity_for(coordinator.address))
     try:
         uploader = Uploader(coord, lambda done, total: progress.append((done, total)))
         refs = uploader.upload_all([data, data])  # the same blob twice: sent once

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from tests.fixtures import write_dataset, write_job
 from tests.procs import console_script, start_coordinator, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
+from tests.system.test_cli_support import logged_in_env
 
 SLOWDOWNS = (1, 2, 4)
 
@@ -47,6 +48,7 @@ def cli(address: str, *args: str, timeout: float = 120.0) -> subprocess.Complete
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=logged_in_env(address),
     )
 
 

@@ -1,0 +1,232 @@
+"""Who is calling, and may they: the coordinator's per-RPC role and ownership checks.
+
+Every RPC of AgentService, JobService and SchedulerService goes through `Authorizer.check`
+(called by the handler wrapper in coordinator/server.py) before its handler runs:
+
+- no certificate in the call credentials (epochmesh.identity.CertificateAuth), one not issued
+  by the coordinator's CA, an expired one, a bad or stale call signature, or a certificate
+  whose principal was revoked: UNAUTHENTICATED;
+- a role the method does not admit (`POLICY`): PERMISSION_DENIED.
+
+The caller's `Principal` is then available to the handler and everything it calls (the engine
+included) through `current_principal()` (a contextvar set for the handler's task). Ownership
+helpers used by the services: `require_self(node_id)` (a node acts only as itself) and
+`require_job_access(job)` (a submitter sees only its own jobs). With ``--insecure`` there is
+no certificate and no check: `current_principal()` is None and the helpers allow everything.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime as dt
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import grpc
+from cryptography import x509
+
+from coordinator.store import PermissionDeniedError, UnauthenticatedError
+from epochmesh.identity import (
+    AUTH_CERT_KEY,
+    AUTH_SIG_KEY,
+    AUTH_TS_KEY,
+    ROLE_NODE,
+    ROLE_OPERATOR,
+    ROLE_SUBMITTER,
+    IdentityError,
+    Principal,
+    load_certificate,
+    principal_of,
+    verify_call_signature,
+)
+from epochmesh.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+_PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
+    "epochmesh_principal", default=None
+)
+
+# Operators administer the cluster: every RPC admits them (acting as a node included, e.g.
+# for tooling and tests); nodes and submitters get only their own services.
+NODE = frozenset({ROLE_NODE, ROLE_OPERATOR})
+USERS = frozenset({ROLE_SUBMITTER, ROLE_OPERATOR})
+OPERATOR = frozenset({ROLE_OPERATOR})
+
+_AGENT = "epochmesh.v1.AgentService"
+_JOB = "epochmesh.v1.JobService"
+_SCHED = "epochmesh.v1.SchedulerService"
+
+# Roles admitted by each RPC ("Service/Method"). A method missing here is refused to everyone.
+POLICY: dict[str, frozenset[str]] = {
+    **{
+        f"{_AGENT}/{m}": NODE
+        for m in (
+            "Register",
+            "Heartbeat",
+            "Leave",
+            "ReportBenchmark",
+            "NextTask",
+            "FetchBlob",
+            "PushUpdate",
+            "PullParameters",
+            "ReportProgress",
+            "Probe",
+        )
+    },
+    **{
+        f"{_JOB}/{m}": USERS
+        for m in (
+            "UploadBlob",
+            "GetBlobStatus",
+            "SubmitJob",
+            "GetJob",
+            "ListJobs",
+            "WatchJob",
+            "CancelJob",
+            "DownloadResult",
+            "GetRounds",
+            "GetJobEvents",
+        )
+    },
+    # Cluster views a submitter may read (its own job's allocation only).
+    **{
+        f"{_SCHED}/{m}": USERS
+        for m in ("ListNodes", "GetNode", "ClusterStats", "PreviewAllocation", "GetAllocation")
+    },
+    **{
+        f"{_SCHED}/{m}": OPERATOR
+        for m in ("ListJobs", "GetJob", "WatchEvents", "Cordon", "Uncordon", "Drain", "Revoke")
+    },
+}
+
+
+def current_principal() -> Principal | None:
+    """The caller of the RPC being handled (None: insecure mode, or outside an RPC)."""
+    return _PRINCIPAL.get()
+
+
+def current_principal_id() -> str:
+    principal = _PRINCIPAL.get()
+    return principal.id if principal is not None else ""
+
+
+def set_principal(principal: Principal | None) -> contextvars.Token[Principal | None]:
+    return _PRINCIPAL.set(principal)
+
+
+def require_self(node_id: str) -> None:
+    """PERMISSION_DENIED unless the calling node is ``node_id`` (operators and insecure mode
+    pass)."""
+    principal = _PRINCIPAL.get()
+    if principal is None or principal.role != ROLE_NODE:
+        return
+    if node_id and node_id != principal.id:
+        raise PermissionDeniedError(
+            f"node {principal.id} may not act as node {node_id[:64]!r}: its certificate "
+            "names only itself"
+        )
+
+
+def owner_filter() -> str | None:
+    """The owner a job listing is restricted to: the submitter's id, else None (all)."""
+    principal = _PRINCIPAL.get()
+    if principal is not None and principal.role == ROLE_SUBMITTER:
+        return principal.id
+    return None
+
+
+def require_job_access(job: common_pb2.Job) -> None:
+    """PERMISSION_DENIED when a submitter reaches for another submitter's job."""
+    principal = _PRINCIPAL.get()
+    if principal is None or principal.role != ROLE_SUBMITTER:
+        return
+    if job.owner != principal.id:
+        raise PermissionDeniedError(f"job {job.job_id} belongs to another submitter")
+
+
+class Authorizer:
+    """Authenticates callers by the certificate in their call credentials; checks `POLICY`."""
+
+    CACHE_SIZE = 1024
+    MAX_CERT_BYTES = 8192
+
+    def __init__(self, ca_pem: bytes, revoked: Iterable[str] = ()) -> None:
+        self._ca = load_certificate(ca_pem)
+        self._revoked: set[str] = set(revoked)
+        # DER -> (certificate, principal) or the reason it is refused.
+        self._cache: OrderedDict[bytes, tuple[x509.Certificate, Principal] | str] = OrderedDict()
+
+    def revoke(self, principal_id: str) -> None:
+        self._revoked.add(principal_id)
+
+    def is_revoked(self, principal_id: str) -> bool:
+        return principal_id in self._revoked
+
+    def _verify_der(self, der: bytes) -> tuple[x509.Certificate, Principal] | str:
+        try:
+            cert = x509.load_der_x509_certificate(der)
+        except ValueError as exc:
+            return f"malformed certificate: {exc}"
+        try:
+            cert.verify_directly_issued_by(self._ca)
+        except Exception:  # noqa: BLE001 - InvalidSignature, wrong issuer, bad algorithm
+            return "certificate not issued by this coordinator's CA"
+        try:
+            return cert, principal_of(cert)
+        except IdentityError as exc:
+            return str(exc)
+
+    def _lookup(self, der: bytes) -> tuple[x509.Certificate, Principal] | str:
+        cached = self._cache.get(der)
+        if cached is None:
+            cached = self._verify_der(der)
+            self._cache[der] = cached
+            while len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(der)
+        return cached
+
+    def authenticate(self, method: str, ctx: grpc.aio.ServicerContext) -> Principal:
+        """The verified caller of ``method`` ("Service/Method"); UnauthenticatedError."""
+        metadata = ctx.invocation_metadata() or ()
+        values = {k: v for k, v in metadata if k in (AUTH_CERT_KEY, AUTH_SIG_KEY, AUTH_TS_KEY)}
+        der, sig, ts = values.get(AUTH_CERT_KEY), values.get(AUTH_SIG_KEY), values.get(AUTH_TS_KEY)
+        if not der:
+            raise UnauthenticatedError(
+                "a certificate is required: enroll with a join token "
+                "(epochmesh-agent --token, epochmesh login --token)"
+            )
+        if not isinstance(der, bytes) or len(der) > self.MAX_CERT_BYTES:
+            raise UnauthenticatedError("malformed certificate in the call credentials")
+        if not isinstance(sig, bytes) or not isinstance(ts, str):
+            raise UnauthenticatedError("the call credentials lack a signature")
+        found = self._lookup(der)
+        if isinstance(found, str):
+            raise UnauthenticatedError(f"certificate refused: {found}")
+        cert, principal = found
+        now = dt.datetime.now(dt.UTC)
+        if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+            raise UnauthenticatedError("certificate expired or not yet valid")
+        try:
+            verify_call_signature(cert, method.rsplit("/", 1)[-1], ts, sig)
+        except IdentityError as exc:
+            raise UnauthenticatedError(f"call credentials refused: {exc}") from None
+        if principal.id in self._revoked:
+            raise UnauthenticatedError(f"the certificate of {principal} has been revoked")
+        return principal
+
+    def check(self, method: str, ctx: grpc.aio.ServicerContext) -> Principal:
+        """The caller's principal if it may call ``method``; raises UnauthenticatedError or
+        PermissionDeniedError."""
+        principal = self.authenticate(method, ctx)
+        allowed = POLICY.get(method, frozenset())
+        if principal.role not in allowed:
+            who = ", ".join(sorted(allowed)) or "nobody"
+            raise PermissionDeniedError(
+                f"{method.rsplit('/', 1)[-1]} is not allowed for role {principal.role} "
+                f"(allowed: {who})"
+            )
+        return principal

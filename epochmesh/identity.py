@@ -1,0 +1,593 @@
+"""Identities and TLS for every epochmesh program (pure helpers around `cryptography`).
+
+Trust model (see DESIGN.md section 6):
+
+- The coordinator owns a certificate authority: an EC P-256 key and a self-signed CA
+  certificate in its data dir (``ca.pem`` / ``ca.key``, 0600). The coordinator serves TLS with
+  that CA certificate itself as its server certificate, so a newcomer that knows only the CA's
+  fingerprint (from its join token) can read the certificate off the TLS handshake
+  (`fetch_server_certificate`, no trust needed yet), check its SHA-256 against the token
+  (`fetch_ca`) and from then on use it as its only root. Clients verify the server under the
+  fixed name `COORDINATOR_NAME` (``grpc.ssl_target_name_override``), which the CA certificate
+  always carries, so the address one dials (an IP, a NAT'd name) does not matter: pinning the
+  CA is what authenticates the coordinator.
+- Everyone else holds a key pair made locally and a certificate issued by that CA through
+  enrollment (CSR + join token): subject CN = principal id, OU = role, plus SAN DNS:<principal>
+  so that peers can verify "this is node X" (`peer_channel_options`).
+- Calls to the coordinator carry the certificate as call credentials (`CertificateAuth`):
+  gRPC's Python server can either require a TLS client certificate on every connection or
+  not ask for one at all, and enrollment, health checks and reflection must work without
+  one. So the coordinator's TLS authenticates the server only, and each call sends the
+  caller's certificate (DER) plus an ECDSA signature by its key over the method name and a
+  timestamp, inside that TLS session; the coordinator verifies both (coordinator/auth.py).
+  Between peers (PeerService) it is plain mutual TLS (`peer_server_credentials`).
+- A join token is ``emt1.<secret>.<ca-fingerprint>``; the coordinator stores only the
+  SHA-256 of the secret (`hash_secret`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import ipaddress
+import os
+import re
+import secrets
+import socket
+import ssl
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from epochmesh.grpc_util import CHANNEL_OPTIONS
+
+ROLE_NODE = "node"
+ROLE_SUBMITTER = "submitter"
+ROLE_OPERATOR = "operator"
+ROLES = (ROLE_NODE, ROLE_SUBMITTER, ROLE_OPERATOR)
+
+# The name every coordinator certificate carries; clients verify the server under it.
+COORDINATOR_NAME = "epochmesh-coordinator"
+CA_VALIDITY_DAYS = 3650
+CERT_VALIDITY_DAYS = 365
+TOKEN_PREFIX = "emt1"
+_TOKEN_RE = re.compile(r"^emt1\.([A-Za-z0-9_-]{16,128})\.([0-9a-f]{64})$")
+_PRINCIPAL_RE = re.compile(r"^[a-z][a-z0-9-]{1,62}$")
+
+# File names of an identity directory (agent data dir, CLI credentials dir).
+CA_FILE = "ca.pem"
+CERT_FILE = "cert.pem"
+KEY_FILE = "key.pem"
+
+
+class IdentityError(ValueError):
+    """A certificate, key, CSR or token that is malformed or does not verify."""
+
+
+# -- keys, certificates, CSRs -----------------------------------------------------------------
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def new_private_key() -> bytes:
+    """A fresh EC P-256 private key, PEM (PKCS#8, unencrypted)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _load_key(key_pem: bytes) -> ec.EllipticCurvePrivateKey:
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError) as exc:
+        raise IdentityError(f"not a PEM private key: {exc}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise IdentityError("expected an EC private key")
+    return key
+
+
+def load_certificate(cert_pem: bytes) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise IdentityError(f"not a PEM certificate: {exc}") from None
+
+
+def _san_entries(hosts: Sequence[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = []
+    seen: set[str] = set()
+    for host in hosts:
+        host = host.strip().strip("[]")
+        if not host or host in seen:
+            continue
+        seen.add(host)
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
+
+
+def create_ca(hosts: Sequence[str] = (), days: int = CA_VALIDITY_DAYS) -> tuple[bytes, bytes]:
+    """A new self-signed CA (cert PEM, key PEM) that also serves as the coordinator's server
+    certificate: SANs are `COORDINATOR_NAME`, localhost, 127.0.0.1, ::1 and ``hosts``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, COORDINATOR_NAME),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "epochmesh"),
+        ]
+    )
+    now = _utcnow()
+    sans = _san_entries([COORDINATOR_NAME, "localhost", "127.0.0.1", "::1", *hosts])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def certificate_hosts(cert_pem: bytes) -> list[str]:
+    """The DNS names and IP addresses in a certificate's SAN."""
+    cert = load_certificate(cert_pem)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    hosts: list[str] = list(san.get_values_for_type(x509.DNSName))
+    hosts.extend(str(ip) for ip in san.get_values_for_type(x509.IPAddress))
+    return hosts
+
+
+def create_csr(key_pem: bytes) -> bytes:
+    """A certificate signing request for ``key_pem`` (the subject is chosen by the CA)."""
+    key = _load_key(key_pem)
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "enrollment")]))
+        .sign(key, hashes.SHA256())
+    )
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def check_csr(csr_pem: bytes) -> ec.EllipticCurvePublicKey:
+    """The public key of a well-formed, self-signed EC CSR; IdentityError otherwise."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except (ValueError, TypeError) as exc:
+        raise IdentityError(f"not a PEM certificate signing request: {exc}") from None
+    if not csr.is_signature_valid:
+        raise IdentityError("the CSR's signature does not verify")
+    public_key = csr.public_key()
+    if not isinstance(public_key, ec.EllipticCurvePublicKey):
+        raise IdentityError("the CSR must carry an EC public key")
+    return public_key
+
+
+def check_principal(principal: str) -> str:
+    if not _PRINCIPAL_RE.match(principal):
+        raise IdentityError(f"malformed principal id {principal[:80]!r}")
+    return principal
+
+
+def sign_csr(
+    csr_pem: bytes,
+    ca_cert_pem: bytes,
+    ca_key_pem: bytes,
+    *,
+    principal: str,
+    role: str,
+    days: int = CERT_VALIDITY_DAYS,
+) -> bytes:
+    """Issue a client (and peer server) certificate for the CSR's key: CN = principal,
+    OU = role, SAN DNS:principal, EKU clientAuth + serverAuth. The CSR's own subject is
+    ignored; its self-signature must verify."""
+    if role not in ROLES:
+        raise IdentityError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+    check_principal(principal)
+    public_key = check_csr(csr_pem)
+    ca_cert = load_certificate(ca_cert_pem)
+    ca_key = _load_key(ca_key_pem)
+    now = _utcnow()
+    not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.COMMON_NAME, principal),
+                    x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "epochmesh"),
+                ]
+            )
+        )
+        .issuer_name(ca_cert.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(principal)]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a certificate speaks for."""
+
+    id: str
+    role: str
+    serial: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.id}"
+
+
+def principal_of(cert: x509.Certificate) -> Principal:
+    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    ous = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    if len(cns) != 1 or len(ous) != 1:
+        raise IdentityError("certificate subject lacks one CN and one OU")
+    role = str(ous[0].value)
+    if role not in ROLES:
+        raise IdentityError(f"certificate carries an unknown role {role!r}")
+    return Principal(id=str(cns[0].value), role=role, serial=cert.serial_number)
+
+
+def principal_from_pem(cert_pem: bytes) -> Principal:
+    return principal_of(load_certificate(cert_pem))
+
+
+def fingerprint(cert_pem: bytes) -> str:
+    """SHA-256 of the certificate's DER encoding, lowercase hex."""
+    cert = load_certificate(cert_pem)
+    return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
+def verify_issued_by(cert_pem: bytes, ca_cert_pem: bytes) -> None:
+    """Raise IdentityError unless ``cert_pem`` is signed by ``ca_cert_pem`` and valid now."""
+    cert = load_certificate(cert_pem)
+    ca = load_certificate(ca_cert_pem)
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, Exception) as exc:  # InvalidSignature has no common base
+        raise IdentityError(f"certificate not issued by this CA: {exc}") from None
+    now = _utcnow()
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise IdentityError("certificate expired or not yet valid")
+
+
+# -- join tokens ----------------------------------------------------------------------------
+
+
+def new_token(ca_fingerprint: str) -> tuple[str, str]:
+    """A fresh join token and the hash of its secret (what the coordinator stores)."""
+    secret = secrets.token_urlsafe(24)
+    return f"{TOKEN_PREFIX}.{secret}.{ca_fingerprint}", hash_secret(secret)
+
+
+def parse_token(token: str) -> tuple[str, str]:
+    """(secret, CA fingerprint) of a join token; IdentityError when malformed."""
+    match = _TOKEN_RE.match(token.strip())
+    if match is None:
+        raise IdentityError("malformed join token (expected emt1.<secret>.<64 hex>)")
+    return match.group(1), match.group(2)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write atomically with permissions ``mode`` from the start (never world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A CA certificate to trust plus our own certificate and key (all PEM)."""
+
+    ca_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes
+
+    @property
+    def principal(self) -> Principal:
+        return principal_from_pem(self.cert_pem)
+
+    @staticmethod
+    def exists(directory: Path) -> bool:
+        return all((directory / n).is_file() for n in (CA_FILE, CERT_FILE, KEY_FILE))
+
+    @classmethod
+    def load(cls, directory: Path) -> Identity:
+        try:
+            return cls(
+                ca_pem=(directory / CA_FILE).read_bytes(),
+                cert_pem=(directory / CERT_FILE).read_bytes(),
+                key_pem=(directory / KEY_FILE).read_bytes(),
+            )
+        except OSError as exc:
+            raise IdentityError(f"cannot read identity in {directory}: {exc}") from None
+
+    def save(self, directory: Path) -> None:
+        write_private(directory / KEY_FILE, self.key_pem)
+        write_private(directory / CERT_FILE, self.cert_pem)
+        write_private(directory / CA_FILE, self.ca_pem)
+
+
+# -- fetching the CA before trusting anything -------------------------------------------------
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise IdentityError(f"address must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def fetch_server_certificate(address: str, timeout: float = 5.0) -> bytes:
+    """The certificate a TLS server presents (PEM), read without verifying anything."""
+    host, port = split_address(address)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        with context.wrap_socket(sock, server_hostname=COORDINATOR_NAME) as tls:
+            der = tls.getpeercert(binary_form=True)
+    if not der:
+        raise IdentityError(f"{address} presented no certificate")
+    return ssl.DER_cert_to_PEM_cert(der).encode()
+
+
+def fetch_ca(address: str, expected_fingerprint: str, timeout: float = 5.0) -> bytes:
+    """The coordinator's CA certificate, verified against the fingerprint from a token
+    (IdentityError on a mismatch: someone else answers at that address)."""
+    pem = fetch_server_certificate(address, timeout)
+    got = fingerprint(pem)
+    if not secrets.compare_digest(got, expected_fingerprint.lower()):
+        raise IdentityError(
+            f"the server at {address} presented a certificate with fingerprint {got[:16]}..., "
+            f"not the coordinator's CA {expected_fingerprint[:16]}... named in the token"
+        )
+    return pem
+
+
+# -- gRPC credentials -------------------------------------------------------------------------
+
+
+def channel_credentials(
+    ca_pem: bytes, key_pem: bytes | None = None, cert_pem: bytes | None = None
+) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
+    )
+
+
+AUTH_CERT_KEY = "x-epochmesh-cert-bin"
+AUTH_SIG_KEY = "x-epochmesh-sig-bin"
+AUTH_TS_KEY = "x-epochmesh-ts"
+# How far a call's signed timestamp may be from the coordinator's clock.
+AUTH_MAX_SKEW_MS = 300_000
+
+
+def auth_payload(method_name: str, ts_ms: str) -> bytes:
+    """What `CertificateAuth` signs for a call of ``method_name`` (e.g. "Register")."""
+    return f"epochmesh-call-v1|{method_name}|{ts_ms}".encode()
+
+
+class CertificateAuth(grpc.AuthMetadataPlugin):
+    """Call credentials: the certificate (DER) and a signature by its key over the method name
+    and the current time, on every call (see the module docstring for why)."""
+
+    def __init__(self, identity: Identity) -> None:
+        self._der = load_certificate(identity.cert_pem).public_bytes(serialization.Encoding.DER)
+        self._key = _load_key(identity.key_pem)
+
+    def __call__(
+        self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback
+    ) -> None:
+        try:
+            ts = str(int(time.time() * 1000))
+            sig = self._key.sign(auth_payload(context.method_name, ts), ec.ECDSA(hashes.SHA256()))
+            callback(((AUTH_CERT_KEY, self._der), (AUTH_SIG_KEY, sig), (AUTH_TS_KEY, ts)), None)
+        except Exception as exc:  # noqa: BLE001 - reported to gRPC, which fails the call
+            callback((), exc)
+
+
+def verify_call_signature(cert: x509.Certificate, method_name: str, ts_ms: str, sig: bytes) -> None:
+    """IdentityError unless ``sig`` is the certificate key's signature of the call and the
+    timestamp is within `AUTH_MAX_SKEW_MS` of now."""
+    try:
+        ts = int(ts_ms)
+    except ValueError:
+        raise IdentityError("malformed call timestamp") from None
+    if abs(time.time() * 1000 - ts) > AUTH_MAX_SKEW_MS:
+        raise IdentityError("call timestamp too far from the coordinator's clock")
+    key = cert.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise IdentityError("certificate key is not EC")
+    try:
+        key.verify(sig, auth_payload(method_name, ts_ms), ec.ECDSA(hashes.SHA256()))
+    except Exception:  # noqa: BLE001 - InvalidSignature and malformed DER alike
+        raise IdentityError("call signature does not verify") from None
+
+
+def identity_credentials(identity: Identity) -> grpc.ChannelCredentials:
+    """Credentials to call the coordinator as ``identity``: TLS that trusts only its CA, plus
+    `CertificateAuth` call credentials."""
+    return grpc.composite_channel_credentials(
+        channel_credentials(identity.ca_pem),
+        grpc.metadata_call_credentials(CertificateAuth(identity), name="epochmesh-cert"),
+    )
+
+
+def peer_channel_credentials(identity: Identity) -> grpc.ChannelCredentials:
+    """Mutual TLS with a peer: trust only the CA, present our own certificate."""
+    return channel_credentials(identity.ca_pem, identity.key_pem, identity.cert_pem)
+
+
+def coordinator_channel_options() -> list[tuple[str, str | int]]:
+    """Channel options to dial the coordinator over TLS (shared options + target name)."""
+    return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", COORDINATOR_NAME)]
+
+
+def coordinator_server_credentials(ca_cert_pem: bytes, ca_key_pem: bytes) -> grpc.ServerCredentials:
+    """The coordinator's TLS: the CA certificate as server certificate; client certificates
+    from the CA are verified when presented but not required (enrollment and health work
+    without one; the coordinator's role check refuses everything else)."""
+    return grpc.ssl_server_credentials(
+        [(ca_key_pem, ca_cert_pem)], root_certificates=ca_cert_pem, require_client_auth=False
+    )
+
+
+def peer_server_credentials(identity: Identity) -> grpc.ServerCredentials:
+    """A node's PeerService TLS: its own certificate, and a certificate from the same CA is
+    required of every caller. Read the caller's node id in a handler with
+    `peer_principal(context)`."""
+    return grpc.ssl_server_credentials(
+        [(identity.key_pem, identity.cert_pem)],
+        root_certificates=identity.ca_pem,
+        require_client_auth=True,
+    )
+
+
+def peer_channel_options(node_id: str) -> list[tuple[str, str | int]]:
+    """Options to dial node ``node_id``'s PeerService: TLS verifies that the certificate the
+    peer presents was issued by our CA for exactly ``node_id`` (SAN DNS:<node_id>)."""
+    return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", node_id)]
+
+
+def peer_aio_channel(address: str, node_id: str, identity: Identity) -> grpc.aio.Channel:
+    """A channel to the PeerService of node ``node_id`` at ``address``, authenticated both
+    ways with certificates of the coordinator's CA."""
+    return grpc.aio.secure_channel(
+        address, peer_channel_credentials(identity), options=peer_channel_options(node_id)
+    )
+
+
+def principal_from_context(auth_context: dict[str, list[bytes]]) -> Principal | None:
+    """The principal of a verified client certificate in a gRPC auth context, else None."""
+    pems = auth_context.get("x509_pem_cert") or []
+    if not pems:
+        return None
+    try:
+        return principal_from_pem(pems[0])
+    except IdentityError:
+        return None
+
+
+def peer_principal(context: grpc.aio.ServicerContext) -> Principal | None:
+    """The caller's principal in a TLS server handler (None on a plaintext channel)."""
+    return principal_from_context(context.auth_context())
+
+
+# -- enrollment (the client side) -------------------------------------------------------------
+
+
+def secure_sync_channel(address: str, identity: Identity) -> grpc.Channel:
+    """A blocking channel to the coordinator authenticated with ``identity``."""
+    return grpc.secure_channel(
+        address, identity_credentials(identity), options=coordinator_channel_options()
+    )
+
+
+def secure_aio_channel(
+    address: str, identity: Identity, extra_options: Sequence[tuple[str, int]] = ()
+) -> grpc.aio.Channel:
+    """An asyncio channel to the coordinator authenticated with ``identity``."""
+    return grpc.aio.secure_channel(
+        address,
+        identity_credentials(identity),
+        options=[*coordinator_channel_options(), *extra_options],
+    )
+
+
+def enroll_with_token(address: str, token: str, name: str = "", timeout: float = 10.0) -> Identity:
+    """Join the coordinator at ``address``: fetch its CA and check it against the token's
+    fingerprint, make a key pair here, send a CSR with the token, and return the identity
+    (the private key never leaves this process). IdentityError for a malformed token or a CA
+    mismatch; grpc.RpcError when the coordinator refuses (UNAUTHENTICATED: token unknown,
+    used or expired)."""
+    from epochmesh.v1 import identity_pb2, identity_pb2_grpc
+
+    _, expected = parse_token(token)
+    try:
+        ca_pem = fetch_ca(address, expected, timeout=timeout)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConnectionError(
+            f"cannot fetch the coordinator certificate from {address}: {exc}"
+        ) from exc
+    key_pem = new_private_key()
+    request = identity_pb2.EnrollRequest(
+        token=token.strip(), csr_pem=create_csr(key_pem), name=name
+    )
+    with grpc.secure_channel(
+        address, channel_credentials(ca_pem), options=coordinator_channel_options()
+    ) as channel:
+        stub = identity_pb2_grpc.IdentityServiceStub(channel)
+        response = stub.Enroll(request, timeout=timeout)
+    identity = Identity(ca_pem=ca_pem, cert_pem=response.certificate_pem, key_pem=key_pem)
+    verify_issued_by(identity.cert_pem, ca_pem)
+    return identity

@@ -1,0 +1,664 @@
+"""Fault tolerance and elasticity with real processes: one coordinator (fixed port, heartbeat
+every 0.5 s), agents started through `epochmesh-agent`, jobs submitted with the `epochmesh` CLI.
+
+- An agent killed with kill -9 mid-round: the round closes without it (silence or deadline,
+  never later than the deadline), the node goes OFFLINE, its slices are trained later in the
+  same epoch; below min_nodes the job is PAUSED and an event says why; the agent restarted on
+  the same data dir is the same node, is benchmarked again (blobs come from its cache) and
+  trains again; a new agent joins mid-job.
+- A straggler (slowdown raised at run time through DATA_DIR/slowdown) has its share cut
+  within a few rounds and is not waited for beyond the deadline, and gets it back when it is
+  fast again; a hung agent (SIGSTOP) and an agent whose network is cut (its TCP relay to the
+  coordinator stops) are dropped from the round, go OFFLINE, and re-join by themselves when
+  they wake up / the network is back.
+- The coordinator killed with kill -9 and restarted on the same data dir: agents reconnect by
+  themselves, the job resumes from its last checkpoint with the later rounds rolled back, and
+  the live rounds replay (plain PyTorch) to the downloaded parameters.
+
+Every job must succeed with each epoch covered exactly once by the applied parts of its live
+rounds, and its loss must fall.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import signal
+import statistics
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
+from epochmesh.wan import WanLink, WanThread
+from tests.fixtures import write_job
+from tests.procs import CoordinatorProc, console_script, free_port, start_coordinator, wait_until
+from tests.system.test_agent import AgentProc, list_nodes
+
+try:  # TLS-aware helpers (operator channels, join tokens, a logged-in CLI)
+    from tests.procs import sync_channel_for, token_for
+    from tests.system.test_cli_support import logged_in_env
+except ImportError:  # a tree without TLS: plaintext
+    from epochmesh.grpc_util import sync_channel
+
+    def sync_channel_for(address: str, role: str = "operator") -> grpc.Channel:
+        return sync_channel(address)
+
+    def token_for(address: str, role: str = "node") -> str | None:
+        return None
+
+    def logged_in_env(address: str) -> dict[str, str] | None:
+        return None
+
+
+log = logging.getLogger(__name__)
+
+JS = common_pb2.JobState
+NS = common_pb2.NodeState
+HEARTBEAT_S = 0.5
+LR = 0.01
+LEASE_TTL_S = 3 * HEARTBEAT_S
+
+# Small and learnable (labels are a linear function of the pixels), heavy enough per sample that
+# compute, and so the slowdown, shows in the round times.
+MODEL = """
+import torch
+from torch import nn
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.Tanh(), nn.Conv2d(32, 32, 3, padding=1), nn.Tanh(),
+        nn.Flatten(), nn.Linear(32 * 12 * 12, 4),
+    )
+"""
+
+
+def make_dataset(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 1, 12, 12, generator=g)
+    w = torch.randn(12 * 12, 4, generator=g)
+    return {"x": x, "y": (x.flatten(1) @ w).argmax(dim=1)}
+
+
+def job_doc(name: str, **overrides: Any) -> dict[str, Any]:
+    train = {"epochs": 3, "global_batch": 24, "optimizer": "sgd", "lr": LR, "momentum": 0.9}
+    cluster = {"aggregation": "ps", "min_nodes": 1, "max_nodes": 4, "checkpoint_every": 4}
+    for key, value in overrides.items():
+        (train if key in ("epochs", "global_batch", "lr", "seed") else cluster)[key] = value
+    train.setdefault("seed", 11)
+    return {
+        "name": name,
+        "model": {"file": "model.py", "loss": "cross_entropy"},
+        "data": {"train": "train.safetensors", "inputs": ["x"], "targets": ["y"]},
+        "train": train,
+        "cluster": cluster,
+    }
+
+
+class Relay:
+    """A plain TCP relay to the coordinator (epochmesh.wan, no emulated delay) on a fixed port,
+    which can be cut (every connection reset, nothing listening) and restored."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.address = f"127.0.0.1:{free_port()}"
+        self._wan: WanThread | None = None
+        self.restore()
+
+    def restore(self) -> None:
+        if self._wan is None:
+            link = WanLink(
+                self.address, self.target, bandwidth_bps=None, rtt_ms=0.0, handshake=False
+            )
+            self._wan = WanThread(link).start()
+
+    def cut(self) -> None:
+        wan, self._wan = self._wan, None
+        if wan is not None:
+            wan.stop()
+
+    def stop(self) -> None:
+        self.cut()
+
+
+def cli(address: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(console_script("epochmesh")), "--coordinator", address, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=logged_in_env(address),
+    )
+
+
+# -- the cluster --------------------------------------------------------------------------------
+
+
+class Cluster:
+    """A coordinator on a fixed port (so that it can be restarted at the same address) and
+    named agents with their own data dirs."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.address = f"127.0.0.1:{free_port()}"
+        self.coord: CoordinatorProc = start_coordinator(
+            root / "coord", "--listen", self.address, "--heartbeat-interval", str(HEARTBEAT_S)
+        )
+        self.agents: dict[str, AgentProc] = {}
+        self.slowdowns: dict[str, float] = {}
+
+    def start_agent(self, name: str, slowdown: float, address: str = "") -> AgentProc:
+        """Start (or restart, on the same data dir) agent ``name``; ``address``: reach the
+        coordinator there (a relay) instead of directly."""
+        old = self.agents.get(name)
+        if old is not None and old.running():
+            raise RuntimeError(f"agent {name} is already running")
+        args = ["--name", name, "--slowdown", f"{slowdown:g}"]
+        if address:
+            token = token_for(self.address, "node")  # the relay's address is not the
+            if token and not (self.root / f"agent-{name}" / "cert.pem").exists():
+                args += ["--token", token]  # coordinator's: the helpers cannot tell its CA
+        agent = AgentProc(address or self.address, self.root / f"agent-{name}", *args)
+        self.agents[name] = agent
+        self.slowdowns[name] = slowdown
+        return agent
+
+    def node_id(self, name: str) -> str:
+        agent = self.agents[name]
+        return agent.wait_node_id() if agent.running() else agent.node_id()
+
+    def wait_ready(self, names: list[str], timeout: float = 60.0) -> None:
+        """Until the named agents are leased (ONLINE or BUSY) with a reference benchmark."""
+        ids = {self.node_id(n) for n in names}
+
+        def ready() -> bool:
+            nodes = {n.node_id: n for n in list_nodes(self.address)}
+            return all(
+                i in nodes
+                and nodes[i].state in (NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY)
+                and nodes[i].benchmark.samples_per_second > 0
+                for i in ids
+            )
+
+        wait_until(ready, timeout=timeout, interval=0.2, message=f"agents {names} not ready")
+
+    def node_state(self, name: str) -> int:
+        node_id = self.node_id(name)
+        return next(n.state for n in list_nodes(self.address) if n.node_id == node_id)
+
+    def names(self) -> dict[str, str]:
+        return {a.node_id(): name for name, a in self.agents.items()}
+
+    def stop(self) -> None:
+        for agent in self.agents.values():
+            agent.kill9()
+        self.coord.kill9()
+
+    # -- gRPC reads (fast enough to poll between rounds) --------------------------------------
+
+    def _jobs(self, channel: grpc.Channel) -> job_pb2_grpc.JobServiceStub:
+        return job_pb2_grpc.JobServiceStub(channel)
+
+    def job(self, job_id: str) -> common_pb2.Job:
+        with sync_channel_for(self.address) as ch:
+            return self._jobs(ch).GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=5)
+
+    def rounds(self, job_id: str) -> list[common_pb2.RoundRecord]:
+        with sync_channel_for(self.address) as ch:
+            reply = self._jobs(ch).GetRounds(job_pb2.GetRoundsRequest(job_id=job_id), timeout=5)
+            return list(reply.rounds)
+
+    def events(self, job_id: str) -> list[common_pb2.Event]:
+        with sync_channel_for(self.address) as ch:
+            reply = self._jobs(ch).GetJobEvents(
+                job_pb2.GetJobEventsRequest(job_id=job_id), timeout=5
+            )
+            return list(reply.events)
+
+    def wait_rounds(self, job_id: str, pred: Any, timeout: float, what: str) -> Any:
+        def check() -> Any:
+            job = self.job(job_id)
+            assert job.state not in (JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED), job
+            return pred(self.rounds(job_id))
+
+        return wait_until(check, timeout=timeout, interval=0.05, message=what)
+
+    def wait_state(self, job_id: str, state: int, timeout: float) -> common_pb2.Job:
+        def check() -> common_pb2.Job | None:
+            job = self.job(job_id)
+            if state != JS.JOB_STATE_FAILED:
+                assert job.state != JS.JOB_STATE_FAILED, job.message
+            return job if job.state == state else None
+
+        return wait_until(  # type: ignore[return-value]
+            check, timeout=timeout, interval=0.1, message=f"job {job_id} never {JS.Name(state)}"
+        )
+
+    # -- jobs --------------------------------------------------------------------------------
+
+    def submit(self, directory: Path, doc: dict[str, Any], n: int) -> str:
+        job_toml = write_job(directory, MODEL, make_dataset(n), doc)
+        out = cli(self.address, "submit", str(job_toml), "--output", "json")
+        assert out.returncode == 0, out.stderr
+        return str(json.loads(out.stdout)["job_id"])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("ft"))
+    try:
+        for name, slowdown in (("a", 2.0), ("b", 2.0), ("c", 3.0)):
+            c.start_agent(name, slowdown)
+        c.wait_ready(["a", "b", "c"])
+        yield c
+    finally:
+        c.stop()
+
+
+# -- checks on the recorded rounds -------------------------------------------------------------
+
+
+def applied(rnd: common_pb2.RoundRecord) -> list[common_pb2.RoundPart]:
+    return [p for p in rnd.parts if p.status == "applied"]
+
+
+def part_indices(part: common_pb2.RoundPart) -> list[int]:
+    return [i for r in part.ranges for i in range(r.start, r.stop)]
+
+
+def check_exactly_once(rounds: list[common_pb2.RoundRecord], n: int, epochs: int) -> None:
+    by_epoch: dict[int, list[int]] = defaultdict(list)
+    for rnd in rounds:
+        for part in applied(rnd):
+            by_epoch[rnd.epoch].extend(part_indices(part))
+    assert sorted(by_epoch) == list(range(epochs))
+    for epoch, seen in by_epoch.items():
+        counts: dict[int, int] = defaultdict(int)
+        for i in seen:
+            counts[i] += 1
+        lost = [i for i in range(n) if counts[i] == 0]
+        twice = [i for i, c in counts.items() if c > 1]
+        assert not lost and not twice and len(seen) == n, (
+            f"epoch {epoch}: {len(lost)} samples lost, {len(twice)} trained more than once"
+        )
+
+
+def check_converged(rounds: list[common_pb2.RoundRecord]) -> tuple[float, float]:
+    losses = [r.loss for r in rounds if applied(r)]
+    first = statistics.mean(losses[:2])
+    last = statistics.mean(losses[-3:])
+    assert last < 0.6 * first, f"loss went from {first:.3f} to {last:.3f}"
+    return first, last
+
+
+def check_cli_rounds(address: str, job_id: str, rounds: list[common_pb2.RoundRecord]) -> None:
+    """`epochmesh rounds --output json` shows exactly the live rounds."""
+    out = cli(address, "rounds", job_id, "--output", "json")
+    assert out.returncode == 0, out.stderr
+    listed = [json.loads(line)["round"] for line in out.stdout.splitlines() if line.strip()]
+    assert listed == [r.round for r in rounds]
+
+
+def events_of(events: list[common_pb2.Event], kind: str) -> list[common_pb2.Event]:
+    return [e for e in events if e.kind == kind]
+
+
+def check_deadlines(events: list[common_pb2.Event], slack_s: float = 0.5) -> int:
+    """No round waited for a missing part beyond its deadline. Returns the incomplete rounds."""
+    incomplete = events_of(events, "round.incomplete")
+    for e in incomplete:
+        assert float(e.attrs["waited_s"]) <= float(e.attrs["deadline_s"]) + slack_s, e.message
+    return len(incomplete)
+
+
+def round_without(
+    rounds: list[common_pb2.RoundRecord], node_id: str, t_ms: int
+) -> common_pb2.RoundRecord | None:
+    """The first round completed after ``t_ms`` without an applied part of ``node_id``: the
+    round that had to do without it (it closed early, at the deadline, or left it out)."""
+    later = [
+        r
+        for r in rounds
+        if r.finished_ms > t_ms and applied(r) and all(p.node_id != node_id for p in applied(r))
+    ]
+    return min(later, key=lambda r: r.finished_ms, default=None)
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_agent_kill9_pauses_the_job_a_new_agent_joins_and_it_rejoins_with_its_cache(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    n, epochs = 1152, 4
+    job_id = cluster.submit(
+        tmp_path / "job",
+        job_doc("kill-agent", epochs=epochs, min_nodes=3, max_nodes=4),
+        n,
+    )
+    b_id = cluster.node_id("b")
+    program_sha = cluster.job(job_id).program.sha256
+    # Three rounds with all three nodes, then kill b (rounds follow each other back to back, so
+    # b is in a round or about to get one).
+    cluster.wait_rounds(
+        job_id,
+        lambda rs: sum(1 for r in rs if len(applied(r)) == 3) >= 3,
+        timeout=60,
+        what="three full rounds",
+    )
+    kill_ms = int(time.time() * 1000)
+    cluster.agents["b"].kill9()
+    t_kill = time.monotonic()
+
+    # A round completes without b soon (its silence closes the round before the deadline);
+    # b goes OFFLINE when its lease lapses.
+    without = cluster.wait_rounds(
+        job_id,
+        lambda rs: round_without(rs, b_id, kill_ms),
+        timeout=20,
+        what="a round completed without the killed agent",
+    )
+    next_round_s = (without.finished_ms - kill_ms) / 1000
+    log.info(f"round {without.round} completed without b {next_round_s:.2f}s after its kill -9")
+    assert next_round_s <= 2 * HEARTBEAT_S + 1.0  # target 2 intervals; slack for a loaded host
+    wait_until(
+        lambda: cluster.node_state("b") == NS.NODE_STATE_OFFLINE,
+        timeout=LEASE_TTL_S + 5,
+        message="b never went OFFLINE",
+    )
+    log.info(f"b OFFLINE {time.monotonic() - t_kill:.2f}s after kill -9 (ttl {LEASE_TTL_S}s)")
+
+    # Two nodes < min_nodes 3: PAUSED, and an event says why.
+    cluster.wait_state(job_id, JS.JOB_STATE_PAUSED, timeout=10)
+    paused = events_of(cluster.events(job_id), "job.paused")
+    assert paused and "min_nodes is 3" in paused[-1].message, paused
+    paused_round = max(r.round for r in cluster.rounds(job_id))
+
+    # A new agent joins: it is benchmarked, the job runs again, it trains from its next round.
+    cluster.start_agent("d", 2.0)
+    d_id = cluster.node_id("d")
+    cluster.wait_state(job_id, JS.JOB_STATE_RUNNING, timeout=60)
+    cluster.wait_rounds(
+        job_id,
+        lambda rs: any(
+            r.round > paused_round and any(p.node_id == d_id for p in applied(r)) for r in rs
+        ),
+        timeout=30,
+        what="the new agent trains",
+    )
+
+    # b comes back on the same data dir: the same node, benchmarked again (the job's blobs come
+    # from its cache), and it trains again.
+    restart_ms = int(time.time() * 1000)
+    cluster.start_agent("b", cluster.slowdowns["b"])
+    assert cluster.node_id("b") == b_id
+    cluster.wait_rounds(
+        job_id,
+        lambda rs: any(
+            r.finished_ms > restart_ms and any(p.node_id == b_id for p in applied(r)) for r in rs
+        ),
+        timeout=60,
+        what="b trains again after its restart",
+    )
+    events = cluster.events(job_id)
+    assert any(
+        e.node_id == b_id and e.time_ms > restart_ms for e in events_of(events, "node.benchmark")
+    ), "b was not benchmarked again on the job"
+    assert cluster.agents["b"].log_text().count(f"cached blob {program_sha}") == 1, (
+        "the restarted agent downloaded the program again instead of using its cache"
+    )
+
+    job = cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=90)
+    rounds = cluster.rounds(job_id)
+    check_exactly_once(rounds, n, epochs)
+    first, last = check_converged(rounds)
+    check_cli_rounds(cluster.address, job_id, rounds)
+    events = cluster.events(job_id)
+    check_deadlines(events)
+    dropped_b = [
+        p
+        for r in rounds
+        if r.finished_ms > kill_ms
+        for p in r.parts
+        if p.node_id == b_id and p.status in ("failed", "late")
+    ]
+    assert dropped_b, "the killed node had no part in a round after the kill"
+    assert events_of(events, "job.running"), "no event says the job resumed"
+    log.info(
+        f"loss {first:.3f} -> {last:.3f} (final {job.last_loss:.3f}), {len(rounds)} rounds, "
+        f"{sum(1 for r in rounds if len(applied(r)) < len(r.parts))} incomplete"
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_straggler_loses_share_and_hung_or_cut_off_agents_are_dropped_then_rejoin(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    for name in ("a", "b", "c"):
+        if not cluster.agents[name].running():
+            cluster.start_agent(name, cluster.slowdowns[name])
+    if "d" in cluster.agents:
+        cluster.agents["d"].kill9()
+    # e reaches the coordinator through a TCP relay that the test cuts (a network partition).
+    relay = Relay(cluster.address)
+    try:
+        cluster.start_agent("e", 2.0, address=relay.address)
+        cluster.wait_ready(["a", "b", "c", "e"])
+        straggler_then_partition(cluster, relay, tmp_path)
+    finally:
+        relay.stop()
+        cluster.agents["e"].kill9()
+
+
+def straggler_then_partition(cluster: Cluster, relay: Relay, tmp_path: Path) -> None:
+    n, epochs = 768, 3
+    job_id = cluster.submit(
+        # min_nodes 3: while a and e are gone the job waits for them (PAUSED), so they re-join
+        # before it ends
+        tmp_path / "job",
+        job_doc("straggler", epochs=epochs, min_nodes=3, max_nodes=4),
+        n,
+    )
+    c_id, a_id = cluster.node_id("c"), cluster.node_id("a")
+
+    def c_batches(rs: list[common_pb2.RoundRecord]) -> list[int]:
+        return [p.local_batch for r in rs for p in applied(r) if p.node_id == c_id]
+
+    # c trains at its normal speed for a few rounds, then becomes 300x slower: its part of a
+    # round takes longer than the deadline, which does not wait for it.
+    cluster.wait_rounds(
+        job_id, lambda rs: len(c_batches(rs)) >= 4, timeout=60, what="four rounds of c"
+    )
+    before = statistics.mean(c_batches(cluster.rounds(job_id))[-3:])
+    change_round = max(r.round for r in cluster.rounds(job_id))
+    set_slowdown(cluster, "c", 300 * cluster.slowdowns["c"])
+
+    def c_parts_after(rs: list[common_pb2.RoundRecord], after: int) -> list[common_pb2.RoundPart]:
+        return [p for r in rs if r.round > after for p in r.parts if p.node_id == c_id]
+
+    def c_shrunk(rs: list[common_pb2.RoundRecord]) -> list[int] | None:
+        later = [p.local_batch for p in c_parts_after(rs, change_round)]
+        return later if later and later[-1] <= before / 3 else None
+
+    later = cluster.wait_rounds(job_id, c_shrunk, timeout=30, what="c's share shrinks")
+    log.info(f"straggler c: batch {before:.1f} before, then {later} after a 300x slowdown")
+    assert len(later) <= 4, f"c's share took {len(later)} rounds to shrink: {later}"
+
+    # Back to its speed, c gets its share back (it kept a sample per round, so it is measured).
+    recover_round = max(r.round for r in cluster.rounds(job_id))
+    set_slowdown(cluster, "c", cluster.slowdowns["c"])
+
+    def c_recovered(rs: list[common_pb2.RoundRecord]) -> list[int] | None:
+        again = [p.local_batch for p in c_parts_after(rs, recover_round)]
+        return again if again and again[-1] >= before / 2 else None
+
+    again = cluster.wait_rounds(job_id, c_recovered, timeout=30, what="c's share comes back")
+    log.info(f"straggler c back to normal: batches {again}")
+
+    # a hangs (SIGSTOP) and e's network is cut: the round goes on without them, both go
+    # OFFLINE when their leases lapse; when a wakes up and e's network is back, both re-join.
+    e_id = cluster.node_id("e")
+    cut_ms = int(time.time() * 1000)
+    cluster.agents["a"].send(signal.SIGSTOP)
+    relay.cut()
+    try:
+        for name, node in (("a", a_id), ("e", e_id)):
+            without = cluster.wait_rounds(
+                job_id,
+                lambda rs, node=node: round_without(rs, node, cut_ms),
+                timeout=20,
+                what=f"a round completed without {name}",
+            )
+            took = (without.finished_ms - cut_ms) / 1000
+            log.info(f"round {without.round} completed without {name} {took:.2f}s after the fault")
+            assert took <= 2 * HEARTBEAT_S + 1.0
+        for name in ("a", "e"):
+            wait_until(
+                lambda name=name: cluster.node_state(name) == NS.NODE_STATE_OFFLINE,
+                timeout=LEASE_TTL_S + 5,
+                message=f"{name} never went OFFLINE",
+            )
+        offline_round = max(r.round for r in cluster.rounds(job_id))
+    finally:
+        cluster.agents["a"].send(signal.SIGCONT)
+        relay.restore()
+    for name, node in (("a", a_id), ("e", e_id)):
+        cluster.wait_rounds(
+            job_id,
+            lambda rs, node=node: any(
+                r.round > offline_round and any(p.node_id == node for p in applied(r)) for r in rs
+            ),
+            timeout=60,
+            what=f"{name} trains again",
+        )
+    assert cluster.node_id("e") == e_id and cluster.agents["e"].running()
+
+    cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=90)
+    rounds = cluster.rounds(job_id)
+    check_exactly_once(rounds, n, epochs)
+    check_converged(rounds)
+    incomplete = check_deadlines(cluster.events(job_id))
+    log.info(f"{len(rounds)} rounds, {incomplete} closed without some part")
+
+
+def set_slowdown(cluster: Cluster, name: str, factor: float) -> None:
+    """Change an agent's slowdown at run time: its watch file, then SIGUSR1 to reload it."""
+    (cluster.root / f"agent-{name}" / "slowdown").write_text(f"{factor:g}\n")
+    cluster.agents[name].send(signal.SIGUSR1)
+
+
+def import_model(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location("ft_replay_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def replay(
+    job_dir: Path, rounds: list[common_pb2.RoundRecord], data: dict[str, torch.Tensor], seed: int
+) -> dict[str, torch.Tensor]:
+    """The live rounds in a plain single-process PyTorch loop (the submitter's model.py)."""
+    module = import_model(job_dir / "model.py")
+    torch.manual_seed(seed)
+    model = module.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for rnd in rounds:
+        parts = sorted(applied(rnd), key=lambda p: p.node_id)
+        if not parts:
+            continue
+        total = sum(p.local_batch for p in parts)
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for part in parts:
+            idx = torch.tensor(part_indices(part))
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(data["x"][idx]), data["y"][idx]).backward()
+            for g, p in zip(grads, model.parameters(), strict=True):
+                g.add_(p.grad, alpha=part.local_batch / total)
+        for g, p in zip(grads, model.parameters(), strict=True):
+            p.grad = g
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(180)
+def test_coordinator_kill9_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+    for name in ("a", "b", "c"):
+        if not cluster.agents[name].running():
+            cluster.start_agent(name, cluster.slowdowns[name])
+    cluster.wait_ready(["a", "b", "c"])
+    n, epochs, every, seed = 576, 3, 3, 5
+    job_id = cluster.submit(
+        tmp_path / "job",
+        job_doc("kill-coordinator", epochs=epochs, checkpoint_every=every, seed=seed),
+        n,
+    )
+    ids_before = {cluster.node_id(x) for x in ("a", "b", "c")}
+
+    def mid_interval(rs: list[common_pb2.RoundRecord]) -> bool:
+        # One or two applied rounds after a periodic checkpoint, and not at the end of an epoch
+        # (which checkpoints too): some rounds will have to be rolled back.
+        done = sum(1 for r in rs if applied(r))
+        if done < 10 or done % every not in (1, 2):
+            return False
+        epoch = rs[-1].epoch
+        trained = sum(p.local_batch for r in rs if r.epoch == epoch for p in applied(r))
+        return trained < n
+
+    cluster.wait_rounds(job_id, mid_interval, timeout=90, what="a round between checkpoints")
+    cluster.coord.kill9()
+    restart_t = time.monotonic()
+    restart_ms = int(time.time() * 1000)
+    cluster.coord.start()  # same data dir, same address
+    started_s = time.monotonic() - restart_t
+    rounds = cluster.wait_rounds(
+        job_id,
+        lambda rs: [r for r in rs if r.finished_ms > restart_ms] or None,
+        timeout=30,
+        what="a round after the coordinator restart",
+    )
+    resume_s = (
+        min(r.finished_ms for r in rounds if r.finished_ms > restart_ms) - restart_ms
+    ) / 1000
+    log.info(
+        f"coordinator serving {started_s:.2f}s after restart, next round after {resume_s:.2f}s"
+    )
+    assert resume_s <= 15
+
+    restored = events_of(cluster.events(job_id), "job.restored")
+    assert len(restored) == 1, restored
+    assert int(restored[0].attrs["rolled_back"]) >= 1, restored[0].message
+
+    cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=90)
+    rounds = cluster.rounds(job_id)
+    check_exactly_once(rounds, n, epochs)
+    check_converged(rounds)
+    check_cli_rounds(cluster.address, job_id, rounds)
+    numbers = [r.round for r in rounds]
+    assert numbers == sorted(set(numbers))
+    after = [r for r in rounds if r.finished_ms > restart_ms]
+    assert after[0].round > int(restored[0].attrs["checkpoint_round"]) + int(
+        restored[0].attrs["rolled_back"]
+    ), "round numbers must continue after the highest one ever recorded"
+    # The agents reconnected by themselves (same processes, same node ids) and trained.
+    assert ids_before <= {p.node_id for r in after for p in applied(r)}
+
+    # The live rounds, replayed in plain PyTorch, give the downloaded parameters: the restored
+    # parameters, optimizer state and ledger were consistent with them.
+    out = cli(cluster.address, "download", job_id, "-o", str(tmp_path / "result"))
+    assert out.returncode == 0, out.stderr
+    trained = load_file(str(tmp_path / "result" / "model.safetensors"))
+    expected = replay(tmp_path / "job", rounds, make_dataset(n), seed)
+    diff = max((trained[k] - v).abs().max().item() for k, v in expected.items())
+    assert diff <= 1e-5, f"max abs difference {diff} between the result and the replay"
