@@ -14,6 +14,11 @@ phase. Once all are registered, --duration seconds are measured. Prints one JSON
 
 Latency is the agent's view: from issuing Heartbeat to the response. The load generator runs on
 the same machine and competes with the coordinator for CPU.
+
+TLS is on, as in production: the bench enrolls one operator identity with a real join token
+(`epochmesh-coordinator token create`) and every simulated agent calls with it (an operator may
+act as any node), so each heartbeat pays the TLS record layer and the per-call certificate
+signature check. `--insecure` measures plaintext instead.
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epochmesh.grpc_util import CHANNEL_OPTIONS
+from epochmesh.identity import (
+    Identity,
+    channel_credentials,
+    coordinator_channel_options,
+    enroll_with_token,
+    secure_aio_channel,
+)
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc
 
 # -- client worker (a subprocess of the bench) ------------------------------------------------
@@ -47,7 +59,13 @@ async def run_worker(args: argparse.Namespace) -> None:
     n = args.agents
     n_channels = min(n, args.connections) if args.connections > 0 else n
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-    channels = [grpc.aio.insecure_channel(args.address, options=options) for _ in range(n_channels)]
+    if args.identity_dir:
+        identity = Identity.load(Path(args.identity_dir))
+        channels = [secure_aio_channel(args.address, identity, options) for _ in range(n_channels)]
+    else:
+        channels = [
+            grpc.aio.insecure_channel(args.address, options=options) for _ in range(n_channels)
+        ]
     stubs = [agent_pb2_grpc.AgentServiceStub(ch) for ch in channels]
     leases: list[tuple[str, str]] = [("", "")] * n
     sem = asyncio.Semaphore(64)
@@ -124,13 +142,27 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def wait_for_coordinator(proc: subprocess.Popen[bytes], addr_file: Path, timeout: float) -> str:
+def _health_channel(address: str, ca_file: Path | None) -> grpc.Channel:
+    if ca_file is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(
+        address, channel_credentials(ca_file.read_bytes()), options=coordinator_channel_options()
+    )
+
+
+def wait_for_coordinator(
+    proc: subprocess.Popen[bytes], addr_file: Path, timeout: float, ca_file: Path | None
+) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"coordinator exited with {proc.returncode}")
-        if addr_file.exists() and (address := addr_file.read_text().strip()):
-            with grpc.insecure_channel(address) as ch:
+        if (
+            addr_file.exists()
+            and (address := addr_file.read_text().strip())
+            and (ca_file is None or ca_file.exists())
+        ):
+            with _health_channel(address, ca_file) as ch:
                 try:
                     resp = health_pb2_grpc.HealthStub(ch).Check(
                         health_pb2.HealthCheckRequest(), timeout=1
@@ -160,13 +192,35 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             str(args.interval),
             "--log-level",
             "WARNING",
+            *(["--insecure"] if args.insecure else []),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     workers: list[subprocess.Popen[str]] = []
     try:
-        address = wait_for_coordinator(coord, data_dir / "coordinator.addr", 60)
+        ca_file = None if args.insecure else data_dir / "ca.pem"
+        address = wait_for_coordinator(coord, data_dir / "coordinator.addr", 60, ca_file)
+        identity_dir = ""
+        if not args.insecure:
+            token = subprocess.run(
+                [
+                    str(coordinator_bin),
+                    "token",
+                    "create",
+                    "--data-dir",
+                    str(data_dir),
+                    "--role",
+                    "operator",
+                    "--log-level",
+                    "WARNING",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            identity_dir = str(data_dir / "bench-identity")
+            enroll_with_token(address, token, name="bench").save(Path(identity_dir))
         per_worker = [args.agents // args.clients] * args.clients
         for i in range(args.agents % args.clients):
             per_worker[i] += 1
@@ -187,6 +241,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
                 f"bench{w}",
                 "--seed",
                 str(args.seed + w),
+                "--identity-dir",
+                identity_dir,
             ]
             workers.append(
                 subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -267,6 +323,8 @@ def main() -> int:
     parser.add_argument("--data-dir", default=None, help="coordinator data dir (default: temp)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary data dir")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--insecure", action="store_true", help="plaintext instead of TLS")
+    parser.add_argument("--identity-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", default="bench", help=argparse.SUPPRESS)

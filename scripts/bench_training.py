@@ -1,7 +1,8 @@
 """Training throughput with real processes: is the cluster as fast as its parts?
 
 Runs the same job (a small convolutional classifier, heavy per sample) several ways, each with
-a fresh `epochmesh-coordinator` and `epochmesh-agent` processes on this machine:
+a fresh `epochmesh-coordinator` and `epochmesh-agent` processes on this machine (TLS on, agents
+enrolled with join tokens, see scripts/local_cluster.py):
 
 - solo: one agent with --slowdown 1, 2 and 4 in turn -> each node's own samples/s;
 - cluster: the three agents together, b_i split by measured throughput (the default);
@@ -23,17 +24,15 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from local_cluster import LocalCluster, wait_for
 from safetensors.torch import save_file
 
-BIN = Path(sys.executable).parent
 WARMUP = 2
 log = logging.getLogger("bench_training")
 
@@ -86,104 +85,34 @@ def write_job(d: Path, batch: int, rounds: int, nodes: int) -> Path:
     return d / "job.toml"
 
 
-def wait_for(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not happen within {timeout:.0f}s")
-
-
-def cli(address: str, *args: str) -> str:
-    out = subprocess.run(
-        [str(BIN / "epochmesh"), "--coordinator", address, *args],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"epochmesh {' '.join(args)}: {out.stderr.strip()}")
-    return out.stdout
-
-
 def run_cluster(
     work: Path, slowdowns: list[float], batch: int, rounds: int, split: str = "throughput"
 ) -> float:
     """Samples/s of one job on a fresh coordinator with agents of the given slowdowns."""
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        coord = work / "coordinator"
-        coord.mkdir(parents=True)
-        log_f = open(work / "coordinator.log", "ab")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen(
-                [
-                    str(BIN / "epochmesh-coordinator"),
-                    "--data-dir",
-                    str(coord),
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--split",
-                    split,
-                ],
-                stdout=log_f,
-                stderr=subprocess.STDOUT,
-            )
-        )
-        addr = coord / "coordinator.addr"
-        address = wait_for(lambda: addr.exists() and addr.read_text().strip(), 60, "start")
+    with LocalCluster(work) as cluster:
+        cluster.start_coordinator("--split", split)
         for i, s in enumerate(slowdowns):
-            agent_log = open(work / f"agent{i}.log", "ab")  # noqa: SIM115
-            procs.append(
-                subprocess.Popen(
-                    [
-                        str(BIN / "epochmesh-agent"),
-                        "--coordinator",
-                        address,
-                        "--data-dir",
-                        str(work / f"agent{i}"),
-                        "--slowdown",
-                        str(s),
-                        "--threads",
-                        "1",
-                        "--benchmark",
-                        "quick",
-                    ],
-                    stdout=agent_log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            cluster.start_agent(f"agent{i}", "--slowdown", str(s))
+        cluster.login()
         job_toml = write_job(work / "job", batch, rounds, len(slowdowns))
-        job_id = json.loads(cli(address, "submit", str(job_toml), "--output", "json"))["job_id"]
+        out = cluster.cli("submit", str(job_toml), "--output", "json")
+        job_id = json.loads(out)["job_id"]
 
         def finished() -> bool:
-            state = json.loads(cli(address, "status", job_id, "--output", "json"))["state"]
+            state = json.loads(cluster.cli("status", job_id, "--output", "json"))["state"]
             if state in ("failed", "cancelled"):
                 raise RuntimeError(f"job {job_id} {state}")
             return state == "succeeded"
 
-        wait_for(finished, 900, "the job's end")
+        wait_for(finished, 900, "the job's end", interval=0.2)
         recs = [
             json.loads(line)
-            for line in cli(address, "rounds", job_id, "--output", "json").splitlines()
+            for line in cluster.cli("rounds", job_id, "--output", "json").splitlines()
             if line.strip()
         ][WARMUP:]
-        samples = sum(
-            p["local_batch"] for r in recs for p in r["parts"] if p["status"] == "applied"
-        )
-        seconds = (recs[-1]["finished_ms"] - recs[0]["started_ms"]) / 1000.0
-        return samples / seconds
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    samples = sum(p["local_batch"] for r in recs for p in r["parts"] if p["status"] == "applied")
+    seconds = (recs[-1]["finished_ms"] - recs[0]["started_ms"]) / 1000.0
+    return samples / seconds
 
 
 def plain_loop(batch: int, rounds: int) -> float:

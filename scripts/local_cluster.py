@@ -1,0 +1,175 @@
+"""A coordinator and agents as real processes on this machine, for the demo and benchmarks.
+
+TLS is on, as in production: the coordinator makes its CA on first start, every agent enrolls
+with its own single-use node token from `epochmesh-coordinator token create`, and the CLI is
+logged in (`epochmesh login --token`, an operator token) under a private XDG_CONFIG_HOME.
+
+    with LocalCluster(work_dir) as cluster:
+        cluster.start_coordinator("--split", "equal")
+        cluster.start_agent("fast", "--slowdown", "1")
+        cluster.login()
+        print(cluster.cli("nodes"))
+
+Every process started is stopped (SIGTERM, then SIGKILL) when the block ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+BIN = Path(sys.executable).parent
+T = TypeVar("T")
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"{what} did not happen within {timeout:.0f}s")
+        time.sleep(interval)
+
+
+class LocalCluster:
+    def __init__(self, work: Path) -> None:
+        self.work = Path(work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.coord_dir = self.work / "coordinator"
+        self.address = ""
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.env = dict(os.environ, XDG_CONFIG_HOME=str(self.work / "cli-config"))
+
+    def _start(self, cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def start_coordinator(self, *args: str) -> str:
+        self.coord_dir.mkdir(parents=True, exist_ok=True)
+        addr_file = self.coord_dir / "coordinator.addr"
+        addr_file.unlink(missing_ok=True)
+        proc = self._start(
+            [
+                str(BIN / "epochmesh-coordinator"),
+                "--data-dir",
+                str(self.coord_dir),
+                "--listen",
+                "127.0.0.1:0",
+                *args,
+            ],
+            self.work / "coordinator.log",
+        )
+
+        def started() -> str:
+            if proc.poll() is not None:
+                raise ClusterError(f"the coordinator exited with {proc.returncode}")
+            return addr_file.exists() and addr_file.read_text().strip()
+
+        self.address = wait_for(started, 60, "the coordinator's start")
+        return self.address
+
+    def token(self, role: str) -> str:
+        out = subprocess.run(
+            [
+                str(BIN / "epochmesh-coordinator"),
+                "token",
+                "create",
+                "--data-dir",
+                str(self.coord_dir),
+                "--role",
+                role,
+                "--ttl",
+                "2h",
+                "--log-level",
+                "WARNING",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if out.returncode != 0:
+            raise ClusterError(f"token create failed: {out.stderr.strip()}")
+        return out.stdout.strip()
+
+    def start_agent(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        proc = self._start(
+            [
+                str(BIN / "epochmesh-agent"),
+                "--coordinator",
+                self.address,
+                "--data-dir",
+                str(self.work / f"agent-{name}"),
+                "--name",
+                name,
+                "--threads",
+                "1",
+                "--benchmark",
+                "quick",
+                "--token",
+                self.token("node"),
+                *args,
+            ],
+            self.work / f"agent-{name}.log",
+        )
+        self.agents[name] = proc
+        return proc
+
+    def login(self) -> str:
+        return self.cli("login", "--token", self.token("operator"))
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run(
+            [str(BIN / "epochmesh"), "--coordinator", self.address, *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            env=self.env,
+        )
+        if out.returncode != 0:
+            raise ClusterError(f"epochmesh {' '.join(args)} failed: {out.stderr.strip()}")
+        return out.stdout
+
+    def run_cli(self, *args: str) -> int:
+        """The CLI with its output on this terminal (e.g. `submit --watch`); its exit code."""
+        cmd = [str(BIN / "epochmesh"), "--coordinator", self.address, *args]
+        return subprocess.run(cmd, env=self.env, check=False).returncode
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
