@@ -304,9 +304,7 @@ def ring_order(
     else:
         rtt = node_rtt_s or {}
         bw = node_bandwidth or {}
-        tour = sorted(
-            ids, key=lambda i: (rtt.get(i, math.inf), -bw.get(i, 0.0), i)
-        )
+        tour = sorted(ids, key=lambda i: (rtt.get(i, math.inf), -bw.get(i, 0.0), i))
     first = tour.index(min(tour))
     return tour[first:] + tour[:first]
 

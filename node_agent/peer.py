@@ -19,6 +19,11 @@ Server side (`PeerServer` wraps a grpc.aio server with this service, health and 
   (`TensorBundle`) and 1 MiB chunks; `fetch_state` is the joiner's side.
 - ``Ping``: echoes the payload; `ping` and `probe_link` measure round trip and bandwidth.
 
+Trust. With an `Identity` the server speaks mutual TLS (`epochmesh.identity`): every caller
+presents a node certificate of the coordinator's CA, and a ring stream is accepted only from
+the node its chunks name (the left neighbour; any member for an abort): PERMISSION_DENIED
+otherwise. Requests that do not parse are INVALID_ARGUMENT, never UNKNOWN.
+
 Data path. ``PushChunks`` does not go through protobuf objects: requests are handled as raw
 bytes (`frame_ring_chunk` writes a RingChunk around a payload with one copy, `parse_ring_chunk`
 reads one and returns the payload as a memoryview of the received bytes, no copy). The bytes on
@@ -36,14 +41,16 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from epochmesh import identity as idm
 from epochmesh.errors import CodecError
 from epochmesh.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS
 from epochmesh.limits import MAX_CHUNK_BYTES
@@ -59,16 +66,6 @@ PING = f"/{SERVICE_NAME}/Ping"
 ABORT_PHASE = "abort"
 FAILED_NODE_KEY = "epochmesh-failed-node"
 MAX_ID_CHARS = 256
-
-# Bulk-transfer tuning on top of the shared options: read big pieces off the socket instead of
-# the default small ones (fewer wake-ups and slices per 1 MiB message).
-PEER_TUNING: list[tuple[str, int]] = [
-    ("grpc.experimental.tcp_read_chunk_size", 1 << 20),
-    ("grpc.experimental.tcp_min_read_chunk_size", 64 << 10),
-    ("grpc.experimental.tcp_max_read_chunk_size", 4 << 20),
-]
-PEER_CHANNEL_OPTIONS = CHANNEL_OPTIONS + PEER_TUNING
-PEER_SERVER_OPTIONS = SERVER_OPTIONS + PEER_TUNING
 
 RingKey = tuple[str, int, int]  # (job_id, round, attempt)
 
@@ -313,60 +310,42 @@ class RingReceiver(Protocol):
 
 
 class AttemptExpired(Exception):
-    """The (job, round, attempt) is older than the newest one seen, or already closed."""
-
-
-@dataclass
-class _JobState:
-    newest: tuple[int, int] = (-1, -1)  # (round, attempt) of the newest registration
-    closed: set[tuple[int, int]] = field(default_factory=set)
+    """The (job, round, attempt) is over on this node (finished, failed or superseded)."""
 
 
 class RingMailbox:
     """Receive slots of this node by (job, round, attempt), and what arrives before them.
 
-    One slot per job at a time. Aborts for attempts that have no slot yet are remembered (a
-    bounded number) and fail the slot as soon as it registers.
+    One slot per job at a time: registering one replaces the job's previous slot, and its
+    (round, attempt) becomes the job's current one (also when it is lower, e.g. after the
+    coordinator rolled the job back to a checkpoint). A stream for a (round, attempt) at or
+    below the current one without a slot is over (`AttemptExpired`); a higher one may wait
+    for its slot. Aborts for attempts without a slot yet are remembered (a bounded number)
+    and fail the slot as soon as it registers.
     """
 
     def __init__(self, *, max_pending_aborts: int = 256, max_jobs: int = 1024) -> None:
         self._slots: dict[RingKey, RingReceiver] = {}
-        self._jobs: OrderedDict[str, _JobState] = OrderedDict()
+        self._current: OrderedDict[str, tuple[int, int]] = OrderedDict()  # job -> (round, att.)
         self._aborts: OrderedDict[RingKey, tuple[str, str]] = OrderedDict()
         self._changed = asyncio.Event()
         self._max_pending_aborts = max_pending_aborts
         self._max_jobs = max_jobs
 
-    def _job(self, job_id: str) -> _JobState:
-        state = self._jobs.get(job_id)
-        if state is None:
-            state = self._jobs[job_id] = _JobState()
-            while len(self._jobs) > self._max_jobs:
-                self._jobs.popitem(last=False)
-        else:
-            self._jobs.move_to_end(job_id)
-        return state
-
     def is_expired(self, key: RingKey) -> bool:
         job_id, round_, attempt = key
-        state = self._jobs.get(job_id)
-        if state is None:
-            return False
-        ra = (round_, attempt)
-        return ra < state.newest or ra in state.closed or (ra == state.newest and key not in self._slots)
+        current = self._current.get(job_id)
+        return current is not None and key not in self._slots and (round_, attempt) <= current
 
     def register(self, receiver: RingReceiver) -> None:
-        """Open the slot; AttemptExpired if the key is not newer than every earlier one."""
+        """Open the slot (replacing the job's previous one) and apply a pending abort."""
         job_id, round_, attempt = receiver.key
-        state = self._job(job_id)
-        if (round_, attempt) <= state.newest:
-            raise AttemptExpired(
-                f"ring attempt (round {round_}, attempt {attempt}) of job {job_id!r} is not newer "
-                f"than (round {state.newest[0]}, attempt {state.newest[1]}) already seen here"
-            )
         for key in [k for k in self._slots if k[0] == job_id]:
             self.unregister(self._slots[key])
-        state.newest = (round_, attempt)
+        self._current[job_id] = (round_, attempt)
+        self._current.move_to_end(job_id)
+        while len(self._current) > self._max_jobs:
+            self._current.popitem(last=False)
         self._slots[receiver.key] = receiver
         pending = self._aborts.pop(receiver.key, None)
         if pending is not None:
@@ -376,12 +355,6 @@ class RingMailbox:
     def unregister(self, receiver: RingReceiver) -> None:
         if self._slots.get(receiver.key) is receiver:
             del self._slots[receiver.key]
-            job_id, round_, attempt = receiver.key
-            closed = self._job(job_id).closed
-            closed.add((round_, attempt))
-            if len(closed) > 64:
-                newest = max(closed)
-                closed.intersection_update({newest})
             self._notify()
 
     def get(self, key: RingKey) -> RingReceiver | None:
@@ -452,8 +425,12 @@ class PeerService:
         state_provider: StateProvider | None = None,
         join_timeout_s: float = 60.0,
         max_streams: int = 64,
+        verify_callers: bool = False,
     ) -> None:
+        """`verify_callers`: the server runs mutual TLS, so check that the certificate of a
+        PushChunks caller names the node its chunks claim to come from."""
         self.mailbox = mailbox or RingMailbox()
+        self.verify_callers = verify_callers
         self.state_provider = state_provider
         self.join_timeout_s = join_timeout_s
         self.max_streams = max_streams
@@ -470,14 +447,15 @@ class PeerService:
                     request_deserializer=None,  # raw bytes: parse_ring_chunk
                     response_serializer=peer_pb2.RingAck.SerializeToString,
                 ),
+                # Parsed in the handlers, so that bad bytes are INVALID_ARGUMENT.
                 "TransferState": grpc.unary_stream_rpc_method_handler(
-                    self.transfer_state,
-                    request_deserializer=peer_pb2.TransferStateRequest.FromString,
+                    self._transfer_state_raw,
+                    request_deserializer=None,
                     response_serializer=peer_pb2.TransferStateResponse.SerializeToString,
                 ),
                 "Ping": grpc.unary_unary_rpc_method_handler(
-                    self.ping,
-                    request_deserializer=peer_pb2.PingRequest.FromString,
+                    self._ping_raw,
+                    request_deserializer=None,
                     response_serializer=peer_pb2.PingResponse.SerializeToString,
                 ),
             },
@@ -496,6 +474,9 @@ class PeerService:
         self._streams += 1
         try:
             return await self._push_chunks(request_iterator, context)
+        except WireError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # unreachable: abort raises
         finally:
             self._streams -= 1
 
@@ -504,13 +485,10 @@ class PeerService:
     ) -> peer_pb2.RingAck:
         iterator = aiter(request_iterator)
         try:
-            first = _parse_or_raise(await anext(iterator))
+            first = _parse_or_raise(await anext(iterator))  # WireError: INVALID_ARGUMENT
         except StopAsyncIteration:
             return peer_pb2.RingAck(received_bytes=0)
-        except WireError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # unreachable: abort raises
-        _check_ids(first)
+        await self._check_caller(first, context)
         if first.phase == ABORT_PHASE:
             return await self._abort_stream(first, iterator, context)
 
@@ -558,7 +536,6 @@ class PeerService:
                 if failed is not None:
                     await _abort_failed(context, key, failed)
                 if chunk.phase == ABORT_PHASE:
-                    _check_ids(chunk)
                     receiver.on_abort(_failed_id(chunk), chunk.from_node_id)
                     break
                 if chunk.key != key:
@@ -566,6 +543,11 @@ class PeerService:
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"chunk for {chunk.key} on the stream of {key}",
+                    )
+                if chunk.from_node_id != first.from_node_id:
+                    receiver.on_stream_end("changed its from_node_id mid-stream")
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, "from_node_id changed mid-stream"
                     )
                 try:
                     receiver.on_chunk(chunk)
@@ -584,6 +566,21 @@ class PeerService:
         if failed is not None and not receiver.complete:
             await _abort_failed(context, key, failed)
         return peer_pb2.RingAck(received_bytes=received)
+
+    async def _check_caller(self, chunk: RingChunkView, context: grpc.aio.ServicerContext) -> None:
+        if not self.verify_callers:
+            return
+        principal = idm.peer_principal(context)
+        if principal is None or principal.role != idm.ROLE_NODE:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "ring streams take a node certificate"
+            )
+        assert principal is not None
+        if principal.id != chunk.from_node_id:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {principal.id!r} may not send chunks as {chunk.from_node_id!r}",
+            )
 
     async def _abort_stream(
         self,
@@ -610,17 +607,38 @@ class PeerService:
                 chunk = _parse_or_raise(await anext(iterator))
             except StopAsyncIteration:
                 chunk = None
-            except WireError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if chunk is not None and chunk.from_node_id != first.from_node_id:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "from_node_id changed mid-stream"
+                )
         return peer_pb2.RingAck(received_bytes=0)
 
     # -- TransferState -------------------------------------------------------------------------
+
+    async def _transfer_state_raw(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[peer_pb2.TransferStateResponse]:
+        request = await _parse_request(peer_pb2.TransferStateRequest, raw, context)
+        async for part in self.transfer_state(request, context):
+            yield part
 
     async def transfer_state(
         self, request: peer_pb2.TransferStateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[peer_pb2.TransferStateResponse]:
         if not request.job_id or len(request.job_id) > MAX_ID_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
+        if self.verify_callers:
+            principal = idm.peer_principal(context)
+            if principal is None or principal.role != idm.ROLE_NODE:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED, "state transfers go to nodes only"
+                )
+            assert principal is not None
+            if request.node_id and request.node_id != principal.id:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"node {principal.id!r} may not ask for state as {request.node_id!r}",
+                )
         if self.state_provider is None:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "this peer does not serve state transfers"
@@ -657,21 +675,37 @@ class PeerService:
 
     # -- Ping ----------------------------------------------------------------------------------
 
+    async def _ping_raw(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.PingResponse:
+        return await self.ping(await _parse_request(peer_pb2.PingRequest, raw, context), context)
+
     async def ping(
         self, request: peer_pb2.PingRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PingResponse:
         return peer_pb2.PingResponse(payload=request.payload)
 
 
+async def _parse_request(cls: Any, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    try:
+        return cls.FromString(raw)
+    except (DecodeError, RuntimeWarning, ValueError, TypeError) as exc:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"malformed {cls.DESCRIPTOR.full_name} message: {exc or type(exc).__name__}",
+        )
+        raise AssertionError("unreachable: abort raises") from None
+
+
 def _parse_or_raise(raw: bytes) -> RingChunkView:
     if not isinstance(raw, bytes | bytearray | memoryview):
         raise WireError("expected a serialized RingChunk")
-    return parse_ring_chunk(bytes(raw) if not isinstance(raw, bytes) else raw)
-
-
-def _check_ids(chunk: RingChunkView) -> None:
-    if len(chunk.job_id) > MAX_ID_CHARS or len(chunk.from_node_id) > MAX_ID_CHARS:
-        raise WireError("job_id / from_node_id too long")
+    chunk = parse_ring_chunk(bytes(raw) if not isinstance(raw, bytes) else raw)
+    if not chunk.job_id or len(chunk.job_id) > MAX_ID_CHARS:
+        raise WireError(f"job_id must have 1..{MAX_ID_CHARS} characters")
+    if not chunk.from_node_id or len(chunk.from_node_id) > MAX_ID_CHARS:
+        raise WireError(f"from_node_id must have 1..{MAX_ID_CHARS} characters")
+    return chunk
 
 
 def _failed_id(chunk: RingChunkView) -> str:
@@ -723,7 +757,8 @@ def tune_malloc_for_streaming() -> bool:
 class PeerServer:
     """A grpc.aio server with the PeerService (plus health and reflection) on `listen`.
 
-    `await start()`, then advertise `address`; `await stop()` when the agent exits.
+    `await start()`, then advertise `address`; `await stop()` when the agent exits. With an
+    `identity` (the node's certificate) it runs mutual TLS and checks who sends ring chunks.
     """
 
     def __init__(
@@ -732,13 +767,17 @@ class PeerServer:
         *,
         state_provider: StateProvider | None = None,
         join_timeout_s: float = 60.0,
-        credentials: grpc.ServerCredentials | None = None,
+        identity: idm.Identity | None = None,
         advertise: str | None = None,
         tune_malloc: bool = True,
     ) -> None:
         self.listen = listen
-        self.service = PeerService(state_provider=state_provider, join_timeout_s=join_timeout_s)
-        self._credentials = credentials
+        self.service = PeerService(
+            state_provider=state_provider,
+            join_timeout_s=join_timeout_s,
+            verify_callers=identity is not None,
+        )
+        self._identity = identity
         self._advertise = advertise
         self._tune_malloc = tune_malloc
         self._server: grpc.aio.Server | None = None
@@ -764,17 +803,17 @@ class PeerServer:
     async def start(self) -> None:
         if self._tune_malloc:
             tune_malloc_for_streaming()
-        server = grpc.aio.server(options=PEER_SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         server.add_generic_rpc_handlers([self.service.generic_handler()])
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
-        if self._credentials is None:
+        if self._identity is None:
             port = server.add_insecure_port(self.listen)
         else:
-            port = server.add_secure_port(self.listen, self._credentials)
+            port = server.add_secure_port(self.listen, idm.peer_server_credentials(self._identity))
         if port == 0:
             raise OSError(f"cannot listen on {self.listen} for the PeerService")
         await server.start()
@@ -871,10 +910,12 @@ async def fetch_state(
 
 
 def peer_channel(
-    address: str, credentials: grpc.ChannelCredentials | None = None
+    address: str, node_id: str = "", identity: idm.Identity | None = None
 ) -> grpc.aio.Channel:
-    """A channel to a peer's PeerService with the bulk-transfer options."""
-    if credentials is None:
-        return grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(address, credentials, options=PEER_CHANNEL_OPTIONS)
-
+    """A channel to the PeerService of node `node_id` at `address`: mutual TLS that checks the
+    peer's certificate names `node_id` when an `identity` is given, else plaintext."""
+    if identity is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if not node_id:
+        raise ValueError("a TLS channel to a peer needs the peer's node id")
+    return idm.peer_aio_channel(address, node_id, identity)

@@ -50,7 +50,8 @@ import torch
 
 from epochmesh import compression
 from epochmesh.errors import CodecError
-from epochmesh.ring import ALL_GATHER, REDUCE_SCATTER, RING_CODECS, RingSchedule, chunk_elems_for
+from epochmesh.identity import Identity
+from epochmesh.ring import RING_CODECS, RingSchedule, chunk_elems_for
 from epochmesh.v1 import common_pb2, peer_pb2
 from node_agent import peer
 from node_agent.peer import (
@@ -126,49 +127,49 @@ class RingTransport:
         node_id: str,
         mailbox: RingMailbox,
         *,
-        credentials: grpc.ChannelCredentials | None = None,
+        identity: Identity | None = None,
     ) -> None:
         if not node_id:
             raise ValueError("node_id is required")
         self.node_id = node_id
         self.mailbox = mailbox
-        self._credentials = credentials
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._identity = identity
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
     @classmethod
     def for_server(
-        cls,
-        node_id: str,
-        server: PeerServer,
-        *,
-        credentials: grpc.ChannelCredentials | None = None,
+        cls, node_id: str, server: PeerServer, *, identity: Identity | None = None
     ) -> RingTransport:
-        return cls(node_id, server.mailbox, credentials=credentials)
+        return cls(node_id, server.mailbox, identity=identity)
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
+    def channel(self, address: str, node_id: str) -> grpc.aio.Channel:
+        """The (cached) channel to node `node_id`'s PeerService at `address`."""
+        key = (address, node_id if self._identity is not None else "")
+        ch = self._channels.get(key)
         if ch is None:
-            ch = self._channels[address] = peer.peer_channel(address, self._credentials)
+            ch = self._channels[key] = peer.peer_channel(address, node_id, self._identity)
         return ch
 
-    def push_call(self, address: str) -> grpc.aio.StreamUnaryCall:
-        method = self.channel(address).stream_unary(
+    def push_call(self, address: str, node_id: str) -> grpc.aio.StreamUnaryCall:
+        method = self.channel(address, node_id).stream_unary(
             peer.PUSH_CHUNKS,
             request_serializer=None,  # frames are serialized RingChunks already
             response_deserializer=peer_pb2.RingAck.FromString,
         )
         return method()
 
-    async def ping(self, address: str, timeout: float) -> float:
-        return await peer.ping(self.channel(address), timeout=timeout)
+    async def ping(self, address: str, node_id: str, timeout: float) -> float:
+        return await peer.ping(self.channel(address, node_id), timeout=timeout)
 
-    async def probe(self, address: str) -> tuple[float, float]:
+    async def probe(self, address: str, node_id: str) -> tuple[float, float]:
         """(rtt_s, bandwidth_bytes_per_s) to a peer, for the coordinator's ring order."""
-        return await peer.probe_link(self.channel(address))
+        return await peer.probe_link(self.channel(address, node_id))
 
-    async def send_abort(self, address: str, key: RingKey, failed: str, timeout: float) -> bool:
-        """Report `failed` for attempt `key` to the peer at `address`; True if it took it."""
-        call = self.push_call(address)
+    async def send_abort(
+        self, address: str, node_id: str, key: RingKey, failed: str, timeout: float
+    ) -> bool:
+        """Report `failed` for attempt `key` to node `node_id`; True if it took it."""
+        call = self.push_call(address, node_id)
         try:
             async with asyncio.timeout(timeout):
                 await call.write(abort_chunk(key, self.node_id, failed))
@@ -181,10 +182,11 @@ class RingTransport:
         finally:
             call.cancel()
 
-    def drop_channel(self, address: str) -> None:
-        ch = self._channels.pop(address, None)
+    async def drop_channel(self, address: str, node_id: str) -> None:
+        """Close the channel to a peer that left (a later call opens a new one)."""
+        ch = self._channels.pop((address, node_id if self._identity is not None else ""), None)
         if ch is not None:
-            asyncio.get_running_loop().create_task(ch.close())
+            await ch.close()
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
@@ -209,6 +211,16 @@ class _Expect:
     forward: bool  # a lossy all-gather chunk this node passes on as received
 
 
+def _chunk_offsets(codec: str, chunks: Sequence[tuple[int, int]]) -> list[int]:
+    """Byte offset of every chunk within its segment's encoded stream."""
+    out: list[int] = []
+    offset = 0
+    for lo, hi in chunks:
+        out.append(offset)
+        offset += compression.encoded_size(codec, hi - lo)
+    return out
+
+
 class _ReceiveSlot:
     """Applies the left neighbour's chunks, in schedule order, to the buffer."""
 
@@ -231,10 +243,10 @@ class _ReceiveSlot:
         self._tbuf = torch.from_numpy(buf)
         self._expect: list[_Expect] = []
         last_step = schedule.num_steps - 1
+        offsets = [_chunk_offsets(codec, schedule.segment_chunks(k)) for k in range(n)]
         for t, seg, c in schedule.recv_order(rank):
-            chunks = schedule.segment_chunks(seg)
-            lo, hi = chunks[c]
-            offset = sum(compression.encoded_size(codec, b - a) for a, b in chunks[:c])
+            lo, hi = schedule.segment_chunks(seg)[c]
+            offset = offsets[seg][c]
             self._expect.append(
                 _Expect(
                     phase=schedule.phase(t),
@@ -490,7 +502,7 @@ class _RingRun:
             else:
                 err = self.slot.failed_future.result()
                 # The sender wakes at its next wait; let it finish a write in progress.
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(sender), min(self.deadline_s, 1.0))
             log.warning("ring attempt %s on %s failed: %s", self.key, self.me, err)
             if err.detected_here:
@@ -512,7 +524,7 @@ class _RingRun:
         return RingPeerFailed(self.me, f"internal error: {exc!r}", key=self.key)
 
     async def _send_all(self) -> None:
-        call = self.call = self.transport.push_call(self.right_address)
+        call = self.call = self.transport.push_call(self.right_address, self.right)
         first = self.deadline_s + self.join_timeout_s
         for s in self.sends:
             if s.dep is not None and self.slot.pos <= s.dep:
@@ -528,7 +540,9 @@ class _RingRun:
                 ack = await call
         except TimeoutError:
             raise RingPeerFailed(
-                self.right, f"did not confirm the stream within {self.deadline_s:.1f}s", key=self.key
+                self.right,
+                f"did not confirm the stream within {self.deadline_s:.1f}s",
+                key=self.key,
             ) from None
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise await self._right_failure(call, exc) from None
@@ -548,7 +562,8 @@ class _RingRun:
                     await self.slot.closed.wait()
             except TimeoutError:
                 raise RingPeerFailed(
-                    self.left, f"did not close its stream within {self.deadline_s:.1f}s",
+                    self.left,
+                    f"did not close its stream within {self.deadline_s:.1f}s",
                     key=self.key,
                 ) from None
 
@@ -589,13 +604,16 @@ class _RingRun:
                 code = await call.code()
                 details = await call.details()
                 failed = failed_node_from_metadata(await call.trailing_metadata())
-        except (TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError):
+        except (TimeoutError, grpc.aio.AioRpcError):
             details = str(exc)
         if failed and failed != self.right:
-            return RingPeerFailed(failed, details or "reported failed", reported_by=self.right,
-                                  key=self.key)
+            return RingPeerFailed(
+                failed, details or "reported failed", reported_by=self.right, key=self.key
+            )
         name = code.name if code is not None else type(exc).__name__
-        return RingPeerFailed(self.right, f"refused the stream: {name} {details}", key=self.key)
+        return RingPeerFailed(
+            self.right, f"refused or broke the stream: {name} {details}", key=self.key
+        )
 
     async def _await_input(self, index: int, timeout: float) -> None:
         try:
@@ -604,12 +622,11 @@ class _RingRun:
         except TimeoutError:
             pass
         try:
-            await self.transport.ping(self.left_address, self.probe_timeout_s)
+            await self.transport.ping(self.left_address, self.left, self.probe_timeout_s)
         except (TimeoutError, grpc.aio.AioRpcError, ValueError) as exc:
             raise RingPeerFailed(
                 self.left,
-                f"sent nothing for {timeout:.1f}s and does not answer pings "
-                f"({type(exc).__name__})",
+                f"sent nothing for {timeout:.1f}s and does not answer pings ({type(exc).__name__})",
                 key=self.key,
             ) from None
         # Alive: most likely waiting on its own left neighbour. Give the node that saw the
@@ -628,12 +645,12 @@ class _RingRun:
     async def _broadcast(self, failed: str) -> None:
         timeout = min(self.deadline_s, 2.0)
         targets = [
-            addr
+            (addr, nid)
             for nid, addr in zip(self.node_ids, self.addresses, strict=True)
             if nid not in (self.me, failed)
         ]
         await asyncio.gather(
-            *(self.transport.send_abort(a, self.key, failed, timeout) for a in targets),
+            *(self.transport.send_abort(a, nid, self.key, failed, timeout) for a, nid in targets),
             return_exceptions=True,
         )
 
@@ -695,10 +712,7 @@ async def ring_allreduce(
         round_=round,
         join_timeout_s=deadline_s if join_timeout_s is None else join_timeout_s,
     )
-    try:
-        transport.mailbox.register(run.slot)
-    except peer.AttemptExpired as exc:
-        raise ValueError(str(exc)) from None
+    transport.mailbox.register(run.slot)
     try:
         await run.run()
     finally:
@@ -749,12 +763,4 @@ def _check_args(
         raise ValueError("round and attempt must be >= 0")
 
 
-__all__ = [
-    "ALL_GATHER",
-    "REDUCE_SCATTER",
-    "Ring",
-    "RingLike",
-    "RingPeerFailed",
-    "RingTransport",
-    "ring_allreduce",
-]
+__all__ = ["Ring", "RingLike", "RingPeerFailed", "RingTransport", "ring_allreduce"]

@@ -11,7 +11,9 @@ machine. Every timed operation starts right after a gloo barrier; its time is th
 
 Figures: bus bandwidth = 2(n-1)/n * bytes / seconds (the nccl-tests definition: what each link
 carries), median over the repetitions, for ours and gloo, and their ratio (median of the
-per-repetition ratios, which cancels load that drifts across repetitions). Checks: our result is
+per-repetition ratios, which cancels load that drifts across repetitions); the CPU seconds an
+operation costs, summed over the ranks (process time: every thread of the process), which is
+what decides the wall time when the peers outnumber the cores. Checks: our result is
 bit-identical on every rank (sha256 of the bytes), and equals gloo's within float tolerance.
 
 Only the data path is timed: the ring's per-round set-up (stream, schedule) is inside the
@@ -68,6 +70,7 @@ def _run_worker(
     import torch
     import torch.distributed as dist
 
+    from epochmesh.identity import Identity
     from node_agent.peer import PeerServer
     from node_agent.ring_allreduce import Ring, RingTransport, ring_allreduce
 
@@ -78,12 +81,15 @@ def _run_worker(
     x = torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
 
     async def main() -> dict[str, Any]:
-        server = PeerServer("127.0.0.1:0")
+        ident = None
+        if args["tls"]:
+            ident = Identity(**args["identities"][rank])
+        server = PeerServer("127.0.0.1:0", identity=ident)
         await server.start()
         addr_queue.put((rank, server.address))
         addresses = ring_conn.recv()
         node_ids = [f"node-{i}" for i in range(n)]
-        transport = RingTransport.for_server(node_ids[rank], server)
+        transport = RingTransport.for_server(node_ids[rank], server, identity=ident)
         ring = Ring(node_ids, addresses, rank, attempt=0)
         dist.init_process_group(
             "gloo",
@@ -91,46 +97,43 @@ def _run_worker(
             rank=rank,
             world_size=n,
         )
-        ours_t: list[float] = []
-        gloo_t: list[float] = []
+        times: dict[str, list[float]] = {"ours": [], "gloo": []}
+        cpu: dict[str, list[float]] = {"ours": [], "gloo": []}
         digest = ""
         max_diff = 0.0
         close = True
+        ours = torch.empty_like(x)
+        ref = torch.empty_like(x)
 
         # gloo calls block, so they run in a thread: this process's event loop must keep
         # serving its PeerService (a neighbour may still be closing its stream to us).
-        async def run_ours(round_: int) -> tuple[float, torch.Tensor]:
-            buf = x.clone()
+        async def run_ours(round_: int) -> tuple[float, float]:
+            ours.copy_(x)
             await asyncio.to_thread(dist.barrier)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             await ring_allreduce(
-                buf, ring, transport, args["deadline"], args["codec"], job_id="bench", round=round_
+                ours, ring, transport, args["deadline"], args["codec"], job_id="bench", round=round_
             )
-            return time.perf_counter() - t0, buf
+            return time.perf_counter() - t0, time.process_time() - c0
 
-        def run_gloo() -> tuple[float, torch.Tensor]:
-            buf = x.clone()
+        def run_gloo() -> tuple[float, float]:
+            ref.copy_(x)
             dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            return time.perf_counter() - t0, buf
+            t0, c0 = time.perf_counter(), time.process_time()
+            dist.all_reduce(ref)
+            return time.perf_counter() - t0, time.process_time() - c0
 
         for rep in range(args["warmup"] + args["reps"]):
-            if args["only"] == "ours":
-                t_ours, ours = await run_ours(rep)
-                t_gloo, ref = 1.0, ours
-            elif args["only"] == "gloo":
-                t_gloo, ref = await asyncio.to_thread(run_gloo)
-                t_ours, ours = 1.0, ref
-            elif rep % 2 == 0:
-                t_ours, ours = await run_ours(rep)
-                t_gloo, ref = await asyncio.to_thread(run_gloo)
+            if rep % 2 == 0:
+                t_ours = await run_ours(rep)
+                t_gloo = await asyncio.to_thread(run_gloo)
             else:
-                t_gloo, ref = await asyncio.to_thread(run_gloo)
-                t_ours, ours = await run_ours(rep)
+                t_gloo = await asyncio.to_thread(run_gloo)
+                t_ours = await run_ours(rep)
             if rep >= args["warmup"]:
-                ours_t.append(t_ours)
-                gloo_t.append(t_gloo)
+                for name, (wall, proc) in (("ours", t_ours), ("gloo", t_gloo)):
+                    times[name].append(wall)
+                    cpu[name].append(proc)
             d = hashlib.sha256(ours.numpy().tobytes()).hexdigest()
             if digest and d != digest:
                 digest = "differs-between-reps"
@@ -144,8 +147,8 @@ def _run_worker(
         await server.stop(None)
         return {
             "rank": rank,
-            "ours": ours_t,
-            "gloo": gloo_t,
+            "times": times,
+            "cpu": cpu,
             "digest": digest,
             "max_diff": max_diff,
             "close": close,
@@ -162,11 +165,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8"])
     parser.add_argument("--deadline", type=float, default=30.0, help="ring step deadline, s")
-    parser.add_argument("--only", choices=["ours", "gloo"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="our ring over mutual TLS with node certificates, as agents run it (gloo has no "
+        "encryption, so the default compares plaintext with plaintext)",
+    )
     parser.add_argument("--timeout", type=float, default=110.0, help="whole benchmark, s")
     args = parser.parse_args(argv)
     if args.peers < 2 or args.mb < 1 or args.reps < 1:
         parser.error("need --peers >= 2, --mb >= 1, --reps >= 1")
+    settings = vars(args)
+    if args.tls:
+        import tempfile
+        from pathlib import Path
+
+        from coordinator.tokens import ensure_ca, issue_identity
+
+        with tempfile.TemporaryDirectory() as tmp:
+            ca = ensure_ca(Path(tmp))
+            settings["identities"] = [
+                vars(issue_identity(ca, "node", f"node-{r}")) for r in range(args.peers)
+            ]
 
     started = time.perf_counter()
     ctx = mp.get_context("spawn")
@@ -177,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, vars(args), store_port, addr_queue, pipes[r][1], result_queue),
+            args=(r, settings, store_port, addr_queue, pipes[r][1], result_queue),
             daemon=True,
         )
         for r in range(args.peers)
@@ -210,8 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = args.mb * (1 << 20)
     bus = 2 * (n - 1) / n * nbytes
     reps = args.reps
-    ours_s = [max(r["ours"][i] for r in results) for i in range(reps)]
-    gloo_s = [max(r["gloo"][i] for r in results) for i in range(reps)]
+
+    def per_rep(name: str) -> tuple[list[float], list[float]]:
+        # An operation takes as long as its slowest rank; its CPU is the sum over the ranks.
+        wall = [max(r["times"][name][i] for r in results) for i in range(reps)]
+        cpu = [sum(r["cpu"][name][i] for r in results) for i in range(reps)]
+        return wall, cpu
+
+    ours_s, ours_cpu = per_rep("ours")
+    gloo_s, gloo_cpu = per_rep("gloo")
     ours_bw = [bus / t / 1e9 for t in ours_s]
     gloo_bw = [bus / t / 1e9 for t in gloo_s]
     digests = {r["digest"] for r in results}
@@ -219,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "peers": n,
         "mb": args.mb,
         "codec": args.codec,
+        "tls": args.tls,
         "reps": reps,
         "ours_bus_gbps": round(statistics.median(ours_bw), 4),
         "gloo_bus_gbps": round(statistics.median(gloo_bw), 4),
@@ -226,12 +254,15 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_of_medians": round(statistics.median(ours_bw) / statistics.median(gloo_bw), 4),
         "ours_seconds": round(statistics.median(ours_s), 4),
         "gloo_seconds": round(statistics.median(gloo_s), 4),
+        "ours_cpu_seconds": round(statistics.median(ours_cpu), 4),
+        "gloo_cpu_seconds": round(statistics.median(gloo_cpu), 4),
         "ours_runs_gbps": [round(b, 3) for b in ours_bw],
         "gloo_runs_gbps": [round(b, 3) for b in gloo_bw],
         "identical_across_ranks": len(digests) == 1 and "differs-between-reps" not in digests,
         "sums_match_gloo": all(r["close"] for r in results),
         "max_abs_diff_vs_gloo": max(r["max_diff"] for r in results),
         "cores": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(out))
