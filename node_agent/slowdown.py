@@ -59,10 +59,15 @@ class SlowdownController:
         self._watch_file = watch_file
         self._sleep = sleep
         self._clock = clock
+        self._compute_clock: Callable[[], float] | None = None
         self._lock = threading.Lock()
         self._seen: _StatKey | None = None
         self._overslept = 0.0
         self.last_compute_seconds = 0.0
+        # What the last step took on the emulated device: F x its compute time. With
+        # measure_cpu_time that leaves out time spent waiting for a shared core (an artifact of
+        # several emulated nodes on one CPU, not a property of the device).
+        self.last_device_seconds = 0.0
         self.steps = 0
         self.compute_seconds = 0.0
         self.padding_seconds = 0.0
@@ -87,6 +92,15 @@ class SlowdownController:
         if self._watch_file is not None:
             self._write_watch_file(value)
 
+    def measure_cpu_time(self) -> None:
+        """Count a training step's compute as the CPU time the process spent in it (capped by
+        its wall time) rather than its wall time. On a CPU device shared by several emulated
+        nodes, wall time also counts the time the step waited for a core while other nodes
+        computed; padding that wait by F would make a slowed node slower than F times its
+        compute. `last_device_seconds` is then F times that CPU time. (CUDA steps keep wall
+        time: their compute is on the GPU.)"""
+        self._compute_clock = time.process_time
+
     def reload(self) -> None:
         """Re-read the watch file even if its stat did not change (SIGUSR1)."""
         with self._lock:
@@ -100,8 +114,8 @@ class SlowdownController:
         pay_back: bool = True,
         reference_seconds: float | None = None,
     ) -> T:
-        """Run `fn`, then sleep so that it takes F times its compute time. Exceptions propagate,
-        unpadded.
+        """Run `fn`, then sleep so that it takes F times its compute time (wall time, or the
+        process's CPU time after `measure_cpu_time`). Exceptions propagate, unpadded.
 
         `reference_seconds`: the step's known warm compute time (the benchmark measures it). A
         step that computed slower than that (cold caches after the previous sleep) is charged
@@ -109,9 +123,22 @@ class SlowdownController:
         """
         factor = self.factor
         start = self._clock()
+        cpu_start = self._compute_clock() if self._compute_clock is not None else 0.0
         result = fn()
         elapsed = self._clock() - start
+        if self._compute_clock is not None and reference_seconds is None:
+            compute = min(elapsed, max(0.0, self._compute_clock() - cpu_start))
+            self.last_compute_seconds = compute
+            self.last_device_seconds = factor * compute
+            self.pad(
+                compute,
+                factor,
+                pay_back=pay_back,
+                padding=max(0.0, factor * compute - elapsed),
+            )
+            return result
         self.last_compute_seconds = elapsed
+        self.last_device_seconds = factor * elapsed
         if reference_seconds is not None and 0 <= reference_seconds < elapsed:
             target = factor * reference_seconds if factor > 1 else elapsed
             self.pad(

@@ -110,9 +110,9 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
 
     def compute() -> tuple[float, dict[str, torch.Tensor], float]:
         inputs, targets = job.dataset.get_batch(indices)
-        t0 = time.monotonic()
         loss, grads = ctx.slowdown.timed_step(lambda: job.program.loss_and_grads(inputs, targets))
-        return loss, {k: g.cpu() for k, g in grads.items()}, time.monotonic() - t0
+        # The step's time on this (possibly emulated) device: F x its compute time.
+        return loss, {k: g.cpu() for k, g in grads.items()}, ctx.slowdown.last_device_seconds
 
     loss, grads, compute_s = await ctx.run_compute(compute)
     ctx.check_cancelled()

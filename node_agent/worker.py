@@ -155,6 +155,8 @@ class Agent:
             return EXIT_CONFIG
         for device in self.discovered.devices:
             log.info("device: %s", device_summary(device))
+        if self.discovered.torch_device == "cpu":
+            self.slowdown.measure_cpu_time()
         log.info("training on %s (slowdown %g)", self.discovered.torch_device, self.slowdown.factor)
         self.cache = BlobCache(config.cache_dir)
         self.connection = CoordinatorConnection(

@@ -126,7 +126,7 @@ def test_three_agents_match_single_process_replay(
     cluster: tuple[str, list[AgentProc]], tmp_path: Path
 ) -> None:
     address, _ = cluster
-    n = 768
+    n = 1152
     data = make_dataset(n)
     job_toml = write_job(
         tmp_path / "job",
@@ -138,7 +138,7 @@ def test_three_agents_match_single_process_replay(
             "data": {"train": "train.safetensors", "inputs": ["x"], "targets": ["y"]},
             "train": {
                 "epochs": 3,
-                "global_batch": 96,
+                "global_batch": 192,
                 "optimizer": "sgd",
                 "lr": 0.05,
                 "momentum": 0.9,
@@ -194,7 +194,7 @@ def test_three_agents_match_single_process_replay(
     full_rounds = 0
     for rnd in rounds:
         parts = applied_parts(rnd)
-        if len(parts) == 3 and sum(p["local_batch"] for p in parts) == 96:
+        if len(parts) == 3 and sum(p["local_batch"] for p in parts) == 192:
             full_rounds += 1
             for p in parts:
                 totals[names[p["node_id"]]] += p["local_batch"]

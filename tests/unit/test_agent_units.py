@@ -758,3 +758,28 @@ def test_parse_args_and_sizes(tmp_path: Path) -> None:
     for bad in (["--slowdown", "0.5"], ["--device", "gpu"], ["--memory-limit", "x"]):
         with pytest.raises(SystemExit):
             parse_args(["--coordinator", "h:1", "--data-dir", str(tmp_path), *bad])
+
+
+def test_cpu_time_slowdown_does_not_pad_time_spent_waiting() -> None:
+    """With measure_cpu_time, a step pays F times the CPU it used: waiting (here a sleep,
+    standing for waiting for a core) is not multiplied."""
+    import time as _time
+
+    from node_agent.slowdown import SlowdownController
+
+    slept: list[float] = []
+    ctl = SlowdownController(4.0, sleep=slept.append)
+    ctl.measure_cpu_time()
+    ctl.timed_step(lambda: _time.sleep(0.05))
+    assert ctl.last_compute_seconds < 0.02
+    assert sum(slept) == 0.0  # 4 x (almost no CPU) is less than the 0.05 s already spent
+
+    def busy() -> None:
+        end = _time.process_time() + 0.05
+        while _time.process_time() < end:
+            pass
+
+    slept.clear()
+    ctl.timed_step(busy)
+    assert ctl.last_compute_seconds >= 0.05
+    assert sum(slept) >= 3 * 0.05 - 0.02
