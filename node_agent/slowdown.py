@@ -92,14 +92,14 @@ class SlowdownController:
         if self._watch_file is not None:
             self._write_watch_file(value)
 
-    def measure_cpu_time(self) -> None:
+    def measure_cpu_time(self, cpu_clock: Callable[[], float] = time.process_time) -> None:
         """Count a training step's compute as the CPU time the process spent in it (capped by
         its wall time) rather than its wall time. On a CPU device shared by several emulated
         nodes, wall time also counts the time the step waited for a core while other nodes
         computed; padding that wait by F would make a slowed node slower than F times its
         compute. `last_device_seconds` is then F times that CPU time. (CUDA steps keep wall
         time: their compute is on the GPU.)"""
-        self._compute_clock = time.process_time
+        self._compute_clock = cpu_clock
 
     def reload(self) -> None:
         """Re-read the watch file even if its stat did not change (SIGUSR1)."""

@@ -761,25 +761,34 @@ def test_parse_args_and_sizes(tmp_path: Path) -> None:
 
 
 def test_cpu_time_slowdown_does_not_pad_time_spent_waiting() -> None:
-    """With measure_cpu_time, a step pays F times the CPU it used: waiting (here a sleep,
-    standing for waiting for a core) is not multiplied."""
-    import time as _time
-
+    """With measure_cpu_time, a step pays F times the CPU it used: time it spent waiting for a
+    core (wall time beyond its CPU time) is not multiplied."""
     from node_agent.slowdown import SlowdownController
 
+    wall = [0.0]
+    cpu = [0.0]
     slept: list[float] = []
-    ctl = SlowdownController(4.0, sleep=slept.append)
-    ctl.measure_cpu_time()
-    ctl.timed_step(lambda: _time.sleep(0.05))
-    assert ctl.last_compute_seconds < 0.02
-    assert sum(slept) == 0.0  # 4 x (almost no CPU) is less than the 0.05 s already spent
 
-    def busy() -> None:
-        end = _time.process_time() + 0.05
-        while _time.process_time() < end:
-            pass
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        wall[0] += seconds
 
-    slept.clear()
-    ctl.timed_step(busy)
-    assert ctl.last_compute_seconds >= 0.05
-    assert sum(slept) >= 3 * 0.05 - 0.02
+    ctl = SlowdownController(4.0, sleep=sleep, clock=lambda: wall[0])
+    ctl.measure_cpu_time(lambda: cpu[0])
+
+    def waited_for_a_core() -> None:  # 0.01 s of CPU spread over 0.05 s of wall time
+        cpu[0] += 0.01
+        wall[0] += 0.05
+
+    ctl.timed_step(waited_for_a_core)
+    assert ctl.last_compute_seconds == pytest.approx(0.01)
+    assert ctl.last_device_seconds == pytest.approx(0.04)
+    assert sum(slept) == 0.0  # 4 x 0.01 s of CPU is less than the 0.05 s already spent
+
+    def had_a_core() -> None:
+        cpu[0] += 0.05
+        wall[0] += 0.05
+
+    ctl.timed_step(had_a_core)
+    assert ctl.last_device_seconds == pytest.approx(0.2)
+    assert sum(slept) == pytest.approx(0.15)
