@@ -19,6 +19,7 @@ from coordinator.allocator import segments, split_batch
 from coordinator.engine_api import CoordinatorContext, Ctx
 from coordinator.job_runner import TERMINAL, JobRunner
 from coordinator.store import (
+    AbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -158,9 +159,12 @@ class Engine:
 
     async def on_node_offline(self, node_id: str) -> None:
         self.queues.pop(node_id, None)
-        job_id = self.claims.pop(node_id, None)
-        if job_id is not None and job_id in self.runners:
-            self.runners[job_id].on_node_offline(node_id)
+        self.claims.pop(node_id, None)
+        # Every runner hears it, not only the claimant: a runner may have released the node
+        # already (its lease lapsed a moment before the sweeper said so) and must still forget
+        # its benchmark, so that the node is benchmarked again when it comes back.
+        for runner in self.runners.values():
+            runner.on_node_offline(node_id)
         self._wake_all()
 
     def cancel_task(self, node_id: str, task_id: str) -> bool:
@@ -220,6 +224,14 @@ class Engine:
             raise InvalidArgumentError("PushUpdate must start with a header message")
         h = first.header
         self.ctx.registry.check_lease(h.node_id, h.lease_id)
+        late_runner = self.runners.get(h.job_id)
+        if late_runner is not None and late_runner.note_late_update(
+            h.node_id, h.task_id, h.num_samples, h.compute_seconds
+        ):
+            return agent_pb2.PushUpdateResponse(
+                accepted=False,
+                reason="the round closed before this update arrived; its speed was noted",
+            )
         runner = self._runner_for_task(h.node_id, h.task_id, h.job_id)
         expected_samples = runner.expected_samples(h.node_id, h.task_id)
         if expected_samples is None or not runner.task_is_live(h.node_id, h.task_id):
@@ -244,6 +256,16 @@ class Engine:
                 if msg.WhichOneof("part") != "chunk":
                     raise CodecError("only chunks may follow the header")
                 assembler.add(msg.chunk)
+        except CodecError as exc:
+            runner.reject(h.node_id, h.task_id, str(exc))
+            raise InvalidArgumentError(f"update refused: {exc}") from None
+        if not assembler.complete:
+            # The stream ended early: the sender died or was cut off mid-update. Its part
+            # fails (its slice returns to pending) but this is no bad input: no strike.
+            error = f"update stream ended after {assembler.received} of {assembler.total} bytes"
+            runner.fail_part(h.node_id, h.task_id, error)
+            raise AbortedError(error)
+        try:
             grads = assembler.finish()
         except CodecError as exc:
             runner.reject(h.node_id, h.task_id, str(exc))

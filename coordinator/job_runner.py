@@ -68,6 +68,8 @@ MAX_CONSECUTIVE_FAILURES = 3
 # Benchmark tasks get this long, plus the node's lease, before they are asked again.
 BENCHMARK_TIMEOUT_S = 120.0
 BENCH_STATE_PREFIX = "bench/"
+# A stopping runner gets this long to reach a safe point before it is cancelled.
+STOP_GRACE_S = 3.0
 
 
 @dataclass
@@ -83,6 +85,8 @@ class Part:
     wall_s: float = 0.0
     status: str = "pending"  # pending | applied | failed | late | rejected
     error: str = ""
+    # False for a best-effort part (see _plan_batches): the round does not wait for it.
+    required: bool = True
 
 
 @dataclass
@@ -100,6 +104,10 @@ class RoundState:
 
     def outstanding(self) -> list[Part]:
         return [p for p in self.parts.values() if p.status == "pending"]
+
+    def awaited(self) -> list[Part]:
+        """Outstanding parts the round waits for (not the best-effort ones)."""
+        return [p for p in self.outstanding() if p.required]
 
 
 @dataclass
@@ -139,6 +147,10 @@ class JobRunner:
         self._wake = asyncio.Event()
         self._overhead_s = 0.0
         self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
+        # Late parts of recent rounds (task -> node, samples): an update that still comes tells
+        # how fast the node really was; such figures wait here for the next round's planning.
+        self._late: dict[str, tuple[str, int]] = {}
+        self._late_figures: list[tuple[str, int, float]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -146,10 +158,15 @@ class JobRunner:
         self._task = asyncio.create_task(self._main(), name=f"job-{self.job_id}")
 
     async def stop(self) -> None:
+        """Stop at the next safe point (the open round is aborted: its slices go back to
+        pending); cancel only if that takes longer than STOP_GRACE_S, since a task cancelled
+        in the middle of a store write can leave the write half done."""
         self._stop.set()
         self.wake()
         if self._task is not None:
-            self._task.cancel()
+            _, pending = await asyncio.wait({self._task}, timeout=STOP_GRACE_S)
+            if pending:
+                self._task.cancel()
             try:
                 await self._task
             except (asyncio.CancelledError, Exception):
@@ -502,26 +519,35 @@ class JobRunner:
 
     # -- rounds ---------------------------------------------------------------------------------
 
-    def _plan_batches(self, nodes: list[str]) -> dict[str, int]:
+    def _plan_batches(self, nodes: list[str]) -> tuple[dict[str, int], set[str]]:
+        """b_i of each node, and the best-effort nodes: those whose share in proportion to
+        their rate is below one sample. split_batch still gives them one (so that they stay
+        measured and get their share back when they speed up), but a single sample takes them
+        longer than the round takes the others: the deadline is not sized for them and the
+        round does not wait for them (if late, their sample returns to pending)."""
         rates = self.estimator.planning_rates(nodes)
         caps = {n: self._max_batch(n) for n in nodes}
         batch = min(self.spec.global_batch, sum(caps.values()))
         if self.ctx.config.split == "equal":
             rates = dict.fromkeys(rates, 1.0)
-        return split_batch(batch, rates, caps)
+        total = sum(rates.values())
+        slow = {n for n in nodes if batch * rates[n] < total}
+        return split_batch(batch, rates, caps), (slow if len(slow) < len(nodes) else set())
 
     async def _run_round(self, nodes: list[str]) -> None:
         if self.ledger.complete:
             await self._next_epoch()
             return
+        self._observe_late_figures()
         self.ledger.rebalance(self.estimator.rates(nodes))
-        batches = self._plan_batches(nodes)
+        batches, best_effort = self._plan_batches(nodes)
         round_id = self.next_round
         self.next_round += 1
         plan = self.ledger.plan_round(round_id, batches)
         sizes = {n: sum(b - a for a, b in rs) for n, rs in plan.items()}
         self.batches = sizes
-        deadline = self.estimator.deadline(sizes, self._overhead_s)
+        awaited = {n: b for n, b in sizes.items() if n not in best_effort} or sizes
+        deadline = self.estimator.deadline(awaited, self._overhead_s)
         await self._ensure_params_payload()
         parts: dict[str, Part] = {}
         for node_id, positions in plan.items():
@@ -531,6 +557,7 @@ class JobRunner:
                 task_id="t-" + uuid.uuid4().hex[:12],
                 ranges=index_ranges,
                 local_batch=sizes[node_id],
+                required=node_id in awaited,
             )
         rs = RoundState(
             round=round_id,
@@ -544,28 +571,38 @@ class JobRunner:
             part.handed_out = time.monotonic()
             self.engine.enqueue(node_id, self._train_task(rs, part), self)
         await self.notify()
-        # Wait for every node, a failure, a silent node, or the deadline.
+        # Wait for every awaited node (a failure, silence, or the deadline ends the wait for
+        # it). Silence is checked a few times per heartbeat interval (not on every wake-up:
+        # O(parts) per check).
         end = rs.started + deadline
-        while rs.outstanding():
+        check_every = max(0.02, self.ctx.registry.heartbeat_interval_s / 4)
+        next_check = rs.started + check_every
+        while rs.awaited():
             now = time.monotonic()
             left = end - now
             if left <= 0 or self._stop.is_set():
                 break
-            next_check = self._fail_silent(rs)
-            if not rs.outstanding():
-                break
-            wait = left if next_check is None else min(left, max(0.01, next_check - now))
+            if now >= next_check:
+                self._fail_silent(rs)
+                next_check = now + check_every
+                if not rs.awaited():
+                    break
             rs.changed.clear()
             try:
-                await asyncio.wait_for(rs.changed.wait(), timeout=wait)
+                await asyncio.wait_for(rs.changed.wait(), timeout=min(left, next_check - now))
             except TimeoutError:
                 continue  # the deadline or a silence check is due: the loop looks again
         rs.closed = True
         waited = time.monotonic() - rs.started
         rs.waited_s = waited
         for part in rs.outstanding():
+            self._late[part.task_id] = (part.node_id, part.local_batch)
             part.status = "late"
-            part.error = f"missed the {deadline:.2f}s deadline"
+            part.error = (
+                f"missed the {deadline:.2f}s deadline"
+                if part.required
+                else f"best effort (a share below one sample): not done after {waited:.2f}s"
+            )
             self.estimator.observe_late(part.node_id, part.local_batch, waited)
         if self._stop.is_set():
             self.ledger.abort_round(round_id)
@@ -573,24 +610,39 @@ class JobRunner:
             return
         await self._apply_round(rs)
 
-    def _fail_silent(self, rs: RoundState) -> float | None:
+    def note_late_update(
+        self, node_id: str, task_id: str, num_samples: int, compute_s: float
+    ) -> bool:
+        """An update of a part that was late (the round closed without it): its gradient is of
+        no use, but its compute time measures the node (a best-effort node that became fast
+        again gets its share back this way). Returns whether ``task_id`` was such a part."""
+        entry = self._late.get(task_id)
+        if entry is None or entry[0] != node_id:
+            return False
+        del self._late[task_id]
+        if num_samples == entry[1] > 0 and math.isfinite(compute_s) and compute_s > 0:
+            self._late_figures.append((node_id, num_samples, compute_s))
+        return True
+
+    def _observe_late_figures(self) -> None:
+        figures, self._late_figures = self._late_figures, []
+        for node_id, samples, compute_s in figures:
+            if node_id in self.estimator:
+                self.estimator.observe(node_id, samples, compute_s)
+        # Remember the late parts of the last few rounds only.
+        excess = len(self._late) - 4 * max(1, len(self.nodes))
+        for task_id in list(self._late)[: max(0, excess)]:
+            del self._late[task_id]
+
+    def _fail_silent(self, rs: RoundState) -> None:
         """Fail the pending parts of nodes that stopped heartbeating (dead, cut off, hung): the
-        round need not wait for its deadline. Returns the monotonic time of the next check
-        (None when no part is pending)."""
-        now_wall = now_ms()
-        soonest: int | None = None
+        round need not wait for its deadline."""
         for part in rs.outstanding():
-            until = self.engine.silent_until_ms(part.node_id)
-            if until is None or now_wall > until:
+            if self.engine.is_silent(part.node_id):
                 silent_s = self.engine.silence_limit_s()
                 part.status = "failed"
                 part.error = f"no heartbeat for more than {silent_s:.2f}s (node unresponsive)"
                 log.info("job %s round %d: %s is silent", self.job_id, rs.round, part.node_id)
-                continue
-            soonest = until if soonest is None else min(soonest, until)
-        if soonest is None:
-            return None
-        return time.monotonic() + (soonest - now_wall) / 1000.0 + 0.001
 
     def _train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
         shards = [
@@ -684,14 +736,28 @@ class JobRunner:
         job.eta_seconds = self._eta(time.monotonic() - rs.started)
         job.updated_ms = now_ms()
         self.round_state = None
+        # Parts the round waited for and did without (a best-effort part that is late is the
+        # expected case, not news: no event, debug log only).
         dropped = sorted(
-            (p for p in rs.parts.values() if p.status in ("late", "failed", "rejected")),
+            (
+                p
+                for p in rs.parts.values()
+                if p.status in ("failed", "rejected") or (p.status == "late" and p.required)
+            ),
             key=lambda p: p.node_id,
         )
-        for p in dropped:
-            log.info(
-                "job %s round %d: %s %s (%s)", self.job_id, rs.round, p.node_id, p.status, p.error
-            )
+        dropped_tasks = {p.task_id for p in dropped}
+        for p in rs.parts.values():
+            if p.status in ("late", "failed", "rejected"):
+                log.log(
+                    logging.INFO if p.task_id in dropped_tasks else logging.DEBUG,
+                    "job %s round %d: %s %s (%s)",
+                    self.job_id,
+                    rs.round,
+                    p.node_id,
+                    p.status,
+                    p.error,
+                )
         checkpoint = (
             self.spec.checkpoint_every > 0
             and received
@@ -858,12 +924,20 @@ class JobRunner:
         return part.local_batch
 
     def reject(self, node_id: str, task_id: str, error: str) -> None:
+        """The node's update for its open part was refused (bad input)."""
+        self._end_part(node_id, task_id, "rejected", error)
+
+    def fail_part(self, node_id: str, task_id: str, error: str) -> None:
+        """The node's open part cannot complete (e.g. its update stream broke off)."""
+        self._end_part(node_id, task_id, "failed", error)
+
+    def _end_part(self, node_id: str, task_id: str, status: str, error: str) -> None:
         rs = self.round_state
         if rs is None:
             return
         part = rs.parts.get(node_id)
         if part is not None and part.task_id == task_id and part.status == "pending":
-            part.status = "rejected"
+            part.status = status
             part.error = error[:500]
             rs.changed.set()
 

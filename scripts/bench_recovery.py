@@ -1,6 +1,6 @@
 """Recovery times of a running job, measured on a local cluster of real processes.
 
-Starts a coordinator and N agents (scripts/chaos.py's LocalCluster), submits a long job, and
+Starts a coordinator and N agents (scripts/chaos.py's FaultCluster, TLS on), submits a long job, and
 measures, several times each:
 
 - agent kill: `kill -9` of a random agent at a random moment of a round, to the completion of
@@ -34,14 +34,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chaos import JS, NS, LocalCluster, applied, wait_for, write_job  # noqa: E402
+from chaos import JS, NS, FaultCluster, applied, wait_for, write_job  # noqa: E402
 
 from epochmesh.v1 import common_pb2  # noqa: E402
 
 log = logging.getLogger("bench_recovery")
 
 
-def steady_round(cluster: LocalCluster, job_id: str, after_ms: int, nodes: set[str]) -> None:
+def steady_round(cluster: FaultCluster, job_id: str, after_ms: int, nodes: set[str]) -> None:
     """Until a round finished after ``after_ms`` has an applied part from each of ``nodes``."""
 
     def full() -> bool:
@@ -64,7 +64,7 @@ def round_without(
     return min(later, key=lambda r: r.finished_ms, default=None)
 
 
-def node_state(cluster: LocalCluster, node_id: str) -> int:
+def node_state(cluster: FaultCluster, node_id: str) -> int:
     return next((n.state for n in cluster.nodes() if n.node_id == node_id), 0)
 
 
@@ -100,16 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     hb = args.heartbeat_interval
-    cluster = LocalCluster(root, hb, slowdowns)
+    cluster = FaultCluster(root, hb, slowdowns)
     kill_to_round: list[float] = []
     kill_to_offline: list[float] = []
     rejoin: list[float] = []
     restart_to_round: list[float] = []
     restart_to_serving: list[float] = []
     try:
-        cluster.start_coordinator()
+        cluster.boot_coordinator()
+        cluster.login()
         for i in range(args.agents):
-            cluster.start_agent(i)
+            cluster.start_agent_i(i)
         cluster.wait_agents_ready()
         job_toml = write_job(
             root / "job",
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             kill_to_offline.append(time.monotonic() - t_kill)
             restart_ms = int(time.time() * 1000)
             t_restart = time.monotonic()
-            cluster.start_agent(i)
+            cluster.start_agent_i(i)
             steady_round(cluster, job_id, restart_ms, {node})
             rejoin.append(time.monotonic() - t_restart)
             mark = int(time.time() * 1000)
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(rng.uniform(0.0, 0.3))
             cluster.kill_coordinator()
             restart_ms = int(time.time() * 1000)
-            serving = cluster.start_coordinator()
+            serving = cluster.boot_coordinator()
             r = wait_for(
                 lambda: [
                     x
@@ -188,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             )
 
         job = cluster.job(job_id)
-        assert job.state in (JS.JOB_STATE_RUNNING, JS.JOB_STATE_PAUSED), job.state
-        cluster.cli("cancel", job_id)
+        state = JS.Name(job.state).removeprefix("JOB_STATE_").lower()
+        if state in ("running", "paused", "queued"):
+            cluster.cli("cancel", job_id)
         result: dict[str, Any] = {
             "heartbeat_interval_s": hb,
+            "job_state": state,
             "lease_ttl_s": 3 * hb,
             "agents": args.agents,
             "slowdowns": slowdowns,

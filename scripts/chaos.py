@@ -23,7 +23,8 @@ or duplicated, or a job did not succeed.
     .venv/bin/python scripts/chaos.py [--duration 75] [--agent-kills 6] [--coordinator-kills 2]
                                       [--agents 3] [--seed 1] [--keep DIR]
 
-`LocalCluster` and the job helpers are reused by scripts/bench_recovery.py.
+`FaultCluster` and the job helpers are reused by scripts/bench_recovery.py. TLS is on, as in
+production (scripts/local_cluster.py: a CA, join tokens, a logged-in CLI).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import shutil
 import signal
@@ -50,12 +50,27 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
-from epochmesh.grpc_util import sync_channel
-from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from local_cluster import BIN, ClusterError, LocalCluster, wait_for  # noqa: E402
+
+from epochmesh.identity import (  # noqa: E402
+    Identity,
+    channel_credentials,
+    coordinator_channel_options,
+    enroll_with_token,
+    identity_credentials,
+)
+from epochmesh.v1 import (  # noqa: E402
+    common_pb2,
+    job_pb2,
+    job_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 
 log = logging.getLogger("chaos")
 
-BIN = Path(sys.executable).parent
 JS = common_pb2.JobState
 NS = common_pb2.NodeState
 T = TypeVar("T")
@@ -78,26 +93,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def plaintext_args() -> list[str]:
-    """``["--insecure"]`` when the programs speak TLS by default (this local cluster talks
-    plaintext on loopback: no CA, tokens or logins to set up), else nothing."""
-    out = subprocess.run(
-        [str(BIN / "epochmesh-agent"), "--help"], capture_output=True, text=True, timeout=120
-    )
-    return ["--insecure"] if "--insecure" in out.stdout else []
-
-
-def wait_for(pred: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
-        time.sleep(interval)
 
 
 # -- the job --------------------------------------------------------------------------------------
@@ -169,60 +164,40 @@ def epoch_loss(rounds: list[common_pb2.RoundRecord], epoch: int) -> float:
 # -- the cluster ----------------------------------------------------------------------------------
 
 
-class LocalCluster:
-    """A coordinator and agents as subprocesses of this script, each logging to its data dir."""
+class FaultCluster(LocalCluster):
+    """scripts/local_cluster.py's cluster (TLS on: CA, join tokens, a logged-in CLI) with what
+    fault injection needs: the coordinator on a fixed port (a restarted one is found at the
+    same address), kill -9 and restart of the coordinator and of numbered agents (same data
+    dirs), and operator reads over gRPC."""
 
-    def __init__(
-        self, root: Path, heartbeat_s: float, slowdowns: list[float], threads: int = 1
-    ) -> None:
-        self.root = root
+    def __init__(self, work: Path, heartbeat_s: float, slowdowns: list[float]) -> None:
+        super().__init__(work)
         self.heartbeat_s = heartbeat_s
         self.slowdowns = list(slowdowns)
-        self.threads = threads
-        self.address = f"127.0.0.1:{free_port()}"
+        self.listen = f"127.0.0.1:{free_port()}"
         self.coordinator: subprocess.Popen[bytes] | None = None
-        self.agents: list[subprocess.Popen[bytes] | None] = [None] * len(slowdowns)
-        self.trust_args = plaintext_args()
+        self._operator: Identity | None = None
 
     # -- processes ------------------------------------------------------------------------------
 
-    def _spawn(self, cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as f:
-            return subprocess.Popen(
-                cmd,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                start_new_session=True,
-            )
-
-    def start_coordinator(self, timeout: float = 60.0) -> float:
-        """Start it (same data dir, same address) and wait until it serves; returns seconds."""
+    def boot_coordinator(self, timeout: float = 60.0) -> float:
+        """Start the coordinator (same data dir, same address) and wait until it serves;
+        returns the seconds that took."""
         t0 = time.monotonic()
-        data = self.root / "coordinator"
-        self.coordinator = self._spawn(
-            [
-                str(BIN / "epochmesh-coordinator"),
-                "--data-dir",
-                str(data),
-                "--listen",
-                self.address,
-                "--heartbeat-interval",
-                str(self.heartbeat_s),
-                *self.trust_args,
-            ],
-            data / "coordinator.log",
+        self.start_coordinator(
+            "--listen", self.listen, "--heartbeat-interval", f"{self.heartbeat_s}"
         )
+        self.coordinator = self.procs[-1]
         wait_for(self._serving, timeout, "the coordinator serving", interval=0.02)
         return time.monotonic() - t0
 
     def _serving(self) -> bool:
         assert self.coordinator is not None
         if self.coordinator.poll() is not None:
-            raise RuntimeError(f"the coordinator exited with {self.coordinator.returncode}")
-        with grpc.insecure_channel(self.address) as ch:
+            raise ClusterError(f"the coordinator exited with {self.coordinator.returncode}")
+        ca = (self.coord_dir / "ca.pem").read_bytes()
+        creds = channel_credentials(ca)
+        with grpc.secure_channel(self.address, creds, options=coordinator_channel_options()) as ch:
             try:
                 reply = health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(), timeout=0.5
@@ -236,11 +211,20 @@ class LocalCluster:
             self.coordinator.send_signal(signal.SIGKILL)
             self.coordinator.wait()
 
-    def agent_dir(self, i: int) -> Path:
-        return self.root / f"agent-{i}"
+    def agent_name(self, i: int) -> str:
+        return str(i)
 
-    def start_agent(self, i: int) -> None:
-        self.agents[i] = self._spawn(
+    def agent_dir(self, i: int) -> Path:
+        return self.work / f"agent-{self.agent_name(i)}"
+
+    def start_agent_i(self, i: int) -> None:
+        """Start agent ``i`` (again): a restart keeps its data dir, certificate, node id and
+        blob cache (no join token needed then)."""
+        name, slowdown = self.agent_name(i), f"{self.slowdowns[i]:g}"
+        if not (self.agent_dir(i) / "cert.pem").exists():
+            self.start_agent(name, "--slowdown", slowdown)  # enrolls with a fresh node token
+            return
+        self.agents[name] = self._start(
             [
                 str(BIN / "epochmesh-agent"),
                 "--coordinator",
@@ -248,24 +232,23 @@ class LocalCluster:
                 "--data-dir",
                 str(self.agent_dir(i)),
                 "--name",
-                f"agent-{i}",
-                "--slowdown",
-                f"{self.slowdowns[i]:g}",
+                name,
+                "--threads",
+                "1",
                 "--benchmark",
                 "quick",
-                "--threads",
-                str(self.threads),
-                *self.trust_args,
+                "--slowdown",
+                slowdown,
             ],
-            self.agent_dir(i) / "agent.log",
+            self.work / f"agent-{name}.log",
         )
 
     def agent_running(self, i: int) -> bool:
-        p = self.agents[i]
+        p = self.agents.get(self.agent_name(i))
         return p is not None and p.poll() is None
 
     def kill_agent(self, i: int) -> None:
-        p = self.agents[i]
+        p = self.agents.get(self.agent_name(i))
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGKILL)
             p.wait()
@@ -276,29 +259,22 @@ class LocalCluster:
         except (FileNotFoundError, ValueError, KeyError):
             return ""
 
-    def stop(self) -> None:
-        procs = [p for p in [*self.agents, self.coordinator] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
     # -- reads --------------------------------------------------------------------------------
 
+    def _channel(self) -> grpc.Channel:
+        if self._operator is None:
+            self._operator = enroll_with_token(self.address, self.token("operator"))
+        creds = identity_credentials(self._operator)
+        return grpc.secure_channel(self.address, creds, options=coordinator_channel_options())
+
     def nodes(self) -> list[common_pb2.NodeInfo]:
-        with sync_channel(self.address) as ch:
+        with self._channel() as ch:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             return list(stub.ListNodes(scheduler_pb2.ListNodesRequest(), timeout=5).nodes)
 
     def wait_agents_ready(self, timeout: float = 90.0) -> None:
         def ready() -> bool:
-            ids = {self.node_id(i) for i in range(len(self.agents))}
+            ids = {self.node_id(i) for i in range(len(self.slowdowns))}
             if "" in ids:
                 return False
             nodes = {n.node_id: n for n in self.nodes()}
@@ -312,17 +288,17 @@ class LocalCluster:
         wait_for(ready, timeout, "all agents registered and benchmarked", interval=0.2)
 
     def job(self, job_id: str) -> common_pb2.Job:
-        with sync_channel(self.address) as ch:
+        with self._channel() as ch:
             stub = job_pb2_grpc.JobServiceStub(ch)
             return stub.GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=5)
 
     def rounds(self, job_id: str) -> list[common_pb2.RoundRecord]:
-        with sync_channel(self.address) as ch:
+        with self._channel() as ch:
             stub = job_pb2_grpc.JobServiceStub(ch)
             return list(stub.GetRounds(job_pb2.GetRoundsRequest(job_id=job_id), timeout=10).rounds)
 
     def events(self, job_id: str) -> list[common_pb2.Event]:
-        with sync_channel(self.address) as ch:
+        with self._channel() as ch:
             stub = job_pb2_grpc.JobServiceStub(ch)
             reply = stub.GetJobEvents(job_pb2.GetJobEventsRequest(job_id=job_id), timeout=5)
             return list(reply.events)
@@ -335,17 +311,6 @@ class LocalCluster:
             return None
 
     # -- jobs ---------------------------------------------------------------------------------
-
-    def cli(self, *args: str) -> str:
-        out = subprocess.run(
-            [str(BIN / "epochmesh"), *self.trust_args, "--coordinator", self.address, *args],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"epochmesh {' '.join(args)} failed: {out.stderr.strip()}")
-        return out.stdout
 
     def submit(self, job_toml: Path) -> str:
         return str(json.loads(self.cli("submit", str(job_toml), "--output", "json"))["job_id"])
@@ -368,7 +333,7 @@ class LocalCluster:
 
 
 def run_chaos(
-    cluster: LocalCluster,
+    cluster: FaultCluster,
     job_id: str,
     *,
     rng: random.Random,
@@ -398,7 +363,7 @@ def run_chaos(
         for i, t in list(restart_at.items()):
             if now >= t:
                 log.info("restarting agent %d", i)
-                cluster.start_agent(i)
+                cluster.start_agent_i(i)
                 stats["restarts"] += 1
                 del restart_at[i]
         budget_agents = stats["agent_kills"] < agent_kills
@@ -411,7 +376,7 @@ def run_chaos(
                 cluster.kill_coordinator()
                 stats["coordinator_kills"] += 1
                 time.sleep(rng.uniform(*pause_s))
-                took = cluster.start_coordinator()
+                took = cluster.boot_coordinator()
                 stats["restarts"] += 1
                 log.info("coordinator serving again %.2fs after its restart", took)
             elif running:
@@ -423,7 +388,7 @@ def run_chaos(
             next_fault = time.monotonic() + rng.uniform(*gap_s)
         time.sleep(0.05)
     for i in restart_at:
-        cluster.start_agent(i)
+        cluster.start_agent_i(i)
         stats["restarts"] += 1
     return stats
 
@@ -451,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds a killed process stays down, uniform in [MIN, MAX]",
     )
     p.add_argument("--samples", type=int, default=1536)
-    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=24)
     p.add_argument("--min-nodes", type=int, default=2, help="below it the job pauses")
     p.add_argument(
@@ -471,12 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="epochmesh-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    cluster = LocalCluster(root, args.heartbeat_interval, slowdowns)
+    cluster = FaultCluster(root, args.heartbeat_interval, slowdowns)
     t_start = time.monotonic()
     try:
-        cluster.start_coordinator()
+        cluster.boot_coordinator()
+        cluster.login()
         for i in range(args.agents):
-            cluster.start_agent(i)
+            cluster.start_agent_i(i)
         cluster.wait_agents_ready()
         shape = {
             "samples": args.samples,

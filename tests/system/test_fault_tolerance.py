@@ -68,8 +68,8 @@ HEARTBEAT_S = 0.5
 LR = 0.01
 LEASE_TTL_S = 3 * HEARTBEAT_S
 
-# Small and learnable (labels are a linear function of the pixels), heavy enough per sample that
-# compute, and so the slowdown, shows in the round times.
+# Small and learnable (labels are a linear function of the pixels). Rounds take tens of ms, so a
+# test job has a couple of hundred of them: faults land while the job runs.
 MODEL = """
 import torch
 from torch import nn
@@ -462,7 +462,7 @@ def test_a_straggler_loses_share_and_hung_or_cut_off_agents_are_dropped_then_rej
 
 
 def straggler_then_partition(cluster: Cluster, relay: Relay, tmp_path: Path) -> None:
-    n, epochs = 768, 3
+    n, epochs = 1536, 3
     job_id = cluster.submit(
         # min_nodes 3: while a and e are gone the job waits for them (PAUSED), so they re-join
         # before it ends
@@ -491,45 +491,49 @@ def straggler_then_partition(cluster: Cluster, relay: Relay, tmp_path: Path) -> 
         later = [p.local_batch for p in c_parts_after(rs, change_round)]
         return later if later and later[-1] <= before / 3 else None
 
-    later = cluster.wait_rounds(job_id, c_shrunk, timeout=30, what="c's share shrinks")
+    try:
+        later = cluster.wait_rounds(job_id, c_shrunk, timeout=30, what="c's share shrinks")
+    finally:
+        set_slowdown(cluster, "c", cluster.slowdowns["c"])  # also when the test fails here
     log.info(f"straggler c: batch {before:.1f} before, then {later} after a 300x slowdown")
-    assert len(later) <= 4, f"c's share took {len(later)} rounds to shrink: {later}"
+    took = next(i for i, b in enumerate(later) if b <= before / 3) + 1
+    assert took <= 4, f"c's share took {took} rounds to shrink: {later}"
 
-    # Back to its speed, c gets its share back (it kept a sample per round, so it is measured).
+    # Back to its speed, c gets its share back: it kept one sample per round (best effort, the
+    # rounds do not wait for it), and its updates measure it again.
     recover_round = max(r.round for r in cluster.rounds(job_id))
-    set_slowdown(cluster, "c", cluster.slowdowns["c"])
 
     def c_recovered(rs: list[common_pb2.RoundRecord]) -> list[int] | None:
         again = [p.local_batch for p in c_parts_after(rs, recover_round)]
-        return again if again and again[-1] >= before / 2 else None
+        return again if again and again[-1] >= 2 else None
 
     again = cluster.wait_rounds(job_id, c_recovered, timeout=30, what="c's share comes back")
     log.info(f"straggler c back to normal: batches {again}")
 
-    # a hangs (SIGSTOP) and e's network is cut: the round goes on without them, both go
-    # OFFLINE when their leases lapse; when a wakes up and e's network is back, both re-join.
+    # a hangs (SIGSTOP) and e's network is cut. A round they are part of closes without them
+    # (silence, before its deadline); no later round waits for them: with two usable nodes
+    # left, fewer than min_nodes 3, the job PAUSES once their leases lapse. When a wakes up and
+    # e's network is back, both re-join by themselves and the job goes on.
     e_id = cluster.node_id("e")
     cut_ms = int(time.time() * 1000)
     cluster.agents["a"].send(signal.SIGSTOP)
     relay.cut()
     try:
-        for name, node in (("a", a_id), ("e", e_id)):
-            without = cluster.wait_rounds(
-                job_id,
-                lambda rs, node=node: round_without(rs, node, cut_ms),
-                timeout=20,
-                what=f"a round completed without {name}",
-            )
-            took = (without.finished_ms - cut_ms) / 1000
-            log.info(f"round {without.round} completed without {name} {took:.2f}s after the fault")
-            assert took <= 2 * HEARTBEAT_S + 1.0
         for name in ("a", "e"):
             wait_until(
                 lambda name=name: cluster.node_state(name) == NS.NODE_STATE_OFFLINE,
                 timeout=LEASE_TTL_S + 5,
                 message=f"{name} never went OFFLINE",
             )
-        offline_round = max(r.round for r in cluster.rounds(job_id))
+        cluster.wait_state(job_id, JS.JOB_STATE_PAUSED, timeout=10)
+        rounds = cluster.rounds(job_id)
+        for name, node in (("a", a_id), ("e", e_id)):
+            without = round_without(rounds, node, cut_ms)
+            if without is not None:  # else its last part was done before the fault
+                took = (without.finished_ms - cut_ms) / 1000
+                log.info(f"round {without.round} completed without {name} {took:.2f}s after")
+                assert took <= 2 * HEARTBEAT_S + 1.0
+        offline_round = max(r.round for r in rounds)
     finally:
         cluster.agents["a"].send(signal.SIGCONT)
         relay.restore()
@@ -597,8 +601,9 @@ def test_coordinator_kill9_resumes_from_its_checkpoint(cluster: Cluster, tmp_pat
     for name in ("a", "b", "c"):
         if not cluster.agents[name].running():
             cluster.start_agent(name, cluster.slowdowns[name])
+        set_slowdown(cluster, name, cluster.slowdowns[name])
     cluster.wait_ready(["a", "b", "c"])
-    n, epochs, every, seed = 576, 3, 3, 5
+    n, epochs, every, seed = 576, 3, 5, 5
     job_id = cluster.submit(
         tmp_path / "job",
         job_doc("kill-coordinator", epochs=epochs, checkpoint_every=every, seed=seed),
@@ -607,14 +612,15 @@ def test_coordinator_kill9_resumes_from_its_checkpoint(cluster: Cluster, tmp_pat
     ids_before = {cluster.node_id(x) for x in ("a", "b", "c")}
 
     def mid_interval(rs: list[common_pb2.RoundRecord]) -> bool:
-        # One or two applied rounds after a periodic checkpoint, and not at the end of an epoch
-        # (which checkpoints too): some rounds will have to be rolled back.
+        # Just past a periodic checkpoint and far from the end of an epoch (which checkpoints
+        # too), so that the rounds run between this read and the kill (a few on a busy host)
+        # still leave some to roll back.
         done = sum(1 for r in rs if applied(r))
-        if done < 10 or done % every not in (1, 2):
+        if done < 10 or done % every != 1:
             return False
         epoch = rs[-1].epoch
         trained = sum(p.local_batch for r in rs if r.epoch == epoch for p in applied(r))
-        return trained < n
+        return trained < n - every * 24
 
     cluster.wait_rounds(job_id, mid_interval, timeout=90, what="a round between checkpoints")
     cluster.coord.kill9()
