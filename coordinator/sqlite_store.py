@@ -248,7 +248,7 @@ class SqliteStore(Store):
             return
         async with self._lock:
             self._check_open()
-            await self._w.execute("BEGIN IMMEDIATE")
+            await self._begin()
             self._txn_task = asyncio.current_task()
             try:
                 yield
@@ -268,7 +268,7 @@ class SqliteStore(Store):
             return
         async with self._lock:
             self._check_open()
-            await self._w.execute("BEGIN IMMEDIATE")
+            await self._begin()
             try:
                 yield self._w
             except BaseException:
@@ -295,6 +295,21 @@ class SqliteStore(Store):
                     listener(event)
                 except Exception:
                     log.exception("event listener failed on event %d", event.id)
+
+    async def _begin(self) -> None:
+        """BEGIN IMMEDIATE that a cancellation cannot leave half done: the statement runs on
+        aiosqlite's thread whatever happens to the awaiting task, so a task cancelled while it
+        is in flight must wait for it and roll it back; otherwise the connection stays inside a
+        transaction and every later write fails ("cannot start a transaction within a
+        transaction")."""
+        begin = asyncio.ensure_future(self._w.execute("BEGIN IMMEDIATE"))
+        try:
+            await asyncio.shield(begin)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                await begin
+            await self._rollback()
+            raise
 
     async def _rollback(self) -> None:
         self._pending_events = []

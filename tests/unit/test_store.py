@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -336,3 +337,21 @@ async def test_closed_store_refuses_use(tmp_path: Path) -> None:
     await s.close()
     with pytest.raises(StoreError, match="closed"):
         await s.append_event("late")
+
+
+@pytest.mark.timeout(60)
+async def test_a_write_cancelled_at_any_moment_leaves_the_store_writable(
+    store: SqliteStore,
+) -> None:
+    """Cancel an event append after 0..8 event-loop yields (so also while BEGIN IMMEDIATE is in
+    flight on aiosqlite's thread): later writes must still work."""
+    for yields in range(9):
+        for _ in range(3):
+            task = asyncio.create_task(store.append_event("test.cancelled", message="x"))
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            event = await store.append_event("test.after", message=f"after {yields} yields")
+            assert event.id > 0
