@@ -138,15 +138,12 @@ class Engine:
         self.queues.setdefault(node_id, deque()).append((task, runner))
         self.queue_events.setdefault(node_id, asyncio.Event()).set()
 
-    def round_finished(self, runner: JobRunner, record: common_pb2.RoundRecord) -> None:
-        # Forget task ids of closed rounds (bounded memory); benchmark tasks stay until answered.
-        live = {p.task_id for rs in [runner.round_state] if rs for p in rs.parts.values()}
+    def round_finished(self, runner: JobRunner) -> None:
+        """Forget the task ids of the job's closed rounds (bounded memory); benchmark tasks stay
+        until they are answered."""
+        benchmarks = {task_id for task_id, _ in runner.bench_pending.values()}
         for task_id, (_, job_id) in list(self.task_owner.items()):
-            if (
-                job_id == runner.job_id
-                and task_id not in live
-                and not any(t == task_id for t, _ in runner.bench_pending.values())
-            ):
+            if job_id == runner.job_id and task_id not in benchmarks:
                 del self.task_owner[task_id]
 
     async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:

@@ -773,7 +773,7 @@ class JobRunner:
         elif checkpoint:
             await self._checkpoint(last_round=rs.round)
         self._overhead_s = 0.5 * self._overhead_s + 0.5 * (time.monotonic() - t0)
-        self.engine.round_finished(self, record)
+        self.engine.round_finished(self)
         await self.notify()
 
     async def _record_dropped(self, rs: RoundState, dropped: list[Part]) -> None:
