@@ -14,7 +14,7 @@ import pytest
 from coordinator.server import Coordinator
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
-from tests.procs import aio_channel_for, async_wait_until, in_process_coordinator
+from tests.procs import async_wait_until, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,22 +26,6 @@ LIMIT = 8 * MIB
 async def coord(tmp_path: Path) -> AsyncIterator[Coordinator]:
     async with in_process_coordinator(tmp_path / "data", max_blob_bytes=LIMIT) as c:
         yield c
-
-
-@pytest.fixture
-async def channel(coord: Coordinator) -> AsyncIterator[grpc.aio.Channel]:
-    async with aio_channel_for(coord.address) as ch:
-        yield ch
-
-
-@pytest.fixture
-def jobs(channel: grpc.aio.Channel) -> job_pb2_grpc.JobServiceStub:
-    return job_pb2_grpc.JobServiceStub(channel)
-
-
-@pytest.fixture
-def agent(channel: grpc.aio.Channel) -> agent_pb2_grpc.AgentServiceStub:
-    return agent_pb2_grpc.AgentServiceStub(channel)
 
 
 def sha(data: bytes) -> str:

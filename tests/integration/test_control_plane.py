@@ -48,27 +48,6 @@ async def coord(tmp_path: Path, lease_times: tuple[float, float]) -> AsyncIterat
         yield c
 
 
-@pytest.fixture
-async def channel(coord: Coordinator) -> AsyncIterator[grpc.aio.Channel]:
-    async with aio_channel_for(coord.address) as ch:
-        yield ch
-
-
-@pytest.fixture
-def agent(channel: grpc.aio.Channel) -> agent_pb2_grpc.AgentServiceStub:
-    return agent_pb2_grpc.AgentServiceStub(channel)
-
-
-@pytest.fixture
-def sched(channel: grpc.aio.Channel) -> scheduler_pb2_grpc.SchedulerServiceStub:
-    return scheduler_pb2_grpc.SchedulerServiceStub(channel)
-
-
-@pytest.fixture
-def jobs(channel: grpc.aio.Channel) -> job_pb2_grpc.JobServiceStub:
-    return job_pb2_grpc.JobServiceStub(channel)
-
-
 async def register(
     agent: agent_pb2_grpc.AgentServiceStub, name: str, node_id: str = ""
 ) -> agent_pb2.RegisterResponse:
