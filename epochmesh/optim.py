@@ -70,6 +70,16 @@ def build_outer_optimizer(
     )
 
 
+def build_round_optimizer(
+    spec: common_pb2.JobSpec, params: Sequence[torch.Tensor]
+) -> torch.optim.Optimizer:
+    """The optimizer that applies an aggregated round (on the parameter server, or on every ring
+    member): the outer optimizer in local_sgd mode, else the spec's optimizer."""
+    if spec.sync == "local_sgd":
+        return build_outer_optimizer(spec, params)
+    return build_optimizer(spec, params)
+
+
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 

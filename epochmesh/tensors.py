@@ -150,6 +150,17 @@ def encode_bundle(
     return header, payload
 
 
+def params_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 (hex) over the names, dtypes, shapes and raw bytes of `tensors`, in the mapping's
+    order: equal on two replicas exactly when their parameters are bit-identical."""
+    h = hashlib.sha256()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{dtype_name(t.dtype)}|{tuple(t.shape)}\n".encode())
+        h.update(compression.raw_bytes(t))
+    return h.hexdigest()
+
+
 def iter_chunks(
     data: bytes | bytearray | memoryview, chunk: int = MAX_CHUNK_BYTES, *, start: int = 0
 ) -> Iterator[common_pb2.DataChunk]:

@@ -117,7 +117,7 @@ class NextTaskRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state")
+    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state", "ring_total_samples", "state_source_node_id", "push_state", "state_source_address", "ring_gateway")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,11 @@ class Task(_message.Message):
     RING_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
+    RING_TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STATE_SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RING_GATEWAY_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     kind: TaskKind
     job_id: str
@@ -150,7 +155,12 @@ class Task(_message.Message):
     ring: _common_pb2.RingAssignment
     inner_steps: int
     initial_state: _common_pb2.BlobRef
-    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ...) -> None: ...
+    ring_total_samples: int
+    state_source_node_id: str
+    push_state: bool
+    state_source_address: str
+    ring_gateway: bool
+    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., ring_total_samples: _Optional[int] = ..., state_source_node_id: _Optional[str] = ..., push_state: _Optional[bool] = ..., state_source_address: _Optional[str] = ..., ring_gateway: _Optional[bool] = ...) -> None: ...
 
 class FetchBlobRequest(_message.Message):
     __slots__ = ("sha256", "offset")
@@ -213,18 +223,20 @@ class PushUpdateResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PullParametersRequest(_message.Message):
-    __slots__ = ("node_id", "lease_id", "job_id", "version", "include_optimizer_state")
+    __slots__ = ("node_id", "lease_id", "job_id", "version", "include_optimizer_state", "external_round")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_ROUND_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     job_id: str
     version: int
     include_optimizer_state: bool
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., version: _Optional[int] = ..., include_optimizer_state: _Optional[bool] = ...) -> None: ...
+    external_round: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., version: _Optional[int] = ..., include_optimizer_state: _Optional[bool] = ..., external_round: _Optional[int] = ...) -> None: ...
 
 class PullParametersResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -245,7 +257,7 @@ class ParametersHeader(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "compute_seconds", "communicate_seconds", "samples_done", "mean_loss", "params_checksum")
+    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "compute_seconds", "communicate_seconds", "samples_done", "mean_loss", "params_checksum", "failed_peer_node_id", "ring_attempt", "params_version")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +268,9 @@ class ReportProgressRequest(_message.Message):
     SAMPLES_DONE_FIELD_NUMBER: _ClassVar[int]
     MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PEER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RING_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     task_id: str
@@ -266,7 +281,10 @@ class ReportProgressRequest(_message.Message):
     samples_done: int
     mean_loss: float
     params_checksum: str
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., communicate_seconds: _Optional[float] = ..., samples_done: _Optional[int] = ..., mean_loss: _Optional[float] = ..., params_checksum: _Optional[str] = ...) -> None: ...
+    failed_peer_node_id: str
+    ring_attempt: int
+    params_version: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., communicate_seconds: _Optional[float] = ..., samples_done: _Optional[int] = ..., mean_loss: _Optional[float] = ..., params_checksum: _Optional[str] = ..., failed_peer_node_id: _Optional[str] = ..., ring_attempt: _Optional[int] = ..., params_version: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ()

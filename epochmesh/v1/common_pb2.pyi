@@ -320,7 +320,7 @@ class Job(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., program: _Optional[_Union[BlobRef, _Mapping]] = ..., initial_state: _Optional[_Union[BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., num_samples: _Optional[int] = ..., created_ms: _Optional[int] = ..., updated_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., samples_done: _Optional[int] = ..., samples_total: _Optional[int] = ..., last_loss: _Optional[float] = ..., message: _Optional[str] = ..., result: _Optional[_Union[BlobRef, _Mapping]] = ..., params_version: _Optional[int] = ..., eta_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundPart(_message.Message):
-    __slots__ = ("node_id", "local_batch", "ranges", "mean_loss", "seconds", "status", "inner_steps")
+    __slots__ = ("node_id", "local_batch", "ranges", "mean_loss", "seconds", "status", "inner_steps", "communicate_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class RoundPart(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMMUNICATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     local_batch: int
     ranges: _containers.RepeatedCompositeFieldContainer[SampleRange]
@@ -335,10 +336,11 @@ class RoundPart(_message.Message):
     seconds: float
     status: str
     inner_steps: int
-    def __init__(self, node_id: _Optional[str] = ..., local_batch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ..., mean_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., status: _Optional[str] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    communicate_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., local_batch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ..., mean_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., status: _Optional[str] = ..., inner_steps: _Optional[int] = ..., communicate_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundRecord(_message.Message):
-    __slots__ = ("job_id", "epoch", "round", "started_ms", "finished_ms", "parts", "loss", "params_version")
+    __slots__ = ("job_id", "epoch", "round", "started_ms", "finished_ms", "parts", "loss", "params_version", "attempts")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +349,7 @@ class RoundRecord(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     round: int
@@ -355,7 +358,8 @@ class RoundRecord(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[RoundPart]
     loss: float
     params_version: int
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., started_ms: _Optional[int] = ..., finished_ms: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[RoundPart, _Mapping]]] = ..., loss: _Optional[float] = ..., params_version: _Optional[int] = ...) -> None: ...
+    attempts: int
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., started_ms: _Optional[int] = ..., finished_ms: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[RoundPart, _Mapping]]] = ..., loss: _Optional[float] = ..., params_version: _Optional[int] = ..., attempts: _Optional[int] = ...) -> None: ...
 
 class NodeAllocation(_message.Message):
     __slots__ = ("node_id", "name", "samples_per_second", "share", "local_batch", "max_batch", "segment", "remaining", "compute_seconds", "communicate_seconds", "rtt_ms", "bandwidth_bytes_per_second", "inner_steps")
