@@ -9,6 +9,7 @@ from torch import nn
 from epochmesh.optim import (
     build_optimizer,
     build_outer_optimizer,
+    build_round_optimizer,
     load_optimizer_state_tensors,
     optimizer_state_tensors,
 )
@@ -71,6 +72,16 @@ def test_local_sgd_inner_and_outer() -> None:
     g = outer.param_groups[0]
     assert isinstance(outer, torch.optim.SGD)
     assert (g["lr"], g["momentum"], g["nesterov"]) == (0.5, 0.8, True)
+
+
+def test_round_optimizer_is_outer_in_local_sgd_else_the_spec_optimizer() -> None:
+    local = spec('sync = "local_sgd"\nouter_lr = 0.5\nouter_momentum = 0.8')
+    p = [nn.Parameter(torch.zeros(3))]
+    outer = build_round_optimizer(local, p)
+    assert isinstance(outer, torch.optim.SGD)
+    assert outer.param_groups[0]["lr"] == 0.5 and outer.param_groups[0]["nesterov"]
+    plain = build_round_optimizer(SPECS["adamw"], p)
+    assert isinstance(plain, torch.optim.AdamW) and plain.param_groups[0]["lr"] == 0.01
 
 
 def make_model() -> nn.Module:

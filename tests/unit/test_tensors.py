@@ -20,6 +20,7 @@ from epochmesh.tensors import (
     expected_from,
     from_safetensors,
     iter_chunks,
+    params_checksum,
     safetensors_metadata,
     to_safetensors,
     validate_header,
@@ -319,3 +320,15 @@ def test_safetensors_rejects_garbage() -> None:
     assert torch.isnan(from_safetensors(nan)["a"]).all()
     with pytest.raises(CodecError, match="NaN/Inf"):
         from_safetensors(nan, allow_nonfinite=False)
+
+
+def test_params_checksum_sees_every_bit_name_and_shape() -> None:
+    a = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(3)}
+    same = {k: v.clone() for k, v in a.items()}
+    assert params_checksum(a) == params_checksum(same)
+    flipped = {k: v.clone() for k, v in a.items()}
+    flipped["w"].view(torch.int32)[0, 0] ^= 1  # one bit of one element
+    assert params_checksum(flipped) != params_checksum(a)
+    assert params_checksum({"w2": a["w"], "b": a["b"]}) != params_checksum(a)
+    assert params_checksum({"w": a["w"].reshape(3, 2), "b": a["b"]}) != params_checksum(a)
+    assert params_checksum({"b": a["b"], "w": a["w"]}) != params_checksum(a)
