@@ -364,3 +364,45 @@ class LiveBlock:
     def finish(self) -> None:
         self._height = 0
         self.stream.flush()
+
+
+# -- allocation: where a node's time goes ------------------------------------------------------
+
+
+def fmt_bandwidth(bytes_per_second: float) -> str:
+    """A measured link bandwidth in bits per second, as links are quoted: ``95.2 Mbit/s``."""
+    if not math.isfinite(bytes_per_second) or bytes_per_second <= 0:
+        return "-"
+    bits = bytes_per_second * 8
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:.1f} {unit}"
+    return f"{bits:.0f} bit/s"
+
+
+def fmt_rtt(ms: float) -> str:
+    """A round-trip time: ``50.3 ms``, ``0.21 ms``; ``-`` when unknown (0)."""
+    if not math.isfinite(ms) or ms <= 0:
+        return "-"
+    return f"{ms:.2f} ms" if ms < 1 else f"{ms:.1f} ms"
+
+
+def fmt_seconds(seconds: float) -> str:
+    """A cumulative time: ``0.42s``, ``12.3s``, ``4m05s`` (``fmt_duration`` from a minute)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.2f}s"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    return fmt_duration(seconds)
+
+
+def time_split_bar(compute: float, communicate: float, width: int = 20) -> str:
+    """``[################....]``: the compute share of compute + communicate time as ``#``,
+    communication as ``.``; a bar of spaces when no time was recorded yet."""
+    total = compute + communicate
+    if not (math.isfinite(total) and total > 0) or width <= 0:
+        return "[" + " " * max(0, width) + "]"
+    filled = int(round(min(1.0, max(0.0, compute / total)) * width))
+    return "[" + "#" * filled + "." * (width - filled) + "]"

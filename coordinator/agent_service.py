@@ -234,6 +234,13 @@ class AgentService:
         require_node_id(req.node_id)
         require_self(req.node_id)
         _require_lease_id(req.lease_id)
+        check_text(req.task_id, "task_id", max_len=128)
+        check_text(req.params_checksum, "params_checksum", max_len=128)
+        check_text(req.failed_peer_node_id, "failed_peer_node_id", max_len=128)
+        if req.ring_attempt < 0 or req.params_version < 0 or req.samples_done < 0:
+            raise InvalidArgumentError(
+                "ring_attempt, params_version and samples_done must not be negative"
+            )
         self._registry.check_lease(req.node_id, req.lease_id)
         return await self._engine.report_progress(req, ctx)
 

@@ -18,10 +18,11 @@ no certificate and no check: `current_principal()` is None and the helpers allow
 from __future__ import annotations
 
 import contextvars
-import datetime as dt
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import grpc
 from cryptography import x509
@@ -29,6 +30,7 @@ from cryptography import x509
 from coordinator.store import PermissionDeniedError, UnauthenticatedError
 from epochmesh.identity import (
     AUTH_CERT_KEY,
+    AUTH_MAX_SKEW_MS,
     AUTH_SIG_KEY,
     AUTH_TS_KEY,
     ROLE_NODE,
@@ -146,17 +148,37 @@ def require_job_access(job: common_pb2.Job) -> None:
         raise PermissionDeniedError(f"job {job.job_id} belongs to another submitter")
 
 
+@dataclass(frozen=True)
+class _Verified:
+    """A certificate that chains to the CA, with what every call needs of it."""
+
+    cert: x509.Certificate
+    principal: Principal
+    not_before_s: float
+    not_after_s: float
+
+
 class Authorizer:
-    """Authenticates callers by the certificate in their call credentials; checks `POLICY`."""
+    """Authenticates callers by the certificate in their call credentials; checks `POLICY`.
+
+    Cost per call: a certificate is verified against the CA once (cached by its DER), and a
+    call signature once per (certificate, method, timestamp, signature): clients reuse a
+    method's signature for `AUTH_SIGNATURE_REUSE_MS` (epochmesh/identity.py), so the ECDSA
+    verification (about 70 us) is paid once per client and method per minute and every other
+    call costs a dictionary lookup. Validity, the timestamp window and revocation are checked
+    on every call."""
 
     CACHE_SIZE = 1024
+    SIGNATURE_CACHE_SIZE = 16384
     MAX_CERT_BYTES = 8192
 
     def __init__(self, ca_pem: bytes, revoked: Iterable[str] = ()) -> None:
         self._ca = load_certificate(ca_pem)
         self._revoked: set[str] = set(revoked)
-        # DER -> (certificate, principal) or the reason it is refused.
-        self._cache: OrderedDict[bytes, tuple[x509.Certificate, Principal] | str] = OrderedDict()
+        # DER -> the verified certificate, or the reason it is refused.
+        self._cache: OrderedDict[bytes, _Verified | str] = OrderedDict()
+        # (DER, method, timestamp, signature) of call signatures that verified.
+        self._signatures: OrderedDict[tuple[bytes, str, str, bytes], None] = OrderedDict()
 
     def revoke(self, principal_id: str) -> None:
         self._revoked.add(principal_id)
@@ -164,7 +186,7 @@ class Authorizer:
     def is_revoked(self, principal_id: str) -> bool:
         return principal_id in self._revoked
 
-    def _verify_der(self, der: bytes) -> tuple[x509.Certificate, Principal] | str:
+    def _verify_der(self, der: bytes) -> _Verified | str:
         try:
             cert = x509.load_der_x509_certificate(der)
         except ValueError as exc:
@@ -174,11 +196,17 @@ class Authorizer:
         except Exception:  # noqa: BLE001 - InvalidSignature, wrong issuer, bad algorithm
             return "certificate not issued by this coordinator's CA"
         try:
-            return cert, principal_of(cert)
+            principal = principal_of(cert)
         except IdentityError as exc:
             return str(exc)
+        return _Verified(
+            cert,
+            principal,
+            cert.not_valid_before_utc.timestamp(),
+            cert.not_valid_after_utc.timestamp(),
+        )
 
-    def _lookup(self, der: bytes) -> tuple[x509.Certificate, Principal] | str:
+    def _lookup(self, der: bytes) -> _Verified | str:
         cached = self._cache.get(der)
         if cached is None:
             cached = self._verify_der(der)
@@ -206,14 +234,32 @@ class Authorizer:
         found = self._lookup(der)
         if isinstance(found, str):
             raise UnauthenticatedError(f"certificate refused: {found}")
-        cert, principal = found
-        now = dt.datetime.now(dt.UTC)
-        if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        principal = found.principal
+        now = time.time()
+        if not found.not_before_s <= now <= found.not_after_s:
             raise UnauthenticatedError("certificate expired or not yet valid")
-        try:
-            verify_call_signature(cert, method.rsplit("/", 1)[-1], ts, sig)
-        except IdentityError as exc:
-            raise UnauthenticatedError(f"call credentials refused: {exc}") from None
+        name = method.rsplit("/", 1)[-1]
+        key = (der, name, ts, sig)
+        if key in self._signatures:
+            # Verified before; only its age is new (verify_call_signature's window check).
+            try:
+                fresh = abs(now * 1000 - int(ts)) <= AUTH_MAX_SKEW_MS
+            except ValueError:  # pragma: no cover - it parsed when it was verified
+                fresh = False
+            if not fresh:
+                del self._signatures[key]
+                raise UnauthenticatedError(
+                    "call credentials refused: call timestamp too far from the coordinator's clock"
+                )
+            self._signatures.move_to_end(key)
+        else:
+            try:
+                verify_call_signature(found.cert, name, ts, sig)
+            except IdentityError as exc:
+                raise UnauthenticatedError(f"call credentials refused: {exc}") from None
+            self._signatures[key] = None
+            while len(self._signatures) > self.SIGNATURE_CACHE_SIZE:
+                self._signatures.popitem(last=False)
         if principal.id in self._revoked:
             raise UnauthenticatedError(f"the certificate of {principal} has been revoked")
         return principal

@@ -1,7 +1,8 @@
 """The training engine: jobs, task hand-out, the parameter server's RPCs.
 
 `Engine` implements `coordinator.engine_api.TrainingEngine`. It owns one `JobRunner` per live
-job (coordinator/job_runner.py holds the round logic), a task queue per node (NextTask long
+job (coordinator/job_runner.py holds the round logic; `RingJobRunner` in
+coordinator/ring_runner.py for aggregation = "ring"), a task queue per node (NextTask long
 polls on it), and the node -> job claims: a node works for at most one job at a time, jobs
 take free nodes in submission order.
 """
@@ -18,18 +19,18 @@ from collections.abc import AsyncIterator
 from coordinator.allocator import segments, split_batch
 from coordinator.engine_api import CoordinatorContext, Ctx
 from coordinator.job_runner import TERMINAL, JobRunner
+from coordinator.ring_runner import RingJobRunner
 from coordinator.store import (
     AbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
-    UnimplementedError,
 )
 from epochmesh.errors import CodecError, SpecError
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.program import TrainableProgram
 from epochmesh.spec import validate_job_spec
-from epochmesh.tensors import BundleAssembler, iter_chunks
+from epochmesh.tensors import DTYPES, BundleAssembler, iter_chunks
 from epochmesh.tensors import _safetensors_header as safetensors_header
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
@@ -44,6 +45,29 @@ WATCH_REFRESH_S = 1.0
 # every interval from its event loop, also while it computes. Its lease (3 intervals) later
 # makes it OFFLINE; a false alarm only costs its part of one round (returned to pending).
 SILENCE_HEARTBEATS = 1.5
+
+
+KIND_CHECKPOINT = "checkpoint"
+
+
+def job_codec(spec: common_pb2.JobSpec) -> str:
+    """The wire codec of a job's updates (gradients or pseudo-gradients)."""
+    return spec.compression or "none"
+
+
+def check_update_codecs(bundle: common_pb2.TensorBundle, spec: common_pb2.JobSpec) -> None:
+    """CodecError unless every floating tensor of an update uses exactly the job's codec
+    (non-floating tensors travel "none"; validate_header refuses lossy codecs for them)."""
+    codec = job_codec(spec)
+    for ts in bundle.tensors:
+        dtype = DTYPES.get(ts.dtype)
+        floating = dtype is not None and dtype.is_floating_point
+        want = codec if floating else "none"
+        if ts.codec != want:
+            raise CodecError(
+                f"tensor {ts.name!r} is encoded {ts.codec!r}; this job's updates use "
+                f"compression {want!r}"
+            )
 
 
 class Engine:
@@ -72,7 +96,8 @@ class Engine:
         await asyncio.gather(*(r.stop() for r in runners), return_exceptions=True)
 
     def _start_runner(self, job: common_pb2.Job) -> JobRunner:
-        runner = JobRunner(self, job)
+        cls = RingJobRunner if job.spec.aggregation == "ring" else JobRunner
+        runner = cls(self, job)
         self.runners[job.job_id] = runner
         runner.start()
         return runner
@@ -230,15 +255,18 @@ class Engine:
                 reason="the round closed before this update arrived; its speed was noted",
             )
         runner = self._runner_for_task(h.node_id, h.task_id, h.job_id)
+        if h.kind == KIND_CHECKPOINT:
+            return await self._push_checkpoint(runner, h, request_iterator)
         expected_samples = runner.expected_samples(h.node_id, h.task_id)
         if expected_samples is None or not runner.task_is_live(h.node_id, h.task_id):
             return agent_pb2.PushUpdateResponse(
                 accepted=False, reason="the round is closed (the update came after its deadline)"
             )
-        if h.kind not in ("", "gradient"):
-            raise InvalidArgumentError(f"update kind {h.kind!r} is not expected in this job")
         problem = ""
-        if h.num_samples != expected_samples:
+        want_kind = "pseudo_gradient" if runner.spec.sync == "local_sgd" else "gradient"
+        if h.kind not in (want_kind, "" if want_kind == "gradient" else want_kind):
+            problem = f"update kind {h.kind!r}; this job expects {want_kind!r} updates"
+        elif h.num_samples != expected_samples:
             problem = f"num_samples is {h.num_samples}, the task assigned {expected_samples}"
         elif not math.isfinite(h.mean_loss):
             problem = f"mean_loss is {h.mean_loss}"
@@ -248,6 +276,7 @@ class Engine:
             runner.reject(h.node_id, h.task_id, problem)
             raise InvalidArgumentError(f"update refused: {problem}")
         try:
+            check_update_codecs(h.bundle, runner.spec)
             assembler = BundleAssembler(h.bundle, expected=runner.ps.expected())
             async for msg in request_iterator:
                 if msg.WhichOneof("part") != "chunk":
@@ -272,6 +301,41 @@ class Engine:
         )
         return agent_pb2.PushUpdateResponse(accepted=not reason, reason=reason)
 
+    async def _push_checkpoint(
+        self,
+        runner: JobRunner,
+        h: agent_pb2.UpdateHeader,
+        request_iterator: AsyncIterator[agent_pb2.PushUpdateRequest],
+    ) -> agent_pb2.PushUpdateResponse:
+        """A ring member's state after a round (parameters and optimizer state), asked for
+        with Task.push_state: the coordinator checkpoints it and serves it to joiners."""
+        if not runner.wants_checkpoint(h.node_id, h.task_id):
+            return agent_pb2.PushUpdateResponse(
+                accepted=False, reason="no checkpoint of this task is expected (any more)"
+            )
+        try:
+            for ts in h.bundle.tensors:
+                if ts.codec != "none":
+                    raise CodecError(
+                        f"state tensor {ts.name!r} is encoded {ts.codec!r}; a checkpoint "
+                        "travels uncompressed"
+                    )
+            assembler = BundleAssembler(h.bundle)
+            async for msg in request_iterator:
+                if msg.WhichOneof("part") != "chunk":
+                    raise CodecError("only chunks may follow the header")
+                assembler.add(msg.chunk)
+            if not assembler.complete:
+                error = (
+                    f"checkpoint stream ended after {assembler.received} of {assembler.total} bytes"
+                )
+                raise AbortedError(error)
+            tensors = await asyncio.to_thread(assembler.finish)
+            reason = await runner.submit_checkpoint(h, tensors)
+        except CodecError as exc:
+            raise InvalidArgumentError(f"checkpoint refused: {exc}") from None
+        return agent_pb2.PushUpdateResponse(accepted=not reason, reason=reason)
+
     async def pull_parameters(
         self, req: agent_pb2.PullParametersRequest, ctx: Ctx
     ) -> AsyncIterator[agent_pb2.PullParametersResponse]:
@@ -280,15 +344,7 @@ class Engine:
             raise NotFoundError(f"no running job {req.job_id!r}")
         if self.claims.get(req.node_id) != req.job_id:
             raise FailedPreconditionError(f"node {req.node_id} does not work for {req.job_id}")
-        payload = runner.params_payload
-        version = runner.params_payload_version
-        if payload is None:
-            raise FailedPreconditionError("the job has no parameters to serve yet")
-        if req.version not in (0, version):
-            raise FailedPreconditionError(
-                f"parameters version {req.version} is gone; the current version is {version}"
-            )
-        header, data = payload
+        version, header, data = await runner.parameters_payload(req)
         yield agent_pb2.PullParametersResponse(
             header=agent_pb2.ParametersHeader(job_id=req.job_id, version=version, bundle=header)
         )
@@ -302,9 +358,10 @@ class Engine:
         if owner is None or owner[0] != req.node_id:
             return agent_pb2.ReportProgressResponse()  # a stale task: nothing to do
         runner = self.runners.get(owner[1])
-        if runner is not None and req.failed:
-            log.info("node %s reports task %s failed: %s", req.node_id, req.task_id, req.error)
-            runner.on_task_failed(req.node_id, req.task_id, req.error or "failed")
+        if runner is not None:
+            if req.failed:
+                log.info("node %s reports task %s failed: %s", req.node_id, req.task_id, req.error)
+            runner.on_report(req)
         return agent_pb2.ReportProgressResponse()
 
     # -- JobService -----------------------------------------------------------------------------
@@ -326,15 +383,11 @@ class Engine:
             validate_job_spec(spec)
         except SpecError as exc:
             raise InvalidArgumentError(str(exc)) from None
-        if spec.aggregation != "ps":
-            raise UnimplementedError(
-                f'aggregation {spec.aggregation!r} is not available yet; use aggregation = "ps"'
-            )
-        if spec.sync not in ("", "sync"):
-            raise UnimplementedError(f'sync {spec.sync!r} is not available yet; use "sync"')
-        if spec.compression not in ("", "none"):
-            raise UnimplementedError(
-                f'compression {spec.compression!r} is not available yet; use "none"'
+        if spec.aggregation == "ring" and spec.compression == "topk":
+            raise InvalidArgumentError(
+                'compression "topk" cannot be used with aggregation = "ring": top-k keeps '
+                "different indices on every node, so a ring cannot sum the chunks in place; "
+                'use compression = "int8" (or fp16/bf16) with the ring, or topk with "ps"'
             )
         await self._require_blob(req.program, "program")
         await self._require_blob(req.initial_state, "initial_state")

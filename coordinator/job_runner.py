@@ -1,5 +1,8 @@
 """One job's life on the coordinator: node set, benchmarks, rounds, checkpoints, the result.
 
+This is the parameter-server runner; `coordinator.ring_runner.RingJobRunner` runs ring jobs
+with the same node set, planning, ledger, records and checkpoints.
+
 The runner is a single asyncio task per job; every change to the job's ledger, estimator and
 parameter server happens on it, so none of them needs a lock. RPC handlers (PushUpdate,
 ReportProgress, node events) only drop results into the open `RoundState` and wake it.
@@ -8,11 +11,18 @@ A round:
   1. node set: eligible nodes claimed for this job (at most max_nodes, at most global_batch),
      each benchmarked on the job's own program first; fewer than min_nodes -> PAUSED;
   2. plan: b_i from the throughput estimates (largest remainder, capped by each node's max
-     batch), slices from the epoch ledger, a deadline from the estimates;
+     batch), slices from the epoch ledger, a deadline from the estimates; in local SGD every
+     node runs the same H inner steps of b_i samples, so it gets H*b_i samples (fewer at an
+     epoch's end) and the estimates and deadline work in samples;
   3. wait until every node has pushed its gradient or failed, the deadline passes, or a node
-     falls silent (no heartbeat for SILENCE_HEARTBEATS intervals: killed, cut off, hung);
-  4. apply: sample-weighted mean of the received gradients, one optimizer step; slices of
-     applied nodes commit, the others return to pending in the same epoch;
+     falls silent (no heartbeat for SILENCE_HEARTBEATS intervals: killed, cut off, hung); a
+     deadline that passes before any node delivered is extended (at most twice): the estimates
+     were wrong for everyone, e.g. in a first round;
+  4. apply: sample-weighted mean of the received gradients (local SGD: pseudo-gradients,
+     start - end of the inner steps), one step of the round optimizer (the spec's, or local
+     SGD's outer Nesterov SGD); slices of applied nodes commit, the others return to pending in
+     the same epoch. Updates arrive compressed with the spec's codec (exactly that one for
+     every floating tensor, else INVALID_ARGUMENT and a strike);
   5. record the round (and every K rounds a checkpoint) in one store transaction.
 
 Faults:
@@ -45,10 +55,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.allocator import split_batch
+from coordinator.allocator import quotas, split_batch
 from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes, tensors_to_bytes
 from coordinator.ledger import EpochLedger, Range
 from coordinator.param_server import ParameterServer
+from coordinator.store import FailedPreconditionError
 from coordinator.throughput import ThroughputEstimator
 from epochmesh.errors import ProgramError
 from epochmesh.program import TrainableProgram, read_initial_state
@@ -65,6 +76,8 @@ JS = common_pb2.JobState
 TERMINAL = (JS.JOB_STATE_SUCCEEDED, JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED)
 # A node that fails this many tasks of a job in a row is left out of that job.
 MAX_CONSECUTIVE_FAILURES = 3
+# A round whose deadline passes before any node delivered waits at most this many times longer.
+MAX_DEADLINE_EXTENSIONS = 2
 # Benchmark tasks get this long, plus the node's lease, before they are asked again.
 BENCHMARK_TIMEOUT_S = 120.0
 BENCH_STATE_PREFIX = "bench/"
@@ -77,7 +90,11 @@ class Part:
     node_id: str
     task_id: str
     ranges: list[Range]  # dataset index ranges, training order
-    local_batch: int
+    local_batch: int  # b_i: samples per (inner) step
+    # Samples in ``ranges``: local_batch in sync mode, H*b_i in local SGD (fewer at an epoch's
+    # end). Aggregation weights, the ledger, the estimator and deadlines all work in these.
+    samples: int = 0
+    inner_steps: int = 1  # steps the node runs on them: ceil(samples / local_batch)
     handed_out: float = 0.0
     grads: dict[str, torch.Tensor] | None = None
     mean_loss: float = float("nan")
@@ -87,6 +104,13 @@ class Part:
     error: str = ""
     # False for a best-effort part (see _plan_batches): the round does not wait for it.
     required: bool = True
+    # Ring mode (coordinator/ring_runner.py): a ring member (else an external node that pushes
+    # its update to the coordinator), what its ReportProgress said, its own figure of the time
+    # it spent communicating (None: wall time minus compute time).
+    member: bool = False
+    checksum: str = ""
+    failed_peer: str = ""
+    comm_s: float | None = None
 
 
 @dataclass
@@ -99,8 +123,15 @@ class RoundState:
     started: float = field(default_factory=time.monotonic)
     started_ms: int = field(default_factory=now_ms)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set with `changed`, for waiters other than the round loop (which clears `changed`).
+    touched: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
     waited_s: float = 0.0
+    attempts: int = 0  # ring mode: how many times the ring was formed
+
+    def touch(self) -> None:
+        self.changed.set()
+        self.touched.set()
 
     def outstanding(self) -> list[Part]:
         return [p for p in self.parts.values() if p.status == "pending"]
@@ -140,6 +171,7 @@ class JobRunner:
         self.aliases: dict[str, str] = {}  # tied weights: {alias: parameter name}
         self.params_payload: tuple[common_pb2.TensorBundle, bytes] | None = None
         self.params_payload_version = -1
+        self._state_payload: tuple[tuple[int, bool], common_pb2.TensorBundle, bytes] | None = None
         self.next_round = 1
         self.rounds_applied = 0
         self._task: asyncio.Task[None] | None = None
@@ -176,7 +208,7 @@ class JobRunner:
         self._wake.set()
         rs = self.round_state
         if rs is not None:
-            rs.changed.set()
+            rs.touch()
 
     async def notify(self) -> None:
         async with self.changed:
@@ -191,8 +223,8 @@ class JobRunner:
             await self._restore()
             while not self._stop.is_set() and not self.terminal:
                 if self.job.epoch >= self.spec.epochs:
-                    await self._finish()
-                    break
+                    await self._finish()  # SUCCEEDED (terminal), or a ring job rolled back
+                    continue
                 nodes = await self._gather_nodes()
                 if not nodes:
                     continue
@@ -336,12 +368,18 @@ class JobRunner:
             if len(live) >= self.spec.min_nodes:
                 self._drop_ghosts()
                 # Benchmarked nodes join now; nodes still benchmarking join a later round.
-                for n in live:
-                    if n not in self.nodes:
-                        await self._join(n)
-                await self._set_state(JS.JOB_STATE_RUNNING, "")
-                return [n for n in self.nodes if n in live]
-            if len(chosen) < self.spec.min_nodes:
+                joined = [n for n in live if n not in self.nodes]
+                for n in joined:
+                    await self._join(n)
+                if joined:
+                    self._rerate_unobserved()
+                usable = [n for n in self.nodes if n in live]
+                why = self._cannot_run(usable)
+                if not why:
+                    await self._set_state(JS.JOB_STATE_RUNNING, "")
+                    return usable
+                await self._set_state(JS.JOB_STATE_PAUSED, why)
+            elif len(chosen) < self.spec.min_nodes:
                 await self._set_state(
                     JS.JOB_STATE_PAUSED,
                     f"waiting for nodes: {len(chosen)} usable, min_nodes is {self.spec.min_nodes}",
@@ -354,6 +392,11 @@ class JobRunner:
             except TimeoutError:
                 pass
         return []
+
+    def _cannot_run(self, nodes: list[str]) -> str:
+        """Why a round cannot run on ``nodes`` (enough of them, benchmarked, live): "" if it
+        can. The job is PAUSED with this message meanwhile."""
+        return ""
 
     async def _handle_departures(self) -> None:
         """Nodes whose lease ended since the last round leave the job (see on_node_offline)."""
@@ -419,7 +462,10 @@ class JobRunner:
         return cap if cap > 0 else self.spec.global_batch
 
     async def _join(self, node_id: str) -> None:
-        expected = max(1, self.spec.global_batch // max(1, len(self.nodes) + 1))
+        # The batch the node will get, roughly: the global batch over the node set it is
+        # expected to share it with (at least min_nodes; more as nodes join).
+        peers = max(len(self.nodes) + 1, self.spec.min_nodes)
+        expected = max(1, self.spec.global_batch // min(peers, max(1, self.spec.max_nodes)))
         rate = self._bench_rate(node_id, expected)
         result = self.bench[node_id]
         comm = 0.0
@@ -444,6 +490,16 @@ class JobRunner:
             message=f"node joined with {rate:.1f} samples/s on this job's model",
             attrs={"samples_per_second": f"{rate:.3f}"},
         )
+
+    def _rerate_unobserved(self) -> None:
+        """Nodes not yet observed in a round are rated at the batch they will get now that the
+        node set grew (rates depend on the batch: per-step costs weigh more in small ones), so
+        that equal nodes that joined one by one get equal shares."""
+        expected = max(1, self.spec.global_batch // max(1, len(self.nodes)))
+        for n in self.nodes:
+            if n in self.estimator and n in self.bench and self.estimator.observations(n) == 0:
+                comm = self.estimator.comm_estimate(n)
+                self.estimator.add_node(n, self._bench_rate(n, expected), comm)
 
     async def _drop_node(self, node_id: str, reason: str = "") -> None:
         if node_id in self.nodes:
@@ -515,54 +571,82 @@ class JobRunner:
                 part.status = "failed"
                 part.error = error[:500]
                 self._note_failure(node_id, error)
-                rs.changed.set()
+                rs.touch()
 
     # -- rounds ---------------------------------------------------------------------------------
 
     def _plan_batches(self, nodes: list[str]) -> tuple[dict[str, int], set[str]]:
-        """b_i of each node, and the best-effort nodes: those whose share in proportion to
-        their rate is below one sample. split_batch still gives them one (so that they stay
-        measured and get their share back when they speed up), but a single sample takes them
-        longer than the round takes the others: the deadline is not sized for them and the
-        round does not wait for them (if late, their sample returns to pending)."""
+        """b_i of each node, and the best-effort nodes.
+
+        b_i is in proportion to each node's planning rate (min_time rounding of the
+        proportional shares: the sample a rounding hands out goes where it finishes first).
+        Best-effort nodes are those whose proportional share is below one sample: split_batch
+        still gives them one (so that they stay measured and get their share back when they
+        speed up), but a single sample takes them longer than the round takes the others: the
+        deadline is not sized for them and the round does not wait for them (if late, their
+        sample returns to pending).
+
+        (Per-node fixed costs, ``split_batch(fixed_s=...)``, are not used: on a shared host the
+        measured time outside compute is mostly waiting for a core behind the other nodes, not
+        a cost of the node's own, and planning with it moved samples from fast nodes to slow
+        ones.)"""
         rates = self.estimator.planning_rates(nodes)
         caps = {n: self._max_batch(n) for n in nodes}
         batch = min(self.spec.global_batch, sum(caps.values()))
         if self.ctx.config.split == "equal":
             rates = dict.fromkeys(rates, 1.0)
-        total = sum(rates.values())
-        slow = {n for n in nodes if batch * rates[n] < total}
-        return split_batch(batch, rates, caps), (slow if len(slow) < len(nodes) else set())
+        fluid = quotas(batch, rates, caps)
+        slow = {n for n in nodes if fluid[n] < 1}
+        batches = split_batch(batch, rates, caps, rounding="min_time")
+        return batches, (slow if len(slow) < len(nodes) else set())
+
+    @property
+    def inner_steps(self) -> int:
+        """H: inner steps per round (local SGD), 1 in sync mode."""
+        return max(1, self.spec.inner_steps) if self.spec.sync == "local_sgd" else 1
+
+    def _plan_parts(self, nodes: list[str]) -> tuple[int, dict[str, Part], float]:
+        """Plan the next round: b_i per node (throughput-weighted, sum = global batch), H*b_i
+        samples per node from the ledger (fewer at an epoch's end), and the deadline, sized
+        in samples from the estimates. Returns (round number, parts by node, deadline)."""
+        self._observe_late_figures()
+        self.ledger.rebalance(self.estimator.rates(nodes))
+        batches, best_effort = self._plan_batches(nodes)
+        h = self.inner_steps
+        round_id = self.next_round
+        self.next_round += 1
+        plan = self.ledger.plan_round(round_id, {n: h * b for n, b in batches.items()})
+        sizes = {n: sum(b - a for a, b in rs) for n, rs in plan.items()}
+        awaited = {n: b for n, b in sizes.items() if n not in best_effort} or sizes
+        deadline = self.estimator.deadline(awaited, self._overhead_s)
+        parts: dict[str, Part] = {}
+        for node_id, positions in plan.items():
+            samples = sizes[node_id]
+            # Sync: the node's batch is what the ledger gave. Local SGD: b_i per inner step,
+            # the agent runs ceil(samples / b_i) steps (the last one possibly smaller).
+            local_batch = samples if h == 1 else max(1, batches[node_id])
+            parts[node_id] = Part(
+                node_id=node_id,
+                task_id="t-" + uuid.uuid4().hex[:12],
+                ranges=self.ledger.positions_to_index_ranges(positions),
+                local_batch=local_batch,
+                samples=samples,
+                inner_steps=-(-samples // local_batch),
+                required=node_id in awaited,
+            )
+        self.batches = {n: p.local_batch for n, p in parts.items()}
+        return round_id, parts, deadline
 
     async def _run_round(self, nodes: list[str]) -> None:
         if self.ledger.complete:
             await self._next_epoch()
             return
-        self._observe_late_figures()
-        self.ledger.rebalance(self.estimator.rates(nodes))
-        batches, best_effort = self._plan_batches(nodes)
-        round_id = self.next_round
-        self.next_round += 1
-        plan = self.ledger.plan_round(round_id, batches)
-        sizes = {n: sum(b - a for a, b in rs) for n, rs in plan.items()}
-        self.batches = sizes
-        awaited = {n: b for n, b in sizes.items() if n not in best_effort} or sizes
-        deadline = self.estimator.deadline(awaited, self._overhead_s)
+        round_id, parts, deadline = self._plan_parts(nodes)
         await self._ensure_params_payload()
-        parts: dict[str, Part] = {}
-        for node_id, positions in plan.items():
-            index_ranges = self.ledger.positions_to_index_ranges(positions)
-            parts[node_id] = Part(
-                node_id=node_id,
-                task_id="t-" + uuid.uuid4().hex[:12],
-                ranges=index_ranges,
-                local_batch=sizes[node_id],
-                required=node_id in awaited,
-            )
         rs = RoundState(
             round=round_id,
             epoch=self.ledger.epoch,
-            version=self.ps.version,
+            version=self.version,
             deadline_s=deadline,
             parts=parts,
         )
@@ -577,11 +661,17 @@ class JobRunner:
         end = rs.started + deadline
         check_every = max(0.02, self.ctx.registry.heartbeat_interval_s / 4)
         next_check = rs.started + check_every
+        extensions = 0
         while rs.awaited():
             now = time.monotonic()
             left = end - now
             if left <= 0 or self._stop.is_set():
-                break
+                if self._stop.is_set() or not self._extend_deadline(rs, extensions):
+                    break
+                extensions += 1
+                end += deadline
+                rs.deadline_s += deadline
+                continue
             if now >= next_check:
                 self._fail_silent(rs)
                 next_check = now + check_every
@@ -596,19 +686,45 @@ class JobRunner:
         waited = time.monotonic() - rs.started
         rs.waited_s = waited
         for part in rs.outstanding():
-            self._late[part.task_id] = (part.node_id, part.local_batch)
+            self._late[part.task_id] = (part.node_id, part.samples)
             part.status = "late"
             part.error = (
-                f"missed the {deadline:.2f}s deadline"
+                f"missed the {rs.deadline_s:.2f}s deadline"
                 if part.required
                 else f"best effort (a share below one sample): not done after {waited:.2f}s"
             )
-            self.estimator.observe_late(part.node_id, part.local_batch, waited)
+            self.estimator.observe_late(part.node_id, part.samples, waited)
         if self._stop.is_set():
             self.ledger.abort_round(round_id)
             self.round_state = None
             return
         await self._apply_round(rs)
+
+    def _extend_deadline(self, rs: RoundState, extensions: int) -> bool:
+        """At the deadline: whether to wait once more as long. Only when no node of the round
+        has delivered and none failed or fell silent: a deadline that every node misses says
+        that the estimates were wrong (a first round loads programs and data; a benchmark
+        without optimizer steps flatters local SGD's inner steps), not that someone lags, and
+        closing the round would only throw all of its work away. The late figures feed the
+        estimates, so the next deadlines fit."""
+        if extensions >= MAX_DEADLINE_EXTENSIONS:
+            return False
+        parts = list(rs.parts.values())
+        if any(p.status != "pending" for p in parts if p.required):
+            return False
+        live = [p for p in parts if p.required and not self.engine.is_silent(p.node_id)]
+        if not live:
+            return False
+        log.info(
+            "job %s round %d: no node delivered within the %.2fs deadline; waiting as long "
+            "again (%d of %d)",
+            self.job_id,
+            rs.round,
+            rs.deadline_s,
+            extensions + 1,
+            MAX_DEADLINE_EXTENSIONS,
+        )
+        return True
 
     def note_late_update(
         self, node_id: str, task_id: str, num_samples: int, compute_s: float
@@ -664,7 +780,13 @@ class JobRunner:
             local_batch=part.local_batch,
             params_version=rs.version,
             deadline_seconds=rs.deadline_s,
+            inner_steps=self.inner_steps,
         )
+
+    @property
+    def version(self) -> int:
+        """The parameter version the job's rounds start from (the parameter server's)."""
+        return self.ps.version
 
     async def _apply_round(self, rs: RoundState) -> None:
         t0 = time.monotonic()
@@ -672,11 +794,27 @@ class JobRunner:
             (p for p in rs.parts.values() if p.status == "received"), key=lambda p: p.node_id
         )
         if received:
-            contributions = [(p.local_batch, p.grads or {}) for p in received]
+            contributions = [(p.samples, p.grads or {}) for p in received]
             await asyncio.to_thread(self.ps.apply, contributions)
             for p in received:
                 p.status = "applied"
                 p.grads = None
+        await self._close_round(rs, t0)
+
+    def _want_checkpoint(self, rs: RoundState) -> bool:
+        """Whether the round just applied ends with a checkpoint (every K applied rounds)."""
+        return (
+            self.spec.checkpoint_every > 0 and self.rounds_applied % self.spec.checkpoint_every == 0
+        )
+
+    async def _close_round(self, rs: RoundState, t0: float) -> None:
+        """The round's applied parts are in (parts of status "applied"): commit their slices
+        (the others return to pending), update estimates and stats, record the round, and write
+        a checkpoint when one is due."""
+        received = sorted(
+            (p for p in rs.parts.values() if p.status == "applied"), key=lambda p: p.node_id
+        )
+        if received:
             self.rounds_applied += 1
         applied = {p.node_id for p in received}
         self.ledger.commit_round(rs.round, applied)
@@ -685,12 +823,12 @@ class JobRunner:
             if p.status == "applied":
                 st.failures_in_a_row = 0
                 st.compute_s += p.compute_s
-                comm = max(0.0, p.wall_s - p.compute_s)
+                comm = p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s)
                 st.communicate_s += comm
                 if p.node_id not in self.estimator:
                     continue
                 if p.compute_s > 0 and math.isfinite(p.compute_s):
-                    self.estimator.observe(p.node_id, p.local_batch, p.compute_s, comm)
+                    self.estimator.observe(p.node_id, p.samples, p.compute_s, comm)
                 else:  # a figure the estimator cannot use: keep the gradient, skip the rate
                     log.warning(
                         "job %s round %d: %s reported %r compute seconds; rate not updated",
@@ -700,12 +838,8 @@ class JobRunner:
                         p.compute_s,
                     )
                     self.estimator.observe(p.node_id, 0, 0.0, comm)
-        samples = sum(p.local_batch for p in received)
-        loss = (
-            sum(p.mean_loss * p.local_batch for p in received) / samples
-            if samples
-            else float("nan")
-        )
+        samples = sum(p.samples for p in received)
+        loss = sum(p.mean_loss * p.samples for p in received) / samples if samples else float("nan")
         record = common_pb2.RoundRecord(
             job_id=self.job_id,
             epoch=rs.epoch,
@@ -713,7 +847,7 @@ class JobRunner:
             started_ms=rs.started_ms,
             finished_ms=now_ms(),
             loss=loss,
-            params_version=self.ps.version,
+            params_version=self.version,
             parts=[
                 common_pb2.RoundPart(
                     node_id=p.node_id,
@@ -722,13 +856,20 @@ class JobRunner:
                     mean_loss=p.mean_loss,
                     seconds=p.compute_s,
                     status=p.status,
+                    inner_steps=p.inner_steps,
+                    communicate_seconds=(
+                        (p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s))
+                        if p.status == "applied"
+                        else 0.0
+                    ),
                 )
                 for p in sorted(rs.parts.values(), key=lambda p: p.node_id)
             ],
+            attempts=rs.attempts,
         )
         job = self.job
         job.round = self.rounds_applied
-        job.params_version = self.ps.version
+        job.params_version = self.version
         job.samples_done += samples
         if samples:
             job.last_loss = loss
@@ -758,11 +899,7 @@ class JobRunner:
                     p.status,
                     p.error,
                 )
-        checkpoint = (
-            self.spec.checkpoint_every > 0
-            and received
-            and self.rounds_applied % self.spec.checkpoint_every == 0
-        )
+        checkpoint = bool(received) and self._want_checkpoint(rs)
         async with self.ctx.store.transaction():
             await self.ctx.store.add_round(record)
             await self.ctx.store.update_job(job)
@@ -779,7 +916,7 @@ class JobRunner:
     async def _record_dropped(self, rs: RoundState, dropped: list[Part]) -> None:
         """One event per round that closed without some of its parts (their samples are
         pending again): who, why, the deadline and how long the round waited."""
-        samples = sum(p.local_batch for p in dropped)
+        samples = sum(p.samples for p in dropped)
         what = "; ".join(f"{p.node_id} {p.status} ({p.error})" for p in dropped)
         await self.ctx.events.append(
             "round.incomplete",
@@ -804,7 +941,8 @@ class JobRunner:
         rate = sum(self.estimator.rates(self.nodes).values()) if self.nodes else 0.0
         if rate <= 0:
             return 0.0
-        return max(0.0, left / min(rate, self.spec.global_batch / max(round_s, 1e-6)))
+        per_round = self.spec.global_batch * self.inner_steps
+        return max(0.0, left / min(rate, per_round / max(round_s, 1e-6)))
 
     async def _next_epoch(self) -> None:
         done = self.ledger.epoch
@@ -911,8 +1049,50 @@ class JobRunner:
         part.compute_s = compute_s
         part.wall_s = time.monotonic() - part.handed_out
         part.status = "received"
-        rs.changed.set()
+        rs.touch()
         return ""
+
+    def on_report(self, req: agent_pb2.ReportProgressRequest) -> None:
+        """ReportProgress of one of this job's tasks (only failures matter in PS mode)."""
+        if req.failed:
+            self.on_task_failed(req.node_id, req.task_id, req.error or "failed")
+
+    async def parameters_payload(
+        self, req: agent_pb2.PullParametersRequest
+    ) -> tuple[int, common_pb2.TensorBundle, bytes]:
+        """(version, header, payload) for PullParameters: the parameters of the current
+        version (plain names), or with include_optimizer_state the parameter server's state
+        ("param/<name>", "optim/<key>/<name>", as in a checkpoint)."""
+        if req.external_round:
+            raise FailedPreconditionError(
+                "external_round is for ring jobs; this job aggregates on the parameter server"
+            )
+        version = self.ps.version
+        if req.version not in (0, version):
+            raise FailedPreconditionError(
+                f"parameters version {req.version} is gone; the current version is {version}"
+            )
+        if req.include_optimizer_state:
+            key = (version, True)
+            if self._state_payload is None or self._state_payload[0] != key:
+                tensors = self.ps.state_tensors()
+                header, data = await asyncio.to_thread(encode_bundle, tensors)
+                self._state_payload = (key, header, data)
+            return version, self._state_payload[1], self._state_payload[2]
+        await self._ensure_params_payload()
+        assert self.params_payload is not None
+        header, data = self.params_payload
+        return self.params_payload_version, header, data
+
+    def wants_checkpoint(self, node_id: str, task_id: str) -> bool:
+        """Whether a pushed state (UpdateHeader.kind "checkpoint") of this task is expected."""
+        return False
+
+    async def submit_checkpoint(
+        self, header: agent_pb2.UpdateHeader, tensors: dict[str, torch.Tensor]
+    ) -> str:
+        """Take a pushed state; returns "" or why it was not taken."""
+        return "this job takes no checkpoints from nodes"
 
     def expected_samples(self, node_id: str, task_id: str) -> int | None:
         rs = self.round_state
@@ -921,7 +1101,7 @@ class JobRunner:
         part = rs.parts.get(node_id)
         if part is None or part.task_id != task_id:
             return None
-        return part.local_batch
+        return part.samples
 
     def reject(self, node_id: str, task_id: str, error: str) -> None:
         """The node's update for its open part was refused (bad input)."""
@@ -939,7 +1119,7 @@ class JobRunner:
         if part is not None and part.task_id == task_id and part.status == "pending":
             part.status = status
             part.error = error[:500]
-            rs.changed.set()
+            rs.touch()
 
     def task_is_live(self, node_id: str, task_id: str) -> bool:
         pending = self.bench_pending.get(node_id)
@@ -972,6 +1152,7 @@ class JobRunner:
                 remaining=self.ledger.remaining(n),
                 compute_seconds=st.compute_s,
                 communicate_seconds=st.communicate_s,
+                inner_steps=self.inner_steps,
             )
             if seg is not None:
                 na.segment.start, na.segment.stop = seg

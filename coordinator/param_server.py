@@ -3,6 +3,8 @@
 Each node sends the gradient of the *mean* loss over its ``b_i`` samples. The aggregate
 ``sum_i (b_i / sum_j b_j) * g_i`` is then exactly the gradient of the mean loss over the union
 of the round's samples, so N heterogeneous nodes train like one process on the same batches.
+In local SGD each node sends its pseudo-gradient (parameters before minus after its inner
+steps) over ``n_i`` samples; the same weighting (``n_i / sum n``) feeds the outer optimizer.
 No networking here: the engine feeds decoded tensors in and streams the parameters out.
 """
 
@@ -13,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from epochmesh.optim import (
-    build_optimizer,
+    build_round_optimizer,
     load_optimizer_state_tensors,
     optimizer_state_tensors,
 )
@@ -21,7 +23,8 @@ from epochmesh.v1 import common_pb2
 
 
 class ParameterServer:
-    """Holds a job's trainable parameters and optimizer; applies aggregated rounds."""
+    """Holds a job's trainable parameters and the round optimizer; applies aggregated rounds
+    (gradients in sync mode, pseudo-gradients in local SGD: same weighting, same call)."""
 
     def __init__(
         self,
@@ -34,7 +37,10 @@ class ParameterServer:
             name: torch.nn.Parameter(t.detach().clone(), requires_grad=True)
             for name, t in params.items()
         }
-        self.optimizer = build_optimizer(spec, [self.params[n] for n in self.names])
+        # Sync mode: the spec's optimizer over averaged gradients. Local SGD: the outer
+        # optimizer (Nesterov SGD) over averaged pseudo-gradients (start - end of the inner
+        # steps); the inner optimizer lives on the agents.
+        self.optimizer = build_round_optimizer(spec, [self.params[n] for n in self.names])
         self.version = version
 
     def expected(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -49,7 +55,8 @@ class ParameterServer:
         return {n: p.detach().clone() for n, p in self.params.items()}
 
     def apply(self, parts: list[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
-        """Apply one round: ``parts`` holds (samples, mean-loss gradients) per node.
+        """Apply one round: ``parts`` holds (samples, mean-loss gradients or pseudo-gradients)
+        per node; the aggregate is their sample-weighted mean.
 
         The caller orders ``parts`` deterministically (by node id) so that a replay sums in
         the same order.

@@ -24,8 +24,16 @@ whichever has been forecasting better:
   :meth:`ThroughputEstimator.planning_rates`, which is the estimate except for a node with
   no observed round yet (a joiner known only by its benchmark): UNOBSERVED_DISCOUNT = 0.75
   of its benchmark, i.e. its first round is planned for a benchmark up to 33% optimistic.
-- Communication time per round (parameter pull + update push, observed by the coordinator as
-  round wall time minus reported compute) is smoothed per node with a plain EWMA.
+- Fixed cost per round (parameter pull + update push, task hand-out; observed by the
+  coordinator as the node's round wall time minus its reported compute) is smoothed per node
+  with a plain EWMA. It starts from the benchmark's figure (2 x model bytes / bandwidth +
+  RTT); a node's first observed round is not used (it carries one-time costs: program load,
+  first full parameter pull, shard fetch, which would skew the next rounds' split), its
+  second replaces the benchmark's figure. :meth:`planning_fixed_s` gives
+  these to ``split_batch(..., fixed_s=...)``, which then equalizes ``a_i + b_i / rate_i``
+  across nodes rather than splitting in proportion to the rates alone: a node whose round
+  costs more outside compute (a slower link, or on a shared machine the wait for a core)
+  gets fewer samples, so that it does not hold up the lockstep round.
 
 Deadlines (:meth:`ThroughputEstimator.deadline`): a round's deadline is
 
@@ -152,7 +160,9 @@ class ThroughputEstimator:
             if not math.isfinite(c) or c < 0.0:
                 raise ValueError(f"comm_s must be a finite number >= 0, got {comm_s!r}")
             if st.comm_observations == 0:
-                st.comm_s = c
+                pass  # round one: one-time costs (program load, first full pull), not a trend
+            elif st.comm_observations == 1:
+                st.comm_s = c  # replaces the benchmark's figure
             else:
                 st.comm_s += self.alpha * (c - st.comm_s)
             st.comm_observations += 1
@@ -220,6 +230,11 @@ class ThroughputEstimator:
     def planning_rates(self, nodes: Iterable[str] | None = None) -> dict[str, float]:
         """``planning_rate`` of ``nodes`` (default: all): what split_batch should weigh by."""
         return {n: self.planning_rate(n) for n in (self._nodes if nodes is None else nodes)}
+
+    def planning_fixed_s(self, nodes: Iterable[str] | None = None) -> dict[str, float]:
+        """Per-round seconds of ``nodes`` (default: all) outside compute, for
+        ``split_batch(..., fixed_s=...)`` together with :meth:`planning_rates`."""
+        return {n: self.comm_estimate(n) for n in (self._nodes if nodes is None else nodes)}
 
     def comm_estimate(self, node: str) -> float:
         """Smoothed communication seconds per round of ``node``."""

@@ -54,7 +54,9 @@ def topk_count(numel: int, ratio: float) -> int:
         raise ValueError(f"topk ratio must be in (0, 1] (got {ratio})")
     if numel <= 0:
         return 0
-    return min(numel, max(1, math.ceil(ratio * numel)))
+    # ratio * numel in floats can land just above an integer (0.07 * 100 = 7.000000000000001):
+    # forgive a relative error of 1e-12 so that such a product counts as the integer it means.
+    return min(numel, max(1, math.ceil(ratio * numel * (1.0 - 1e-12))))
 
 
 def int8_blocks(numel: int) -> int:

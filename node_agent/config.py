@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 BENCHMARK_MODES = ("full", "quick", "off")
+DEFAULT_PEER_LISTEN = "127.0.0.1:0"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -37,6 +38,11 @@ class AgentConfig:
     token: str = ""
     # Plaintext gRPC without certificates (against an --insecure coordinator).
     insecure: bool = False
+    # PeerService (ring all-reduce, state transfer): where it listens, the address other agents
+    # dial (empty: derived from the listen address and the bound port), or none at all.
+    peer_listen: str = DEFAULT_PEER_LISTEN
+    peer_advertise: str = ""
+    no_peer: bool = False
 
     @property
     def cache_dir(self) -> Path:
@@ -91,6 +97,71 @@ def _label(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--label must be KEY=VALUE, got {text!r}")
     return key, value
+
+
+def split_host_port(text: str, *, port_optional: bool = False) -> tuple[str, int]:
+    """("host", port) of `HOST:PORT` (IPv6 hosts in brackets: `[::1]:7000`); with
+    `port_optional`, a bare `HOST` gives port 0. ValueError for anything else."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"not HOST:PORT: {text!r}")
+        port_text = rest[1:] if rest else ""
+        has_port = bool(rest)
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+        has_port = True
+    elif ":" not in text:
+        host, port_text, has_port = text, "", False
+    else:
+        raise ValueError(f"not HOST:PORT: {text!r} (put an IPv6 address in brackets)")
+    if not host:
+        raise ValueError(f"not HOST:PORT: {text!r} (the host is missing)")
+    if not has_port:
+        if not port_optional:
+            raise ValueError(f"not HOST:PORT: {text!r} (the port is missing)")
+        return host, 0
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"not HOST:PORT: {text!r} (the port must be 0..65535)")
+    return host, int(port_text)
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def advertised_peer_address(listen: str, advertise: str, bound_port: int) -> str:
+    """The PeerService address to register: `advertise` (its port, or the bound port when it
+    names none or 0), else the listen host with the bound port; a wildcard listen host
+    (0.0.0.0, ::) becomes 127.0.0.1, which only agents on this machine can reach."""
+    if advertise:
+        host, port = split_host_port(advertise, port_optional=True)
+        return join_host_port(host, port or bound_port)
+    host, _ = split_host_port(listen)
+    if host in ("0.0.0.0", "::", "*"):
+        host = "127.0.0.1"
+    return join_host_port(host, bound_port)
+
+
+def _listen_address(text: str) -> str:
+    try:
+        split_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--peer-listen: {exc}") from None
+    return text.strip()
+
+
+def _advertise_address(text: str) -> str:
+    try:
+        host, port = split_host_port(text, port_optional=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--peer-advertise: {exc}") from None
+    if host in ("0.0.0.0", "::", "*"):
+        raise argparse.ArgumentTypeError(
+            f"--peer-advertise must name a host other agents can dial, not {host!r}"
+        )
+    return join_host_port(host, port) if port else host
 
 
 def _positive_float(text: str) -> float:
@@ -177,6 +248,36 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="talk plaintext gRPC without a certificate (to an --insecure coordinator)",
     )
+    peer = parser.add_argument_group(
+        "ring all-reduce",
+        'Jobs with aggregation = "ring" exchange gradients directly between agents over '
+        "their PeerService (mutual TLS with the node certificates of the coordinator's CA; "
+        "plaintext with --insecure).",
+    )
+    peer.add_argument(
+        "--peer-listen",
+        default=None,
+        type=_listen_address,
+        metavar="HOST:PORT",
+        help="where the PeerService listens (default 127.0.0.1:0: a free port, reachable "
+        "from this machine only). A donor on the internet passes 0.0.0.0:PORT with a port "
+        "open to the other agents, and --peer-advertise PUBLIC_HOST:PORT",
+    )
+    peer.add_argument(
+        "--peer-advertise",
+        default=None,
+        type=_advertise_address,
+        metavar="HOST[:PORT]",
+        help="the address other agents dial to reach this PeerService, sent to the "
+        "coordinator (default: the --peer-listen host with the bound port; without a port, "
+        "the bound port)",
+    )
+    peer.add_argument(
+        "--no-peer",
+        action="store_true",
+        help="run no PeerService (for a node that cannot accept inbound connections): in a "
+        "ring job it takes part through the coordinator",
+    )
     parser.add_argument(
         "--log-level",
         default="INFO",
@@ -187,7 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> AgentConfig:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.no_peer and (args.peer_listen is not None or args.peer_advertise):
+        parser.error("--no-peer runs no PeerService: drop --peer-listen/--peer-advertise")
     return AgentConfig(
         coordinator=args.coordinator,
         data_dir=args.data_dir.expanduser().resolve(),
@@ -203,4 +307,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         threads=args.threads,
         token=args.token,
         insecure=args.insecure,
+        peer_listen=args.peer_listen or DEFAULT_PEER_LISTEN,
+        peer_advertise=args.peer_advertise or "",
+        no_peer=args.no_peer,
     )

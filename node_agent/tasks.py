@@ -5,8 +5,12 @@
   step on batches drawn from the shards at the task's batch sizes (the reference model when
   the task names no program), measure the network, answer with
   ReportBenchmark(task_id, result with job_id).
-- TASK_KIND_TRAIN: `node_agent.trainer.run_train_task(ctx, task)` (written separately). Without
-  that module the task is reported failed ("unsupported task").
+- TASK_KIND_TRAIN with `task.ring` (ring members of an aggregation = "ring" job):
+  `node_agent.ring_trainer.run_ring_task(ctx, task, ctx.peer)` (ring all-reduce between agents;
+  an agent started with --no-peer reports such a task failed). Any other TRAIN task
+  (parameter-server mode, and --no-peer nodes of a ring job, which the coordinator aggregates):
+  `node_agent.trainer.run_train_task(ctx, task)`. Without that module the task is reported
+  failed ("unsupported task").
 - Any other kind is reported failed.
 
 A handler that raises is reported failed with the error's message (ReportProgress failed=True);
@@ -43,6 +47,8 @@ an exception never ends the agent. A cancelled task (TaskCancelled) is reported 
     await ctx.report_progress(**fields) / await ctx.report_failure(error)
                            ReportProgress with node/lease/task ids filled in
     ctx.log                logger whose messages name the task
+    ctx.peer               node_agent.ring_trainer.PeerRuntime (PeerServer, identity, ring
+                           transport), or None when the agent runs none (--no-peer)
 
 A TRAIN handler is `async def run_train_task(ctx: TaskContext, task: Task) -> None` (a plain
 function is run on the compute thread). It reports its own results (PushUpdate,
@@ -116,6 +122,8 @@ class TaskContext:
     received_at: float = field(default_factory=time.monotonic)
     cancel_reason: str = ""
     failure_reported: bool = False
+    # node_agent.ring_trainer.PeerRuntime (not imported here: it imports this module)
+    peer: Any = None
     log: logging.LoggerAdapter = field(init=False)  # type: ignore[type-arg]
 
     def __post_init__(self) -> None:
@@ -256,6 +264,16 @@ async def dispatch_task(ctx: TaskContext) -> None:
 
 
 async def run_train_task(ctx: TaskContext) -> None:
+    if ctx.task.ring.node_ids:
+        from node_agent import ring_trainer
+
+        if ctx.peer is None:
+            await ctx.report_failure(
+                "this agent runs no PeerService (--no-peer) and cannot be a ring member"
+            )
+            return
+        await ring_trainer.run_ring_task(ctx, ctx.task, ctx.peer)
+        return
     if importlib.util.find_spec("node_agent.trainer") is None:
         await ctx.report_failure("unsupported task: this agent has no trainer")
         return

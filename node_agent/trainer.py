@@ -1,29 +1,56 @@
-"""TRAIN rounds on the agent (parameter-server mode).
+"""TRAIN rounds on the agent: computing a round's update, and parameter-server mode.
 
-One round: make sure the job's exported program and the shards the round touches are loaded
-(blobs come through the verified cache), pull the parameters of the round's version unless
-this agent already holds them, compute the gradient of the mean loss over the task's samples
-(in the order given, through the slowdown controller), and stream it back with PushUpdate in
-chunks of at most 1 MiB. The program and the dataset stay loaded between rounds of a job.
+Building blocks (the ring trainer uses them too):
+
+- `load_for_task(ctx, task)`: the job's exported program and the shards the task touches,
+  loaded once per job (blobs come through the verified cache) and kept between rounds.
+- `compute_update(ctx, job, task)`: the round's update from the parameters the job holds now
+  (the caller makes sure they are the round's version):
+  * sync mode: the gradient of the mean loss over the task's samples (one step);
+  * local_sgd (DiLoCo): H inner steps with the job's inner optimizer (kept on the agent per
+    job across rounds), step k on the k-th `local_batch`-sized slice of the task's samples in
+    order (the last slice may be smaller near an epoch's end), then the pseudo-gradient
+    Δ = start − end per parameter. The program's parameters are put back to the start values,
+    so the agent still holds the round's version afterwards.
+  Every step goes through the slowdown controller; compute_s is the device time of all steps.
+- `run_train_task(ctx, task)` (parameter-server mode, and nodes without a PeerService in a ring
+  job): get the round's parameters (already held; else from the peer named by
+  task.state_source_node_id through TransferState; else PullParameters from the coordinator),
+  compute the update, encode it with the spec's compression (int8 and topk through a per-job
+  ErrorFeedback, whose residual is rolled back when the update is not applied) and stream it
+  with PushUpdate in chunks of at most 1 MiB, kind "gradient" or "pseudo_gradient".
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from epochmesh.compression import ErrorFeedback
 from epochmesh.dataset import ShardedDataset, ranges_to_indices
+from epochmesh.optim import build_optimizer
 from epochmesh.program import TrainableProgram
 from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks
-from epochmesh.v1 import agent_pb2
+from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.connection import Expired
+from node_agent.slowdown import SlowdownController
 from node_agent.tasks import TaskContext
 
 # Loaded programs kept per agent process (a donor rarely serves more than a couple of jobs).
 MAX_LOADED_JOBS = 2
+# Codecs whose residual the agent carries over to the next round (error feedback). topk needs
+# it (most of each update is held back); for int8 it removes the rounding bias over rounds at
+# the cost of one float32 copy of the parameters. fp16/bf16 round finely enough to go without.
+ERROR_FEEDBACK_CODECS = ("topk", "int8")
+
+KIND_GRADIENT = "gradient"
+KIND_PSEUDO_GRADIENT = "pseudo_gradient"
+
+Batch = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 @dataclass
@@ -32,9 +59,28 @@ class LoadedJob:
     dataset: ShardedDataset
     version: int = -1
     expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    # local_sgd: the inner optimizer over program.parameters(), kept across rounds (DiLoCo).
+    inner_optimizer: torch.optim.Optimizer | None = None
+    # Residuals of lossy compression of this job's updates (ERROR_FEEDBACK_CODECS).
+    error_feedback: ErrorFeedback | None = None
+
+
+@dataclass
+class ComputedUpdate:
+    """A round's update: float32 CPU tensors in the program's parameter order."""
+
+    kind: str  # KIND_GRADIENT | KIND_PSEUDO_GRADIENT
+    tensors: dict[str, torch.Tensor]
+    mean_loss: float  # sample-weighted over all steps
+    compute_s: float  # device seconds of all steps (slowdown factor included)
+    num_samples: int
+    steps: int = 1
 
 
 _jobs: dict[str, LoadedJob] = {}
+
+
+# -- loading ------------------------------------------------------------------------------------
 
 
 async def _load_job(ctx: TaskContext, task: agent_pb2.Task) -> LoadedJob:
@@ -68,6 +114,183 @@ async def _load_shards(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -
         await ctx.run_compute(job.dataset.add_shard, shard.start, shard.count, path)
 
 
+async def load_for_task(ctx: TaskContext, task: agent_pb2.Task) -> LoadedJob:
+    """The job's program (loaded once per job) with the shards this task touches loaded."""
+    job = await _load_job(ctx, task)
+    await _load_shards(ctx, job, task)
+    return job
+
+
+# -- computing an update (pure parts first) -----------------------------------------------------
+
+
+def is_local_sgd(spec: common_pb2.JobSpec) -> bool:
+    return spec.sync == "local_sgd"
+
+
+def inner_step_slices(
+    indices: Sequence[int], local_batch: int, inner_steps: int
+) -> list[list[int]]:
+    """The inner steps' samples: consecutive `local_batch`-sized slices of `indices` in order,
+    the last one possibly smaller. ValueError when there are no samples or more than
+    `inner_steps` slices' worth."""
+    if local_batch < 1:
+        raise ValueError(f"local_batch must be >= 1 (got {local_batch})")
+    if inner_steps < 1:
+        raise ValueError(f"inner_steps must be >= 1 (got {inner_steps})")
+    if not indices:
+        raise ValueError("the task names no samples")
+    steps = math.ceil(len(indices) / local_batch)
+    if steps > inner_steps:
+        raise ValueError(
+            f"task names {len(indices)} samples, more than inner_steps {inner_steps} x "
+            f"local_batch {local_batch}"
+        )
+    return [list(indices[i : i + local_batch]) for i in range(0, len(indices), local_batch)]
+
+
+def gradient_step(
+    program: TrainableProgram, batch: Batch, slowdown: SlowdownController
+) -> ComputedUpdate:
+    """Sync mode: the gradient of the mean loss over one batch (parameters untouched)."""
+    inputs, targets = batch
+    loss, grads = slowdown.timed_step(lambda: program.loss_and_grads(inputs, targets))
+    return ComputedUpdate(
+        kind=KIND_GRADIENT,
+        tensors={k: g.detach().to("cpu", torch.float32) for k, g in grads.items()},
+        mean_loss=loss,
+        compute_s=slowdown.last_device_seconds,
+        num_samples=int(inputs[0].shape[0]) if inputs else 0,
+    )
+
+
+def local_sgd_steps(
+    program: TrainableProgram,
+    optimizer: torch.optim.Optimizer,
+    slices: Sequence[Sequence[int]],
+    get_batch: Callable[[Sequence[int]], Batch],
+    slowdown: SlowdownController,
+    check_cancelled: Callable[[], None] = lambda: None,
+) -> ComputedUpdate:
+    """Local SGD's inner loop: one optimizer step per slice, then Δ = start − end.
+
+    The program's parameters are back at their start values afterwards (also when a step
+    raises); the optimizer's state keeps what the steps put into it.
+    """
+    params = program.parameters()
+    names = program.param_names
+    start = program.get_parameters()
+    total_loss = 0.0
+    samples = 0
+    device_s = 0.0
+    try:
+        for k, idx in enumerate(slices):
+            check_cancelled()
+            inputs, targets = get_batch(idx)
+
+            def step(
+                inputs: list[torch.Tensor] = inputs, targets: list[torch.Tensor] = targets
+            ) -> float:
+                loss, grads = program.loss_and_grads(inputs, targets)
+                for name, p in zip(names, params, strict=True):
+                    g = grads[name]
+                    p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+                optimizer.step()
+                for p in params:
+                    p.grad = None
+                return loss
+
+            loss = slowdown.timed_step(step)
+            if not math.isfinite(loss):
+                raise ValueError(f"inner step {k} gave a non-finite loss ({loss})")
+            device_s += slowdown.last_device_seconds
+            total_loss += loss * len(idx)
+            samples += len(idx)
+        with torch.no_grad():
+            delta = {
+                k: (start[k] - p.detach()).to("cpu", torch.float32)
+                for k, p in zip(names, params, strict=True)
+            }
+    finally:
+        for p in params:
+            p.grad = None
+        program.set_parameters(start)
+    return ComputedUpdate(
+        kind=KIND_PSEUDO_GRADIENT,
+        tensors=delta,
+        mean_loss=total_loss / max(1, samples),
+        compute_s=device_s,
+        num_samples=samples,
+        steps=len(slices),
+    )
+
+
+def inner_optimizer(job: LoadedJob, spec: common_pb2.JobSpec) -> torch.optim.Optimizer:
+    """The job's inner optimizer, built on first use and kept (with its state) across rounds."""
+    if job.inner_optimizer is None:
+        job.inner_optimizer = build_optimizer(spec, job.program.parameters())
+    return job.inner_optimizer
+
+
+async def compute_update(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
+    """The task's update from the parameters the job holds now (see the module docstring)."""
+    indices = ranges_to_indices(task.ranges)
+    spec = task.spec
+    if not is_local_sgd(spec):
+        if len(indices) != task.local_batch:
+            raise ValueError(
+                f"task names {len(indices)} samples but local_batch {task.local_batch}"
+            )
+
+        def compute_gradient() -> ComputedUpdate:
+            batch = job.dataset.get_batch(indices)
+            return gradient_step(job.program, batch, ctx.slowdown)
+
+        return await ctx.run_compute(compute_gradient)
+
+    slices = inner_step_slices(indices, task.local_batch, task.inner_steps or spec.inner_steps)
+    opt = inner_optimizer(job, spec)
+    return await ctx.run_compute(
+        local_sgd_steps,
+        job.program,
+        opt,
+        slices,
+        job.dataset.get_batch,
+        ctx.slowdown,
+        ctx.check_cancelled,
+    )
+
+
+# -- compression --------------------------------------------------------------------------------
+
+
+def job_error_feedback(job: LoadedJob, spec: common_pb2.JobSpec) -> ErrorFeedback | None:
+    """The job's error feedback for the spec's codec (None for codecs that go without)."""
+    codec = spec.compression or "none"
+    if codec not in ERROR_FEEDBACK_CODECS:
+        return None
+    ratio = spec.topk_ratio if spec.topk_ratio > 0 else 0.01
+    ef = job.error_feedback
+    if ef is None or ef.codec != codec or ef.ratio != ratio:
+        ef = job.error_feedback = ErrorFeedback(codec, ratio)
+    return ef
+
+
+def encode_update(
+    update: ComputedUpdate, spec: common_pb2.JobSpec, error_feedback: ErrorFeedback | None
+) -> tuple[common_pb2.TensorBundle, bytes]:
+    """The update as a bundle in the spec's codec (floating tensors; others travel raw)."""
+    return encode_bundle(
+        update.tensors,
+        spec.compression or "none",
+        topk_ratio=spec.topk_ratio if spec.topk_ratio > 0 else 0.01,
+        error_feedback=error_feedback,
+    )
+
+
+# -- getting the round's parameters -------------------------------------------------------------
+
+
 async def _pull_parameters(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> None:
     request = agent_pb2.PullParametersRequest(
         node_id=ctx.node_id, lease_id=ctx.lease_id, job_id=task.job_id, version=task.params_version
@@ -92,42 +315,105 @@ async def _pull_parameters(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Tas
     job.version = version
 
 
+def state_source_address(task: agent_pb2.Task) -> str:
+    """Where the task's state source listens: state_source_address, else its ring address."""
+    if task.state_source_address:
+        return task.state_source_address
+    ring = task.ring
+    for node_id, address in zip(ring.node_ids, ring.peer_addresses, strict=False):
+        if node_id == task.state_source_node_id and address:
+            return address
+    raise ValueError(f"task names state source {task.state_source_node_id!r} without an address")
+
+
+def params_from_state(
+    tensors: dict[str, torch.Tensor], expected: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+) -> dict[str, torch.Tensor]:
+    """The parameters ("param/<name>") out of a state bundle, checked against `expected`."""
+    params: dict[str, torch.Tensor] = {}
+    for name, (dtype, shape) in expected.items():
+        t = tensors.get(f"param/{name}")
+        if t is None:
+            raise ValueError(f"state transfer lacks parameter {name!r}")
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(
+                f"state transfer's parameter {name!r} is {t.dtype} {list(t.shape)}, expected "
+                f"{dtype} {list(shape)}"
+            )
+        params[name] = t
+    return params
+
+
+async def _fetch_state_from_peer(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> None:
+    # Imported here: the peer module pulls in the ring service, which PS-only agents never need.
+    from node_agent.identity import transport_identity
+    from node_agent.peer import fetch_state, peer_channel
+
+    address = state_source_address(task)
+    identity = transport_identity(ctx.connection.data_dir)
+    channel = peer_channel(address, task.state_source_node_id, identity)
+    try:
+        snapshot = await fetch_state(
+            channel,
+            task.job_id,
+            node_id=ctx.node_id,
+            min_version=task.params_version,
+            timeout=max(5.0, task.deadline_seconds),
+        )
+    finally:
+        await channel.close()
+    if snapshot.version != task.params_version:
+        raise ValueError(
+            f"peer {task.state_source_node_id} sent version {snapshot.version} of job "
+            f"{task.job_id}, the round needs {task.params_version}"
+        )
+    params = params_from_state(dict(snapshot.tensors), job.expected)
+    await ctx.run_compute(job.program.set_parameters, params)
+    job.version = snapshot.version
+
+
+async def ensure_params(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> None:
+    """Make the job hold the parameters of task.params_version."""
+    if job.version == task.params_version:
+        return
+    if task.state_source_node_id:
+        await _fetch_state_from_peer(ctx, job, task)
+    else:
+        await _pull_parameters(ctx, job, task)
+
+
+# -- parameter-server rounds --------------------------------------------------------------------
+
+
 async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     started = time.monotonic()
-    job = await _load_job(ctx, task)
-    await _load_shards(ctx, job, task)
-    if job.version != task.params_version:
-        await _pull_parameters(ctx, job, task)
+    job = await load_for_task(ctx, task)
+    await ensure_params(ctx, job, task)
     ctx.check_cancelled()
     due = ctx.deadline
     if due is not None and time.monotonic() > due:
         # The round closed without this part (the agent was busy or cut off): computing it now
         # would only delay the next task. The coordinator has returned its samples to pending.
         raise Expired(f"the round's {task.deadline_seconds:.2f}s deadline passed before compute")
-    indices = ranges_to_indices(task.ranges)
-    if len(indices) != task.local_batch:
-        raise ValueError(f"task names {len(indices)} samples but local_batch {task.local_batch}")
-
-    def compute() -> tuple[float, dict[str, torch.Tensor], float]:
-        inputs, targets = job.dataset.get_batch(indices)
-        loss, grads = ctx.slowdown.timed_step(lambda: job.program.loss_and_grads(inputs, targets))
-        # The step's time on this (possibly emulated) device: F x its compute time.
-        return loss, {k: g.cpu() for k, g in grads.items()}, ctx.slowdown.last_device_seconds
-
-    loss, grads, compute_s = await ctx.run_compute(compute)
+    update = await compute_update(ctx, job, task)
     ctx.check_cancelled()
-    bundle, payload = await ctx.run_compute(encode_bundle, grads)
+
+    ef = job_error_feedback(job, task.spec)
+    # Residuals are replaced (never modified in place) by compress(): a shallow copy is a
+    # snapshot to go back to when the update is not applied (its samples are trained again).
+    saved = ef.state_tensors() if ef is not None else None
+    bundle, payload = await ctx.run_compute(encode_update, update, task.spec, ef)
     header = agent_pb2.UpdateHeader(
         node_id=ctx.node_id,
         lease_id=ctx.lease_id,
         task_id=task.task_id,
         job_id=task.job_id,
         round=task.round,
-        num_samples=len(indices),
-        mean_loss=loss,
-        compute_seconds=compute_s,
+        num_samples=update.num_samples,
+        mean_loss=update.mean_loss,
+        compute_seconds=update.compute_s,
         bundle=bundle,
-        kind="gradient",
+        kind=update.kind,
         params_version=task.params_version,
     )
 
@@ -137,14 +423,25 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
             yield agent_pb2.PushUpdateRequest(chunk=chunk)
 
     timeout = max(5.0, task.deadline_seconds)
-    response = await ctx.stub.PushUpdate(requests(), timeout=timeout)
-    if response.accepted:
+    accepted = False
+    try:
+        response = await ctx.stub.PushUpdate(requests(), timeout=timeout)
+        accepted = response.accepted
+    finally:
+        if not accepted and ef is not None and saved is not None:
+            ef.load_state_tensors(saved)
+    if accepted:
         ctx.log.info(
-            "round %d: %d samples, loss %.4f, compute %.3fs, total %.3fs",
+            "round %d: %s of %d samples in %d step(s), loss %.4f, %d bytes (%s), "
+            "compute %.3fs, total %.3fs",
             task.round,
-            len(indices),
-            loss,
-            compute_s,
+            update.kind,
+            update.num_samples,
+            update.steps,
+            update.mean_loss,
+            len(payload),
+            task.spec.compression or "none",
+            update.compute_s,
             time.monotonic() - started,
         )
     else:

@@ -1,8 +1,12 @@
 """The agent's life: start, register, benchmark, take tasks, drain, leave.
 
 Start-up order (registration comes first so that a node shows up within a couple of seconds):
-1. load the node id (DATA_DIR/node.json), discover devices, write DATA_DIR/slowdown;
-2. Register (retried with backoff until the coordinator answers), start the heartbeat task;
+1. load the node id (DATA_DIR/node.json), discover devices, write DATA_DIR/slowdown; start the
+   PeerService on --peer-listen (unless --no-peer): mutual TLS with the node's certificate, or
+   plaintext with --insecure; it serves ring all-reduce chunks and this agent's ring state
+   (node_agent.ring_trainer.provide_state);
+2. Register with the advertised PeerService address (retried with backoff until the
+   coordinator answers; every re-registration sends it again), start the heartbeat task;
 3. reference benchmark of the built-in model on the training device (on the compute thread),
    RTT and bandwidth probes, ReportBenchmark (job_id empty), also written to
    DATA_DIR/benchmark.json; the report is sent again after every later registration;
@@ -11,7 +15,7 @@ Start-up order (registration comes first so that a node shows up within a couple
 Draining (SIGTERM, SIGINT, or the coordinator reporting the node DRAINING): take no new task,
 tell the coordinator (a Heartbeat with draining=True), let the current task finish for up to
 --drain-grace seconds, else abandon it and report it failed so the coordinator re-queues it,
-then Leave and exit 0. A second signal abandons the current task at once.
+then Leave, stop the PeerService and exit 0. A second signal abandons the current task at once.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from node_agent.benchmark import (
     build_result,
 )
 from node_agent.cache import BlobCache
-from node_agent.config import AgentConfig
+from node_agent.config import AgentConfig, advertised_peer_address
 from node_agent.connection import (
     HEARTBEAT_LEASE_CODES,
     CoordinatorConnection,
@@ -52,7 +56,10 @@ from node_agent.connection import (
     device_summary,
 )
 from node_agent.devices import DeviceError, Discovered, discover_devices
+from node_agent.identity import transport_identity
+from node_agent.peer import PeerServer
 from node_agent.reference_model import reference_step_factory
+from node_agent.ring_trainer import PeerRuntime, provide_state
 from node_agent.slowdown import SlowdownController
 from node_agent.tasks import TaskContext, dispatch_task
 
@@ -65,6 +72,11 @@ ABANDON_WAIT_S = 5.0
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
+# How long a ring stream from a neighbour may wait for this node to join its all-reduce (it may
+# still be computing); each sender bounds its own wait by the round's deadline.
+PEER_JOIN_TIMEOUT_S = 600.0
+# Grace for in-flight peer calls (a state transfer) when the agent stops.
+PEER_STOP_GRACE_S = 1.0
 
 
 class Agent:
@@ -74,6 +86,8 @@ class Agent:
         self.current: TaskContext | None = None
         self.reference_result: common_pb2.BenchmarkResult | None = None
         self.drain_reason = ""
+        self.peer: PeerRuntime | None = None
+        self.peer_address = ""
         # Created in run(), inside the event loop.
         self._drain: asyncio.Event
         self._hurry: asyncio.Event
@@ -158,6 +172,16 @@ class Agent:
         if self.discovered.torch_device == "cpu":
             self.slowdown.measure_cpu_time()
         log.info("training on %s (slowdown %g)", self.discovered.torch_device, self.slowdown.factor)
+        if not config.no_peer:
+            try:
+                await self._start_peer_server()
+            except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError for bind errors
+                log.error(
+                    "cannot start the PeerService on --peer-listen %s: %s", config.peer_listen, exc
+                )
+                return EXIT_CONFIG
+        else:
+            log.info("--no-peer: no PeerService; ring jobs go through the coordinator")
         self.cache = BlobCache(config.cache_dir)
         self.connection = CoordinatorConnection(
             config.coordinator,
@@ -200,6 +224,7 @@ class Agent:
                 await heartbeats
         await self.connection.leave(self.drain_reason or "agent stopped")
         await self.connection.close()
+        await self._stop_peer_server()
         self.executor.shutdown(wait=False, cancel_futures=True)
         log.info("agent stopped")
 
@@ -209,7 +234,51 @@ class Agent:
             devices=self.discovered.devices,
             agent_version=__version__,
             labels={"device": self.discovered.torch_device, **self.config.labels},
+            peer_address=self.peer_address,
         )
+
+    # -- PeerService ----------------------------------------------------------------------------
+
+    async def _start_peer_server(self) -> None:
+        """Listen on --peer-listen (OSError when that fails) and work out the address to
+        advertise. TLS with the node certificate unless --insecure."""
+        config = self.config
+        identity = transport_identity(config.data_dir)
+        server = PeerServer(
+            config.peer_listen,
+            state_provider=provide_state,
+            join_timeout_s=PEER_JOIN_TIMEOUT_S,
+            identity=identity,
+        )
+        await server.start()
+        self.peer = PeerRuntime(server, identity)
+        self.peer_address = advertised_peer_address(
+            config.peer_listen, config.peer_advertise, server.port
+        )
+        if not config.peer_advertise and config.peer_listen.rsplit(":", 1)[0] in (
+            "0.0.0.0",
+            "[::]",
+        ):
+            log.warning(
+                "--peer-listen %s without --peer-advertise: advertising %s, which only agents "
+                "on this machine can reach",
+                config.peer_listen,
+                self.peer_address,
+            )
+        log.info(
+            "PeerService on %s, advertised as %s (%s)",
+            config.peer_listen,
+            self.peer_address,
+            "mutual TLS with node certificates" if identity is not None else "plaintext",
+        )
+
+    async def _stop_peer_server(self) -> None:
+        peer, self.peer = self.peer, None
+        if peer is None:
+            return
+        await peer.close()
+        if peer.server is not None:
+            await peer.server.stop(PEER_STOP_GRACE_S)
 
     def _current_task_id(self) -> str:
         return self.current.task.task_id if self.current is not None else ""
@@ -338,6 +407,7 @@ class Agent:
             slowdown=self.slowdown,
             executor=self.executor,
             memory_limit_bytes=self.config.memory_limit_bytes,
+            peer=self.peer,
         )
         self.current = ctx
         self._wake_heartbeat.set()  # the coordinator hears the task id at once

@@ -13,12 +13,17 @@ phase. Once all are registered, --duration seconds are measured. Prints one JSON
   measured window, per 1000 heartbeats), duration_s, register_s, client_processes
 
 Latency is the agent's view: from issuing Heartbeat to the response. The load generator runs on
-the same machine and competes with the coordinator for CPU.
+the same machine and competes with the coordinator for CPU; its CPU per 1000 heartbeats is
+reported too, and so is the busy CPU of everything else on the machine during the window
+(foreign_cores; tail latencies on a machine where other work takes cores are that work's, not
+the coordinator's: compare runs at similar foreign_cores).
 
 TLS is on, as in production: the bench enrolls one operator identity with a real join token
 (`epochmesh-coordinator token create`) and every simulated agent calls with it (an operator may
 act as any node), so each heartbeat pays the TLS record layer and the per-call certificate
-signature check. `--insecure` measures plaintext instead.
+and signature check (epochmesh.identity.secure_aio_channel: the call credentials are added by a
+client interceptor, a method's signature is reused for a minute, and the coordinator checks a
+signature it has verified before with a lookup). `--insecure` measures plaintext instead.
 """
 
 from __future__ import annotations
@@ -132,6 +137,19 @@ async def run_worker(args: argparse.Namespace) -> None:
 
 
 # -- the bench driver -------------------------------------------------------------------------
+
+
+def _cpu_s(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def _busy_s() -> float:
+    t = psutil.cpu_times()
+    return float(t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -254,6 +272,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             register_s = max(register_s, float(ready["register_s"]))
 
         cpu = psutil.Process(coord.pid)
+        clients = [psutil.Process(w.pid) for w in workers]
         start = time.time() + 0.5
         end = start + args.duration
         for worker in workers:
@@ -261,9 +280,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             worker.stdin.write(f"{start} {end}\n")
             worker.stdin.flush()
         time.sleep(max(0.0, start - time.time()))
-        cpu_start = cpu.cpu_times()
+        cpu_start, clients_start, busy_start = cpu.cpu_times(), _cpu_s(clients), _busy_s()
         time.sleep(max(0.0, end - time.time()))
-        cpu_end = cpu.cpu_times()
+        cpu_end, clients_end, busy_end = cpu.cpu_times(), _cpu_s(clients), _busy_s()
+        load = os.getloadavg()[0]
 
         latencies: list[float] = []
         errors = 0
@@ -274,6 +294,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             errors += int(result["errors"])
             worker.wait(timeout=60)
         cpu_s = (cpu_end.user - cpu_start.user) + (cpu_end.system - cpu_start.system)
+        client_s = clients_end - clients_start
+        # Busy CPU of the rest of the machine (other users' work) in the window, in cores.
+        foreign = max(0.0, (busy_end - busy_start) - cpu_s - client_s) / args.duration
         count = len(latencies)
         return {
             "agents": args.agents,
@@ -286,6 +309,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             "coordinator_cpu_s_per_1000_heartbeats": round(cpu_s / count * 1000, 3)
             if count
             else None,
+            "client_cpu_s_per_1000_heartbeats": round(client_s / count * 1000, 3)
+            if count
+            else None,
+            "tls": not args.insecure,
+            "foreign_cores": round(foreign, 2),
+            "load_avg_1m": round(load, 2),
             "duration_s": args.duration,
             "interval_s": args.interval,
             "register_s": round(register_s, 2),

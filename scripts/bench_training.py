@@ -1,20 +1,45 @@
 """Training throughput with real processes: is the cluster as fast as its parts?
 
-Runs the same job (a small convolutional classifier, heavy per sample) several ways, each with
-a fresh `epochmesh-coordinator` and `epochmesh-agent` processes on this machine (TLS on, agents
-enrolled with join tokens, see scripts/local_cluster.py):
+One coordinator and three agents (--slowdown 1, 2 and 4; TLS on, agents enrolled with join
+tokens, see scripts/local_cluster.py) run the same job (a small convolutional classifier, heavy
+per sample) several ways, in interleaved cycles so that a change of the machine's load hits every
+configuration alike:
 
-- solo: one agent with --slowdown 1, 2 and 4 in turn -> each node's own samples/s;
+- solo x1 / x2 / x4: one agent (the others cordoned) -> each node's own samples/s;
 - cluster: the three agents together, b_i split by measured throughput (the default);
-- equal: the three agents together with `--split equal` (every node gets B/3);
-- plain: a plain eager PyTorch loop (same model, batch, optimizer, one thread) in this process.
+- equal (once, on a second coordinator started with `--split equal`): every node gets B/3;
+- plain: a plain eager PyTorch loop (same model, batch, optimizer, one thread) in this process,
+  right after each cycle's solo x1 run.
 
-Throughput is samples trained / wall time from the first round's start to the last round's end,
-taken from the recorded rounds (the first WARMUP rounds are left out). Prints one JSON line:
-cluster_over_sum_of_solos (target >= 0.85), equal_over_sum_of_solos, and
-system_over_plain_loop (one agent through the whole system vs the plain loop, target >= 0.9).
+A configuration's throughput is the samples of its applied parts over the wall time from the
+first kept round's start to the last round's end, from the recorded rounds (the first --warmup
+rounds are left out: program load, first parameter pull, the estimator's first observation).
+The job is followed with one `epochmesh watch` stream (no polling processes during the rounds).
+Every cycle gives one ratio, cluster / (solo x1 + solo x2 + solo x4), taken from runs minutes
+apart; the figure is the median over cycles.
 
-    .venv/bin/python scripts/bench_training.py [--rounds 12] [--batch 192]
+The machine is shared: for each run the script measures, from /proc, the CPU the benchmark's
+own processes used (coordinator, agents, the CLI) and the rest of the machine's busy CPU during
+the kept rounds ("foreign_cores", in cores; 2-core machine: 0 = quiet, 1 = one core taken by
+other work). Per-round analysis (to stderr, and with --keep to DIR/*.rounds.jsonl): each node's
+b_i, compute seconds, the rest of its round (parameter pull, update push, waiting for a core)
+and its idle time waiting for the round's slowest node.
+
+Emulation note: the three emulated devices share this machine's cores. A slowed agent computes
+at full speed and then sleeps (F - 1) x its CPU time; it needs only 1/F of a core, but when it
+computes at the same moment as the fast agent the kernel splits a core between them and the fast
+node, whose emulated device is a whole core, runs slower than it would alone. With --nice N (the
+default 10) the slowed agents run at that scheduling priority, in the solo runs and in the
+cluster alike, so that they take the CPU they need without taking it from the fast node (their
+sleep absorbs the wait); --nice 0 measures without.
+
+Prints one JSON line: cluster_over_sum_of_solos (target >= 0.85), equal_over_sum_of_solos,
+system_over_plain_loop (one agent through the whole system vs the plain loop, target >= 0.9),
+per-cycle ratios (also from median rounds: each run's median over rounds of samples / time
+since the previous round's end, which a few rounds delayed by other work do not move), load
+and foreign CPU of every run.
+
+    .venv/bin/python scripts/bench_training.py [--cycles 3] [--rounds 24] [--batch 192]
 """
 
 from __future__ import annotations
@@ -24,16 +49,22 @@ import json
 import logging
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import psutil
 import torch
-from local_cluster import LocalCluster, wait_for
+from local_cluster import BIN, LocalCluster, wait_for
 from safetensors.torch import save_file
 
-WARMUP = 2
+SLOWDOWNS = (1, 2, 4)
 log = logging.getLogger("bench_training")
 
 MODEL = """
@@ -47,7 +78,7 @@ def make_model() -> nn.Module:
     )
 """
 
-JOB = """name = "bench-conv"
+JOB = """name = "{name}"
 [model]
 file = "model.py"
 loss = "cross_entropy"
@@ -77,48 +108,226 @@ def dataset(n: int) -> dict[str, torch.Tensor]:
     return {"x": x, "y": (x.flatten(1) @ w).argmax(dim=1)}
 
 
-def write_job(d: Path, batch: int, rounds: int, nodes: int) -> Path:
+def write_job(d: Path, batch: int, rounds: int, nodes: int, name: str = "bench-conv") -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "model.py").write_text(MODEL)
     save_file(dataset(batch * rounds), str(d / "train.safetensors"))
-    (d / "job.toml").write_text(JOB.format(batch=batch, nodes=nodes))
+    (d / "job.toml").write_text(JOB.format(batch=batch, nodes=nodes, name=name))
     return d / "job.toml"
 
 
-def run_cluster(
-    work: Path, slowdowns: list[float], batch: int, rounds: int, split: str = "throughput"
-) -> float:
-    """Samples/s of one job on a fresh coordinator with agents of the given slowdowns."""
-    with LocalCluster(work) as cluster:
-        cluster.start_coordinator("--split", split)
-        for i, s in enumerate(slowdowns):
-            cluster.start_agent(f"agent{i}", "--slowdown", str(s))
-        cluster.login()
-        job_toml = write_job(work / "job", batch, rounds, len(slowdowns))
-        out = cluster.cli("submit", str(job_toml), "--output", "json")
-        job_id = json.loads(out)["job_id"]
-
-        def finished() -> bool:
-            state = json.loads(cluster.cli("status", job_id, "--output", "json"))["state"]
-            if state in ("failed", "cancelled"):
-                raise RuntimeError(f"job {job_id} {state}")
-            return state == "succeeded"
-
-        wait_for(finished, 900, "the job's end", interval=0.2)
-        recs = [
-            json.loads(line)
-            for line in cluster.cli("rounds", job_id, "--output", "json").splitlines()
-            if line.strip()
-        ][WARMUP:]
-    samples = sum(p["local_batch"] for r in recs for p in r["parts"] if p["status"] == "applied")
-    seconds = (recs[-1]["finished_ms"] - recs[0]["started_ms"]) / 1000.0
-    return samples / seconds
+# -- CPU accounting -----------------------------------------------------------------------------
 
 
-def plain_loop(batch: int, rounds: int) -> float:
+def _busy(t: Any) -> float:
+    return float(t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0))
+
+
+class CpuSampler:
+    """Samples, every `period` seconds, the machine's busy CPU seconds and those of the tracked
+    processes (and of this process with its finished children), so that the CPU used in any
+    past window can be read off by interpolation."""
+
+    def __init__(self, pids: dict[str, int], period: float = 0.2) -> None:
+        self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self.period = period
+        self.samples: list[tuple[float, float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        own: dict[str, float] = {}
+        for name, p in self.procs.items():
+            try:
+                t = p.cpu_times()
+                own[name] = t.user + t.system
+            except psutil.Error:
+                own[name] = self.samples[-1][2].get(name, 0.0) if self.samples else 0.0
+        t = os.times()
+        own["bench"] = t.user + t.system + t.children_user + t.children_system
+        self.samples.append((time.time(), _busy(psutil.cpu_times()), own))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self) -> CpuSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _at(self, when: float) -> tuple[float, dict[str, float]]:
+        s = self.samples
+        if when <= s[0][0]:
+            return s[0][1], dict(s[0][2])
+        for (t0, b0, o0), (t1, b1, o1) in zip(s, s[1:], strict=False):
+            if t0 <= when <= t1:
+                f = (when - t0) / (t1 - t0) if t1 > t0 else 1.0
+                return b0 + f * (b1 - b0), {k: o0[k] + f * (o1[k] - o0[k]) for k in o1}
+        return s[-1][1], dict(s[-1][2])
+
+    def window(self, start: float, end: float) -> dict[str, float]:
+        """Cores used in [start, end] (wall clock): each tracked process, the benchmark's
+        tooling, and `foreign` (the machine's busy CPU minus all of those)."""
+        b0, o0 = self._at(start)
+        b1, o1 = self._at(end)
+        span = max(1e-6, end - start)
+        out = {k: round((o1[k] - o0[k]) / span, 3) for k in o1}
+        out["foreign"] = round(max(0.0, (b1 - b0) / span - sum(out.values())), 3)
+        return out
+
+
+# -- one configuration -------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    name: str
+    samples_per_s: float
+    rounds: list[dict[str, Any]]
+    cpu: dict[str, float] = field(default_factory=dict)
+    load: float = 0.0
+
+    def summary(self, names: dict[str, str]) -> dict[str, Any]:
+        """Per node over the kept rounds: mean b_i, compute, rest of its round, idle."""
+        nodes: dict[str, dict[str, list[float]]] = {}
+        late = 0
+        walls = []
+        for r in self.rounds:
+            wall = (r["finished_ms"] - r["started_ms"]) / 1000.0
+            walls.append(wall)
+            for p in r["parts"]:
+                d = nodes.setdefault(names.get(p["node_id"], p["node_id"]), {})
+                if p["status"] != "applied":
+                    late += 1
+                    continue
+                own = p["seconds"] + p.get("communicate_seconds", 0.0)
+                d.setdefault("b", []).append(p["local_batch"])
+                d.setdefault("compute_s", []).append(p["seconds"])
+                d.setdefault("other_s", []).append(p.get("communicate_seconds", 0.0))
+                d.setdefault("idle_s", []).append(max(0.0, wall - own))
+        return {
+            "samples_per_s": round(self.samples_per_s, 1),
+            "median_round_samples_per_s": round(median_throughput(self.rounds), 1),
+            "rounds": len(self.rounds),
+            "round_s": round(statistics.fmean(walls), 3) if walls else None,
+            "not_applied_parts": late,
+            "nodes": {
+                n: {k: round(statistics.fmean(v), 3) for k, v in sorted(d.items())}
+                for n, d in sorted(nodes.items())
+            },
+            "cpu_cores": self.cpu,
+            "load1": round(self.load, 2),
+        }
+
+
+def _applied(r: dict[str, Any]) -> int:
+    return sum(p["local_batch"] for p in r["parts"] if p["status"] == "applied")
+
+
+def throughput(rounds: list[dict[str, Any]]) -> float:
+    """Samples applied over the wall time from the first round's start to the last's end."""
+    seconds = (rounds[-1]["finished_ms"] - rounds[0]["started_ms"]) / 1000.0
+    return sum(_applied(r) for r in rounds) / seconds
+
+
+def median_throughput(rounds: list[dict[str, Any]]) -> float:
+    """The median over rounds of samples / (this round's end - the previous round's end): the
+    same quantity, robust to the few rounds that another process on the machine delays."""
+    rates = [
+        _applied(r) / max(1e-6, (r["finished_ms"] - prev["finished_ms"]) / 1000.0)
+        for prev, r in zip(rounds, rounds[1:], strict=False)
+    ]
+    return statistics.median(rates)
+
+
+class Bench:
+    """One coordinator with the agents x1, x2, x4 (processes kept across configurations)."""
+
+    def __init__(self, work: Path, args: argparse.Namespace, split: str = "throughput") -> None:
+        self.work = work
+        self.args = args
+        self.cluster = LocalCluster(work)
+        self.cluster.start_coordinator("--split", split)
+        for s in SLOWDOWNS:
+            proc = self.cluster.start_agent(f"x{s}", "--slowdown", str(s))
+            if s > 1 and args.nice:
+                # The agent leads its own process group: every thread of it, now and later.
+                os.setpriority(os.PRIO_PGRP, proc.pid, args.nice)
+        self.cluster.login()
+
+        def registered() -> list[dict[str, Any]] | None:
+            nodes = json.loads(self.cluster.cli("nodes", "--output", "json"))["nodes"]
+            return nodes if len(nodes) == len(SLOWDOWNS) else None
+
+        nodes = wait_for(registered, 120, "the agents' registration", interval=1.0)
+        self.names = {n["node_id"]: n["name"] for n in nodes}
+        pids = {"coordinator": self.cluster.procs[0].pid}
+        pids.update({name: p.pid for name, p in self.cluster.agents.items()})
+        self.sampler = CpuSampler(pids)
+        self.sampler.__enter__()
+        self.cordoned: set[str] = set()
+        self.jobs = 0
+
+    def close(self) -> None:
+        self.sampler.__exit__()
+        self.cluster.stop()
+
+    def use(self, names: list[str]) -> None:
+        """Cordon every agent but `names`."""
+        for s in SLOWDOWNS:
+            name = f"x{s}"
+            if name in names and name in self.cordoned:
+                self.cluster.cli("uncordon", name)
+                self.cordoned.discard(name)
+            elif name not in names and name not in self.cordoned:
+                self.cluster.cli("cordon", name)
+                self.cordoned.add(name)
+
+    def run(self, label: str, names: list[str]) -> Run:
+        self.use(names)
+        self.jobs += 1
+        args = self.args
+        job_toml = write_job(
+            self.work / f"job{self.jobs}", args.batch, args.rounds, len(names), f"bench-{label}"
+        )
+        job_id = json.loads(self.cluster.cli("submit", str(job_toml), "--output", "json"))["job_id"]
+        load = os.getloadavg()[0]
+        watch = subprocess.run(
+            [str(BIN / "epochmesh"), "--coordinator", self.cluster.address, "watch", job_id],
+            env=self.cluster.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        if watch.returncode != 0:
+            raise RuntimeError(f"job {job_id} ({label}) did not succeed: {watch.stderr.strip()}")
+        lines = self.cluster.cli("rounds", job_id, "--output", "json").splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+        if args.keep is not None:
+            (args.keep / f"{label}.rounds.jsonl").write_text("\n".join(lines) + "\n")
+        kept = records[args.warmup :]
+        if len(kept) < 2:
+            raise RuntimeError(f"{label}: only {len(records)} rounds; raise --rounds")
+        # Let the sampler pass the window's end before reading it.
+        time.sleep(2 * self.sampler.period)
+        cpu = self.sampler.window(kept[0]["started_ms"] / 1000.0, kept[-1]["finished_ms"] / 1000.0)
+        run = Run(label, throughput(kept), kept, cpu, load)
+        log.info("%s: %s", label, json.dumps(run.summary(self.names)))
+        return run
+
+
+def plain_loop(batch: int, rounds: int, warmup: int) -> float:
     """Samples/s of an eager PyTorch loop on one thread: the same model, batch and optimizer."""
     torch.set_num_threads(1)
-    ns: dict = {}
+    ns: dict[str, Any] = {}
     exec(MODEL, ns)  # noqa: S102 (our own model source, as the submitter would run it)
     model = ns["make_model"]()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -132,51 +341,120 @@ def plain_loop(batch: int, rounds: int) -> float:
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    kept = times[WARMUP:]
+    kept = times[warmup:]
     return batch * len(kept) / sum(kept)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=192)
-    parser.add_argument("--keep", type=Path)
+    parser.add_argument("--cycles", type=int, default=3, help="interleaved measurement cycles")
+    parser.add_argument("--rounds", type=int, default=24, help="rounds per job (one epoch)")
+    parser.add_argument("--warmup", type=int, default=3, help="first rounds left out")
+    parser.add_argument("--batch", type=int, default=192, help="global batch")
+    parser.add_argument(
+        "--nice", type=int, default=10, help="scheduling priority of the slowed agents"
+    )
+    parser.add_argument("--no-equal", action="store_true", help="skip the equal-split run")
+    parser.add_argument("--keep", type=Path, help="keep the work dir and round records here")
     args = parser.parse_args()
+    if args.cycles < 1 or args.rounds <= args.warmup + 1:
+        parser.error("need --cycles >= 1 and --rounds > --warmup + 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     work = args.keep or Path(tempfile.mkdtemp(prefix="epochmesh-bench-"))
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    load_start = os.getloadavg()
+    configs = [(f"solo_x{s}", [f"x{s}"]) for s in SLOWDOWNS] + [
+        ("cluster", [f"x{s}" for s in SLOWDOWNS])
+    ]
+    cycles: list[dict[str, Run]] = []
+    plains: list[float] = []
+    equal: Run | None = None
     try:
-        solo = {}
-        for s in (1, 2, 4):
-            solo[s] = run_cluster(work / f"solo{s}", [s], args.batch, args.rounds)
-            log.info("solo slowdown %s: %.1f samples/s", s, solo[s])
-        cluster = run_cluster(work / "cluster", [1, 2, 4], args.batch, args.rounds)
-        log.info("cluster: %.1f samples/s", cluster)
-        equal = run_cluster(work / "equal", [1, 2, 4], args.batch, args.rounds, split="equal")
-        log.info("equal split: %.1f samples/s", equal)
-        plain = plain_loop(args.batch, args.rounds)
-        log.info("plain loop: %.1f samples/s", plain)
+        bench = Bench(work / "throughput", args)
+        try:
+            for c in range(args.cycles):
+                # Alternate the order, so that a drift of the load does not favour one side.
+                order = configs if c % 2 == 0 else configs[::-1]
+                runs: dict[str, Run] = {}
+                for label, nodes in order:
+                    runs[label] = bench.run(f"{label}.{c}", nodes)
+                    if label == "solo_x1":
+                        # Right after the one-agent run, in the same conditions.
+                        plains.append(plain_loop(args.batch, args.rounds, args.warmup))
+                        log.info("plain loop: %.1f samples/s", plains[-1])
+                cycles.append(runs)
+            names = bench.names
+        finally:
+            bench.close()
+        if not args.no_equal:
+            eq = Bench(work / "equal", args, split="equal")
+            try:
+                equal = eq.run("equal", [f"x{s}" for s in SLOWDOWNS])
+            finally:
+                eq.close()
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
-    total = sum(solo.values())
-    print(
-        json.dumps(
-            {
-                "model": "conv 1x24x24 -> 32 -> 64 -> 8",
-                "global_batch": args.batch,
-                "rounds": args.rounds,
-                "cpu_cores": os.cpu_count(),
-                "solo_samples_per_s": {f"slowdown_{k}": round(v, 1) for k, v in solo.items()},
-                "cluster_samples_per_s": round(cluster, 1),
-                "equal_split_samples_per_s": round(equal, 1),
-                "cluster_over_sum_of_solos": round(cluster / total, 3),
-                "equal_over_sum_of_solos": round(equal / total, 3),
-                "plain_loop_samples_per_s": round(plain, 1),
-                "system_over_plain_loop": round(solo[1] / plain, 3),
-            }
-        )
-    )
+
+    def solo_sum(cycle: dict[str, Run]) -> float:
+        return sum(cycle[f"solo_x{s}"].samples_per_s for s in SLOWDOWNS)
+
+    ratios = [c["cluster"].samples_per_s / solo_sum(c) for c in cycles]
+    robust = [
+        median_throughput(c["cluster"].rounds)
+        / sum(median_throughput(c[f"solo_x{s}"].rounds) for s in SLOWDOWNS)
+        for c in cycles
+    ]
+    med = {label: statistics.median(c[label].samples_per_s for c in cycles) for label, _ in configs}
+    total = sum(med[f"solo_x{s}"] for s in SLOWDOWNS)
+    foreign = [round(r.cpu.get("foreign", 0.0), 2) for c in cycles for r in c.values()]
+    out: dict[str, Any] = {
+        "model": "conv 1x24x24 -> 32 -> 64 -> 8",
+        "global_batch": args.batch,
+        "rounds": args.rounds,
+        "warmup_rounds": args.warmup,
+        "cycles": args.cycles,
+        "nice_slowed_agents": args.nice,
+        "cpu_cores": os.cpu_count(),
+        "solo_samples_per_s": {f"slowdown_{s}": round(med[f"solo_x{s}"], 1) for s in SLOWDOWNS},
+        "cluster_samples_per_s": round(med["cluster"], 1),
+        "cluster_over_sum_of_solos": round(statistics.median(ratios), 3),
+        "cluster_over_sum_of_solos_per_cycle": [round(r, 3) for r in ratios],
+        "median_round_ratio_per_cycle": [round(r, 3) for r in robust],
+        "plain_loop_samples_per_s": round(statistics.median(plains), 1),
+        "system_over_plain_loop": round(
+            statistics.median(
+                c["solo_x1"].samples_per_s / p for c, p in zip(cycles, plains, strict=True)
+            ),
+            3,
+        ),
+        "cluster_shares": {
+            n: round(v, 3)
+            for n, v in _shares([r for c in cycles for r in c["cluster"].rounds], names).items()
+        },
+        "cluster_node_seconds": cycles[len(cycles) // 2]["cluster"].summary(names)["nodes"],
+        "foreign_cores_per_run": foreign,
+        "load_avg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+        "minutes": round((time.time() - started) / 60.0, 1),
+    }
+    if equal is not None:
+        out["equal_split_samples_per_s"] = round(equal.samples_per_s, 1)
+        out["equal_over_sum_of_solos"] = round(equal.samples_per_s / total, 3)
+    print(json.dumps(out))
     return 0
+
+
+def _shares(rounds: list[dict[str, Any]], names: dict[str, str]) -> dict[str, float]:
+    totals: dict[str, int] = {}
+    for r in rounds:
+        for p in r["parts"]:
+            if p["status"] == "applied":
+                n = names.get(p["node_id"], p["node_id"])
+                totals[n] = totals.get(n, 0) + p["local_batch"]
+    s = sum(totals.values()) or 1
+    return {n: totals[n] / s for n in sorted(totals)}
 
 
 if __name__ == "__main__":

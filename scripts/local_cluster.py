@@ -7,6 +7,7 @@ logged in (`epochmesh login --token`, an operator token) under a private XDG_CON
     with LocalCluster(work_dir) as cluster:
         cluster.start_coordinator("--split", "equal")
         cluster.start_agent("fast", "--slowdown", "1")
+        cluster.start_agent("far", coordinator=relay_address)  # e.g. through a WanLink
         cluster.login()
         print(cluster.cli("nodes"))
 
@@ -23,6 +24,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+import grpc
+
+from epochmesh.identity import (
+    coordinator_channel_options,
+    enroll_with_token,
+    identity_credentials,
+)
 
 BIN = Path(sys.executable).parent
 T = TypeVar("T")
@@ -112,12 +121,16 @@ class LocalCluster:
             raise ClusterError(f"token create failed: {out.stderr.strip()}")
         return out.stdout.strip()
 
-    def start_agent(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+    def start_agent(
+        self, name: str, *args: str, coordinator: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        """An enrolled agent named `name`; it dials `coordinator` (default: the coordinator's
+        own address; give a relay's address to put the agent behind an emulated link)."""
         proc = self._start(
             [
                 str(BIN / "epochmesh-agent"),
                 "--coordinator",
-                self.address,
+                coordinator or self.address,
                 "--data-dir",
                 str(self.work / f"agent-{name}"),
                 "--name",
@@ -137,6 +150,14 @@ class LocalCluster:
 
     def login(self) -> str:
         return self.cli("login", "--token", self.token("operator"))
+
+    def operator_channel(self) -> grpc.Channel:
+        """A blocking TLS channel to the coordinator as a freshly enrolled operator, for
+        scripts that poll the coordinator often (a CLI process per poll costs CPU)."""
+        identity = enroll_with_token(self.address, self.token("operator"))
+        return grpc.secure_channel(
+            self.address, identity_credentials(identity), options=coordinator_channel_options()
+        )
 
     def cli(self, *args: str) -> str:
         out = subprocess.run(

@@ -8,6 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from client.commands.allocation import cmd_allocation
 from client.commands.cluster import print_events
 from client.commands.context import Context
 from client.commands.output import TERMINAL_JOB_STATES, job_state_name, parse_job_states, to_dict
@@ -17,7 +18,6 @@ from client.render import (
     fmt_bytes,
     fmt_duration,
     fmt_loss,
-    fmt_rate,
     fmt_time,
     progress_bar,
 )
@@ -308,51 +308,6 @@ def cmd_logs(ctx: Context) -> int:
     return ExitCode.OK
 
 
-def cmd_allocation(ctx: Context) -> int:
-    job = ctx.get_job(ctx.args.job)
-    coord = ctx.coordinator
-    alloc = coord.call(
-        "GetAllocation",
-        coord.scheduler.GetAllocation,
-        scheduler_pb2.GetAllocationRequest(job_id=job.job_id),
-    )
-    if ctx.json:
-        ctx.emit_json(to_dict(alloc))
-        return ExitCode.OK
-    ctx.emit(
-        f"job {job.job_id}  {job_state_name(job.state)}  epoch {epoch_text(job)}  "
-        f"round {alloc.round}"
-        + (
-            f"  deadline {alloc.round_deadline_seconds:.2f}s"
-            if alloc.round_deadline_seconds > 0
-            else ""
-        )
-    )
-    if not alloc.nodes:
-        ctx.note("no nodes are allocated to this job right now")
-        return ExitCode.OK
-    rows = [
-        [
-            n.node_id,
-            n.name or "-",
-            fmt_rate(n.samples_per_second),
-            f"{n.share * 100:.1f}%",
-            str(n.local_batch),
-            str(n.max_batch) if n.max_batch else "-",
-            f"{n.segment.start}-{n.segment.stop}" if n.segment.stop > n.segment.start else "-",
-            str(n.remaining),
-        ]
-        for n in alloc.nodes
-    ]
-    ctx.emit_table(
-        ["NODE", "NAME", "SAMPLES/S", "SHARE", "B_I", "MAX_B", "SEGMENT", "LEFT"],
-        rows,
-        right=(2, 3, 4, 5, 7),
-        flex=1,
-    )
-    return ExitCode.OK
-
-
 def cmd_plot(ctx: Context) -> int:
     from client.plot import plot_rounds, require_matplotlib
 
@@ -434,8 +389,12 @@ def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentPars
     p = sub.add_parser(
         "allocation",
         parents=common,
-        help="show how a job is split over nodes",
-        description="Show each node's measured throughput, share, local batch and segment.",
+        help="show how a job is split over nodes and where their time goes",
+        description="Show each node's measured throughput, share, local batch (and inner "
+        "steps in local SGD) and segment, then its RTT and bandwidth to the coordinator and "
+        "the seconds it spent computing vs communicating for this job, with a total over all "
+        "nodes. A job that is not running shows the times summed from its recorded rounds. "
+        "--output json: the allocation plus 'source' and 'totals'.",
     )
     p.add_argument("job", metavar="JOB")
     p.set_defaults(func=cmd_allocation)

@@ -207,11 +207,14 @@ async def test_job_benchmark_cache_corruption_errors_and_cancel(
             (data_dir / "slowdown").write_text("50\n")
             engine.push(node_id, benchmark_task("t5", "j-5", refs, [8, 16, 32, 64, 128, 256]))
             await wait_for(lambda: "t5" in engine.handed, agent, "t5 handed out")
+            # The factor is read when a step starts: cancel only once a (slowed) step runs.
+            await wait_for(
+                lambda: "slowdown factor is now 50" in agent.log_text(), agent, "slowdown 50"
+            )
             engine.cancelled.add("t5")
             p5 = await wait_for(lambda: engine.progress_of("t5"), agent, "t5 abandoned")
             assert p5.failed and "cancelled by the coordinator" in p5.error
             assert engine.benchmark_of(node_id, "j-5") is None
-            assert "slowdown factor is now 50" in agent.log_text()
 
             (data_dir / "slowdown").write_text("1\n")
             engine.push(node_id, benchmark_task("t6", "j-6", refs, [8]))

@@ -104,6 +104,8 @@ def test_topk_count() -> None:
     assert topk_count(10, 0.01) == 1
     assert topk_count(10, 0.25) == 3
     assert topk_count(10, 1.0) == 10
+    assert topk_count(100, 0.07) == 7  # 0.07 * 100 is 7.000000000000001 in floats
+    assert topk_count(1000, 0.0071) == 8
     with pytest.raises(ValueError):
         topk_count(10, 0.0)
 
@@ -236,3 +238,64 @@ def test_error_feedback_bookkeeping() -> None:
     assert ErrorFeedback("topk", 0.1).compress("n", torch.arange(4)) == encode(
         torch.arange(4), "none"
     )
+
+
+def test_topk_ranks_by_magnitude_and_keeps_exactly_k_with_ties() -> None:
+    t = torch.tensor([0.5, -3.0, 2.0, -0.1, 3.0, 1.0, -2.5, 0.0])
+    back = decode(encode(t, "topk", 0.375), "topk", t.shape)  # k = 3
+    assert torch.equal(back, torch.tensor([0.0, -3.0, 0.0, 0.0, 3.0, 0.0, -2.5, 0.0]))
+    flat = torch.full((100,), -1.5)  # all magnitudes tie: still exactly k entries, exact values
+    back = decode(encode(flat, "topk", 0.07), "topk", flat.shape)
+    assert int((back != 0).sum()) == 7 and bool((back[back != 0] == -1.5).all())
+
+
+def test_topk_error_feedback_is_exact_per_step() -> None:
+    # Top-k sends the kept entries of (grad + residual) exactly and keeps all the others: what
+    # was sent plus the new residual is exactly what was owed, bit for bit, at every step; so
+    # over any number of steps sent + final residual equals the sum of the inputs up to the
+    # float32 rounding of the additions.
+    ef = ErrorFeedback("topk", 0.02)
+    shape = (30, 20)
+    g = torch.Generator().manual_seed(11)
+    sum_in = torch.zeros(shape, dtype=torch.float64)
+    sum_out = torch.zeros(shape, dtype=torch.float64)
+    for _ in range(100):
+        grad = torch.randn(shape, generator=g)
+        prev = ef.residual("w")
+        owed = grad + prev if prev is not None else grad
+        sent = decode(ef.compress("w", grad), "topk", shape)
+        residual = ef.residual("w")
+        assert residual is not None
+        assert int((sent != 0).sum()) == topk_count(grad.numel(), 0.02)
+        assert torch.equal(sent + residual, owed)
+        assert bool((residual[sent != 0] == 0).all())
+        sum_in += grad.double()
+        sum_out += sent.double()
+    final = ef.residual("w")
+    assert final is not None
+    torch.testing.assert_close(sum_out + final.double(), sum_in, rtol=0, atol=1e-4)
+
+
+def test_topk_error_feedback_sends_every_coordinate_eventually() -> None:
+    # A constant gradient with magnitudes within 2x of each other: coordinates that are not
+    # sent grow in the residual until they are; none is starved.
+    n, ratio = 200, 0.05
+    g = torch.Generator().manual_seed(5)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    grad = sign * (0.5 + 0.5 * torch.rand(n, generator=g))
+    ef = ErrorFeedback("topk", ratio)
+    sent_once = torch.zeros(n, dtype=torch.bool)
+    total = torch.zeros(n, dtype=torch.float64)
+    steps = 120
+    for _ in range(steps):
+        sent = decode(ef.compress("w", grad), "topk", (n,))
+        sent_once |= sent != 0
+        total += sent.double()
+    assert bool(sent_once.all())
+    # Every coordinate got about steps * grad through (within what the residual still owes).
+    residual = ef.residual("w")
+    assert residual is not None
+    torch.testing.assert_close(total + residual.double(), steps * grad.double(), atol=1e-3, rtol=0)
+    # ... and what it owes stays bounded by about n/k steps' worth, however many steps ran.
+    k = topk_count(n, ratio)
+    assert float(residual.abs().max()) < 2 * (n / k) * float(grad.abs().max()) < steps * 0.5

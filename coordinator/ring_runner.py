@@ -1,0 +1,914 @@
+"""Ring rounds (aggregation = "ring") on the coordinator.
+
+`RingJobRunner` is a `JobRunner` whose rounds aggregate between the agents instead of on the
+parameter server. Node set, benchmarks, b_i (and local SGD's H), the epoch ledger, deadlines
+from the throughput estimates, round records and checkpoints are the parameter-server
+runner's; what differs, per round:
+
+1. Members and externals. A node that advertised a PeerService address is a ring *member*; a
+   node without one (``--no-peer``: behind NAT) is *external*: it computes as in PS mode and
+   pushes its update to the coordinator, which sums the externals' updates (scaled by b_j / B)
+   and serves that sum to the round's *gateway* member (PullParameters(external_round)), who
+   adds it to its buffer before the all-reduce. A ring job needs at least one member (PAUSED
+   otherwise, saying why).
+2. The ring. Order from `epochmesh.ring.ring_order` over what the coordinator measured of each
+   node (RTT and bandwidth towards the coordinator, from the job benchmark: pairwise figures
+   between agents are not measured, so nodes that see the coordinator alike sit next to each
+   other). Per-step deadline from `step_deadline_s` on the slowest member's bandwidth (a
+   default of 100 Mbit/s when a node measured none). B = sum of b_i over the attempt's members
+   and externals (Task.ring_total_samples). The attempt's deadline is the compute deadline
+   plus one state transfer plus 2(n-1) step deadlines (a backstop: failures are normally
+   reported by the members, or seen as silence, long before).
+3. Versions. All members start the round from version v (Task.params_version). The
+   coordinator tracks which version each member holds (that of its last successful ring
+   report); a node that does not hold v is told a member that does (state_source_*:
+   TransferState), or, when no live member does (the first round, after a restart), fetches v
+   from the coordinator, whose ParameterServer holds the initial state or the last checkpoint.
+   If neither exists (every holder died and the coordinator's state is older), the job rolls
+   back to its last checkpoint, exactly as after a coordinator restart.
+4. Outcome of an attempt. Success: every member reported success with params_version v+1 and
+   every external's update was in. All checksums equal -> the round commits (members and
+   externals), version v+1; any mismatch -> event "job.diverged" naming nodes and checksums,
+   and the job FAILS (never trains on divergent replicas). Failure (a member or external
+   failed, fell silent or offline, was named by a peer in failed_peer_node_id, missed the
+   deadline, or sent something invalid): the culprits leave the round (their slices return to
+   pending when the round closes: exactly once) and the round is retried on the survivors
+   with attempt+1 (same round number, same ranges, B recomputed; members go back to v from
+   their own snapshot, updates are reused), at most MAX_ATTEMPTS times; then the round is
+   aborted (all slices pending) and a new one planned. Event "round.retried" says who failed
+   and why. The retry starts as soon as a culprit is known (the survivors may be stuck in the
+   ring waiting for it); with only unexplained failure reports, the other members get a short
+   grace to report first. Culprits sit out the next rounds for one silence limit (a dead one
+   is found silent by then; a live one comes back). A deadline that passes with nobody having
+   reported, failed or fallen silent is extended (as in PS mode: the estimates were wrong).
+5. Checkpoints. Every checkpoint_every rounds, at an epoch's end, at the end of the job and
+   in rounds with a single member (the only holder of the new state), the rank-0 member of the
+   round gets push_state: it pushes its state after the step (UpdateHeader
+   kind "checkpoint", "param/<n>" + "optim/<key>/<n>" tensors). The coordinator checks the
+   version and that its parameters hash to the checksum the members agreed on, loads it into
+   its ParameterServer (version v+1) and writes the checkpoint as in PS mode; the job's result
+   comes from it. If the state does not arrive, the next round asks again; the job cannot end
+   without it (it rolls back to the last checkpoint instead, which keeps exactly-once).
+6. Restarts. Members produce version v+1 before the coordinator records the round, and key
+   ring attempts by (job, round, attempt), refusing old ones. So a restarted coordinator jumps
+   the version one further than PS mode does (past the in-flight round's v+1) and numbers
+   rounds past a persisted mark (written every ROUND_MARK_STEP rounds, ahead of use) instead
+   of after the last recorded round. Nobody holds the restored version: every member fetches
+   it (parameters and optimizer state) from the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from coordinator.job_runner import MAX_DEADLINE_EXTENSIONS, JobRunner, Part, RoundState
+from coordinator.store import AbortedError, FailedPreconditionError
+from epochmesh.errors import CodecError
+from epochmesh.optim import build_round_optimizer, load_optimizer_state_tensors
+from epochmesh.ring import RING_CODECS, ring_order, step_deadline_s
+from epochmesh.tensors import encode_bundle, params_checksum
+from epochmesh.v1 import agent_pb2, common_pb2
+
+if TYPE_CHECKING:
+    from coordinator.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# A round is formed at most this many times (the first attempt and two retries).
+MAX_ATTEMPTS = 3
+# Least per-step deadline: a neighbour's stall on a loaded host (GC, scheduling) is not death;
+# a dead neighbour is found faster anyway (its stream breaks, or it falls silent).
+STEP_DEADLINE_FLOOR_S = 3.0
+# Bandwidth assumed for a node that measured none (bytes/s): 100 Mbit/s.
+DEFAULT_BANDWIDTH = 12.5e6
+# The rank-0 member's pushed state is awaited at least this long after the round succeeded.
+CHECKPOINT_WAIT_MIN_S = 5.0
+# Part statuses of a ring round that take a node out of the round.
+DEAD = ("failed", "late", "rejected")
+# Round numbers handed out are persisted as a high-water mark this far ahead (one store write per
+# this many rounds): agents key ring attempts by (job, round, attempt) and refuse old ones, so a
+# restarted coordinator must not number a round as one that was in flight before.
+ROUND_MARK_STEP = 64
+ROUND_MARK_KEY = "ring_round_mark"
+PARAM_PREFIX = "param/"
+OPTIM_PREFIX = "optim/"
+_CHECKSUM = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass
+class RingAttempt:
+    """One formation of the ring within a round."""
+
+    number: int  # 0, 1, 2 (Task.ring.attempt)
+    order: list[str]  # members, ring order
+    externals: list[str]
+    total: int  # B: sum of local_batch over members and externals
+    gateway: str  # member that adds the externals' sum ("" without externals)
+    push_state_node: str  # member asked for its state after the round ("" when none is due)
+    step_deadline_s: float
+    deadline_s: float
+    started: float = field(default_factory=time.monotonic)
+    external_sum: tuple[common_pb2.TensorBundle, bytes] | None = None
+
+
+@dataclass
+class PushedState:
+    node_id: str
+    task_id: str
+    version: int
+    checksum: str  # of the pushed parameters, computed here
+    tensors: dict[str, torch.Tensor]
+
+
+class RingJobRunner(JobRunner):
+    def __init__(self, engine: Engine, job: common_pb2.Job) -> None:
+        super().__init__(engine, job)
+        self.ring_version = 0
+        self.holds: dict[str, int] = {}  # member -> the version it holds (last good report)
+        self.attempt: RingAttempt | None = None
+        self.pushed: PushedState | None = None
+        self._loaded_round = -1  # the round whose pushed state the ParameterServer holds
+        # A state push was due (checkpoint, epoch end) and did not arrive: ask every round.
+        self._state_overdue = False
+        self._round_mark = 0  # round numbers below this one may have been handed out
+        # Culprits of a failed attempt (node -> when): they sit out the following rounds for
+        # one silence limit, long enough for a dead one to be found silent.
+        self._suspects: dict[str, float] = {}
+
+    # -- versions and state ---------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self.ring_version
+
+    @property
+    def state_stale(self) -> bool:
+        """The ParameterServer holds an older state than the ring's (normal between
+        checkpoints: it can then serve neither checkpoints nor version v to a joiner)."""
+        return self.ps.version != self.ring_version
+
+    async def _restore(self) -> None:
+        """As in PS mode, and: versions go one further (the round in flight when the
+        coordinator stopped made version newest+1 on its members, unrecorded), and round
+        numbers continue past every one handed out (the persisted mark)."""
+        resumed = await self.ctx.store.latest_checkpoint(self.job_id) is not None
+        await super()._restore()
+        if resumed:
+            self.ps.version += 1
+            self.job.params_version = self.ps.version
+            await self.ctx.store.update_job(self.job)
+        raw = await self.ctx.store.get_job_state(self.job_id, ROUND_MARK_KEY)
+        self._round_mark = int(raw.decode()) if raw else 0
+        self.next_round = max(self.next_round, self._round_mark)
+        self.ring_version = self.ps.version
+        self.holds.clear()
+
+    async def _mark_round(self, round_id: int) -> None:
+        if round_id >= self._round_mark:
+            self._round_mark = round_id + ROUND_MARK_STEP
+            await self.ctx.store.put_job_state(
+                self.job_id, ROUND_MARK_KEY, str(self._round_mark).encode()
+            )
+
+    async def _checkpoint(self, last_round: int) -> None:
+        if self.state_stale:
+            self._state_overdue = True
+            log.warning(
+                "job %s: no checkpoint after round %d: the coordinator holds version %d, the "
+                "ring %d (the state is asked for again next round)",
+                self.job_id,
+                last_round,
+                self.ps.version,
+                self.ring_version,
+            )
+            return
+        await super()._checkpoint(last_round)
+
+    def _want_checkpoint(self, rs: RoundState) -> bool:
+        # The round asked for the state (K rounds, epoch end, or an overdue one) and got it.
+        return self._loaded_round == rs.round
+
+    async def _finish(self) -> None:
+        if self.state_stale:
+            await self._rollback(
+                f"the ring's final state (version {self.ring_version}) never reached the "
+                "coordinator"
+            )
+            return
+        await super()._finish()
+
+    async def _rollback(self, reason: str) -> None:
+        """Back to the last checkpoint, as after a coordinator restart: later rounds are rolled
+        back (their samples pending again) and the version jumps past every one handed out."""
+        await self.ctx.events.append(
+            "job.rolled_back",
+            job_id=self.job_id,
+            message=f"{reason}: resuming from the last checkpoint",
+        )
+        log.warning("job %s: %s: rolling back to the last checkpoint", self.job_id, reason)
+        await self._restore()
+        rates = self.estimator.rates([n for n in self.nodes if n in self.estimator])
+        for n in self.nodes:
+            if n in self.ledger.nodes or n not in rates:
+                continue
+            if self.ledger.nodes:
+                self.ledger.add_node(n, rates[n])
+            else:
+                self.ledger.assign_segments({n: rates[n]})
+
+    def _peer_address(self, node_id: str) -> str:
+        info = self.ctx.registry.get(node_id)
+        return info.peer_address if info is not None else ""
+
+    def _cannot_run(self, nodes: list[str]) -> str:
+        if any(self._peer_address(n) for n in nodes):
+            return ""
+        return (
+            f"waiting for a ring member: aggregation is 'ring' and none of the {len(nodes)} "
+            "node(s) runs a PeerService (agents started with --no-peer take part only through "
+            "a member)"
+        )
+
+    def _holder(self, version: int, among: list[str], besides: str) -> str:
+        """A member of ``among`` that holds ``version`` (not ``besides``), or ""."""
+        for n in among:
+            if n != besides and self.holds.get(n) == version:
+                return n
+        return ""
+
+    # -- measurements -----------------------------------------------------------------------------
+
+    def _numel(self) -> int:
+        return sum(p.numel() for p in self.ps.params.values())
+
+    def _bandwidth(self, nodes: list[str]) -> float:
+        figures = [
+            self.bench[n].bandwidth_bytes_per_second
+            for n in nodes
+            if n in self.bench and self.bench[n].bandwidth_bytes_per_second > 0
+        ]
+        return min(figures) if len(figures) == len(nodes) and figures else DEFAULT_BANDWIDTH
+
+    def _rtt_s(self, nodes: list[str]) -> float:
+        return max((self.bench[n].rtt_ms / 1000.0 for n in nodes if n in self.bench), default=0.0)
+
+    def _ring_codec(self) -> str:
+        codec = self.spec.compression or "none"
+        return codec if codec in RING_CODECS else "none"
+
+    # -- a round --------------------------------------------------------------------------------
+
+    async def _run_round(self, nodes: list[str]) -> None:
+        if self.ledger.complete:
+            await self._next_epoch()
+            return
+        nodes = await self._without_suspects(nodes)
+        if not nodes:
+            return
+        members = [n for n in nodes if self._peer_address(n)]
+        v = self.ring_version
+        if not self._holder(v, members, "") and self.state_stale:
+            await self._rollback(f"no live ring member holds version {v}")
+            return
+        round_id, parts, compute_deadline = self._plan_parts(nodes)
+        if not any(self._peer_address(n) for n in parts):
+            # The end of an epoch gave the last samples to external nodes only: plan again
+            # with the members alone (a ring round needs one).
+            self.ledger.abort_round(round_id)
+            round_id, parts, compute_deadline = self._plan_parts(members)
+        await self._mark_round(round_id)
+        for p in parts.values():
+            p.member = bool(self._peer_address(p.node_id))
+            p.required = True
+        rs = RoundState(
+            round=round_id,
+            epoch=self.ledger.epoch,
+            version=v,
+            deadline_s=compute_deadline,
+            parts=parts,
+        )
+        self.round_state = rs
+        self.pushed = None
+        push_state = (
+            self._state_overdue
+            or self.ledger.pending_count == 0  # the epoch (maybe the job) ends with this round
+            # A lone member would be the only holder of the new state: keep a copy here.
+            or sum(1 for p in parts.values() if p.member) == 1
+            or (
+                self.spec.checkpoint_every > 0
+                and (self.rounds_applied + 1) % self.spec.checkpoint_every == 0
+            )
+        )
+        outcome = "failed"
+        for number in range(MAX_ATTEMPTS):
+            survivors = [p for p in parts.values() if p.status not in DEAD]
+            if not any(p.member for p in survivors):
+                outcome = "no members"
+                break
+            if not self._start_attempt(rs, number, survivors, push_state, compute_deadline):
+                outcome = "no state"
+                break
+            await self.notify()
+            outcome = await self._wait_attempt(rs)
+            if outcome != "failed":
+                break
+            await self._retire_culprits(rs, last=number == MAX_ATTEMPTS - 1)
+        rs.closed = True
+        rs.waited_s = time.monotonic() - rs.started
+        if outcome == "ok":
+            await self._succeed(rs)
+            return
+        self.ledger.abort_round(round_id)
+        self.round_state = None
+        self.attempt = None
+        if outcome == "stopped":
+            return
+        if outcome == "no state":
+            await self._rollback(f"no live ring member holds version {v}")
+        elif outcome != "diverged":
+            await self.ctx.events.append(
+                "round.aborted",
+                job_id=self.job_id,
+                message=(
+                    f"round {round_id} aborted after {rs.attempts} attempt(s) ({outcome}); its "
+                    f"samples are pending again in epoch {rs.epoch + 1}"
+                ),
+                attrs={"round": str(round_id), "attempts": str(rs.attempts)},
+            )
+        self.engine.round_finished(self)
+        await self.notify()
+
+    async def _without_suspects(self, nodes: list[str]) -> list[str]:
+        """``nodes`` less the recent culprits; [] (after waiting a little) when the rest could
+        not run a round."""
+        now = time.monotonic()
+        limit = self.engine.silence_limit_s()
+        self._suspects = {n: t for n, t in self._suspects.items() if now - t < limit}
+        rest = [n for n in nodes if n not in self._suspects]
+        if len(rest) == len(nodes):
+            return nodes
+        if len(rest) >= max(1, self.spec.min_nodes) and not self._cannot_run(rest):
+            return rest
+        wait = min(self._suspects.values()) + limit - now
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout=max(0.01, wait))
+        except TimeoutError:
+            pass
+        return []
+
+    def _start_attempt(
+        self,
+        rs: RoundState,
+        number: int,
+        survivors: list[Part],
+        push_state: bool,
+        compute_deadline: float,
+    ) -> bool:
+        """Form the ring of attempt ``number`` and hand out its tasks; False when some node
+        cannot get the round's version."""
+        members = [p.node_id for p in survivors if p.member]
+        externals = sorted(p.node_id for p in survivors if not p.member)
+        rates = {n: self.bench[n] for n in members if n in self.bench}
+        order = ring_order(
+            members,
+            node_rtt_s={n: b.rtt_ms / 1000.0 for n, b in rates.items() if b.rtt_ms > 0},
+            node_bandwidth={
+                n: b.bandwidth_bytes_per_second
+                for n, b in rates.items()
+                if b.bandwidth_bytes_per_second > 0
+            },
+        )
+        bandwidth = self._bandwidth(order + externals)
+        rtt = self._rtt_s(order + externals)
+        step = step_deadline_s(
+            self._numel(),
+            len(order),
+            self._bandwidth(order),
+            rtt,
+            codec=self._ring_codec(),
+            floor_s=STEP_DEADLINE_FLOOR_S,
+        )
+        transfer = 4.0 * 2 * self.ps.num_bytes() / bandwidth + 2 * rtt
+        deadline = compute_deadline + transfer + 2 * (len(order) - 1) * step
+        v = rs.version
+        sources: dict[str, str] = {}
+        for n in order + (externals if number == 0 else []):
+            if n in order and self.holds.get(n) == v:
+                continue
+            holder = self._holder(v, order, n)
+            if not holder and self.state_stale:
+                return False
+            sources[n] = holder
+        att = RingAttempt(
+            number=number,
+            order=order,
+            externals=externals,
+            total=sum(rs.parts[n].local_batch for n in order + externals),
+            gateway=order[0] if externals else "",
+            push_state_node=order[0] if push_state else "",
+            step_deadline_s=step,
+            deadline_s=deadline,
+        )
+        self.attempt = att
+        rs.attempts = number + 1
+        self.pushed = None
+        now = time.monotonic()
+        for rank, n in enumerate(order):
+            part = rs.parts[n]
+            part.task_id = "t-" + uuid.uuid4().hex[:12]
+            part.status = "pending"
+            part.error = part.checksum = part.failed_peer = ""
+            part.handed_out = now
+            task = self._train_task(rs, part)
+            task.deadline_seconds = deadline
+            task.ring.CopyFrom(
+                common_pb2.RingAssignment(
+                    node_ids=order,
+                    peer_addresses=[self._peer_address(m) for m in order],
+                    rank=rank,
+                    attempt=number,
+                    deadline_seconds=step,
+                )
+            )
+            task.ring_total_samples = att.total
+            task.push_state = n == att.push_state_node
+            task.ring_gateway = n == att.gateway
+            self._set_source(task, sources.get(n))
+            self.engine.enqueue(n, task, self)
+        for n in externals:
+            part = rs.parts[n]
+            if number > 0:
+                continue  # its task of the first attempt goes on (or its update is in)
+            part.handed_out = now
+            task = self._train_task(rs, part)
+            task.deadline_seconds = deadline
+            task.ring_total_samples = att.total
+            self._set_source(task, sources.get(n))
+            self.engine.enqueue(n, task, self)
+        log.info(
+            "job %s round %d attempt %d: ring %s, %d external(s), B=%d, step deadline %.2fs, "
+            "deadline %.2fs, version %d%s",
+            self.job_id,
+            rs.round,
+            number,
+            ",".join(order),
+            len(externals),
+            att.total,
+            step,
+            deadline,
+            v,
+            ", push_state" if att.push_state_node else "",
+        )
+        return True
+
+    def _set_source(self, task: agent_pb2.Task, holder: str | None) -> None:
+        if holder:
+            task.state_source_node_id = holder
+            task.state_source_address = self._peer_address(holder)
+
+    async def _wait_attempt(self, rs: RoundState) -> str:
+        """Until every member reported, or a failure is known (plus a short grace for the
+        other members' reports, so that all culprits are named), or the deadline.
+        Returns "ok" | "failed" | "stopped"."""
+        att = self.attempt
+        assert att is not None
+        end = att.started + att.deadline_s
+        grace = max(1.0, att.step_deadline_s)
+        first_failure: float | None = None
+        check_every = max(0.02, self.ctx.registry.heartbeat_interval_s / 4)
+        next_check = time.monotonic() + check_every
+        members = [rs.parts[n] for n in att.order]
+        externals = [rs.parts[n] for n in att.externals]
+        extensions = 0
+        while True:
+            now = time.monotonic()
+            if self._stop.is_set():
+                return "stopped"
+            if now >= next_check:
+                self._fail_silent(rs)
+                next_check = now + check_every
+            failing = any(p.status in (*DEAD, "reported_failed") for p in members) or any(
+                p.status in DEAD for p in externals
+            )
+            waiting = [p for p in members if p.status == "pending"]
+            if not waiting:
+                ok = not failing and all(p.status == "received" for p in externals)
+                return "ok" if ok else "failed"
+            if failing:
+                if self._culprits_known(att, rs):
+                    return "failed"  # retry at once: the survivors may be stuck in the ring
+                first_failure = first_failure if first_failure is not None else now
+                if now - first_failure >= grace:
+                    return "failed"
+            if now >= end and self._extend_attempt(att, members, externals, extensions):
+                extensions += 1
+                end += att.deadline_s
+                continue
+            if now >= end:
+                for p in [*waiting, *(p for p in externals if p.status == "pending")]:
+                    p.status = "late"
+                    p.error = f"missed the attempt's {att.deadline_s:.2f}s deadline"
+                return "failed"
+            rs.changed.clear()
+            timeout = min(end, next_check) - now
+            if first_failure is not None:
+                timeout = min(timeout, first_failure + grace - now)
+            try:
+                await asyncio.wait_for(rs.changed.wait(), timeout=max(0.001, timeout))
+            except TimeoutError:
+                pass
+
+    def _culprits_known(self, att: RingAttempt, rs: RoundState) -> bool:
+        """A node of the attempt failed in the coordinator's own eyes (silent, offline,
+        refused), or a member named a peer of the attempt as failed."""
+        nodes = set(att.order) | set(att.externals)
+        return any(rs.parts[n].status in DEAD for n in nodes) or any(
+            rs.parts[n].status == "reported_failed" and rs.parts[n].failed_peer in nodes
+            for n in att.order
+        )
+
+    def _extend_attempt(
+        self, att: RingAttempt, members: list[Part], externals: list[Part], extensions: int
+    ) -> bool:
+        """As `JobRunner._extend_deadline`: wait once more as long when nobody reported and
+        nobody failed or fell silent (the estimates were wrong for everyone)."""
+        parts = [*members, *externals]
+        if extensions >= MAX_DEADLINE_EXTENSIONS or any(p.status != "pending" for p in parts):
+            return False
+        if any(self.engine.is_silent(p.node_id) for p in parts):
+            return False
+        log.info(
+            "job %s attempt %d: nobody reported within the %.2fs deadline; waiting as long "
+            "again (%d of %d)",
+            self.job_id,
+            att.number,
+            att.deadline_s,
+            extensions + 1,
+            MAX_DEADLINE_EXTENSIONS,
+        )
+        return True
+
+    async def _retire_culprits(self, rs: RoundState, last: bool) -> None:
+        """After a failed attempt: take the nodes that failed out of the round and say so."""
+        att = self.attempt
+        assert att is not None
+        nodes = att.order + att.externals
+        reasons: dict[str, str] = {}
+        for n in nodes:
+            p = rs.parts[n]
+            if p.status in DEAD:
+                reasons[n] = f"{p.status}: {p.error}"
+        named: dict[str, list[str]] = {}
+        for n in att.order:
+            p = rs.parts[n]
+            if p.status == "reported_failed" and p.failed_peer in nodes:
+                named.setdefault(p.failed_peer, []).append(n)
+        for culprit, reporters in named.items():
+            error = rs.parts[reporters[0]].error
+            seen = f"reported failed by {', '.join(reporters)} ({error})"
+            reasons[culprit] = f"{reasons[culprit]}; {seen}" if culprit in reasons else seen
+        if not reasons:
+            for n in att.order:
+                p = rs.parts[n]
+                if p.status == "reported_failed" and not p.failed_peer:
+                    reasons[n] = f"failed: {p.error}"
+        for n, why in reasons.items():
+            self._suspects[n] = time.monotonic()
+            p = rs.parts[n]
+            p.status = "failed"
+            p.error = why[:500]
+            self.holds.pop(n, None)
+            self._note_failure(n, why)
+        survivors = [n for n in att.order if n not in reasons]
+        what = "; ".join(f"{n} {why}" for n, why in sorted(reasons.items())) or "no node named"
+        if last:
+            message = (
+                f"round {rs.round} attempt {att.number + 1} failed ({what}); that was the last "
+                f"of {MAX_ATTEMPTS} attempts"
+            )
+        else:
+            message = (
+                f"round {rs.round} attempt {att.number + 1} failed ({what}); retrying with "
+                f"{len(survivors)} member(s)"
+            )
+        log.info("job %s: %s", self.job_id, message)
+        await self.ctx.events.append(
+            "round.retried",
+            job_id=self.job_id,
+            message=message,
+            attrs={
+                "round": str(rs.round),
+                "attempt": str(att.number),
+                "failed": ",".join(sorted(reasons)),
+                "reasons": what[:1000],
+                "survivors": ",".join(survivors),
+            },
+        )
+
+    async def _succeed(self, rs: RoundState) -> None:
+        att = self.attempt
+        assert att is not None
+        t0 = time.monotonic()
+        members = [rs.parts[n] for n in att.order]
+        checksums = {p.node_id: p.checksum for p in members}
+        if len(set(checksums.values())) != 1:
+            await self._diverged(rs, checksums)
+            return
+        agreed = members[0].checksum
+        new_version = rs.version + 1
+        loaded = False
+        if att.push_state_node:
+            loaded = await self._load_pushed_state(rs, agreed, new_version)
+        for n in att.order + att.externals:
+            p = rs.parts[n]
+            p.status = "applied"
+            p.grads = None
+        for n in att.order:
+            self.holds[n] = new_version
+        self.ring_version = new_version
+        if loaded:
+            self._loaded_round = rs.round
+        self._state_overdue = bool(att.push_state_node) and not loaded
+        self.attempt = None
+        self.pushed = None
+        await self._close_round(rs, t0)
+
+    async def _diverged(self, rs: RoundState, checksums: dict[str, str]) -> None:
+        groups: dict[str, list[str]] = {}
+        for n, c in sorted(checksums.items()):
+            groups.setdefault(c, []).append(n)
+        what = "; ".join(f"{c[:16]}: {', '.join(ns)}" for c, ns in groups.items())
+        message = (
+            f"replicas diverged in round {rs.round}: the members' parameter checksums after the "
+            f"step differ ({what}); the job stops rather than train on divergent replicas"
+        )
+        log.error("job %s: %s", self.job_id, message)
+        self.ledger.abort_round(rs.round)
+        self.round_state = None
+        self.attempt = None
+        await self.ctx.events.append(
+            "job.diverged",
+            job_id=self.job_id,
+            message=message,
+            attrs={
+                "round": str(rs.round),
+                "version": str(rs.version + 1),
+                **{f"checksum.{n}": c for n, c in checksums.items()},
+            },
+        )
+        await self._fail(message)
+        self.engine.round_finished(self)
+        await self.notify()
+
+    async def _load_pushed_state(self, rs: RoundState, agreed: str, version: int) -> bool:
+        """Wait for the rank-0 member's pushed state and load it into the ParameterServer."""
+        att = self.attempt
+        assert att is not None
+        node = att.push_state_node
+        bandwidth = self._bandwidth([node])
+        timeout = max(CHECKPOINT_WAIT_MIN_S, 4.0 * 2 * self.ps.num_bytes() / bandwidth)
+        end = time.monotonic() + timeout
+        while self.pushed is None and not self._stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0 or self.engine.is_silent(node):
+                break
+            rs.changed.clear()
+            try:
+                await asyncio.wait_for(rs.changed.wait(), timeout=min(left, 0.25))
+            except TimeoutError:
+                pass
+        pushed, self.pushed = self.pushed, None
+        if pushed is None:
+            log.warning(
+                "job %s round %d: %s did not push its state; asking again next round",
+                self.job_id,
+                rs.round,
+                node,
+            )
+            return False
+        if pushed.version != version or pushed.checksum != agreed:
+            await self.ctx.events.append(
+                "round.checkpoint_refused",
+                node_id=node,
+                job_id=self.job_id,
+                message=(
+                    f"the state {node} pushed after round {rs.round} (version {pushed.version}, "
+                    f"checksum {pushed.checksum[:16]}) is not the agreed one (version {version}, "
+                    f"checksum {agreed[:16]}); asking again next round"
+                ),
+            )
+            return False
+        await asyncio.to_thread(self.ps.load_state_tensors, pushed.tensors, version)
+        return True
+
+    # -- RPC-side entry points ------------------------------------------------------------------
+
+    def on_report(self, req: agent_pb2.ReportProgressRequest) -> None:
+        rs = self.round_state
+        att = self.attempt
+        if rs is None or rs.closed or att is None:
+            return
+        part = rs.parts.get(req.node_id)
+        if part is None or part.task_id != req.task_id:
+            return
+        if not part.member:
+            super().on_report(req)
+            return
+        if part.status != "pending":
+            return
+        if req.ring_attempt != att.number and not req.failed:
+            # The task id names the attempt; a success must also say which one it is about.
+            log.info(
+                "job %s round %d: %s reported success for attempt %d during attempt %d; ignored",
+                self.job_id,
+                rs.round,
+                req.node_id,
+                req.ring_attempt,
+                att.number,
+            )
+            return
+        if req.failed:
+            part.status = "reported_failed"
+            part.error = (req.error or "failed")[:500]
+            part.failed_peer = req.failed_peer_node_id[:128]
+        else:
+            problem = ""
+            if req.params_version != rs.version + 1:
+                problem = f"reported version {req.params_version}, the round makes {rs.version + 1}"
+            elif not _CHECKSUM.match(req.params_checksum):
+                problem = "params_checksum is not a sha256 hex digest"
+            elif not all(
+                math.isfinite(x) and x >= 0 for x in (req.compute_seconds, req.communicate_seconds)
+            ) or not math.isfinite(req.mean_loss):
+                problem = "non-finite loss or times"
+            if problem:
+                part.status = "rejected"
+                part.error = problem
+            else:
+                part.status = "reported"
+                part.checksum = req.params_checksum
+                part.mean_loss = req.mean_loss
+                part.compute_s = req.compute_seconds
+                part.comm_s = req.communicate_seconds
+                part.wall_s = time.monotonic() - part.handed_out
+                if req.samples_done != part.samples:
+                    log.warning(
+                        "job %s round %d: %s reports %d samples, its part has %d",
+                        self.job_id,
+                        rs.round,
+                        req.node_id,
+                        req.samples_done,
+                        part.samples,
+                    )
+        rs.touch()
+
+    def expected_samples(self, node_id: str, task_id: str) -> int | None:
+        rs = self.round_state
+        part = rs.parts.get(node_id) if rs is not None else None
+        if part is None or part.member:
+            return None  # members all-reduce; only externals push updates here
+        return super().expected_samples(node_id, task_id)
+
+    def task_is_live(self, node_id: str, task_id: str) -> bool:
+        return super().task_is_live(node_id, task_id) or self.wants_checkpoint(node_id, task_id)
+
+    def wants_checkpoint(self, node_id: str, task_id: str) -> bool:
+        rs = self.round_state
+        att = self.attempt
+        if rs is None or att is None or self.pushed is not None:
+            return False
+        part = rs.parts.get(node_id)
+        return (
+            att.push_state_node == node_id
+            and part is not None
+            and part.task_id == task_id
+            and part.status in ("pending", "reported")
+        )
+
+    async def submit_checkpoint(
+        self, header: agent_pb2.UpdateHeader, tensors: dict[str, torch.Tensor]
+    ) -> str:
+        rs = self.round_state
+        if rs is None or not self.wants_checkpoint(header.node_id, header.task_id):
+            return "no checkpoint of this task is expected (any more)"
+        if header.params_version != rs.version + 1:
+            raise CodecError(
+                f"checkpoint of version {header.params_version}; round {rs.round} makes "
+                f"version {rs.version + 1}"
+            )
+        params, checksum = await asyncio.to_thread(self._check_state, tensors)
+        if not self.wants_checkpoint(header.node_id, header.task_id):
+            return "no checkpoint of this task is expected (any more)"
+        self.pushed = PushedState(
+            node_id=header.node_id,
+            task_id=header.task_id,
+            version=header.params_version,
+            checksum=checksum,
+            tensors=tensors,
+        )
+        rs.touch()
+        return ""
+
+    def _check_state(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+        """Validate a pushed state against the job's parameters and round optimizer (names,
+        dtypes, shapes; the optimizer state must load); returns the parameters and their
+        checksum. CodecError otherwise."""
+        expected = self.ps.expected()
+        params: dict[str, torch.Tensor] = {}
+        for name, (dtype, shape) in expected.items():
+            t = tensors.get(PARAM_PREFIX + name)
+            if t is None:
+                raise CodecError(f"the state lacks parameter {name!r}")
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise CodecError(
+                    f"parameter {name!r} is {t.dtype} {list(t.shape)}, expected {dtype} "
+                    f"{list(shape)}"
+                )
+            params[name] = t
+        optim: dict[str, torch.Tensor] = {}
+        for key, t in tensors.items():
+            if key.startswith(PARAM_PREFIX):
+                if key[len(PARAM_PREFIX) :] not in expected:
+                    raise CodecError(f"the state holds an unknown parameter {key!r}")
+            elif key.startswith(OPTIM_PREFIX):
+                optim[key[len(OPTIM_PREFIX) :]] = t
+            else:
+                raise CodecError(f"state tensor {key!r} is neither param/<name> nor optim/<key>")
+        scratch = [torch.nn.Parameter(p.detach().clone()) for p in params.values()]
+        try:
+            load_optimizer_state_tensors(
+                build_round_optimizer(self.spec, scratch), list(params), optim
+            )
+        except ValueError as exc:
+            raise CodecError(f"optimizer state refused: {exc}") from None
+        return params, params_checksum(params)
+
+    async def parameters_payload(
+        self, req: agent_pb2.PullParametersRequest
+    ) -> tuple[int, common_pb2.TensorBundle, bytes]:
+        if req.external_round:
+            return await self._external_sum(req)
+        return await super().parameters_payload(req)
+
+    async def _external_sum(
+        self, req: agent_pb2.PullParametersRequest
+    ) -> tuple[int, common_pb2.TensorBundle, bytes]:
+        """The gateway's addend: sum over the attempt's externals of (b_j / B) * update_j, in
+        parameter order; waits for the externals up to the attempt's deadline."""
+        rs = self.round_state
+        att = self.attempt
+        if rs is None or att is None or rs.round != req.external_round:
+            raise FailedPreconditionError(f"round {req.external_round} is not open")
+        if att.gateway != req.node_id:
+            raise FailedPreconditionError(
+                f"node {req.node_id} is not the gateway of round {rs.round} attempt {att.number}"
+            )
+        end = att.started + att.deadline_s
+        while att.external_sum is None:
+            if self.attempt is not att or self.round_state is not rs or rs.closed:
+                raise AbortedError(f"attempt {att.number} of round {rs.round} is over")
+            parts = [rs.parts[n] for n in att.externals]
+            bad = [p for p in parts if p.status in DEAD]
+            if bad:
+                raise AbortedError(
+                    "external node(s) "
+                    + ", ".join(f"{p.node_id} ({p.status}: {p.error})" for p in bad)
+                    + f" failed; round {rs.round} is retried without them"
+                )
+            if all(p.status == "received" for p in parts):
+                att.external_sum = await asyncio.to_thread(self._sum_externals, parts, att.total)
+                break
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AbortedError(f"the externals of round {rs.round} missed its deadline")
+            rs.touched.clear()
+            try:
+                await asyncio.wait_for(rs.touched.wait(), timeout=min(left, 0.5))
+            except TimeoutError:
+                pass
+        header, data = att.external_sum
+        return rs.version, header, data
+
+    def _sum_externals(
+        self, parts: list[Part], total: int
+    ) -> tuple[common_pb2.TensorBundle, bytes]:
+        out: dict[str, torch.Tensor] = {}
+        for name in self.ps.names:
+            acc = torch.zeros_like(self.ps.params[name], dtype=torch.float32)
+            for p in sorted(parts, key=lambda p: p.node_id):
+                assert p.grads is not None
+                acc.add_(p.grads[name].to(torch.float32), alpha=p.local_batch / total)
+            out[name] = acc.detach()
+        return encode_bundle(out)
+
+
+__all__ = ["MAX_ATTEMPTS", "RingAttempt", "RingJobRunner"]

@@ -1,0 +1,217 @@
+"""Node agents played by the test itself over real gRPC + TLS, against an in-process coordinator
+with the real training engine.
+
+A `FakeAgent` registers with its own node certificate, heartbeats, answers BENCHMARK tasks with
+a given throughput, and hands every TRAIN task to the test's `on_train(agent, task)`: the test
+decides what the "agent" pushes or reports (honest pseudo-gradients, wrong codecs, divergent
+checksums, ...). Helpers pull parameters, push updates and report progress as an agent does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from epochmesh import identity as idm
+from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks
+from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
+
+if TYPE_CHECKING:
+    from coordinator.server import Coordinator
+    from epochmesh.packaging import PackedJob
+
+log = logging.getLogger(__name__)
+
+TrainHandler = Callable[["FakeAgent", agent_pb2.Task], Awaitable[None]]
+
+
+class FakeAgent:
+    def __init__(
+        self,
+        coord: Coordinator,
+        name: str,
+        samples_per_second: float,
+        on_train: TrainHandler,
+        *,
+        peer_address: str = "",
+    ) -> None:
+        self.coord = coord
+        self.name = name
+        self.rate = samples_per_second
+        self.on_train = on_train
+        self.peer_address = peer_address
+        self.node_id = ""
+        self.lease_id = ""
+        self.tasks: list[agent_pb2.Task] = []
+        self.errors: list[str] = []  # status code names (or reprs) of failed tasks
+        self._identity = coord.issue_identity("node")
+        self._stack = contextlib.AsyncExitStack()
+        self._loops: list[asyncio.Task[None]] = []
+        self.stub: agent_pb2_grpc.AgentServiceStub
+
+    async def start(self) -> FakeAgent:
+        channel = await self._stack.enter_async_context(
+            idm.secure_aio_channel(self.coord.address, self._identity)
+        )
+        self.stub = agent_pb2_grpc.AgentServiceStub(channel)
+        reg = await self.stub.Register(
+            agent_pb2.RegisterRequest(name=self.name, peer_address=self.peer_address), timeout=10
+        )
+        self.node_id, self.lease_id = reg.node_id, reg.lease_id
+        self._loops = [
+            asyncio.create_task(self._heartbeats(reg.heartbeat_interval_ms / 1000.0)),
+            asyncio.create_task(self._work()),
+        ]
+        return self
+
+    async def stop(self) -> None:
+        for t in self._loops:
+            t.cancel()
+        for t in self._loops:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self._stack.aclose()
+
+    def kill(self) -> None:
+        """Stop heartbeating and polling at once (a dead process, as the coordinator sees it)."""
+        for t in self._loops:
+            t.cancel()
+
+    async def _heartbeats(self, interval: float) -> None:
+        while True:
+            await self.stub.Heartbeat(
+                agent_pb2.HeartbeatRequest(node_id=self.node_id, lease_id=self.lease_id),
+                timeout=5,
+            )
+            await asyncio.sleep(interval / 3)
+
+    async def _work(self) -> None:
+        while True:
+            task = await self.stub.NextTask(
+                agent_pb2.NextTaskRequest(
+                    node_id=self.node_id, lease_id=self.lease_id, wait_ms=500
+                ),
+                timeout=10,
+            )
+            if task.kind == agent_pb2.TASK_KIND_BENCHMARK:
+                await self.stub.ReportBenchmark(
+                    agent_pb2.ReportBenchmarkRequest(
+                        node_id=self.node_id,
+                        lease_id=self.lease_id,
+                        task_id=task.task_id,
+                        result=common_pb2.BenchmarkResult(
+                            job_id=task.job_id,
+                            samples_per_second=self.rate,
+                            rtt_ms=1.0,
+                            bandwidth_bytes_per_second=1e9,
+                        ),
+                    ),
+                    timeout=10,
+                )
+            elif task.kind == agent_pb2.TASK_KIND_TRAIN:
+                self.tasks.append(task)
+                try:
+                    await self.on_train(self, task)
+                except grpc.RpcError as exc:
+                    log.info("%s: task %s: %s", self.name, task.task_id, exc)
+                    self.errors.append(exc.code().name if hasattr(exc, "code") else repr(exc))
+                except Exception as exc:  # the test's handler is broken: keep it visible
+                    log.exception("%s: task %s", self.name, task.task_id)
+                    self.errors.append(repr(exc))
+
+    # -- what an agent does ---------------------------------------------------------------------
+
+    async def pull(
+        self, job_id: str, version: int = 0, *, external_round: int = 0, optimizer: bool = False
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        header = None
+        assembler = None
+        async for msg in self.stub.PullParameters(
+            agent_pb2.PullParametersRequest(
+                node_id=self.node_id,
+                lease_id=self.lease_id,
+                job_id=job_id,
+                version=version,
+                external_round=external_round,
+                include_optimizer_state=optimizer,
+            ),
+            timeout=30,
+        ):
+            if msg.WhichOneof("part") == "header":
+                header = msg.header
+                assembler = BundleAssembler(header.bundle)
+            else:
+                assert assembler is not None
+                assembler.add(msg.chunk)
+        assert header is not None and assembler is not None
+        return header.version, {k: v.clone() for k, v in assembler.finish().items()}
+
+    async def push(
+        self,
+        task: agent_pb2.Task,
+        tensors: dict[str, torch.Tensor],
+        *,
+        kind: str,
+        num_samples: int,
+        mean_loss: float = 1.0,
+        compute_seconds: float = 0.01,
+        codec: str = "none",
+        bundle: tuple[common_pb2.TensorBundle, bytes] | None = None,
+        params_version: int = 0,
+    ) -> agent_pb2.PushUpdateResponse:
+        header, payload = bundle or encode_bundle(tensors, codec)
+        msgs = [
+            agent_pb2.PushUpdateRequest(
+                header=agent_pb2.UpdateHeader(
+                    node_id=self.node_id,
+                    lease_id=self.lease_id,
+                    task_id=task.task_id,
+                    job_id=task.job_id,
+                    round=task.round,
+                    num_samples=num_samples,
+                    mean_loss=mean_loss,
+                    compute_seconds=compute_seconds,
+                    bundle=header,
+                    kind=kind,
+                    params_version=params_version or task.params_version,
+                )
+            ),
+            *(agent_pb2.PushUpdateRequest(chunk=c) for c in iter_chunks(payload)),
+        ]
+        return await self.stub.PushUpdate(iter(msgs), timeout=30)
+
+    async def report(self, task: agent_pb2.Task, **fields: object) -> None:
+        await self.stub.ReportProgress(
+            agent_pb2.ReportProgressRequest(
+                node_id=self.node_id, lease_id=self.lease_id, task_id=task.task_id, **fields
+            ),
+            timeout=10,
+        )
+
+
+async def submit_packed(coord: Coordinator, packed: PackedJob) -> common_pb2.Job:
+    """Put the job's blobs into the coordinator's blob store and submit it over gRPC."""
+    program = await coord.blobs.put_bytes(packed.program)
+    state = await coord.blobs.put_bytes(packed.initial_state)
+    shards = []
+    for start, count, data in packed.shards:
+        ref = await coord.blobs.put_bytes(data)
+        shards.append(common_pb2.Shard(blob=ref, start=start, count=count))
+    async with idm.secure_aio_channel(coord.address, coord.issue_identity("submitter")) as ch:
+        jobs = job_pb2_grpc.JobServiceStub(ch)
+        return await jobs.SubmitJob(
+            job_pb2.SubmitJobRequest(
+                spec=packed.spec, program=program, initial_state=state, shards=shards
+            ),
+            timeout=60,
+        )
+
+
+def task_indices(task: agent_pb2.Task) -> list[int]:
+    return [i for r in task.ranges for i in range(r.start, r.stop)]

@@ -1,0 +1,367 @@
+"""The coordinator side of ring rounds, with the real engine over real gRPC + TLS; the agents are
+played by the test (tests/integration/fake_agent.py), so that failures and reports are exact.
+
+The fake members do not train (their "step" keeps the parameters as they are) and do not run
+the ring all-reduce between themselves: what is under test is the coordinator's round logic
+(tasks, retries, external contributions, checksums, state sources, checkpoints, records).
+Ring training with real agents is tests/system/test_ring_training.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import defaultdict
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from coordinator.engine import Engine
+from epochmesh import identity as idm
+from epochmesh.packaging import PackedJob, build_job
+from epochmesh.spec import load_spec
+from epochmesh.tensors import encode_bundle, params_checksum
+from epochmesh.v1 import (
+    agent_pb2,
+    common_pb2,
+    job_pb2,
+    job_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from tests.fixtures import write_mlp_job
+from tests.integration.fake_agent import FakeAgent, submit_packed, task_indices
+from tests.procs import async_wait_until, in_process_coordinator
+
+pytestmark = pytest.mark.timeout(60)
+
+NUM_SAMPLES = 96
+GLOBAL_BATCH = 16
+
+
+def ring_job(tmp_path: Path, **cluster: object) -> PackedJob:
+    job_toml = write_mlp_job(
+        tmp_path / "job",
+        NUM_SAMPLES,
+        overrides={
+            "train": {"epochs": 2, "global_batch": GLOBAL_BATCH},
+            "cluster": {"aggregation": "ring", "checkpoint_every": 2, **cluster},
+        },
+    )
+    return build_job(load_spec(job_toml), verify=False)
+
+
+class FakeMember:
+    """A ring member (or, without task.ring, an external node) that "trains" to the same
+    parameters it started from, so that every replica agrees."""
+
+    def __init__(self, world: dict) -> None:
+        self.world = world  # shared by the test's agents: killed ids, who reported what
+        self.params: dict[str, torch.Tensor] | None = None
+        self.version = -1
+        self.kill_at_round = 0
+        self.checksum_salt = ""
+
+    async def __call__(self, agent: FakeAgent, task: agent_pb2.Task) -> None:
+        if not task.ring.node_ids:  # external: a zero gradient through the coordinator
+            if task.state_source_node_id:
+                self.world["sourced"].append((agent.node_id, task.state_source_node_id))
+                names = self.world["names"]
+            else:
+                _, params = await agent.pull(task.job_id, task.params_version)
+                names = list(params)
+            zeros = {n: torch.zeros(self.world["shapes"][n]) for n in names}
+            await agent.push(task, zeros, kind="gradient", num_samples=len(task_indices(task)))
+            return
+        if self.kill_at_round and task.round >= self.kill_at_round:
+            self.world["killed"].add(agent.node_id)
+            agent.kill()  # as a kill -9: no report, no heartbeat from now on
+            return
+        v = task.params_version
+        if self.version != v:
+            if task.state_source_node_id:
+                self.world["sourced"].append((agent.node_id, task.state_source_node_id))
+                self.params = dict(self.world["states"][(task.state_source_node_id, v)])
+            else:
+                got, state = await agent.pull(task.job_id, v, optimizer=True)
+                assert got == v
+                self.params = {
+                    k.removeprefix("param/"): t for k, t in state.items() if k.startswith("param/")
+                }
+            self.version = v
+        assert self.params is not None
+        if task.ring_gateway:
+            _, ext = await agent.pull(task.job_id, external_round=task.round)
+            assert all(float(t.abs().max()) == 0.0 for t in ext.values())
+        self.world["tasks"].append(task)
+        # The "all-reduce": a barrier of the attempt's members; a member that died breaks it.
+        key = (task.round, task.ring.attempt)
+        self.world["present"][key].add(agent.node_id)
+
+        def ring_done() -> bool:
+            ring = set(task.ring.node_ids)
+            return ring <= self.world["present"][key] or bool(ring & self.world["killed"])
+
+        await async_wait_until(ring_done, timeout=10, message="fake ring never formed")
+        dead = [n for n in task.ring.node_ids if n in self.world["killed"]]
+        if dead:  # the ring broke: the dead member's stream ended
+            await agent.report(
+                task,
+                failed=True,
+                error=f"peer {dead[0]} stopped sending",
+                failed_peer_node_id=dead[0],
+                ring_attempt=task.ring.attempt,
+            )
+            return
+        self.world["states"][(agent.node_id, v)] = dict(self.params)
+        self.world["states"][(agent.node_id, v + 1)] = dict(self.params)
+        self.version = v + 1
+        checksum = params_checksum(self.params)
+        if self.checksum_salt:
+            checksum = hashlib.sha256((checksum + self.checksum_salt).encode()).hexdigest()
+        await agent.report(
+            task,
+            samples_done=len(task_indices(task)),
+            mean_loss=1.0,
+            compute_seconds=0.01,
+            communicate_seconds=0.01,
+            params_checksum=checksum,
+            ring_attempt=task.ring.attempt,
+            params_version=v + 1,
+        )
+        if task.push_state:
+            state = {f"param/{n}": t for n, t in self.params.items()}
+            reply = await agent.push(
+                task,
+                state,
+                kind="checkpoint",
+                num_samples=len(task_indices(task)),
+                bundle=encode_bundle(state),
+                params_version=v + 1,
+            )
+            self.world["checkpoints"].append((task.round, reply.accepted, reply.reason))
+
+
+def new_world(packed: PackedJob) -> dict:
+    from safetensors.torch import load as st_load
+
+    initial = st_load(packed.initial_state)
+    return {
+        "killed": set(),
+        "present": defaultdict(set),
+        "tasks": [],
+        "states": {},
+        "sourced": [],
+        "checkpoints": [],
+        "names": list(packed.state_names),
+        "shapes": {n: t.shape for n, t in initial.items()},
+    }
+
+
+async def run_job(coord, packed: PackedJob, terminal_ok: bool = False) -> tuple:
+    job = await submit_packed(coord, packed)
+    async with idm.secure_aio_channel(coord.address, coord.issue_identity("operator")) as ch:
+        jobs = job_pb2_grpc.JobServiceStub(ch)
+        sched = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+
+        async def finished() -> common_pb2.Job | None:
+            j = await jobs.GetJob(job_pb2.GetJobRequest(job_id=job.job_id))
+            if j.state == common_pb2.JOB_STATE_FAILED and not terminal_ok:
+                raise AssertionError(j.message)
+            done = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED)
+            return j if j.state in done else None
+
+        final = await async_wait_until(finished, timeout=40, message="job did not end")
+        rounds = list((await jobs.GetRounds(job_pb2.GetRoundsRequest(job_id=job.job_id))).rounds)
+        events = [
+            e
+            async for e in sched.WatchEvents(
+                scheduler_pb2.WatchEventsRequest(job_id=job.job_id), timeout=10
+            )
+        ]
+    return final, rounds, events
+
+
+def check_exactly_once(rounds: list[common_pb2.RoundRecord], epochs: int = 2) -> None:
+    by_epoch: dict[int, list[int]] = defaultdict(list)
+    for rnd in rounds:
+        for part in rnd.parts:
+            if part.status == "applied":
+                by_epoch[rnd.epoch].extend(i for r in part.ranges for i in range(r.start, r.stop))
+    assert sorted(by_epoch) == list(range(epochs))
+    for epoch, seen in by_epoch.items():
+        assert sorted(seen) == list(range(NUM_SAMPLES)), f"epoch {epoch} is not covered once"
+
+
+async def test_a_dead_member_is_retried_without_and_externals_go_through_the_gateway(
+    tmp_path: Path,
+) -> None:
+    packed = ring_job(tmp_path, min_nodes=3, max_nodes=4)
+    world = new_world(packed)
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+    ) as coord:
+        doomed = FakeMember(world)
+        doomed.kill_at_round = 3
+        agents = [
+            await FakeAgent(
+                coord, "m1", 200.0, FakeMember(world), peer_address="127.0.0.1:1"
+            ).start(),
+            await FakeAgent(
+                coord, "m2", 200.0, FakeMember(world), peer_address="127.0.0.1:2"
+            ).start(),
+            await FakeAgent(coord, "m3", 200.0, doomed, peer_address="127.0.0.1:3").start(),
+            await FakeAgent(coord, "ext", 200.0, FakeMember(world)).start(),
+        ]
+        try:
+            final, rounds, events = await run_job(coord, packed)
+        finally:
+            for a in agents:
+                await a.stop()
+    m1, m2, m3, ext = (a.node_id for a in agents)
+    assert final.state == common_pb2.JOB_STATE_SUCCEEDED
+    check_exactly_once(rounds)
+
+    # The round with the dead member: attempt 2 without it, its slice back to pending.
+    retried = [e for e in events if e.kind == "round.retried"]
+    assert retried and retried[0].attrs["failed"] == m3, [e.message for e in retried]
+    assert "reported failed by" in retried[0].message
+    rnd = next(r for r in rounds if r.round == int(retried[0].attrs["round"]))
+    assert rnd.attempts == 2
+    status = {p.node_id: p.status for p in rnd.parts}
+    assert status[m3] == "failed" and status[m1] == status[m2] == status[ext] == "applied"
+    assert all(r.attempts == 1 for r in rounds if r.round != rnd.round)
+    assert [r.params_version for r in rounds] == list(range(1, len(rounds) + 1))
+
+    # Tasks: B is the attempt's batch, the gateway is rank 0 and only with externals.
+    for task in world["tasks"]:
+        assert task.ring.node_ids[task.ring.rank] in (m1, m2, m3)
+        assert not task.ring_gateway or task.ring.rank == 0
+        assert task.ring.deadline_seconds >= 1.0
+        assert task.ring_total_samples <= GLOBAL_BATCH
+    assert any(t.ring_gateway for t in world["tasks"])
+    late = [t for t in world["tasks"] if t.round == rnd.round and t.ring.attempt == 1]
+    assert sorted(t.ring.node_ids[t.ring.rank] for t in late) == sorted([m1, m2])
+    # Members hold each version after the first round: the external gets it from one of them.
+    assert any(node == ext and source in (m1, m2, m3) for node, source in world["sourced"])
+    # Checkpoints were pushed by rank 0 and taken (every 2 rounds, epoch ends, the end), and
+    # only then.
+    assert world["checkpoints"] and all(ok for _, ok, _ in world["checkpoints"])
+    asked = {t.round for t in world["tasks"] if t.push_state}
+    assert len(asked) < len(rounds), asked
+    assert rounds[-1].round in asked
+
+
+async def test_a_checksum_mismatch_stops_the_job(tmp_path: Path) -> None:
+    packed = ring_job(tmp_path, min_nodes=2, max_nodes=2)
+    world = new_world(packed)
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+    ) as coord:
+        odd = FakeMember(world)
+        odd.checksum_salt = "bit flip"
+        agents = [
+            await FakeAgent(
+                coord, "m1", 200.0, FakeMember(world), peer_address="127.0.0.1:1"
+            ).start(),
+            await FakeAgent(coord, "m2", 200.0, odd, peer_address="127.0.0.1:2").start(),
+        ]
+        try:
+            final, rounds, events = await run_job(coord, packed, terminal_ok=True)
+        finally:
+            for a in agents:
+                await a.stop()
+    assert final.state == common_pb2.JOB_STATE_FAILED
+    assert "diverged" in final.message
+    diverged = [e for e in events if e.kind == "job.diverged"]
+    assert len(diverged) == 1
+    checksums = {k: v for k, v in diverged[0].attrs.items() if k.startswith("checksum.")}
+    assert set(checksums) == {f"checksum.{a.node_id}" for a in agents}
+    assert len(set(checksums.values())) == 2
+    assert rounds == []  # nothing was recorded as trained
+
+
+async def test_topk_with_a_ring_is_refused(tmp_path: Path) -> None:
+    job_toml = write_mlp_job(
+        tmp_path / "job",
+        NUM_SAMPLES,
+        overrides={"train": {"compression": "topk"}, "cluster": {"aggregation": "ring"}},
+    )
+    packed = build_job(load_spec(job_toml), verify=False)
+    async with in_process_coordinator(tmp_path / "coord", engine_factory=Engine) as coord:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await submit_packed(coord, packed)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "topk" in err.value.details() and "int8" in err.value.details()
+
+
+async def test_a_ring_job_without_members_waits_and_says_why(tmp_path: Path) -> None:
+    packed = ring_job(tmp_path, min_nodes=1, max_nodes=2)
+    world = new_world(packed)
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+    ) as coord:
+        agent = await FakeAgent(coord, "ext", 200.0, FakeMember(world)).start()
+        try:
+            job = await submit_packed(coord, packed)
+            async with idm.secure_aio_channel(
+                coord.address, coord.issue_identity("operator")
+            ) as ch:
+                jobs = job_pb2_grpc.JobServiceStub(ch)
+
+                async def paused() -> common_pb2.Job | None:
+                    j = await jobs.GetJob(job_pb2.GetJobRequest(job_id=job.job_id))
+                    return j if j.state == common_pb2.JOB_STATE_PAUSED else None
+
+                j = await async_wait_until(paused, timeout=20, message="job never paused")
+        finally:
+            await agent.stop()
+    assert "PeerService" in j.message and "ring" in j.message
+    assert world["tasks"] == []
+
+
+async def test_when_every_holder_of_the_state_dies_the_job_rolls_back_to_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Both members die in round 4 (the last checkpoint is older: every 5 rounds): nobody holds
+    the ring's version and the coordinator's is older, so when a new member comes the job goes
+    back to its checkpoint (later rounds rolled back, their samples pending again) and ends
+    with every epoch covered exactly once by the live rounds."""
+    packed = ring_job(tmp_path, min_nodes=1, max_nodes=2, checkpoint_every=5)
+    world = new_world(packed)
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+    ) as coord:
+        doomed = [FakeMember(world), FakeMember(world)]
+        for m in doomed:
+            m.kill_at_round = 4
+        agents = [
+            await FakeAgent(coord, f"m{i}", 200.0, m, peer_address=f"127.0.0.1:{i}").start()
+            for i, m in enumerate(doomed, start=1)
+        ]
+
+        async def late_joiner() -> None:
+            await async_wait_until(lambda: len(world["killed"]) == 2, timeout=30)
+            agents.append(
+                await FakeAgent(
+                    coord, "m3", 200.0, FakeMember(world), peer_address="127.0.0.1:3"
+                ).start()
+            )
+
+        joiner = asyncio.ensure_future(late_joiner())
+        try:
+            final, rounds, events = await run_job(coord, packed)
+        finally:
+            await joiner
+            for a in agents:
+                await a.stop()
+    assert final.state == common_pb2.JOB_STATE_SUCCEEDED
+    check_exactly_once(rounds)
+    kinds = [e.kind for e in events]
+    assert "job.rolled_back" in kinds and "job.restored" in kinds, kinds
+    restored = next(e for e in events if e.kind == "job.restored")
+    assert int(restored.attrs["rolled_back"]) >= 1
+    m3 = agents[2].node_id
+    assert all(p.node_id == m3 for r in rounds if r.round > 4 for p in r.parts)

@@ -1,0 +1,387 @@
+"""The agent's round computations without networking: local SGD's inner loop against a plain
+eager PyTorch loop, the sync-mode gradient, slicing, compression with error feedback, and
+taking parameters out of a peer's state transfer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from epochmesh.compression import ErrorFeedback, decode
+from epochmesh.dataset import ShardedDataset
+from epochmesh.optim import build_optimizer
+from epochmesh.packaging import PackedJob, build_job
+from epochmesh.program import TrainableProgram
+from epochmesh.spec import load_spec
+from epochmesh.tensors import decode_bundle, from_safetensors
+from epochmesh.v1 import agent_pb2, common_pb2
+from node_agent.cache import BlobCache
+from node_agent.connection import CoordinatorConnection
+from node_agent.identity import set_insecure
+from node_agent.peer import PeerServer, StateSnapshot
+from node_agent.slowdown import SlowdownController
+from node_agent.tasks import TaskContext
+from node_agent.trainer import (
+    KIND_GRADIENT,
+    KIND_PSEUDO_GRADIENT,
+    ComputedUpdate,
+    LoadedJob,
+    encode_update,
+    ensure_params,
+    gradient_step,
+    inner_optimizer,
+    inner_step_slices,
+    job_error_feedback,
+    local_sgd_steps,
+    params_from_state,
+    state_source_address,
+)
+from tests.fixtures import make_classification, write_mlp_job
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 200
+LOCAL_SGD = {
+    "sync": "local_sgd",
+    "inner_steps": 4,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "lr": 0.1,
+    "momentum": 0.9,
+}
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
+    toml = write_mlp_job(tmp_path_factory.mktemp("mlp"), N, overrides={"train": LOCAL_SGD})
+    return build_job(load_spec(toml))
+
+
+@pytest.fixture
+def program(packed: PackedJob) -> TrainableProgram:
+    return TrainableProgram.from_bytes(packed.program, packed.initial_state)
+
+
+@pytest.fixture(scope="module")
+def dataset(packed: PackedJob) -> ShardedDataset:
+    return ShardedDataset(packed.shards, inputs=["x"], targets=["y"])
+
+
+def eager_model(packed: PackedJob) -> nn.Module:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model.load_state_dict(from_safetensors(packed.initial_state))
+    return model
+
+
+def eager_inner_loop(
+    model: nn.Module, opt: torch.optim.Optimizer, slices: Sequence[Sequence[int]]
+) -> tuple[dict[str, torch.Tensor], float]:
+    """Plain PyTorch: H steps, Δ = start − end, sample-weighted mean loss; model back at start."""
+    data = make_classification(N)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    total = 0.0
+    for idx in slices:
+        i = torch.tensor(list(idx))
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(data["x"][i]), data["y"][i])
+        loss.backward()
+        opt.step()
+        total += float(loss.detach()) * len(idx)
+    delta = {k: start[k] - p.detach() for k, p in model.named_parameters()}
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(start[k])
+    return delta, total / sum(len(s) for s in slices)
+
+
+def fake_clock(step: float = 1.0) -> Callable[[], float]:
+    t = [0.0]
+
+    def clock() -> float:
+        t[0] += step
+        return t[0]
+
+    return clock
+
+
+def test_inner_step_slices() -> None:
+    idx = list(range(100, 130))
+    assert inner_step_slices(idx, 10, 3) == [idx[0:10], idx[10:20], idx[20:30]]
+    # Near an epoch's end: fewer samples, the last step smaller.
+    assert inner_step_slices(idx[:25], 10, 3) == [idx[0:10], idx[10:20], idx[20:25]]
+    assert inner_step_slices(idx[:4], 10, 3) == [idx[0:4]]
+    assert inner_step_slices(idx[:10], 10, 1) == [idx[:10]]
+    with pytest.raises(ValueError, match="more than inner_steps"):
+        inner_step_slices(idx, 10, 2)
+    with pytest.raises(ValueError, match="no samples"):
+        inner_step_slices([], 10, 2)
+    with pytest.raises(ValueError, match="local_batch"):
+        inner_step_slices(idx, 0, 2)
+    with pytest.raises(ValueError, match="inner_steps"):
+        inner_step_slices(idx, 10, 0)
+
+
+def test_local_sgd_matches_eager_loop_and_keeps_optimizer_state(
+    packed: PackedJob, program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    opt = build_optimizer(packed.spec, program.parameters())
+    model = eager_model(packed)
+    ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    start = program.get_parameters()
+    # Two rounds on different samples, the second with a short last step; the inner
+    # optimizer's momentum carries over from round to round (DiLoCo), parameters do not.
+    for slices in (
+        inner_step_slices(range(0, 64), 16, 4),
+        inner_step_slices(range(64, 114), 16, 4),
+    ):
+        update = local_sgd_steps(program, opt, slices, dataset.get_batch, SlowdownController())
+        ref_delta, ref_loss = eager_inner_loop(model, ref_opt, slices)
+        assert update.kind == KIND_PSEUDO_GRADIENT
+        assert update.num_samples == sum(len(s) for s in slices)
+        assert update.steps == len(slices)
+        assert list(update.tensors) == program.param_names
+        for k, d in update.tensors.items():
+            assert d.dtype == torch.float32 and d.device.type == "cpu"
+            torch.testing.assert_close(d, ref_delta[k], rtol=0, atol=1e-6)
+        assert math.isclose(update.mean_loss, ref_loss, rel_tol=1e-5)
+        # The program is back at the round's parameters.
+        now = program.get_parameters()
+        assert all(torch.equal(now[k], start[k]) for k in start)
+    assert all("momentum_buffer" in opt.state[p] for p in program.parameters())
+
+
+def test_local_sgd_reduces_the_loss_of_its_samples(
+    packed: PackedJob, program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    opt = build_optimizer(packed.spec, program.parameters())
+    idx = list(range(0, 40))
+    inputs, targets = dataset.get_batch(idx)
+    before = program.loss(inputs, targets)
+    update = local_sgd_steps(program, opt, [idx] * 8, dataset.get_batch, SlowdownController())
+    program.set_parameters({k: p - update.tensors[k] for k, p in program.get_parameters().items()})
+    assert program.loss(inputs, targets) < before
+
+
+def test_compute_seconds_are_device_seconds_of_all_steps(
+    packed: PackedJob, program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    slept: list[float] = []
+    slow = SlowdownController(3.0, sleep=slept.append, clock=fake_clock(1.0))
+    opt = build_optimizer(packed.spec, program.parameters())
+    update = local_sgd_steps(
+        program, opt, inner_step_slices(range(30), 8, 4), dataset.get_batch, slow
+    )
+    # Each step "computes" 1 s on the fake clock: 3 device seconds each, 2 s of padding.
+    assert update.compute_s == pytest.approx(4 * 3.0)
+    assert len(slept) == 4 and all(s == pytest.approx(2.0) for s in slept)
+
+
+def test_a_step_that_raises_leaves_the_round_parameters(
+    packed: PackedJob, program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    opt = build_optimizer(packed.spec, program.parameters())
+    start = program.get_parameters()
+    calls = [0]
+
+    def cancel_on_third() -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("cancelled")
+
+    with pytest.raises(RuntimeError, match="cancelled"):
+        local_sgd_steps(
+            program,
+            opt,
+            inner_step_slices(range(40), 10, 4),
+            dataset.get_batch,
+            SlowdownController(),
+            cancel_on_third,
+        )
+    now = program.get_parameters()
+    assert all(torch.equal(now[k], start[k]) for k in start)
+    assert all(p.grad is None for p in program.parameters())
+
+
+def test_gradient_step_is_the_mean_loss_gradient(
+    program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    batch = dataset.get_batch(list(range(10, 42)))
+    update = gradient_step(program, batch, SlowdownController())
+    loss, grads = program.loss_and_grads(*batch)
+    assert update.kind == KIND_GRADIENT and update.num_samples == 32 and update.steps == 1
+    assert update.mean_loss == pytest.approx(loss)
+    for k, g in grads.items():
+        assert torch.equal(update.tensors[k], g)
+
+
+def spec_with(compression: str, ratio: float = 0.0) -> common_pb2.JobSpec:
+    return common_pb2.JobSpec(compression=compression, topk_ratio=ratio)
+
+
+def test_inner_optimizer_is_built_once_per_job(
+    packed: PackedJob, program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    job = LoadedJob(program=program, dataset=dataset)
+    opt = inner_optimizer(job, packed.spec)
+    assert inner_optimizer(job, packed.spec) is opt
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "topk"])
+def test_encode_update_uses_the_spec_codec_and_job_error_feedback(
+    program: TrainableProgram, dataset: ShardedDataset, codec: str
+) -> None:
+    job = LoadedJob(program=program, dataset=dataset)
+    spec = spec_with(codec, 0.1 if codec == "topk" else 0.0)
+    ef = job_error_feedback(job, spec)
+    assert (ef is not None) == (codec in ("int8", "topk"))
+    assert job_error_feedback(job, spec) is ef  # kept per job
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(p.shape, generator=g) for k, p in program.get_parameters().items()}
+    update = ComputedUpdate(KIND_PSEUDO_GRADIENT, tensors, 1.0, 0.1, 10)
+    header, payload = encode_update(update, spec, ef)
+    assert {t.codec for t in header.tensors} == {codec}
+    out = decode_bundle(header, payload)
+    for k, t in tensors.items():
+        if codec == "none":
+            assert torch.equal(out[k], t)
+        elif codec == "topk":
+            kept = out[k] != 0
+            assert torch.equal(out[k][kept], t[kept])
+            assert ef is not None
+            residual = ef.residual(k)
+            assert residual is not None and torch.equal(out[k] + residual, t)
+        else:
+            assert float((out[k] - t).abs().max()) < 0.05 * float(t.abs().max())
+
+
+def test_error_feedback_follows_a_changed_codec(
+    program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    job = LoadedJob(program=program, dataset=dataset)
+    first = job_error_feedback(job, spec_with("topk", 0.1))
+    assert first is not None
+    again = job_error_feedback(job, spec_with("topk", 0.2))
+    assert again is not None and again is not first and again.ratio == 0.2
+    assert job_error_feedback(job, spec_with("int8")) is not again
+    assert job_error_feedback(job, spec_with("fp16")) is None
+
+
+def test_error_feedback_rollback_snapshot_is_not_aliased() -> None:
+    # run_train_task snapshots ef.state_tensors() before encoding and restores it when the
+    # update is not applied: compress() must replace residuals, never modify them in place.
+    ef = ErrorFeedback("topk", 0.1)
+    ef.compress("w", torch.arange(20.0))
+    saved = ef.state_tensors()
+    before = saved["w"].clone()
+    ef.compress("w", torch.ones(20))
+    assert torch.equal(saved["w"], before)
+    ef.load_state_tensors(saved)
+    residual = ef.residual("w")
+    assert residual is not None and torch.equal(residual, before)
+    data = ErrorFeedback("topk", 0.1).compress("w", torch.arange(20.0))
+    assert decode(data, "topk", (20,)).count_nonzero() == 2
+
+
+def test_params_from_state(program: TrainableProgram) -> None:
+    params = program.get_parameters()
+    expected = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
+    state = {f"param/{k}": v for k, v in params.items()}
+    state["optim/momentum_buffer/0.weight"] = torch.zeros(1)
+    got = params_from_state(state, expected)
+    assert list(got) == list(params) and all(torch.equal(got[k], params[k]) for k in params)
+    missing = dict(state)
+    missing.pop("param/2.bias")
+    with pytest.raises(ValueError, match="lacks parameter '2.bias'"):
+        params_from_state(missing, expected)
+    wrong = dict(state)
+    wrong["param/2.bias"] = torch.zeros(5)
+    with pytest.raises(ValueError, match="'2.bias'"):
+        params_from_state(wrong, expected)
+
+
+def test_state_source_address(tmp_path: Path) -> None:
+    task = agent_pb2.Task(state_source_node_id="b")
+    task.ring.node_ids.extend(["a", "b"])
+    task.ring.peer_addresses.extend(["127.0.0.1:1", "127.0.0.1:2"])
+    assert state_source_address(task) == "127.0.0.1:2"
+    task.state_source_address = "10.0.0.1:5"
+    assert state_source_address(task) == "10.0.0.1:5"
+    with pytest.raises(ValueError, match="without an address"):
+        state_source_address(agent_pb2.Task(state_source_node_id="zz"))
+
+
+@pytest.fixture
+def plaintext_agent() -> Iterator[None]:
+    set_insecure(True)
+    try:
+        yield
+    finally:
+        set_insecure(False)
+
+
+@pytest.mark.timeout(30)
+async def test_ensure_params_takes_the_rounds_state_from_a_peer(
+    program: TrainableProgram, dataset: ShardedDataset, tmp_path: Path, plaintext_agent: None
+) -> None:
+    # A --no-peer node of a ring job: the round's parameters come from a member's
+    # PeerService (TransferState over real gRPC on loopback), not from the coordinator.
+    held = program.get_parameters()
+    served = {k: v + 1.0 for k, v in held.items()}
+    asked: list[tuple[str, int]] = []
+    serve_version = [7]
+
+    async def provider(job_id: str, version: int) -> StateSnapshot | None:
+        asked.append((job_id, version))
+        tensors = {f"param/{k}": v for k, v in served.items()}
+        tensors["optim/momentum_buffer/0.bias"] = torch.zeros(32)
+        return StateSnapshot(version=serve_version[0], tensors=tensors)
+
+    server = PeerServer("127.0.0.1:0", state_provider=provider, tune_malloc=False)
+    await server.start()
+    connection = CoordinatorConnection(
+        "127.0.0.1:1", tmp_path / "agent", lambda: agent_pb2.RegisterRequest()
+    )
+    try:
+        task = agent_pb2.Task(
+            task_id="t-1",
+            job_id="j-1",
+            params_version=7,
+            deadline_seconds=10,
+            state_source_node_id="n-member",
+            state_source_address=server.address,
+        )
+        ctx = TaskContext(
+            task=task,
+            connection=connection,
+            cache=BlobCache(tmp_path / "cache"),
+            device="cpu",
+            device_info=common_pb2.Device(),
+            slowdown=SlowdownController(),
+        )
+        job = LoadedJob(
+            program=program,
+            dataset=dataset,
+            version=6,
+            expected={k: (v.dtype, tuple(v.shape)) for k, v in held.items()},
+        )
+        await ensure_params(ctx, job, task)
+        assert job.version == 7 and asked == [("j-1", 7)]
+        now = program.get_parameters()
+        assert all(torch.equal(now[k], served[k]) for k in served)
+        await ensure_params(ctx, job, task)  # already held: no transfer
+        assert len(asked) == 1
+        # A peer that answers with another version than the round's is not trusted.
+        job.version = 6
+        serve_version[0] = 8
+        with pytest.raises(ValueError, match="sent version 8"):
+            await ensure_params(ctx, job, task)
+        assert job.version == 6
+    finally:
+        await server.stop()
+        await connection.close()
