@@ -186,15 +186,20 @@ def parse_ring_chunk(data: bytes) -> RingChunkView:
     """Parse a serialized RingChunk; the payload is a zero-copy view of `data`.
 
     Accepts any valid encoding (fields in any order, unknown fields skipped); the DataChunk
-    (field 9) must appear at most once.
+    (field 9) must appear at most once. One-byte tags and lengths (every field our senders
+    write except the chunk itself) take a fast path.
     """
     end = len(data)
     pos = 0
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int]] = []  # header fields, adjacent ones merged
     chunk_span: tuple[int, int] | None = None
     while pos < end:
         start = pos
-        tag, pos = _read_varint(data, pos, end)
+        tag = data[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _read_varint(data, pos, end)
         number, wire_type = tag >> 3, tag & 7
         if number == 0:
             raise WireError("field number 0")
@@ -208,11 +213,24 @@ def parse_ring_chunk(data: bytes) -> RingChunkView:
                 raise WireError("RingChunk.chunk runs past the end of the message")
             chunk_span = (pos, pos + length)
             pos += length
+            continue
+        if wire_type == 2 and pos < end and data[pos] < 0x80:
+            pos += 1 + data[pos]
+            if pos > end:
+                raise WireError("field runs past the end of the message")
+        elif wire_type == 0 and pos < end and data[pos] < 0x80:
+            pos += 1
         else:
             pos = _skip_field(data, pos, end, wire_type)
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], pos)
+        else:
             spans.append((start, pos))
     mv = memoryview(data)
-    header_bytes = b"".join(mv[a:b] for a, b in spans)
+    if len(spans) == 1:
+        header_bytes = data[spans[0][0] : spans[0][1]]
+    else:
+        header_bytes = b"".join([mv[a:b] for a, b in spans])
     try:
         head = peer_pb2.RingChunk.FromString(header_bytes)
     except Exception as exc:  # protobuf's DecodeError

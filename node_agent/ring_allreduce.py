@@ -32,12 +32,22 @@ attempt + 1.
 Wire codecs ("fp16", "bf16", "int8"): every chunk is encoded on the wire and accumulated in
 float32; the owner of a segment replaces its sum by decode(encode(sum)) and the all-gather
 forwards those encoded bytes untouched, so the result stays bit-identical across ranks.
+
+Cost. Everything that depends only on (ring size, buffer size, codec, rank) is planned once and
+cached (`_plan`): a round only prefixes the chunk headers with (job, round, attempt, sender).
+What is left per chunk is one copy into the frame, the reduction, and grpcio itself, which
+dominates: its Python data path copies every message twice on the way out and three times or
+more on the way in, with a thread hand-off per message each side. `scripts/bench_allreduce.py
+--floor` times that transport alone (our frames streamed around the ring, no ring logic);
+this ring runs at roughly 0.7-1.0 of it, and the floor itself at roughly 0.5-0.7 of gloo on
+loopback with 2 cores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -227,13 +237,13 @@ class _ReceiveSlot:
     def __init__(
         self,
         key: RingKey,
-        schedule: RingSchedule,
+        expect: Sequence[_Expect],
         rank: int,
         codec: str,
         buf: np.ndarray,
         node_ids: Sequence[str],
     ) -> None:
-        n = schedule.n
+        n = len(node_ids)
         self.key = key
         self.codec = codec
         self.left_node_id = node_ids[(rank - 1) % n]
@@ -241,26 +251,8 @@ class _ReceiveSlot:
         self.attached = False
         self._buf = buf
         self._tbuf = torch.from_numpy(buf)
-        self._expect: list[_Expect] = []
-        last_step = schedule.num_steps - 1
-        offsets = [_chunk_offsets(codec, schedule.segment_chunks(k)) for k in range(n)]
-        for t, seg, c in schedule.recv_order(rank):
-            lo, hi = schedule.segment_chunks(seg)[c]
-            offset = offsets[seg][c]
-            self._expect.append(
-                _Expect(
-                    phase=schedule.phase(t),
-                    step=schedule.phase_step(t),
-                    segment=seg,
-                    lo=lo,
-                    hi=hi,
-                    offset=offset,
-                    nbytes=compression.encoded_size(codec, hi - lo),
-                    reduce=t < n - 1,
-                    forward=codec != "none" and n - 1 <= t < last_step,
-                )
-            )
-        self.total = len(self._expect)
+        self._expect = expect
+        self.total = len(expect)
         self.pos = 0
         self.received_bytes = 0
         self._forward: dict[int, memoryview] = {}
@@ -405,9 +397,74 @@ class _Send:
     lo: int
     hi: int
     offset: int
-    header: bytes
+    suffix: bytes  # the chunk's own RingChunk fields; the attempt's prefix goes in front
     dep: int | None  # receive-order index this chunk waits for
     kind: str  # "local" | "final" (lossy owner's first all-gather send) | "forward"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything of one attempt that depends only on (n, numel, codec, rank)."""
+
+    schedule: RingSchedule
+    sends: tuple[_Send, ...]
+    expect: tuple[_Expect, ...]
+
+
+@functools.lru_cache(maxsize=16)
+def _plan(n: int, numel: int, codec: str, rank: int) -> _Plan:
+    """The send and receive plan of `rank`, built once per shape and reused every round.
+
+    A chunk's header is the attempt's prefix (job, round, attempt, sender: fields 1-4) followed
+    by `suffix` (phase, step, segment, spec, last); protobuf merges the two into one RingChunk.
+    """
+    sch = RingSchedule.build(n, numel, chunk_elems_for(codec))
+    offsets = [_chunk_offsets(codec, sch.segment_chunks(k)) for k in range(n)]
+    last_step = sch.num_steps - 1
+    expect: list[_Expect] = []
+    for t, seg, c in sch.recv_order(rank):
+        lo, hi = sch.segment_chunks(seg)[c]
+        expect.append(
+            _Expect(
+                phase=sch.phase(t),
+                step=sch.phase_step(t),
+                segment=seg,
+                lo=lo,
+                hi=hi,
+                offset=offsets[seg][c],
+                nbytes=compression.encoded_size(codec, hi - lo),
+                reduce=t < n - 1,
+                forward=codec != "none" and n - 1 <= t < last_step,
+            )
+        )
+    # Receive-order index of the first chunk of every step.
+    base = [0] * (sch.num_steps + 1)
+    for t in range(sch.num_steps):
+        base[t + 1] = base[t] + len(sch.segment_chunks(sch.recv_segment(rank, t)))
+    sends: list[_Send] = []
+    for t in range(sch.num_steps):
+        seg = sch.send_segment(rank, t)
+        chunks = sch.segment_chunks(seg)
+        for c, (lo, hi) in enumerate(chunks):
+            nbytes = compression.encoded_size(codec, hi - lo)
+            suffix = peer_pb2.RingChunk(
+                phase=sch.phase(t),
+                step=sch.phase_step(t),
+                segment=seg,
+                spec=common_pb2.TensorSpec(
+                    dtype="float32", shape=[hi - lo], codec=codec, nbytes=nbytes
+                ),
+                last=c == len(chunks) - 1,
+            ).SerializeToString()
+            if codec == "none" or t < n - 1:
+                kind = "local"
+            elif t == n - 1:
+                kind = "final"
+            else:
+                kind = "forward"
+            dep = None if t == 0 else base[t - 1] + c
+            sends.append(_Send(t, lo, hi, offsets[seg][c], suffix, dep, kind))
+    return _Plan(schedule=sch, sends=tuple(sends), expect=tuple(expect))
 
 
 class _RingRun:
@@ -441,50 +498,16 @@ class _RingRun:
         self.codec = codec
         self.tensor = buffer
         self.buf = buffer.numpy()
-        self.schedule = RingSchedule.build(n, buffer.numel(), chunk_elems_for(codec))
-        self.slot = _ReceiveSlot(self.key, self.schedule, self.rank, codec, self.buf, self.node_ids)
-        self.sends = self._plan_sends()
+        plan = _plan(n, buffer.numel(), codec, self.rank)
+        self.schedule = plan.schedule
+        self.slot = _ReceiveSlot(self.key, plan.expect, self.rank, codec, self.buf, self.node_ids)
+        self.sends = plan.sends
+        # Fields 1-4 of every chunk this attempt sends (job, round, attempt, sender).
+        self.prefix = ring_chunk_header(
+            job_id=job_id, round=round_, attempt=self.key[2], from_node_id=self.me, phase=""
+        )
         self.call: grpc.aio.StreamUnaryCall | None = None
         self.sent_bytes = 0
-
-    def _plan_sends(self) -> list[_Send]:
-        sch = self.schedule
-        n = sch.n
-        # Receive-order index of the first chunk of every step.
-        base = [0] * (sch.num_steps + 1)
-        for t in range(sch.num_steps):
-            base[t + 1] = base[t] + len(sch.segment_chunks(sch.recv_segment(self.rank, t)))
-        out: list[_Send] = []
-        for t in range(sch.num_steps):
-            seg = sch.send_segment(self.rank, t)
-            chunks = sch.segment_chunks(seg)
-            offset = 0
-            for c, (lo, hi) in enumerate(chunks):
-                nbytes = compression.encoded_size(self.codec, hi - lo)
-                spec = common_pb2.TensorSpec(
-                    dtype="float32", shape=[hi - lo], codec=self.codec, nbytes=nbytes
-                )
-                header = ring_chunk_header(
-                    job_id=self.key[0],
-                    round=self.key[1],
-                    attempt=self.key[2],
-                    from_node_id=self.me,
-                    phase=sch.phase(t),
-                    step=sch.phase_step(t),
-                    segment=seg,
-                    spec=spec,
-                    last=c == len(chunks) - 1,
-                )
-                if self.codec == "none" or t < n - 1:
-                    kind = "local"
-                elif t == n - 1:
-                    kind = "final"
-                else:
-                    kind = "forward"
-                dep = None if t == 0 else base[t - 1] + c
-                out.append(_Send(t, lo, hi, offset, header, dep, kind))
-                offset += nbytes
-        return out
 
     # -- the attempt -----------------------------------------------------------------------------
 
@@ -532,7 +555,8 @@ class _RingRun:
             if self.slot.failure is not None:
                 raise self.slot.failure
             payload = self._payload(s)
-            await self._write(call, frame_ring_chunk(s.header, s.offset, payload), s.t == 0)
+            frame = frame_ring_chunk(self.prefix + s.suffix, s.offset, payload)
+            await self._write(call, frame, s.t == 0)
             self.sent_bytes += memoryview(payload).nbytes
         try:
             async with asyncio.timeout(self.deadline_s):

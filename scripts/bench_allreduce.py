@@ -18,6 +18,13 @@ bit-identical on every rank (sha256 of the bytes), and equals gloo's within floa
 
 Only the data path is timed: the ring's per-round set-up (stream, schedule) is inside the
 timing, process start-up and the first warm-up repetition are not.
+
+`--floor` adds a third timed operation per repetition: the gRPC transport floor. Every rank
+streams exactly the frames our ring sends (same RingChunk bytes, built from the same buffer,
+1 MiB chunks) to its right neighbour over one grpc.aio client stream, into a handler that only
+counts them: no schedule, no waiting on the left neighbour, no reduction. Our ring cannot beat
+it, so `floor_vs_gloo` bounds the ratio any ring over PushChunks can reach on this machine, and
+`ours_vs_floor` says how much of the gap is our ring rather than the transport.
 """
 
 from __future__ import annotations
@@ -86,8 +93,12 @@ def _run_worker(
             ident = Identity(**args["identities"][rank])
         server = PeerServer("127.0.0.1:0", identity=ident)
         await server.start()
-        addr_queue.put((rank, server.address))
-        addresses = ring_conn.recv()
+        floor = _Floor(rank, n, x) if args["floor"] else None
+        floor_address = await floor.start() if floor is not None else ""
+        addr_queue.put((rank, server.address, floor_address))
+        addresses, floor_addresses = ring_conn.recv()
+        if floor is not None:
+            floor.connect(floor_addresses[(rank + 1) % n])
         node_ids = [f"node-{i}" for i in range(n)]
         transport = RingTransport.for_server(node_ids[rank], server, identity=ident)
         ring = Ring(node_ids, addresses, rank, attempt=0)
@@ -97,8 +108,9 @@ def _run_worker(
             rank=rank,
             world_size=n,
         )
-        times: dict[str, list[float]] = {"ours": [], "gloo": []}
-        cpu: dict[str, list[float]] = {"ours": [], "gloo": []}
+        names = ["ours", "gloo"] + (["floor"] if floor is not None else [])
+        times: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, list[float]] = {name: [] for name in names}
         digest = ""
         max_diff = 0.0
         close = True
@@ -123,15 +135,26 @@ def _run_worker(
             dist.all_reduce(ref)
             return time.perf_counter() - t0, time.process_time() - c0
 
+        async def run_floor() -> tuple[float, float]:
+            assert floor is not None
+            await asyncio.to_thread(dist.barrier)
+            t0, c0 = time.perf_counter(), time.process_time()
+            await floor.run()
+            return time.perf_counter() - t0, time.process_time() - c0
+
+        async def run(name: str, rep: int) -> tuple[float, float]:
+            if name == "ours":
+                return await run_ours(rep)
+            if name == "gloo":
+                return await asyncio.to_thread(run_gloo)
+            return await run_floor()
+
         for rep in range(args["warmup"] + args["reps"]):
-            if rep % 2 == 0:
-                t_ours = await run_ours(rep)
-                t_gloo = await asyncio.to_thread(run_gloo)
-            else:
-                t_gloo = await asyncio.to_thread(run_gloo)
-                t_ours = await run_ours(rep)
+            # Rotate the order, so that no operation always runs on a warmer machine.
+            shift = rep % len(names)
+            measured = {name: await run(name, rep) for name in names[shift:] + names[:shift]}
             if rep >= args["warmup"]:
-                for name, (wall, proc) in (("ours", t_ours), ("gloo", t_gloo)):
+                for name, (wall, proc) in measured.items():
                     times[name].append(wall)
                     cpu[name].append(proc)
             d = hashlib.sha256(ours.numpy().tobytes()).hexdigest()
@@ -145,6 +168,8 @@ def _run_worker(
         dist.destroy_process_group()
         await transport.close()
         await server.stop(None)
+        if floor is not None:
+            await floor.stop()
         return {
             "rank": rank,
             "times": times,
@@ -155,6 +180,100 @@ def _run_worker(
         }
 
     return asyncio.run(main())
+
+
+class _Floor:
+    """The gRPC transport floor: stream our ring's frames to the right neighbour, count the
+    left neighbour's, nothing else (see the module docstring)."""
+
+    METHOD = "/epochmesh.bench.Floor/Sink"
+
+    def __init__(self, rank: int, n: int, tensor: Any) -> None:
+        from epochmesh.ring import RingSchedule, chunk_elems_for
+        from node_agent.peer import ring_chunk_header
+
+        self.n = n
+        self.buf = tensor.numpy()
+        sch = RingSchedule.build(n, tensor.numel(), chunk_elems_for("none"))
+        self.sends: list[tuple[bytes, int, int, int]] = []
+        for t, seg, c in sch.send_order(rank):
+            lo, hi = sch.segment_chunks(seg)[c]
+            header = ring_chunk_header(
+                job_id="floor",
+                round=1,
+                attempt=0,
+                from_node_id=f"node-{rank}",
+                phase=sch.phase(t),
+                step=sch.phase_step(t),
+                segment=seg,
+                last=c == len(sch.segment_chunks(seg)) - 1,
+            )
+            self.sends.append((header, (lo - sch.segments[seg][0]) * 4, lo, hi))
+        # Payload bytes the left neighbour sends here (its frames carry a header on top).
+        self.expected = 4 * sum(
+            hi - lo
+            for seg in (sch.recv_segment(rank, t) for t in range(sch.num_steps))
+            for lo, hi in sch.segment_chunks(seg)
+        )
+        self._done: Any = None
+
+    async def start(self) -> str:
+        import asyncio
+
+        import grpc
+
+        from epochmesh.grpc_util import SERVER_OPTIONS
+
+        self._done = asyncio.Queue()
+
+        async def sink(requests: Any, context: Any) -> bytes:
+            received = 0
+            async for raw in requests:
+                received += len(raw)
+            await self._done.put(received)
+            return b""
+
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "epochmesh.bench.Floor",
+                    {"Sink": grpc.stream_unary_rpc_method_handler(sink)},
+                )
+            ]
+        )
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return f"127.0.0.1:{port}"
+
+    def connect(self, address: str) -> None:
+        import grpc
+
+        from epochmesh.grpc_util import CHANNEL_OPTIONS
+
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.method = self.channel.stream_unary(self.METHOD)
+
+    async def run(self) -> None:
+        import asyncio
+
+        from node_agent.peer import frame_ring_chunk
+
+        async def send() -> None:
+            call = self.method()
+            for header, offset, lo, hi in self.sends:
+                payload = memoryview(self.buf[lo:hi]).cast("B")
+                await call.write(frame_ring_chunk(header, offset, payload))
+            await call.done_writing()
+            await call
+
+        received, _ = await asyncio.gather(self._done.get(), send())
+        if received < self.expected:
+            raise RuntimeError(f"floor stream carried {received} bytes, less than {self.expected}")
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        await self.server.stop(None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,10 +290,18 @@ def main(argv: list[str] | None = None) -> int:
         help="our ring over mutual TLS with node certificates, as agents run it (gloo has no "
         "encryption, so the default compares plaintext with plaintext)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the gRPC transport floor: our frames streamed around the ring with no "
+        "ring logic (plaintext, codec none)",
+    )
     parser.add_argument("--timeout", type=float, default=110.0, help="whole benchmark, s")
     args = parser.parse_args(argv)
     if args.peers < 2 or args.mb < 1 or args.reps < 1:
         parser.error("need --peers >= 2, --mb >= 1, --reps >= 1")
+    if args.floor and (args.codec != "none" or args.tls):
+        parser.error("--floor measures plaintext frames of codec none")
     settings = vars(args)
     if args.tls:
         import tempfile
@@ -207,13 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     deadline = started + args.timeout
     results: list[dict[str, Any]] = []
     try:
-        addresses: dict[int, str] = {}
+        addresses: dict[int, tuple[str, str]] = {}
         while len(addresses) < args.peers:
-            rank, address = addr_queue.get(timeout=max(1.0, deadline - time.perf_counter()))
-            addresses[rank] = address
-        ring_addresses = [addresses[r] for r in range(args.peers)]
+            rank, address, floor_address = addr_queue.get(
+                timeout=max(1.0, deadline - time.perf_counter())
+            )
+            addresses[rank] = (address, floor_address)
+        ring_addresses = [addresses[r][0] for r in range(args.peers)]
+        floor_addresses = [addresses[r][1] for r in range(args.peers)]
         for parent_end, _ in pipes:
-            parent_end.send(ring_addresses)
+            parent_end.send((ring_addresses, floor_addresses))
         while len(results) < args.peers:
             res = result_queue.get(timeout=max(1.0, deadline - time.perf_counter()))
             if "error" in res:
@@ -261,12 +391,34 @@ def main(argv: list[str] | None = None) -> int:
         "identical_across_ranks": len(digests) == 1 and "differs-between-reps" not in digests,
         "sums_match_gloo": all(r["close"] for r in results),
         "max_abs_diff_vs_gloo": max(r["max_diff"] for r in results),
+        **_floor_figures(per_rep, bus, ours_bw, gloo_bw, args.floor),
         "cores": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(out))
     return 0
+
+
+def _floor_figures(
+    per_rep: Any, bus: float, ours_bw: list[float], gloo_bw: list[float], floor: bool
+) -> dict[str, Any]:
+    if not floor:
+        return {}
+    floor_s, floor_cpu = per_rep("floor")
+    floor_bw = [bus / t / 1e9 for t in floor_s]
+    return {
+        "floor_bus_gbps": round(statistics.median(floor_bw), 4),
+        "floor_vs_gloo": round(
+            statistics.median(f / g for f, g in zip(floor_bw, gloo_bw, strict=True)), 4
+        ),
+        "ours_vs_floor": round(
+            statistics.median(o / f for o, f in zip(ours_bw, floor_bw, strict=True)), 4
+        ),
+        "floor_seconds": round(statistics.median(floor_s), 4),
+        "floor_cpu_seconds": round(statistics.median(floor_cpu), 4),
+        "floor_runs_gbps": [round(b, 3) for b in floor_bw],
+    }
 
 
 if __name__ == "__main__":

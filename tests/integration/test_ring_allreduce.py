@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -212,6 +215,26 @@ async def test_late_neighbour_and_many_rounds_over_kept_channels() -> None:
         assert all(len(t._channels) == 1 for t in peers.transports)
 
 
+async def test_shapes_codecs_and_ranks_change_between_rounds() -> None:
+    """Each round plans for its own (size, codec, rank): plans cached from earlier rounds of
+    other shapes must not leak into it."""
+    async with started_peers(3) as peers:
+        rounds = [
+            (300_001, "none", [0, 1, 2]),
+            (40_000, "fp16", [2, 0, 1]),
+            (300_001, "none", [1, 2, 0]),
+        ]
+        for round_, (numel, codec, members) in enumerate(rounds):
+            inputs = [_data(m, numel, seed=round_) for m in members]  # in ring order
+            bufs = [x.clone() for x in inputs]
+            await _allreduce_all(peers, bufs, members=members, round_=round_, codec=codec)
+            if codec == "none":
+                want = _expected(inputs)
+                assert all(b.numpy().tobytes() == want for b in bufs)
+            else:
+                assert all(torch.equal(b, bufs[0]) for b in bufs)
+
+
 # ---------------------------------------------------------------------------------------------
 # The PeerService's refusals, framing, state transfer, ping
 
@@ -258,6 +281,33 @@ def test_framing_is_plain_protobuf() -> None:
         parse_ring_chunk(framed + framed[len(header) :])  # the chunk twice
     abort = parse_ring_chunk(abort_chunk(("j", 1, 0), "a", "dead"))
     assert abort.phase == "abort" and bytes(abort.payload) == b"dead"
+
+
+def test_framing_in_any_field_order_and_with_long_fields() -> None:
+    """parse_ring_chunk's fast path (one-byte tags and lengths) and its general path agree with
+    protobuf: chunk first, header fields on both sides of it, multi-byte lengths and tags."""
+    payload = np.arange(300, dtype=np.float32).tobytes()
+    long_id = "n" * 200  # a length that takes two varint bytes
+    head = peer_pb2.RingChunk(job_id="j", round=300, attempt=1, from_node_id=long_id)
+    tail = peer_pb2.RingChunk(phase="reduce_scatter", step=2, segment=1, last=True)
+    chunk = peer_pb2.RingChunk(chunk=common_pb2.DataChunk(offset=8, data=payload))
+    unknown = b"\xa8\x06\x05"  # field 101, varint: a two-byte tag
+    wires = [
+        chunk.SerializeToString() + head.SerializeToString() + tail.SerializeToString(),
+        head.SerializeToString() + chunk.SerializeToString() + unknown + tail.SerializeToString(),
+        unknown + tail.SerializeToString() + head.SerializeToString() + chunk.SerializeToString(),
+    ]
+    for wire in wires:
+        view = parse_ring_chunk(wire)
+        want = peer_pb2.RingChunk.FromString(wire)
+        assert (view.job_id, view.round, view.attempt, view.from_node_id) == ("j", 300, 1, long_id)
+        assert (view.phase, view.step, view.segment, view.last) == ("reduce_scatter", 2, 1, True)
+        assert view.offset == want.chunk.offset == 8 and bytes(view.payload) == payload
+    # A one-byte length that runs past the end, and a message cut right after a tag.
+    with pytest.raises(WireError):
+        parse_ring_chunk(b"\x0a\x05abc")
+    with pytest.raises(WireError):
+        parse_ring_chunk(head.SerializeToString() + b"\x10")
 
 
 async def test_refusals_for_expired_unknown_and_foreign_streams() -> None:
@@ -522,3 +572,39 @@ async def test_peer_process_dies_or_stalls_mid_reduce(mode: str) -> None:
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark script (issue 7's figure) still runs end to end
+
+
+@pytest.mark.timeout(150)
+def test_bench_script_compares_with_gloo_and_the_grpc_floor() -> None:
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(root / "scripts" / "bench_allreduce.py"),
+            "--peers",
+            "2",
+            "--mb",
+            "1",
+            "--reps",
+            "1",
+            "--warmup",
+            "0",
+            "--floor",
+            "--timeout",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["identical_across_ranks"] and figures["sums_match_gloo"]
+    for key in ("ours_bus_gbps", "gloo_bus_gbps", "floor_bus_gbps"):
+        assert figures[key] > 0
+    assert {"ratio", "floor_vs_gloo", "ours_vs_floor"} <= figures.keys()

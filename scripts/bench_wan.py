@@ -1,0 +1,596 @@
+"""Training over emulated WAN links: synchronous fp32 vs local SGD (DiLoCo) with int8.
+
+Three agents (`epochmesh-agent` processes, TLS on, enrolled with join tokens, see
+scripts/local_cluster.py) each dial the coordinator through their own emulated link
+(epochmesh/wan.py: a userspace TCP relay, 100 Mbit/s each way, 50 ms RTT). One coordinator,
+the same agents, and one job trained twice, one run after the other:
+
+  (b) sync = "local_sgd", compression = "int8": each round every node runs H = 700 inner SGD
+      steps (lr 0.1, momentum 0.9) on its b_i ~ 32-sample batches, pushes its int8
+      pseudo-gradient, and the coordinator applies outer Nesterov SGD (0.7, momentum 0.9);
+  (a) sync = "sync", compression = "none": every step pulls the fp32 parameters and pushes an
+      fp32 gradient (SGD lr 0.3, momentum 0.9: the best of 0.1 / 0.2 / 0.3 / 0.4 / 0.5 in a
+      single-process sweep; 0.5 diverges). Global batch 96 in both.
+
+The job: an MLP 128-640-640-10 (0.5 M parameters, 2.0 MB in fp32) regressing (MSE) a small
+random tanh teacher network on H x 96 Gaussian samples (see `dataset`). Its loss sits on a
+plateau near 0.2, then falls steadily for hundreds of steps with little batch-to-batch noise,
+so "the first round at or below the target" marks real progress in both runs (a noisy task
+lets the synchronous run cross a target by chance).
+
+Every agent emulates a device `--slowdown` (default 2) times slower than one core of this
+machine: compute is the agent's CPU time x F (node_agent/slowdown.py), so the three devices
+fit on the two shared cores. On a loaded machine (other processes competing for the cores)
+a step takes longer than F x its CPU time; that shows here as time neither computing nor
+communicating, so `load_avg` is part of the output: trust figures taken at a low load.
+
+Figures, all from the coordinator's round records and the relays' byte counters; each run's
+clock starts when its first round starts (enrolment, benchmarks and blob downloads left out):
+  - time_to_target_s: to the end of the first round whose recorded loss (the sample-weighted
+    mean training loss of the round; for (b) the mean over its inner steps) is <= --target.
+    (a) runs at most --sync-limit seconds of rounds; if it has not reached the target by then,
+    `time_to_target_s` is null and `time_to_target_at_least_s` the limit;
+  - utilisation: sum of the parts' compute seconds / (wall time x 3 nodes), over the rounds up
+    to the target; utilisation_after_round_1: the same over every round but the first (which
+    includes loading the program and first-round deadlines), (b) running --extra-rounds more
+    rounds after the target for it;
+  - bytes_up_per_sample / bytes_down_per_sample: bytes the relays carried agent->coordinator /
+    coordinator->agent during those rounds (sampled every 50 ms, interpolated at the rounds'
+    start and end times), per sample trained;
+  - time_to_loss_s: the same clock to the first round at or below 0.1, 0.05, 0.025, 0.015 and
+    0.01 (null: not reached before the run stopped), to show how the ratio depends on the
+    target;
+  - speedup: (a)'s time to target / (b)'s (speedup_at_least when (a) was stopped first).
+
+Prints ONE JSON line (progress on stderr). Targets: utilisation >= 0.9 for (b), speedup >= 10.
+
+Choosing H is a trade-off between those two. Utilisation needs rounds much longer than their
+fixed cost (measured ~1.2 s per round at a low load: parameter pull, update push, RTTs,
+aggregation, and each agent's per-step work outside its timed compute); the time to target
+grows with the round length (the first round starts from scratch, and a round's recorded loss
+is the mean over its inner steps, so (b) reaches the target at the end of round 2 at best).
+H = 700 (~6 s of compute per round) reaches it in 2 rounds; utilisation 0.9 would need ~11 s of
+compute per round (H ~ 1300), which about doubles (b)'s time to target.
+
+About 4-5 minutes:
+
+    .venv/bin/python scripts/bench_wan.py [--slowdown 2] [--inner-steps 700] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from local_cluster import LocalCluster, wait_for
+from safetensors.torch import save_file
+
+from epochmesh.timeutil import now_ms
+from epochmesh.v1 import (
+    common_pb2,
+    job_pb2,
+    job_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from epochmesh.wan import WanLink, WanThread, format_bandwidth, parse_bandwidth
+
+log = logging.getLogger("bench_wan")
+
+NODES = 3
+FEATURES = 128
+HIDDEN = 640  # default of --hidden: 0.5 M parameters, 2.0 MB in fp32
+OUTPUTS = 10
+TEACHER_HIDDEN = 16
+TEACHER_SCALE = 2.0
+
+MODEL = """
+from torch import nn
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear({features}, {hidden}), nn.Tanh(),
+        nn.Linear({hidden}, {hidden}), nn.Tanh(),
+        nn.Linear({hidden}, {outputs}),
+    )
+"""
+
+
+def model_source(hidden: int) -> str:
+    return MODEL.format(features=FEATURES, hidden=hidden, outputs=OUTPUTS)
+
+
+def num_parameters(hidden: int) -> int:
+    return FEATURES * hidden + hidden + hidden * hidden + hidden + hidden * OUTPUTS + OUTPUTS
+
+
+JOB = """name = "bench-wan-{mode}"
+[model]
+file = "model.py"
+loss = "mse"
+[data]
+train = "train.safetensors"
+inputs = ["x"]
+targets = ["y"]
+[train]
+epochs = 1000
+global_batch = {batch}
+optimizer = "sgd"
+lr = {lr}
+momentum = {momentum}
+seed = 0
+compression = "{compression}"
+sync = "{sync}"
+{local_sgd}
+[cluster]
+aggregation = "ps"
+min_nodes = {nodes}
+max_nodes = {nodes}
+checkpoint_every = 1000000
+"""
+
+TERMINAL = {
+    common_pb2.JOB_STATE_SUCCEEDED,
+    common_pb2.JOB_STATE_FAILED,
+    common_pb2.JOB_STATE_CANCELLED,
+}
+
+
+def dataset(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Teacher/student regression: x ~ N(0, 1) (128 features), y = a small random tanh network
+    of x (16 hidden units, 10 outputs), scaled to unit variance. The student (MSE loss) learns
+    the linear part at once, sits on a plateau near 0.2, then descends steadily: the loss keeps
+    falling over hundreds of steps with little batch-to-batch noise, so "first round at or
+    below the target" means the same thing in both runs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    w1 = torch.randn(FEATURES, TEACHER_HIDDEN, generator=g) * TEACHER_SCALE / math.sqrt(FEATURES)
+    w2 = torch.randn(TEACHER_HIDDEN, OUTPUTS, generator=g) / math.sqrt(TEACHER_HIDDEN)
+    y = torch.tanh(x @ w1) @ w2
+    return {"x": x.contiguous(), "y": (y / y.std()).contiguous()}
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    sync: str
+    compression: str
+    lr: float
+    momentum: float = 0.9
+    inner_steps: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def job_toml(self, batch: int) -> str:
+        local = ""
+        if self.sync == "local_sgd":
+            local = (
+                f'inner_steps = {self.inner_steps}\nouter_optimizer = "nesterov"\n'
+                f"outer_lr = {self.outer_lr}\nouter_momentum = {self.outer_momentum}"
+            )
+        return JOB.format(
+            mode=self.name,
+            batch=batch,
+            lr=self.lr,
+            momentum=self.momentum,
+            compression=self.compression,
+            sync=self.sync,
+            local_sgd=local,
+            nodes=NODES,
+        )
+
+
+class ByteSampler:
+    """Samples the relays' byte counters every `interval` seconds on a thread, so that bytes
+    between two wall-clock instants (round records carry epoch milliseconds) can be read."""
+
+    def __init__(self, wan: WanThread, interval: float = 0.05) -> None:
+        self.wan = wan
+        self.interval = interval
+        self.times: list[int] = []
+        self.up: list[int] = []
+        self.down: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="byte-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        stats = self.wan.stats()
+        self.times.append(now_ms())
+        self.up.append(sum(s.bytes_to_target for s in stats))
+        self.down.append(sum(s.bytes_to_client for s in stats))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def start(self) -> ByteSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def at(self, t_ms: int) -> tuple[float, float]:
+        """(up, down) bytes carried by wall-clock time t_ms (linear between samples)."""
+        i = bisect.bisect_right(self.times, t_ms)
+        if i == 0:
+            return float(self.up[0]), float(self.down[0])
+        if i >= len(self.times):
+            return float(self.up[-1]), float(self.down[-1])
+        t0, t1 = self.times[i - 1], self.times[i]
+        f = (t_ms - t0) / (t1 - t0) if t1 > t0 else 1.0
+        return (
+            self.up[i - 1] + f * (self.up[i] - self.up[i - 1]),
+            self.down[i - 1] + f * (self.down[i] - self.down[i - 1]),
+        )
+
+
+@dataclass
+class Run:
+    mode: Mode
+    records: list[common_pb2.RoundRecord] = field(default_factory=list)
+    target_index: int | None = None
+    stopped_after_s: float = 0.0
+    allocation: list[dict[str, Any]] = field(default_factory=list)
+
+
+def record_samples(r: common_pb2.RoundRecord) -> int:
+    return sum(
+        rg.stop - rg.start for p in r.parts if p.status in ("", "applied") for rg in p.ranges
+    )
+
+
+def wait_nodes(sched: scheduler_pb2_grpc.SchedulerServiceStub, n: int, timeout: float) -> None:
+    def ready() -> bool:
+        nodes = sched.ListNodes(scheduler_pb2.ListNodesRequest(), timeout=10).nodes
+        ok = [
+            x
+            for x in nodes
+            if x.state == common_pb2.NODE_STATE_ONLINE and x.benchmark.samples_per_second > 0
+        ]
+        return len(ok) >= n
+
+    wait_for(ready, timeout, f"{n} agents registered and benchmarked", interval=0.5)
+
+
+def run_all(
+    work: Path, modes: list[Mode], args: argparse.Namespace
+) -> list[tuple[Run, ByteSampler]]:
+    """One coordinator, NODES agents behind their links; the modes' jobs one after the other
+    (each job is cancelled once its figures are in, before the next one is submitted)."""
+    out: list[tuple[Run, ByteSampler]] = []
+    with LocalCluster(work) as cluster:
+        cluster.start_coordinator("--split", args.split)
+        links = [
+            WanLink(
+                "127.0.0.1:0",
+                cluster.address,
+                args.bandwidth,
+                args.rtt,
+                name=f"agent{i}",
+                seed=i,
+            )
+            for i in range(NODES)
+        ]
+        with WanThread(*links) as wan:
+            for i, link in enumerate(links):
+                cluster.start_agent(
+                    f"agent{i}",
+                    "--slowdown",
+                    str(args.slowdown),
+                    "--no-peer",
+                    "--drain-grace",
+                    "1",
+                    coordinator=link.address,
+                )
+            cluster.login()
+            with cluster.operator_channel() as channel:
+                jobs = job_pb2_grpc.JobServiceStub(channel)
+                sched = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+                wait_nodes(sched, NODES, 120)
+                data = dataset(args.samples)
+                for mode in modes:
+                    run = Run(mode)
+                    job_dir = work / mode.name
+                    job_dir.mkdir(parents=True, exist_ok=True)
+                    (job_dir / "model.py").write_text(model_source(args.hidden))
+                    save_file(data, str(job_dir / "train.safetensors"))
+                    (job_dir / "job.toml").write_text(mode.job_toml(args.batch))
+                    out_json = cluster.cli("submit", str(job_dir / "job.toml"), "--output", "json")
+                    job_id = json.loads(out_json)["job_id"]
+                    log.info("%s: job %s submitted", mode.name, job_id)
+                    sampler = ByteSampler(wan).start()
+                    try:
+                        follow(run, jobs, sched, job_id, args)
+                    finally:
+                        sampler.stop()
+                        job = jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=10)
+                        if job.state not in TERMINAL:
+                            jobs.CancelJob(job_pb2.CancelJobRequest(job_id=job_id), timeout=10)
+                        wait_nodes(sched, NODES, 60)
+                    out.append((run, sampler))
+    return out
+
+
+def follow(
+    run: Run,
+    jobs: job_pb2_grpc.JobServiceStub,
+    sched: scheduler_pb2_grpc.SchedulerServiceStub,
+    job_id: str,
+    args: argparse.Namespace,
+) -> None:
+    """Poll the rounds until the target loss is reached (then --extra-rounds more for the
+    steady-state figures), the time limit passes, or the job ends."""
+    limit = args.sync_limit if run.mode.sync == "sync" else args.local_limit
+    first_start: int | None = None
+    deadline = time.monotonic() + args.setup_limit
+    extra = 0
+    while True:
+        since = run.records[-1].round if run.records else 0
+        reply = jobs.GetRounds(
+            job_pb2.GetRoundsRequest(job_id=job_id, since_round=since, limit=0), timeout=10
+        )
+        for r in reply.rounds:
+            run.records.append(r)
+            if first_start is None:
+                first_start = r.started_ms
+                deadline = time.monotonic() - (now_ms() - first_start) / 1000.0 + limit
+                log.info("%s: first round recorded; limit %.0fs of rounds", run.mode.name, limit)
+            if run.target_index is None and r.loss <= args.target:
+                run.target_index = len(run.records) - 1
+                log.info(
+                    "%s: target %.3f reached in round %d (loss %.4f, %.1fs)",
+                    run.mode.name,
+                    args.target,
+                    r.round,
+                    r.loss,
+                    (r.finished_ms - first_start) / 1000.0,
+                )
+            elif run.target_index is not None:
+                extra += 1
+        if reply.rounds:
+            last = run.records[-1]
+            gap = (
+                (last.started_ms - run.records[-2].finished_ms) / 1000.0
+                if len(run.records) > 1
+                else 0.0
+            )
+            log.info(
+                "%s: round %d loss %.4f (%.2fs, %.2fs after the previous) parts %s",
+                run.mode.name,
+                last.round,
+                last.loss,
+                (last.finished_ms - last.started_ms) / 1000.0,
+                gap,
+                " ".join(
+                    f"{p.status}:b{p.local_batch}x{p.inner_steps}"
+                    f"/c{p.seconds:.2f}/m{p.communicate_seconds:.2f}"
+                    for p in last.parts
+                ),
+            )
+            if not run.allocation:
+                alloc = sched.GetAllocation(
+                    scheduler_pb2.GetAllocationRequest(job_id=job_id), timeout=10
+                )
+                run.allocation = [
+                    {
+                        "name": n.name,
+                        "rtt_ms": round(n.rtt_ms, 1),
+                        "bandwidth_mbit_s": round(n.bandwidth_bytes_per_second * 8 / 1e6, 1),
+                        "local_batch": n.local_batch,
+                    }
+                    for n in alloc.nodes
+                ]
+        wanted = args.extra_rounds if run.mode.sync == "local_sgd" else 0
+        if run.target_index is not None and extra >= wanted:
+            return
+        if time.monotonic() >= deadline:
+            if first_start is None:
+                raise RuntimeError(f"{run.mode.name}: no round within {args.setup_limit:.0f}s")
+            run.stopped_after_s = limit
+            log.info("%s: stopped after %.0fs of rounds", run.mode.name, limit)
+            return
+        job = jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=10)
+        if job.state in TERMINAL:
+            if job.state != common_pb2.JOB_STATE_SUCCEEDED:
+                raise RuntimeError(f"{run.mode.name}: job {job_id} ended: {job.message}")
+            return
+        time.sleep(args.poll)
+
+
+def finite(x: float, digits: int = 4) -> float | None:
+    """Rounded, or None for NaN/inf (a round with no applied part records loss NaN)."""
+    return round(x, digits) if math.isfinite(x) else None
+
+
+def window_figures(recs: list[common_pb2.RoundRecord]) -> tuple[float, float, float, int, int]:
+    """(wall s, compute s, communicate s, samples, node-steps) of consecutive rounds."""
+    wall = (recs[-1].finished_ms - recs[0].started_ms) / 1000.0
+    parts = [p for r in recs for p in r.parts if p.status in ("", "applied")]
+    return (
+        wall,
+        sum(p.seconds for p in parts),
+        sum(p.communicate_seconds for p in parts),
+        sum(record_samples(r) for r in recs),
+        sum(max(1, p.inner_steps) for p in parts),
+    )
+
+
+LOSS_MARKS = (0.1, 0.05, 0.025, 0.015, 0.01)
+
+
+def time_to_losses(recs: list[common_pb2.RoundRecord]) -> dict[str, float | None]:
+    """Seconds from the first round's start to the end of the first round at or below each
+    of LOSS_MARKS (null: not reached in the rounds seen), to show how the speed-up depends on
+    the target."""
+    out: dict[str, float | None] = {}
+    for mark in LOSS_MARKS:
+        hit = next((r for r in recs if r.loss <= mark), None)
+        out[f"{mark:g}"] = (
+            round((hit.finished_ms - recs[0].started_ms) / 1000.0, 2) if hit is not None else None
+        )
+    return out
+
+
+def figures(run: Run, sampler: ByteSampler) -> dict[str, Any]:
+    recs = run.records
+    if not recs:
+        raise RuntimeError(f"{run.mode.name}: no rounds recorded")
+    end = run.target_index if run.target_index is not None else len(recs) - 1
+    window = recs[: end + 1]
+    wall, compute, communicate, samples, steps = window_figures(window)
+    up0, down0 = sampler.at(window[0].started_ms)
+    up1, down1 = sampler.at(window[-1].finished_ms)
+    losses = [r.loss for r in recs if math.isfinite(r.loss)]
+    out: dict[str, Any] = {
+        "sync": run.mode.sync,
+        "compression": run.mode.compression,
+        "lr": run.mode.lr,
+        "inner_steps": run.mode.inner_steps,
+        "rounds": len(window),
+        "rounds_without_applied_part": sum(1 for r in window if not math.isfinite(r.loss)),
+        "samples": samples,
+        "time_to_target_s": round(wall, 2) if run.target_index is not None else None,
+        "wall_s": round(wall, 2),
+        "seconds_per_round": round(wall / len(window), 3),
+        "utilisation": round(compute / (wall * NODES), 3) if wall > 0 else None,
+        "compute_s": round(compute, 1),
+        "communicate_s": round(communicate, 1),
+        "compute_s_per_step": round(compute / steps, 4) if steps else None,
+        "samples_per_s": round(samples / wall, 1) if wall > 0 else None,
+        "bytes_up_per_sample": round((up1 - up0) / samples, 1) if samples else None,
+        "bytes_down_per_sample": round((down1 - down0) / samples, 1) if samples else None,
+        "loss_first_round": finite(recs[0].loss),
+        "loss_at_end": finite(window[-1].loss),
+        "best_loss": round(min(losses), 4) if losses else None,
+        "time_to_loss_s": time_to_losses(recs),
+    }
+    if run.target_index is None:
+        out["time_to_target_at_least_s"] = round(run.stopped_after_s or wall, 1)
+    if len(recs) > 2:
+        # Without round 1 (program load, first parameter pull, unobserved deadlines): the
+        # steady state, over every round seen (also those after the target).
+        w, c, _, _, _ = window_figures(recs[1:])
+        out["utilisation_after_round_1"] = round(c / (w * NODES), 3) if w > 0 else None
+    out["nodes"] = run.allocation
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bandwidth", type=parse_bandwidth, default=100e6, help="per link")
+    parser.add_argument("--rtt", type=float, default=50.0, help="ms, per link")
+    parser.add_argument("--slowdown", type=float, default=2.0, help="each agent's --slowdown")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="MLP width")
+    parser.add_argument("--batch", type=int, default=96, help="global batch (both runs)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (both)")
+    parser.add_argument("--sync-lr", type=float, default=0.3, help="(a): SGD lr")
+    parser.add_argument("--inner-lr", type=float, default=0.1, help="(b): inner SGD lr")
+    parser.add_argument("--inner-steps", type=int, default=700, help="(b): H")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="(b)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="(b)")
+    parser.add_argument("--samples", type=int, default=0, help="dataset size (0: H B)")
+    parser.add_argument("--target", type=float, default=0.015, help="target round loss")
+    parser.add_argument("--sync-limit", type=float, default=270.0, help="(a) at most, s")
+    parser.add_argument("--local-limit", type=float, default=90.0, help="(b) at most, s")
+    parser.add_argument("--setup-limit", type=float, default=120.0, help="until round 1, s")
+    parser.add_argument("--extra-rounds", type=int, default=2, help="(b): rounds after the target")
+    parser.add_argument(
+        "--split",
+        choices=("throughput", "equal"),
+        default="throughput",
+        help="coordinator --split (equal: every node gets B/3; the agents are identical)",
+    )
+    parser.add_argument("--poll", type=float, default=0.5, help="seconds between polls")
+    parser.add_argument("--modes", default="local,sync", help="which runs, in order")
+    parser.add_argument("--keep", type=Path, help="keep the work directory (logs) here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    modes = {
+        "sync": Mode("sync_fp32", "sync", "none", args.sync_lr, args.momentum),
+        "local": Mode(
+            "local_sgd_int8",
+            "local_sgd",
+            "int8",
+            args.inner_lr,
+            args.momentum,
+            args.inner_steps,
+            args.outer_lr,
+            args.outer_momentum,
+        ),
+    }
+    if args.samples <= 0:
+        args.samples = args.inner_steps * args.batch
+    chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in modes]
+    if unknown or not chosen:
+        parser.error(f"--modes: choose from sync, local (got {args.modes!r})")
+    work = args.keep or Path(tempfile.mkdtemp(prefix="epochmesh-bench-wan-"))
+    started = time.monotonic()
+    load_before = os.getloadavg()[0]
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for run, sampler in run_all(work, [modes[k] for k in chosen], args):
+            results[run.mode.name] = figures(run, sampler)
+            log.info("%s: %s", run.mode.name, json.dumps(results[run.mode.name]))
+    except grpc.RpcError as exc:
+        log.error("coordinator call failed: %s", exc)
+        return 1
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    out: dict[str, Any] = {
+        "link": {"bandwidth": format_bandwidth(args.bandwidth), "rtt_ms": args.rtt},
+        "nodes": NODES,
+        "agent_slowdown": args.slowdown,
+        "split": args.split,
+        "model": f"mlp {FEATURES}-{args.hidden}-{args.hidden}-{OUTPUTS}, mse",
+        "parameters": num_parameters(args.hidden),
+        "parameter_bytes_fp32": 4 * num_parameters(args.hidden),
+        "global_batch": args.batch,
+        "dataset_samples": args.samples,
+        "target_loss": args.target,
+        "cpu_cores": os.cpu_count(),
+        "load_avg": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
+        **results,
+    }
+    a, b = results.get("sync_fp32"), results.get("local_sgd_int8")
+    if a and b and b["time_to_target_s"]:
+        if a["time_to_target_s"] is not None:
+            out["speedup"] = round(a["time_to_target_s"] / b["time_to_target_s"], 2)
+        else:
+            out["speedup_at_least"] = round(
+                a["time_to_target_at_least_s"] / b["time_to_target_s"], 2
+            )
+    if a and b:
+        out["bytes_per_sample_ratio"] = round(
+            (a["bytes_up_per_sample"] + a["bytes_down_per_sample"])
+            / (b["bytes_up_per_sample"] + b["bytes_down_per_sample"]),
+            1,
+        )
+    out["script_seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
