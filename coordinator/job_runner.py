@@ -578,8 +578,7 @@ class JobRunner:
     def _plan_batches(self, nodes: list[str]) -> tuple[dict[str, int], set[str]]:
         """b_i of each node, and the best-effort nodes.
 
-        b_i is in proportion to each node's planning rate (min_time rounding of the
-        proportional shares: the sample a rounding hands out goes where it finishes first).
+        b_i is in proportion to each node's planning rate (largest remainder).
         Best-effort nodes are those whose proportional share is below one sample: split_batch
         still gives them one (so that they stay measured and get their share back when they
         speed up), but a single sample takes them longer than the round takes the others: the
@@ -597,7 +596,7 @@ class JobRunner:
             rates = dict.fromkeys(rates, 1.0)
         fluid = quotas(batch, rates, caps)
         slow = {n for n in nodes if fluid[n] < 1}
-        batches = split_batch(batch, rates, caps, rounding="min_time")
+        batches = split_batch(batch, rates, caps)
         return batches, (slow if len(slow) < len(nodes) else set())
 
     @property
