@@ -224,7 +224,9 @@ def test_allocation_shows_compute_vs_communicate_live_and_after(cluster: Setup) 
         nodes = doc["nodes"]
         if doc["source"] != "allocation" or len(nodes) != AGENTS:
             return None
-        if not all(n["compute_seconds"] > 0 and n["communicate_seconds"] > 0 for n in nodes):
+        # At least one node has finished a part (a slower node may not have yet, and the short
+        # job may end before every node has: the exact per-node sums are checked after it).
+        if not any(n["compute_seconds"] > 0 and n["communicate_seconds"] > 0 for n in nodes):
             return None
         return doc
 
