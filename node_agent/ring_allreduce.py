@@ -15,7 +15,9 @@ caller pre-scales its gradient (e.g. by b_i / B) so that the sum is the weighted
 Failures never hang. Every wait is bounded by `deadline_s` (the first step also by
 `join_timeout_s`, for neighbours still computing their gradient):
 
-- the right neighbour refuses or breaks the stream, or does not take a chunk in time: it failed;
+- the right neighbour does not take a chunk in time, or refuses or breaks the stream and does
+  not answer a ping: it failed (if it answers, wait up to `deadline_s` for a report naming
+  the node that failed further along, as below, then blame it);
 - the left neighbour's stream breaks or ends early, or sends a malformed chunk: it failed;
 - nothing arrives from the left in time: it is pinged; no answer: it failed; an answer (it is
   alive, so probably waiting on its own left): wait another `deadline_s` for a report from the
@@ -635,9 +637,23 @@ class _RingRun:
                 failed, details or "reported failed", reported_by=self.right, key=self.key
             )
         name = code.name if code is not None else type(exc).__name__
-        return RingPeerFailed(
+        own = RingPeerFailed(
             self.right, f"refused or broke the stream: {name} {details}", key=self.key
         )
+        # A right neighbour that ends our stream without naming anyone may have given up on a
+        # failure further along (its abort report to us can be a moment behind). If it still
+        # answers pings, wait for that report before blaming it.
+        if self.slot.failure is not None:
+            return self.slot.failure
+        try:
+            await self.transport.ping(self.right_address, self.right, self.probe_timeout_s)
+        except (TimeoutError, grpc.aio.AioRpcError, ValueError):
+            return own
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                return await asyncio.shield(self.slot.failed_future)
+        except TimeoutError:
+            return own
 
     async def _await_input(self, index: int, timeout: float) -> None:
         try:
