@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import grpc
 
 from epochmesh.grpc_util import CHANNEL_OPTIONS
-from epochmesh.identity import Identity, coordinator_channel_options, identity_credentials
+from epochmesh.identity import Identity, secure_aio_channel
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from node_agent.benchmark import bandwidth_bytes_per_second
@@ -138,11 +138,9 @@ def open_channel(address: str, identity: Identity | None = None) -> grpc.aio.Cha
     node's certificate when ``identity`` is given, else plaintext (--insecure)."""
     if identity is None:
         return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
-    return grpc.aio.secure_channel(
-        address,
-        identity_credentials(identity),
-        options=[*coordinator_channel_options(), *RECONNECT_OPTIONS],
-    )
+    # The signed call metadata is added by client interceptors on the event loop (grpc's
+    # call-credentials plugin would start a Python thread for every call).
+    return secure_aio_channel(address, identity, RECONNECT_OPTIONS)
 
 
 @dataclass

@@ -15,8 +15,9 @@ phase. Once all are registered, --duration seconds are measured. Prints one JSON
 Latency is the agent's view: from issuing Heartbeat to the response. The load generator runs on
 the same machine and competes with the coordinator for CPU; its CPU per 1000 heartbeats is
 reported too, and so is the busy CPU of everything else on the machine during the window
-(foreign_cores; tail latencies on a machine where other work takes cores are that work's, not
-the coordinator's: compare runs at similar foreign_cores).
+(foreign_cores), and the CPU the hypervisor withheld from this virtual machine (steal_cores):
+tail latencies on a machine where other work takes cores are that work's, not the
+coordinator's; compare runs at similar foreign_cores.
 
 TLS is on, as in production: the bench enrolls one operator identity with a real join token
 (`epochmesh-coordinator token create`) and every simulated agent calls with it (an operator may
@@ -152,6 +153,11 @@ def _busy_s() -> float:
     return float(t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0))
 
 
+def _steal_s() -> float:
+    """CPU time the hypervisor gave to other virtual machines while this one wanted it."""
+    return float(getattr(psutil.cpu_times(), "steal", 0.0))
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -281,8 +287,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             worker.stdin.flush()
         time.sleep(max(0.0, start - time.time()))
         cpu_start, clients_start, busy_start = cpu.cpu_times(), _cpu_s(clients), _busy_s()
+        steal_start = _steal_s()
         time.sleep(max(0.0, end - time.time()))
         cpu_end, clients_end, busy_end = cpu.cpu_times(), _cpu_s(clients), _busy_s()
+        steal = (_steal_s() - steal_start) / args.duration
         load = os.getloadavg()[0]
 
         latencies: list[float] = []
@@ -314,6 +322,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             else None,
             "tls": not args.insecure,
             "foreign_cores": round(foreign, 2),
+            "steal_cores": round(steal, 2),
             "load_avg_1m": round(load, 2),
             "duration_s": args.duration,
             "interval_s": args.interval,

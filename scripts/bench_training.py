@@ -5,8 +5,12 @@ tokens, see scripts/local_cluster.py) run the same job (a small convolutional cl
 per sample) several ways, in interleaved cycles so that a change of the machine's load hits every
 configuration alike:
 
-- solo x1 / x2 / x4: one agent (the others cordoned) -> each node's own samples/s;
+- solo x1 / x2 / x4: one agent (the others cordoned) -> each node's own samples/s, alone on
+  the host;
 - cluster: the three agents together, b_i split by measured throughput (the default);
+- together: the three agents at the same time, each on its own one-node job -> each node's
+  solo samples/s while the host carries the cluster's load (three agents computing), measured
+  over the window in which all three jobs run past their warm-up;
 - equal (once, on a second coordinator started with `--split equal`): every node gets B/3;
 - plain: a plain eager PyTorch loop (same model, batch, optimizer, one thread) in this process,
   right after each cycle's solo x1 run.
@@ -14,30 +18,37 @@ configuration alike:
 A configuration's throughput is the samples of its applied parts over the wall time from the
 first kept round's start to the last round's end, from the recorded rounds (the first --warmup
 rounds are left out: program load, first parameter pull, the estimator's first observation).
-The job is followed with one `epochmesh watch` stream (no polling processes during the rounds).
-Every cycle gives one ratio, cluster / (solo x1 + solo x2 + solo x4), taken from runs minutes
-apart; the figure is the median over cycles.
+Jobs are followed with `epochmesh watch` streams (no polling processes during the rounds).
+Each cycle gives cluster / (solo x1 + solo x2 + solo x4) and cluster / (sum of the together
+runs); the figures are medians over cycles.
+
+Why both: the emulated devices share this host's cores. Alone, a node has the host to itself;
+in the cluster the three agents need 1 + 1/2 + 1/4 cores of compute plus the coordinator, on a
+2-core host, and the fast agent then waits for a core now and then. The first ratio therefore
+mixes what the system costs with what the host can give; the second compares like with like
+(same host load) and measures what training the three nodes in lockstep costs against letting
+each train on its own.
 
 The machine is shared: for each run the script measures, from /proc, the CPU the benchmark's
-own processes used (coordinator, agents, the CLI) and the rest of the machine's busy CPU during
-the kept rounds ("foreign_cores", in cores; 2-core machine: 0 = quiet, 1 = one core taken by
-other work). Per-round analysis (to stderr, and with --keep to DIR/*.rounds.jsonl): each node's
-b_i, compute seconds, the rest of its round (parameter pull, update push, waiting for a core)
-and its idle time waiting for the round's slowest node.
+own processes used (coordinator, agents, the CLI), the rest of the machine's busy CPU during
+the kept rounds ("foreign_cores"; 0 = quiet, 1 = one core taken by other work) and the CPU the
+hypervisor withheld from this virtual machine ("steal_cores"). --wait-quiet waits before each
+run for the other work to calm down. Per-round analysis (to stderr, and with --keep in
+DIR/*.rounds.jsonl): each node's b_i, compute seconds, the rest of its round (parameter pull,
+update push, waiting for a core) and its idle time waiting for the round's slowest node.
 
-Emulation note: the three emulated devices share this machine's cores. A slowed agent computes
-at full speed and then sleeps (F - 1) x its CPU time; it needs only 1/F of a core, but when it
-computes at the same moment as the fast agent the kernel splits a core between them and the fast
-node, whose emulated device is a whole core, runs slower than it would alone. With --nice N (the
-default 10) the slowed agents run at that scheduling priority, in the solo runs and in the
-cluster alike, so that they take the CPU they need without taking it from the fast node (their
-sleep absorbs the wait); --nice 0 measures without.
+Emulation note: a slowed agent computes at full speed and then sleeps (F - 1) x its CPU time; it
+needs only 1/F of a core, but when it computes at the same moment as the fast agent the kernel
+splits a core between them and the fast node, whose emulated device is a whole core, runs slower
+than it would alone. With --nice N (the default 10) the slowed agents run at that scheduling
+priority, in every configuration alike, so that they take the CPU they need without taking it
+from the fast node (their sleep absorbs the wait); --nice 0 measures without.
 
-Prints one JSON line: cluster_over_sum_of_solos (target >= 0.85), equal_over_sum_of_solos,
-system_over_plain_loop (one agent through the whole system vs the plain loop, target >= 0.9),
-per-cycle ratios (also from median rounds: each run's median over rounds of samples / time
-since the previous round's end, which a few rounds delayed by other work do not move), load
-and foreign CPU of every run.
+Prints one JSON line: cluster_over_sum_of_solos (target >= 0.85),
+cluster_over_sum_of_concurrent_solos, equal_over_sum_of_solos, system_over_plain_loop (one agent
+through the whole system vs the plain loop, target >= 0.9), per-cycle ratios (also from median
+rounds: each run's median over rounds of samples / time since the previous round's end, which
+a few rounds delayed by other work do not move), load, foreign and stolen CPU of every run.
 
     .venv/bin/python scripts/bench_training.py [--cycles 3] [--rounds 24] [--batch 192]
 """
@@ -49,6 +60,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -65,6 +77,7 @@ from local_cluster import BIN, LocalCluster, wait_for
 from safetensors.torch import save_file
 
 SLOWDOWNS = (1, 2, 4)
+TOGETHER_EPOCHS = 20
 log = logging.getLogger("bench_training")
 
 MODEL = """
@@ -87,7 +100,7 @@ train = "train.safetensors"
 inputs = ["x"]
 targets = ["y"]
 [train]
-epochs = 1
+epochs = {epochs}
 global_batch = {batch}
 optimizer = "sgd"
 lr = 0.05
@@ -108,11 +121,13 @@ def dataset(n: int) -> dict[str, torch.Tensor]:
     return {"x": x, "y": (x.flatten(1) @ w).argmax(dim=1)}
 
 
-def write_job(d: Path, batch: int, rounds: int, nodes: int, name: str = "bench-conv") -> Path:
+def write_job(
+    d: Path, batch: int, rounds: int, nodes: int, name: str = "bench-conv", epochs: int = 1
+) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "model.py").write_text(MODEL)
     save_file(dataset(batch * rounds), str(d / "train.safetensors"))
-    (d / "job.toml").write_text(JOB.format(batch=batch, nodes=nodes, name=name))
+    (d / "job.toml").write_text(JOB.format(batch=batch, nodes=nodes, name=name, epochs=epochs))
     return d / "job.toml"
 
 
@@ -121,6 +136,11 @@ def write_job(d: Path, batch: int, rounds: int, nodes: int, name: str = "bench-c
 
 def _busy(t: Any) -> float:
     return float(t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0))
+
+
+def _steal(t: Any) -> float:
+    """CPU time the hypervisor gave to other machines while this one wanted it."""
+    return float(getattr(t, "steal", 0.0))
 
 
 class CpuSampler:
@@ -145,7 +165,9 @@ class CpuSampler:
                 own[name] = self.samples[-1][2].get(name, 0.0) if self.samples else 0.0
         t = os.times()
         own["bench"] = t.user + t.system + t.children_user + t.children_system
-        self.samples.append((time.time(), _busy(psutil.cpu_times()), own))
+        machine = psutil.cpu_times()
+        own["steal"] = _steal(machine)
+        self.samples.append((time.time(), _busy(machine), own))
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
@@ -173,12 +195,14 @@ class CpuSampler:
 
     def window(self, start: float, end: float) -> dict[str, float]:
         """Cores used in [start, end] (wall clock): each tracked process, the benchmark's
-        tooling, and `foreign` (the machine's busy CPU minus all of those)."""
+        tooling, `foreign` (the machine's busy CPU minus all of those) and `steal` (CPU the
+        hypervisor gave to other virtual machines)."""
         b0, o0 = self._at(start)
         b1, o1 = self._at(end)
         span = max(1e-6, end - start)
         out = {k: round((o1[k] - o0[k]) / span, 3) for k in o1}
-        out["foreign"] = round(max(0.0, (b1 - b0) / span - sum(out.values())), 3)
+        ours = sum(v for k, v in out.items() if k != "steal")
+        out["foreign"] = round(max(0.0, (b1 - b0) / span - ours), 3)
         return out
 
 
@@ -289,8 +313,25 @@ class Bench:
                 self.cluster.cli("cordon", name)
                 self.cordoned.add(name)
 
+    def wait_quiet(self) -> None:
+        """With --wait-quiet C: wait (at most --wait-max seconds) until the machine's busy CPU
+        outside this benchmark, over 3 s, is below C cores."""
+        limit = self.args.wait_quiet
+        if limit <= 0:
+            return
+        deadline = time.monotonic() + self.args.wait_max
+        while True:
+            t0 = time.time()
+            time.sleep(3.0)
+            cpu = self.sampler.window(t0, time.time())
+            foreign = cpu["foreign"] + cpu["steal"]
+            if foreign < limit or time.monotonic() >= deadline:
+                log.info("foreign load %.2f cores (waiting for < %.2f)", foreign, limit)
+                return
+
     def run(self, label: str, names: list[str]) -> Run:
         self.use(names)
+        self.wait_quiet()
         self.jobs += 1
         args = self.args
         job_toml = write_job(
@@ -322,6 +363,72 @@ class Bench:
         run = Run(label, throughput(kept), kept, cpu, load)
         log.info("%s: %s", label, json.dumps(run.summary(self.names)))
         return run
+
+    def run_together(self, label: str) -> dict[str, Run]:
+        """Every agent on its own one-node job, all at the same time: each node's solo speed
+        while the host carries the same load as in the cluster run (three agents computing).
+        Measured over the window in which all three jobs are past their warm-up (a job's
+        benchmark of a slowed node takes a while: the jobs run TOGETHER_EPOCHS epochs); the
+        jobs still running when the first one ends are cancelled."""
+        names = [f"x{s}" for s in SLOWDOWNS]
+        # Submit with every agent cordoned (the jobs wait), then release the agents together.
+        self.use([])
+        args = self.args
+        jobs: list[str] = []
+        for _ in names:
+            self.jobs += 1
+            job_toml = write_job(
+                self.work / f"job{self.jobs}",
+                args.batch,
+                args.rounds,
+                1,
+                f"bench-{label}",
+                epochs=TOGETHER_EPOCHS,
+            )
+            out = self.cluster.cli("submit", str(job_toml), "--output", "json")
+            jobs.append(json.loads(out)["job_id"])
+        self.wait_quiet()
+        self.use(names)
+        load = os.getloadavg()[0]
+        watches = [
+            subprocess.Popen(
+                [str(BIN / "epochmesh"), "--coordinator", self.cluster.address, "watch", job],
+                env=self.cluster.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for job in jobs
+        ]
+        try:
+            wait_for(lambda: any(w.poll() is not None for w in watches), 900, "a job's end", 0.5)
+        finally:
+            for job, w in zip(jobs, watches, strict=True):
+                if w.poll() is None:
+                    self.cluster.cli("cancel", job)
+                w.wait(timeout=60)
+        per_job = []
+        for job in jobs:
+            lines = self.cluster.cli("rounds", job, "--output", "json").splitlines()
+            per_job.append([json.loads(line) for line in lines if line.strip()])
+            if args.keep is not None:
+                (args.keep / f"{label}.{job}.rounds.jsonl").write_text("\n".join(lines) + "\n")
+        if any(len(r) <= args.warmup + 1 for r in per_job):
+            raise RuntimeError(f"{label}: a job ended before its warm-up; raise --rounds")
+        start = max(r[args.warmup]["started_ms"] for r in per_job)
+        end = min(r[-1]["finished_ms"] for r in per_job)
+        time.sleep(2 * self.sampler.period)
+        cpu = self.sampler.window(start / 1000.0, end / 1000.0)
+        out: dict[str, Run] = {}
+        for records in per_job:
+            kept = [r for r in records if r["started_ms"] >= start and r["finished_ms"] <= end]
+            if len(kept) < 2:
+                raise RuntimeError(f"{label}: under 2 rounds in the common window; raise --rounds")
+            node = self.names.get(kept[0]["parts"][0]["node_id"], "?")
+            out[node] = Run(f"{label}.{node}", throughput(kept), kept, cpu, load)
+            log.info("%s %s: %s", label, node, json.dumps(out[node].summary(self.names)))
+        if sorted(out) != sorted(names):
+            raise RuntimeError(f"{label}: the jobs ran on {sorted(out)}, not one per agent")
+        return out
 
 
 def plain_loop(batch: int, rounds: int, warmup: int) -> float:
@@ -355,11 +462,22 @@ def main() -> int:
         "--nice", type=int, default=10, help="scheduling priority of the slowed agents"
     )
     parser.add_argument("--no-equal", action="store_true", help="skip the equal-split run")
+    parser.add_argument("--no-together", action="store_true", help="skip the concurrent solo runs")
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="CORES",
+        help="before each run wait until other work on the machine uses fewer cores than this",
+    )
+    parser.add_argument("--wait-max", type=float, default=300.0, help="longest such wait (s)")
     parser.add_argument("--keep", type=Path, help="keep the work dir and round records here")
     args = parser.parse_args()
     if args.cycles < 1 or args.rounds <= args.warmup + 1:
         parser.error("need --cycles >= 1 and --rounds > --warmup + 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    # SIGTERM unwinds like an error, so that every process started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = args.keep or Path(tempfile.mkdtemp(prefix="epochmesh-bench-"))
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
@@ -384,6 +502,9 @@ def main() -> int:
                         # Right after the one-agent run, in the same conditions.
                         plains.append(plain_loop(args.batch, args.rounds, args.warmup))
                         log.info("plain loop: %.1f samples/s", plains[-1])
+                    if label == "cluster" and not args.no_together:
+                        for name, r in bench.run_together(f"together.{c}").items():
+                            runs[f"together_{name}"] = r
                 cycles.append(runs)
             names = bench.names
         finally:
@@ -402,6 +523,11 @@ def main() -> int:
         return sum(cycle[f"solo_x{s}"].samples_per_s for s in SLOWDOWNS)
 
     ratios = [c["cluster"].samples_per_s / solo_sum(c) for c in cycles]
+    together = [
+        c["cluster"].samples_per_s / sum(c[f"together_x{s}"].samples_per_s for s in SLOWDOWNS)
+        for c in cycles
+        if "together_x1" in c
+    ]
     robust = [
         median_throughput(c["cluster"].rounds)
         / sum(median_throughput(c[f"solo_x{s}"].rounds) for s in SLOWDOWNS)
@@ -410,6 +536,7 @@ def main() -> int:
     med = {label: statistics.median(c[label].samples_per_s for c in cycles) for label, _ in configs}
     total = sum(med[f"solo_x{s}"] for s in SLOWDOWNS)
     foreign = [round(r.cpu.get("foreign", 0.0), 2) for c in cycles for r in c.values()]
+    steal = [round(r.cpu.get("steal", 0.0), 2) for c in cycles for r in c.values()]
     out: dict[str, Any] = {
         "model": "conv 1x24x24 -> 32 -> 64 -> 8",
         "global_batch": args.batch,
@@ -423,6 +550,18 @@ def main() -> int:
         "cluster_over_sum_of_solos": round(statistics.median(ratios), 3),
         "cluster_over_sum_of_solos_per_cycle": [round(r, 3) for r in ratios],
         "median_round_ratio_per_cycle": [round(r, 3) for r in robust],
+        "cluster_over_sum_of_concurrent_solos": round(statistics.median(together), 3)
+        if together
+        else None,
+        "cluster_over_sum_of_concurrent_solos_per_cycle": [round(r, 3) for r in together],
+        "concurrent_solo_samples_per_s": {
+            f"slowdown_{s}": round(
+                statistics.median(c[f"together_x{s}"].samples_per_s for c in cycles), 1
+            )
+            for s in SLOWDOWNS
+        }
+        if together
+        else None,
         "plain_loop_samples_per_s": round(statistics.median(plains), 1),
         "system_over_plain_loop": round(
             statistics.median(
@@ -436,6 +575,7 @@ def main() -> int:
         },
         "cluster_node_seconds": cycles[len(cycles) // 2]["cluster"].summary(names)["nodes"],
         "foreign_cores_per_run": foreign,
+        "steal_cores_per_run": steal,
         "load_avg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         "minutes": round((time.time() - started) / 60.0, 1),
     }
