@@ -241,6 +241,7 @@ class AgentService:
             raise InvalidArgumentError(
                 "ring_attempt, params_version and samples_done must not be negative"
             )
+        _check_peer_links(req)
         self._registry.check_lease(req.node_id, req.lease_id)
         return await self._engine.report_progress(req, ctx)
 
@@ -258,3 +259,34 @@ class AgentService:
         if req.response_bytes:
             return agent_pb2.ProbeResponse(payload=_FILLER[: req.response_bytes])
         return agent_pb2.ProbeResponse(payload=req.payload)
+
+
+MAX_PEER_LINKS = 64
+
+
+def _check_peer_links(req: agent_pb2.ReportProgressRequest) -> None:
+    """Measured peer links: at most MAX_PEER_LINKS, each naming another node once, with a
+    finite positive round trip (under a minute) and bandwidth."""
+    if len(req.peer_links) > MAX_PEER_LINKS:
+        raise InvalidArgumentError(
+            f"{len(req.peer_links)} peer links; at most {MAX_PEER_LINKS} per report"
+        )
+    seen: set[str] = set()
+    for link in req.peer_links:
+        require_node_id(link.node_id, "peer_links.node_id")
+        if link.node_id == req.node_id or link.node_id in seen:
+            raise InvalidArgumentError(
+                f"peer link to {link.node_id!r}: a node measures each other node at most once"
+            )
+        seen.add(link.node_id)
+        if not (math.isfinite(link.rtt_ms) and 0 < link.rtt_ms < 60_000):
+            raise InvalidArgumentError(
+                f"peer link to {link.node_id!r}: rtt_ms must be within (0, 60000), "
+                f"got {link.rtt_ms}"
+            )
+        bw = link.bandwidth_bytes_per_second
+        if not (math.isfinite(bw) and bw > 0):
+            raise InvalidArgumentError(
+                f"peer link to {link.node_id!r}: bandwidth_bytes_per_second must be positive, "
+                f"got {bw}"
+            )

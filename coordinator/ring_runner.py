@@ -11,10 +11,14 @@ runner's; what differs, per round:
    and serves that sum to the round's *gateway* member (PullParameters(external_round)), who
    adds it to its buffer before the all-reduce. A ring job needs at least one member (PAUSED
    otherwise, saying why).
-2. The ring. Order from `epochmesh.ring.ring_order` over what the coordinator measured of each
-   node (RTT and bandwidth towards the coordinator, from the job benchmark: pairwise figures
-   between agents are not measured, so nodes that see the coordinator alike sit next to each
-   other). Per-step deadline from `step_deadline_s` on the slowest member's bandwidth (a
+2. The ring. Order from `epochmesh.ring.ring_order` over the measured agent -> agent links:
+   every member probes the other members of its ring (PeerService Ping: round trip and
+   bandwidth, repeated every few minutes) and reports them with its round
+   (ReportProgressRequest.peer_links); each link is costed `link_cost_s` (round trip plus a
+   1 MiB chunk's transfer) and the ring avoids the costliest. Until the members' links are
+   known (the first round of a job, a newcomer) each node's figures towards the coordinator
+   stand in (RTT and bandwidth from the job benchmark: nodes that see the coordinator alike
+   sit next to each other). Per-step deadline from `step_deadline_s` on the slowest member's bandwidth (a
    default of 100 Mbit/s when a node measured none). B = sum of b_i over the attempt's members
    and externals (Task.ring_total_samples). The attempt's deadline is the compute deadline
    plus one state transfer plus 2(n-1) step deadlines (a backstop: failures are normally
@@ -74,7 +78,7 @@ from coordinator.job_runner import MAX_DEADLINE_EXTENSIONS, JobRunner, Part, Rou
 from coordinator.store import AbortedError, FailedPreconditionError
 from epochmesh.errors import CodecError
 from epochmesh.optim import build_round_optimizer, load_optimizer_state_tensors
-from epochmesh.ring import RING_CODECS, ring_order, step_deadline_s
+from epochmesh.ring import RING_CODECS, link_cost_s, ring_order, step_deadline_s
 from epochmesh.tensors import encode_bundle, params_checksum
 from epochmesh.v1 import agent_pb2, common_pb2
 
@@ -143,6 +147,8 @@ class RingJobRunner(JobRunner):
         # Culprits of a failed attempt (node -> when): they sit out the following rounds for
         # one silence limit, long enough for a dead one to be found silent.
         self._suspects: dict[str, float] = {}
+        # Measured agent -> agent links: (reporter, peer) -> (rtt_s, bandwidth bytes/s).
+        self.links: dict[tuple[str, str], tuple[float, float]] = {}
 
     # -- versions and state ---------------------------------------------------------------------
 
@@ -378,8 +384,10 @@ class RingJobRunner(JobRunner):
         members = [p.node_id for p in survivors if p.member]
         externals = sorted(p.node_id for p in survivors if not p.member)
         rates = {n: self.bench[n] for n in members if n in self.bench}
+        measured = self._member_links(members)
         order = ring_order(
             members,
+            measured,
             node_rtt_s={n: b.rtt_ms / 1000.0 for n, b in rates.items() if b.rtt_ms > 0},
             node_bandwidth={
                 n: b.bandwidth_bytes_per_second
@@ -392,7 +400,7 @@ class RingJobRunner(JobRunner):
         step = step_deadline_s(
             self._numel(),
             len(order),
-            self._bandwidth(order),
+            min(self._bandwidth(order), self._ring_link_bandwidth(order)),
             rtt,
             codec=self._ring_codec(),
             floor_s=STEP_DEADLINE_FLOOR_S,
@@ -455,12 +463,13 @@ class RingJobRunner(JobRunner):
             self._set_source(task, sources.get(n))
             self.engine.enqueue(n, task, self)
         log.info(
-            "job %s round %d attempt %d: ring %s, %d external(s), B=%d, step deadline %.2fs, "
-            "deadline %.2fs, version %d%s",
+            "job %s round %d attempt %d: ring %s (ordered by %s), %d external(s), B=%d, "
+            "step deadline %.2fs, deadline %.2fs, version %d%s",
             self.job_id,
             rs.round,
             number,
             ",".join(order),
+            "measured peer links" if measured else "figures towards the coordinator",
             len(externals),
             att.total,
             step,
@@ -712,6 +721,34 @@ class RingJobRunner(JobRunner):
 
     # -- RPC-side entry points ------------------------------------------------------------------
 
+    def _member_links(self, members: list[str]) -> dict[tuple[str, str], float] | None:
+        """Link costs among `members` once every pair has been measured from at least one
+        end (a partial matrix would make the unmeasured pairs look worst), else None."""
+        if len(members) < 3:
+            return None
+        links = {
+            (a, b): link_cost_s(*self.links[(a, b)])
+            for a in members
+            for b in members
+            if a != b and (a, b) in self.links
+        }
+        pairs = {frozenset(pair) for pair in links}
+        return links if len(pairs) == len(members) * (len(members) - 1) // 2 else None
+
+    def _ring_link_bandwidth(self, order: list[str]) -> float:
+        """The slowest measured bandwidth of the ring's hops (either direction's measurement;
+        inf when none is measured)."""
+        known = [
+            link[1]
+            for i, a in enumerate(order)
+            for link in (
+                self.links.get((a, order[(i + 1) % len(order)])),
+                self.links.get((order[(i + 1) % len(order)], a)),
+            )
+            if link is not None
+        ]
+        return min(known, default=math.inf) if len(order) > 1 else math.inf
+
     def on_report(self, req: agent_pb2.ReportProgressRequest) -> None:
         rs = self.round_state
         att = self.attempt
@@ -720,6 +757,11 @@ class RingJobRunner(JobRunner):
         part = rs.parts.get(req.node_id)
         if part is None or part.task_id != req.task_id:
             return
+        for link in req.peer_links:  # validated by the service (count, ids, finite figures)
+            self.links[(req.node_id, link.node_id)] = (
+                link.rtt_ms / 1000.0,
+                link.bandwidth_bytes_per_second,
+            )
         if not part.member:
             super().on_report(req)
             return

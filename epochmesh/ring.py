@@ -280,8 +280,9 @@ def ring_order(
 ) -> list[str]:
     """A ring order of `nodes` from measured link figures (deterministic for equal inputs).
 
-    With a matrix `rtt_s[(a, b)]` of measured round trips between peers (either orientation;
-    a missing pair counts as unknown = slower than every measured one): greedy nearest neighbour
+    With a matrix `rtt_s[(a, b)]` of measured link costs between peers in seconds (round trips,
+    or `link_cost_s` of round trip and bandwidth; either orientation, the worse one counts; a
+    missing pair counts as unknown = slower than every measured one): greedy nearest neighbour
     tours from every start node, keeping the tour with the smallest worst hop, then the smallest
     total, then the first in node order. A ring is as fast as its slowest link, so the worst hop
     comes first; the total breaks ties towards compact tours.
@@ -307,6 +308,18 @@ def ring_order(
         tour = sorted(ids, key=lambda i: (rtt.get(i, math.inf), -bw.get(i, 0.0), i))
     first = tour.index(min(tour))
     return tour[first:] + tour[:first]
+
+
+def link_cost_s(
+    rtt_s: float, bandwidth_bytes_per_s: float, chunk_bytes: int = MAX_CHUNK_BYTES
+) -> float:
+    """What one pipelined ring hop of a chunk costs on a link: its round trip plus the chunk's
+    transfer time; the figure `ring_order` compares links by (inf for a useless measurement)."""
+    if not (math.isfinite(rtt_s) and rtt_s >= 0):
+        return math.inf
+    if not (math.isfinite(bandwidth_bytes_per_s) and bandwidth_bytes_per_s > 0):
+        return math.inf
+    return rtt_s + chunk_bytes / bandwidth_bytes_per_s
 
 
 def _link(rtt_s: Mapping[tuple[str, str], float], a: str, b: str) -> float:

@@ -66,6 +66,7 @@ from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent import trainer
 from node_agent.connection import Expired
 from node_agent.peer import PeerServer, StateSnapshot, fetch_state, peer_channel
+from node_agent.peer_links import PeerLinks
 from node_agent.ring_allreduce import RingPeerFailed, RingTransport, ring_allreduce
 from node_agent.tasks import TaskCancelled, TaskContext
 
@@ -406,6 +407,7 @@ class PeerRuntime:
         self.server = server
         self.identity = identity
         self._transport: RingTransport | None = None
+        self.links = PeerLinks()  # measured links to ring peers, reported to the coordinator
 
     def transport(self, node_id: str) -> RingTransport:
         """The ring transport for this node id (made again if the coordinator assigned
@@ -424,6 +426,7 @@ class PeerRuntime:
         return t
 
     async def close(self) -> None:
+        await self.links.close()
         if self._transport is not None:
             await self._transport.close()
             self._transport = None
@@ -454,6 +457,11 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
             f"the task's ring {list(ring.node_ids)} does not put this node ({ctx.node_id}) at "
             f"its rank {ring.rank}"
         )
+    peers = [
+        (n, a) for n, a in zip(ring.node_ids, ring.peer_addresses, strict=False) if n != ctx.node_id
+    ]
+    runtime.links.refresh(peers, transport.probe)  # background; reported with the outcome
+    peer_ids = [n for n, _ in peers]
 
     loaded = await trainer.load_for_task(ctx, task)
     state = _state_for(task, loaded)
@@ -534,6 +542,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
             error=str(exc)[:2000],
             failed_peer_node_id=exc.node_id,
             ring_attempt=attempt,
+            peer_links=runtime.links.report(peer_ids),
             compute_seconds=cached.compute_s,
             communicate_seconds=max(0.0, time.monotonic() - started - compute_wall),
         )
@@ -557,6 +566,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
         params_checksum=checksum,
         ring_attempt=attempt,
         params_version=version + 1,
+        peer_links=runtime.links.report(peer_ids),
     )
     ctx.log.info(
         "round %d attempt %d: %s of %d samples in %d step(s), loss %.4f, compute %.3fs, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -115,9 +116,18 @@ class FakeMember:
                 ring_attempt=task.ring.attempt,
             )
             return
+        fields: dict[str, object] = {}
         self.world["states"][(agent.node_id, v)] = dict(self.params)
         self.world["states"][(agent.node_id, v + 1)] = dict(self.params)
         self.version = v + 1
+        links = self.world.get("links")
+        if links is not None:  # this member's measured links to the others of its ring
+            fields["peer_links"] = [
+                agent_pb2.PeerLink(node_id=n, rtt_ms=rtt, bandwidth_bytes_per_second=bw)
+                for n in task.ring.node_ids
+                if n != agent.node_id
+                for rtt, bw in [links(agent.node_id, n)]
+            ]
         checksum = params_checksum(self.params)
         if self.checksum_salt:
             checksum = hashlib.sha256((checksum + self.checksum_salt).encode()).hexdigest()
@@ -130,6 +140,7 @@ class FakeMember:
             params_checksum=checksum,
             ring_attempt=task.ring.attempt,
             params_version=v + 1,
+            **fields,
         )
         if task.push_state:
             state = {f"param/{n}": t for n, t in self.params.items()}
@@ -365,3 +376,62 @@ async def test_when_every_holder_of_the_state_dies_the_job_rolls_back_to_its_che
     assert int(restored.attrs["rolled_back"]) >= 1
     m3 = agents[2].node_id
     assert all(p.node_id == m3 for r in rounds if r.round > 4 for p in r.parts)
+
+
+def _adjacent(order: list[str], a: str, b: str) -> bool:
+    return any({order[i], order[(i + 1) % len(order)]} == {a, b} for i in range(len(order)))
+
+
+async def test_the_ring_is_ordered_by_the_members_measured_links(tmp_path: Path) -> None:
+    """Round 1 is ordered by the figures towards the coordinator (all alike here: by node id);
+    once the members reported their links, the ring avoids the one slow link. Malformed link
+    reports are refused with INVALID_ARGUMENT."""
+    packed = ring_job(tmp_path, min_nodes=4, max_nodes=4)
+    world = new_world(packed)
+    slow: set[str] = set()
+
+    def links(a: str, b: str) -> tuple[float, float]:
+        return (400.0, 1e5) if {a, b} == slow else (1.0, 1e9)
+
+    world["links"] = links
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+    ) as coord:
+        agents = [
+            await FakeAgent(
+                coord, f"m{i}", 200.0, FakeMember(world), peer_address=f"127.0.0.1:{i + 1}"
+            ).start()
+            for i in range(4)
+        ]
+        # The link between the two smallest node ids is the slow one: they sit next to each
+        # other in the order by node id.
+        ids = sorted(a.node_id for a in agents)
+        slow.update(ids[:2])
+        try:
+            final, rounds, _ = await run_job(coord, packed)
+            agent = next(a for a in agents if a.node_id == ids[0])
+            task = world["tasks"][-1]
+            bad_reports = [
+                [agent_pb2.PeerLink(node_id=ids[0], rtt_ms=1.0, bandwidth_bytes_per_second=1e9)],
+                [agent_pb2.PeerLink(node_id=ids[1], rtt_ms=math.nan, bandwidth_bytes_per_second=1)],
+                [agent_pb2.PeerLink(node_id=ids[1], rtt_ms=1.0, bandwidth_bytes_per_second=0)],
+                [
+                    agent_pb2.PeerLink(
+                        node_id="not-a-node", rtt_ms=1.0, bandwidth_bytes_per_second=1
+                    )
+                ],
+                [agent_pb2.PeerLink(node_id=ids[1], rtt_ms=1.0, bandwidth_bytes_per_second=1)] * 2,
+            ]
+            for bad in bad_reports:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await agent.report(task, peer_links=bad)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        finally:
+            for a in agents:
+                await a.stop()
+    assert final.state == common_pb2.JOB_STATE_SUCCEEDED
+    check_exactly_once(rounds)
+    orders = {t.round: list(t.ring.node_ids) for t in world["tasks"]}
+    first, *later = sorted(orders)
+    assert _adjacent(orders[first], *ids[:2]), orders[first]
+    assert later and not any(_adjacent(orders[r], *ids[:2]) for r in later), orders

@@ -229,6 +229,10 @@ def test_ring_training_matches_single_process_replay(
     diff = replay_diff(tmp_path / "job", data, rounds, trained)
     assert diff <= 1e-5, f"max abs difference {diff}"
     assert not [e for e in events if e.kind == "job.diverged"]
+    # Every member probed the other two (PeerService pings) for the coordinator's ring order.
+    for a in agents.values():
+        measured = set(re.findall(r"peer link to (n-[0-9a-f]+): rtt", a.log_text()))
+        assert measured == ids - {a.node_id()}, (a.node_id(), measured)
     log.info(
         f"ring equivalence: {len(rounds)} rounds in {time.monotonic() - t0:.1f}s, diff {diff:.2e}"
     )

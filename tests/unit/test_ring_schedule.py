@@ -18,6 +18,7 @@ from epochmesh.ring import (
     RING_CODECS,
     RingSchedule,
     chunk_elems_for,
+    link_cost_s,
     ring_order,
     segment_bounds,
     simulate_allreduce,
@@ -260,3 +261,19 @@ def test_ring_order_without_matrix_uses_per_node_figures() -> None:
     assert ring_order(["b", "a"]) == ["a", "b"]
     with pytest.raises(ValueError):
         ring_order(["a", "a", "b"])
+
+
+def test_link_cost_adds_the_chunk_transfer_to_the_round_trip() -> None:
+    assert link_cost_s(0.010, 1e6, chunk_bytes=1_000_000) == pytest.approx(1.010)
+    # A fast but distant link against a near but thin one: 1 MiB chunks decide.
+    far_fat = link_cost_s(0.050, 1e9)
+    near_thin = link_cost_s(0.001, 1e6)
+    assert far_fat < near_thin
+    for bad in ((math.nan, 1e6), (-1.0, 1e6), (0.01, 0.0), (0.01, math.inf)):
+        assert link_cost_s(*bad) == math.inf
+    nodes = ["n1", "n2", "n3", "n4"]
+    cost = {(a, b): link_cost_s(0.001, 1e9) for a in nodes for b in nodes if a < b}
+    cost[("n2", "n1")] = link_cost_s(0.001, 1e6)  # measured thin one way: the worse way counts
+    order = ring_order(nodes, cost)
+    pairs = {frozenset((order[i], order[(i + 1) % 4])) for i in range(4)}
+    assert frozenset(("n1", "n2")) not in pairs
