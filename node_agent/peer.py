@@ -18,6 +18,13 @@ Server side (`PeerServer` wraps a grpc.aio server with this service, health and 
 - ``TransferState``: parameters and optimizer state from a provider callback, as a header
   (`TensorBundle`) and 1 MiB chunks; `fetch_state` is the joiner's side.
 - ``Ping``: echoes the payload; `ping` and `probe_link` measure round trip and bandwidth.
+- ``OpenBulk``: a one-time token for this peer's bulk socket (`node_agent.bulk`, started by
+  `PeerServer` next to the gRPC port), which carries a ring attempt's chunks like PushChunks but
+  off grpcio. Checked like PushChunks: under mutual TLS the caller's certificate must name
+  ``from_node_id`` (PERMISSION_DENIED), a known attempt must have it as left neighbour and an
+  attempt that is over here is refused (FAILED_PRECONDITION); UNIMPLEMENTED when this peer has
+  no bulk socket (``PeerServer(bulk=False)``, or it could not listen), and senders then use
+  PushChunks.
 
 Trust. With an `Identity` the server speaks mutual TLS (`epochmesh.identity`): every caller
 presents a node certificate of the coordinator's CA, and a ring stream is accepted only from
@@ -42,7 +49,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import torch
@@ -57,12 +64,16 @@ from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.tensors import BundleAssembler, BundleLimits, Expected, encode_bundle, iter_chunks
 from epochmesh.v1 import common_pb2, peer_pb2
 
+if TYPE_CHECKING:
+    from node_agent.bulk import BulkListener
+
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "epochmesh.v1.PeerService"
 PUSH_CHUNKS = f"/{SERVICE_NAME}/PushChunks"
 TRANSFER_STATE = f"/{SERVICE_NAME}/TransferState"
 PING = f"/{SERVICE_NAME}/Ping"
+OPEN_BULK = f"/{SERVICE_NAME}/OpenBulk"
 ABORT_PHASE = "abort"
 FAILED_NODE_KEY = "epochmesh-failed-node"
 MAX_ID_CHARS = 256
@@ -322,6 +333,15 @@ class RingReceiver(Protocol):
     def failed_node(self) -> str | None:
         """The failed node once this attempt has failed, else None."""
 
+    def bulk_target(self, chunk: RingChunkView, nbytes: int, scratch: memoryview) -> memoryview:
+        """Check the header of the next chunk (`chunk`, payload not read yet, `nbytes` long;
+        ChunkRejected as `on_chunk`) and say where to receive its payload: straight into the
+        destination where it is only copied, else `scratch` (or a buffer of its own when the
+        receiver keeps it). Then `bulk_received` with that view."""
+
+    def bulk_received(self, payload: memoryview) -> None:
+        """The payload of the chunk `bulk_target` was asked about arrived in its target."""
+
     @property
     def complete(self) -> bool:
         """Every expected chunk has arrived."""
@@ -433,6 +453,15 @@ StateProvider = Callable[[str, int], Awaitable[StateSnapshot | None]]
 # The service
 
 
+class BulkIssuer(Protocol):
+    """The bulk socket behind OpenBulk (node_agent.bulk.BulkListener)."""
+
+    port: int
+
+    def issue(self, key: RingKey, from_node_id: str) -> tuple[bytes, float]:
+        """A one-time token for `from_node_id`'s stream of attempt `key`, and its lifetime."""
+
+
 class PeerService:
     """Handlers of epochmesh.v1.PeerService (register with `generic_handler()`)."""
 
@@ -453,6 +482,7 @@ class PeerService:
         self.join_timeout_s = join_timeout_s
         self.max_streams = max_streams
         self._streams = 0
+        self.bulk: BulkIssuer | None = None  # set by PeerServer when its bulk socket listens
         self.received_bytes = 0  # payload bytes of data chunks applied, all time
         self.received_chunks = 0
 
@@ -475,6 +505,11 @@ class PeerService:
                     self._ping_raw,
                     request_deserializer=None,
                     response_serializer=peer_pb2.PingResponse.SerializeToString,
+                ),
+                "OpenBulk": grpc.unary_unary_rpc_method_handler(
+                    self._open_bulk_raw,
+                    request_deserializer=None,
+                    response_serializer=peer_pb2.OpenBulkResponse.SerializeToString,
                 ),
             },
         )
@@ -503,7 +538,7 @@ class PeerService:
     ) -> peer_pb2.RingAck:
         iterator = aiter(request_iterator)
         try:
-            first = _parse_or_raise(await anext(iterator))  # WireError: INVALID_ARGUMENT
+            first = parse_checked_ring_chunk(await anext(iterator))  # WireError: INVALID_ARGUMENT
         except StopAsyncIteration:
             return peer_pb2.RingAck(received_bytes=0)
         await self._check_caller(first, context)
@@ -546,7 +581,7 @@ class PeerService:
                     except StopAsyncIteration:
                         break
                     try:
-                        chunk = _parse_or_raise(raw)
+                        chunk = parse_checked_ring_chunk(raw)
                     except WireError as exc:
                         receiver.on_stream_end(f"sent a malformed chunk: {exc}")
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -554,7 +589,7 @@ class PeerService:
                 if failed is not None:
                     await _abort_failed(context, key, failed)
                 if chunk.phase == ABORT_PHASE:
-                    receiver.on_abort(_failed_id(chunk), chunk.from_node_id)
+                    receiver.on_abort(failed_id_of(chunk), chunk.from_node_id)
                     break
                 if chunk.key != key:
                     receiver.on_stream_end(f"switched to attempt {chunk.key} mid-stream")
@@ -586,6 +621,9 @@ class PeerService:
         return peer_pb2.RingAck(received_bytes=received)
 
     async def _check_caller(self, chunk: RingChunkView, context: grpc.aio.ServicerContext) -> None:
+        await self._check_sender(chunk.from_node_id, context)
+
+    async def _check_sender(self, from_node_id: str, context: grpc.aio.ServicerContext) -> None:
         if not self.verify_callers:
             return
         principal = idm.peer_principal(context)
@@ -594,11 +632,49 @@ class PeerService:
                 grpc.StatusCode.PERMISSION_DENIED, "ring streams take a node certificate"
             )
         assert principal is not None
-        if principal.id != chunk.from_node_id:
+        if principal.id != from_node_id:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"node {principal.id!r} may not send chunks as {chunk.from_node_id!r}",
+                f"node {principal.id!r} may not send chunks as {from_node_id!r}",
             )
+
+    # -- OpenBulk ------------------------------------------------------------------------------
+
+    async def _open_bulk_raw(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.OpenBulkResponse:
+        request = await _parse_request(peer_pb2.OpenBulkRequest, raw, context)
+        return await self.open_bulk(request, context)
+
+    async def open_bulk(
+        self, request: peer_pb2.OpenBulkRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.OpenBulkResponse:
+        """A one-time token for the bulk socket (node_agent.bulk), checked like PushChunks."""
+        if self.bulk is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this peer has no bulk socket")
+        assert self.bulk is not None
+        for name, value in (("job_id", request.job_id), ("from_node_id", request.from_node_id)):
+            if not value or len(value) > MAX_ID_CHARS:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{name} must have 1..{MAX_ID_CHARS} chars"
+                )
+        if request.round < 0 or request.attempt < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "round and attempt are >= 0")
+        await self._check_sender(request.from_node_id, context)
+        key: RingKey = (request.job_id, request.round, request.attempt)
+        receiver = self.mailbox.get(key)
+        if receiver is None and self.mailbox.is_expired(key):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"ring attempt {key} is over on this node"
+            )
+        if receiver is not None and request.from_node_id != receiver.left_node_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {request.from_node_id!r} is not this node's left neighbour "
+                f"({receiver.left_node_id!r}) in attempt {key}",
+            )
+        token, ttl = self.bulk.issue(key, request.from_node_id)
+        return peer_pb2.OpenBulkResponse(port=self.bulk.port, token=token, expires_in_s=ttl)
 
     async def _abort_stream(
         self,
@@ -619,10 +695,10 @@ class PeerService:
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"node {chunk.from_node_id!r} is not a member of ring attempt {chunk.key}",
                 )
-            self.mailbox.abort(chunk.key, _failed_id(chunk), chunk.from_node_id)
+            self.mailbox.abort(chunk.key, failed_id_of(chunk), chunk.from_node_id)
             n += 1
             try:
-                chunk = _parse_or_raise(await anext(iterator))
+                chunk = parse_checked_ring_chunk(await anext(iterator))
             except StopAsyncIteration:
                 chunk = None
             if chunk is not None and chunk.from_node_id != first.from_node_id:
@@ -715,7 +791,7 @@ async def _parse_request(cls: Any, raw: bytes, context: grpc.aio.ServicerContext
         raise AssertionError("unreachable: abort raises") from None
 
 
-def _parse_or_raise(raw: bytes) -> RingChunkView:
+def parse_checked_ring_chunk(raw: bytes) -> RingChunkView:
     if not isinstance(raw, bytes | bytearray | memoryview):
         raise WireError("expected a serialized RingChunk")
     chunk = parse_ring_chunk(bytes(raw) if not isinstance(raw, bytes) else raw)
@@ -726,7 +802,7 @@ def _parse_or_raise(raw: bytes) -> RingChunkView:
     return chunk
 
 
-def _failed_id(chunk: RingChunkView) -> str:
+def failed_id_of(chunk: RingChunkView) -> str:
     try:
         text = bytes(chunk.payload[:MAX_ID_CHARS]).decode()
     except UnicodeDecodeError:
@@ -777,6 +853,9 @@ class PeerServer:
 
     `await start()`, then advertise `address`; `await stop()` when the agent exits. With an
     `identity` (the node's certificate) it runs mutual TLS and checks who sends ring chunks.
+    `bulk` (default True): also listen on a bulk socket for ring chunks (`node_agent.bulk`;
+    same host as `listen`, an ephemeral port handed out by OpenBulk, TLS with `identity`); if
+    that fails the server runs without one and senders use PushChunks.
     """
 
     def __init__(
@@ -788,6 +867,7 @@ class PeerServer:
         identity: idm.Identity | None = None,
         advertise: str | None = None,
         tune_malloc: bool = True,
+        bulk: bool = True,
     ) -> None:
         self.listen = listen
         self.service = PeerService(
@@ -798,7 +878,9 @@ class PeerServer:
         self._identity = identity
         self._advertise = advertise
         self._tune_malloc = tune_malloc
+        self._bulk_enabled = bulk
         self._server: grpc.aio.Server | None = None
+        self.bulk: BulkListener | None = None
         self.port = 0
 
     @property
@@ -839,9 +921,32 @@ class PeerServer:
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self.port = port
-        log.info("PeerService listening on %s (advertised as %s)", self.listen, self.address)
+        if self._bulk_enabled:
+            await self._start_bulk()
+        log.info(
+            "PeerService listening on %s (advertised as %s; bulk socket %s)",
+            self.listen,
+            self.address,
+            f"on port {self.bulk.port}" if self.bulk is not None else "off",
+        )
+
+    async def _start_bulk(self) -> None:
+        from node_agent.bulk import BulkListener, listen_host
+
+        listener = BulkListener(self.service, listen_host(self.listen), identity=self._identity)
+        try:
+            await listener.start()
+        except OSError as exc:
+            log.warning("no bulk socket (ring chunks go over PushChunks): %s", exc)
+            return
+        self.bulk = listener
+        self.service.bulk = listener
 
     async def stop(self, grace: float | None = None) -> None:
+        if self.bulk is not None:
+            self.service.bulk = None
+            await self.bulk.stop()
+            self.bulk = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

@@ -6,17 +6,22 @@
 
 `ring_allreduce` sums a flat float32 CPU buffer over the ring in place (the schedule, and why
 every rank ends with bit-identical sums, is in `epochmesh.ring`). It sends to its right
-neighbour on ONE PushChunks stream per attempt (over a channel kept open across rounds) and the
-left neighbour's stream lands in this node's `RingMailbox`, where every chunk is added (reduce-
-scatter) or copied (all-gather) into the buffer the moment it arrives. Chunk c of step t leaves
-as soon as chunk c of step t-1 has arrived, so both phases pipeline at 1 MiB granularity. The
-caller pre-scales its gradient (e.g. by b_i / B) so that the sum is the weighted mean.
+neighbour on ONE stream per attempt and the left neighbour's stream lands in this node's
+`RingMailbox`, where every chunk is added (reduce-scatter) or copied (all-gather) into the buffer
+the moment it arrives. The stream is the right neighbour's bulk socket (`node_agent.bulk`: the
+same RingChunk frames on a TCP connection of their own, TLS with node certificates when the ring
+runs with identities, set up through the OpenBulk RPC); when the neighbour has none
+(UNIMPLEMENTED: an older agent) or it cannot be set up in time (a firewall, say), it is a
+PushChunks call on the gRPC channel kept open across rounds, for that attempt. Both carry the
+same chunks with the same checks and failure reports. Chunk c of step t leaves as soon as chunk
+c of step t-1 has arrived, so both phases pipeline at 1 MiB granularity. The caller pre-scales
+its gradient (e.g. by b_i / B) so that the sum is the weighted mean.
 
 Failures never hang. Every wait is bounded by `deadline_s` (the first step also by
 `join_timeout_s`, for neighbours still computing their gradient):
 
-- the right neighbour does not take a chunk in time, or refuses or breaks the stream and does
-  not answer a ping: it failed (if it answers, wait up to `deadline_s` for a report naming
+- the right neighbour does not take a chunk in time (gRPC flow control or a full socket buffer
+  holds the sender back), or refuses or breaks the stream and does not answer a ping: it failed (if it answers, wait up to `deadline_s` for a report naming
   the node that failed further along, as below, then blame it);
 - the left neighbour's stream breaks or ends early, or sends a malformed chunk: it failed;
 - nothing arrives from the left in time: it is pinged; no answer: it failed; an answer (it is
@@ -37,12 +42,18 @@ forwards those encoded bytes untouched, so the result stays bit-identical across
 
 Cost. Everything that depends only on (ring size, buffer size, codec, rank) is planned once and
 cached (`_plan`): a round only prefixes the chunk headers with (job, round, attempt, sender).
-What is left per chunk is one copy into the frame, the reduction, and grpcio itself, which
-dominates: its Python data path copies every message twice on the way out and three times or
-more on the way in, with a thread hand-off per message each side. `scripts/bench_allreduce.py
---floor` times that transport alone (our frames streamed around the ring, no ring logic);
-this ring runs at roughly 0.7-1.0 of it, and the floor itself at roughly 0.5-0.7 of gloo on
-loopback with 2 cores.
+Over the bulk socket a chunk costs no copy in Python on the way out (`sendmsg` of its header and
+a view of the buffer) and none beyond the kernel's on the way in (into a preallocated buffer,
+reduced from there with numpy; a chunk that is only copied lands in the buffer directly), plus
+the reduction and per attempt one OpenBulk call and a connect (a TLS handshake with
+identities). With 4 ranks on 2 cores, 64 MiB, plaintext, `scripts/bench_allreduce.py` measures
+it at roughly 0.8-1.0 of gloo's bus bandwidth on a quiet machine (0.6-0.75 at load average 5-7:
+gloo's threads cope better with shared cores) for about 1.2-1.4x gloo's CPU; with TLS (AES-GCM
+on this process's event loop) it is about as fast as PushChunks over TLS, roughly 0.25-0.3 of
+gloo, for a little less CPU. PushChunks (the fallback, `--transport grpc`)
+reaches about 0.45 of gloo plaintext: grpcio's Python data path copies every message twice on
+the way out and three times or more on the way in, with a thread hand-off per message each side
+(`--floor` times that transport alone).
 """
 
 from __future__ import annotations
@@ -52,7 +63,8 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,11 +74,13 @@ import torch
 
 from epochmesh import compression
 from epochmesh.errors import CodecError
-from epochmesh.identity import Identity
+from epochmesh.identity import Identity, split_address
 from epochmesh.ring import RING_CODECS, RingSchedule, chunk_elems_for
 from epochmesh.v1 import common_pb2, peer_pb2
-from node_agent import peer
+from node_agent import bulk, peer
+from node_agent.bulk import BulkError
 from node_agent.peer import (
+    ABORT_PHASE,
     ChunkRejected,
     PeerServer,
     RingChunkView,
@@ -131,8 +145,75 @@ class Ring:
 # Transport: this node's mailbox plus channels to its peers
 
 
+NO_BULK_RETRY_S = 600.0  # after UNIMPLEMENTED: ask again (the peer may have been upgraded)
+BULK_FAILED_RETRY_S = 60.0  # after a bulk socket could not be set up
+
+
+class RingOutput(Protocol):
+    """This node's stream to its right neighbour for one attempt: the bulk socket
+    (`node_agent.bulk.BulkOutput`) or a PushChunks call (`_GrpcOutput`)."""
+
+    async def write_chunk(self, header: bytes, offset: int, payload: bytes | memoryview) -> None:
+        """Send one chunk; one of `_OUTPUT_ERRORS` when the stream is broken or refused."""
+
+    async def finish(self) -> int:
+        """End the stream; the payload bytes the receiver confirms (or `_OUTPUT_ERRORS`)."""
+
+    async def failure(self, exc: BaseException, timeout: float) -> BulkError:
+        """What the receiver said when the stream failed: status, details, failed node."""
+
+    def on_broken(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback` if the stream breaks before `finish` while nothing is written."""
+
+    def done(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+_OUTPUT_ERRORS = (grpc.aio.AioRpcError, asyncio.InvalidStateError, BulkError)
+
+
+class _GrpcOutput:
+    """A PushChunks client stream: the fallback when a peer has no (reachable) bulk socket."""
+
+    def __init__(self, call: grpc.aio.StreamUnaryCall) -> None:
+        self.call = call
+
+    async def write_chunk(self, header: bytes, offset: int, payload: bytes | memoryview) -> None:
+        await self.call.write(frame_ring_chunk(header, offset, payload))
+
+    async def finish(self) -> int:
+        await self.call.done_writing()
+        ack = await self.call
+        return int(ack.received_bytes)
+
+    async def failure(self, exc: BaseException, timeout: float) -> BulkError:
+        call = self.call
+        try:
+            async with asyncio.timeout(timeout):
+                code = await call.code()
+                details = await call.details()
+                failed = failed_node_from_metadata(await call.trailing_metadata())
+        except (TimeoutError, grpc.aio.AioRpcError):
+            return BulkError(str(exc))
+        return BulkError(details, code, failed)
+
+    def on_broken(self, callback: Callable[[BaseException], None]) -> None:
+        return None  # a broken call is noticed at the next write, as before the bulk path
+
+    def done(self) -> bool:
+        return self.call.done()
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
 class RingTransport:
-    """This node's side of the ring: its id, its mailbox, and cached channels to peers."""
+    """This node's side of the ring: its id, its mailbox, and cached channels to peers.
+
+    `bulk` (default True): send ring chunks over the right neighbour's bulk socket
+    (`node_agent.bulk`) when it has one, else (and whenever setting it up fails) over PushChunks.
+    """
 
     def __init__(
         self,
@@ -140,19 +221,84 @@ class RingTransport:
         mailbox: RingMailbox,
         *,
         identity: Identity | None = None,
+        bulk: bool = True,
     ) -> None:
         if not node_id:
             raise ValueError("node_id is required")
         self.node_id = node_id
         self.mailbox = mailbox
+        self.bulk = bulk
         self._identity = identity
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        # Peers whose bulk socket is not to be tried again before a time (time.monotonic()).
+        self._no_bulk: dict[tuple[str, str], float] = {}
+        self.bulk_streams = 0  # attempts sent over the bulk socket / over PushChunks
+        self.grpc_streams = 0
 
     @classmethod
     def for_server(
-        cls, node_id: str, server: PeerServer, *, identity: Identity | None = None
+        cls,
+        node_id: str,
+        server: PeerServer,
+        *,
+        identity: Identity | None = None,
+        bulk: bool = True,
     ) -> RingTransport:
-        return cls(node_id, server.mailbox, identity=identity)
+        return cls(node_id, server.mailbox, identity=identity, bulk=bulk)
+
+    async def open_output(
+        self, address: str, node_id: str, key: RingKey, timeout: float
+    ) -> RingOutput:
+        """The stream for attempt `key` to node `node_id`: its bulk socket if it has one and
+        it can be set up within `timeout` s, else a PushChunks call."""
+        peer_key = (address, node_id)
+        if self.bulk and self._no_bulk.get(peer_key, 0.0) <= time.monotonic():
+            try:
+                async with asyncio.timeout(timeout):
+                    out = await self._open_bulk(address, node_id, key)
+                self.bulk_streams += 1
+                return out
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self._no_bulk[peer_key] = time.monotonic() + NO_BULK_RETRY_S
+                    log.info("peer %s has no bulk socket: ring chunks go over PushChunks", node_id)
+                else:
+                    log.warning(
+                        "OpenBulk to %s failed (%s): PushChunks for attempt %s",
+                        node_id,
+                        exc.code().name,
+                        key,
+                    )
+            except (TimeoutError, OSError, BulkError) as exc:
+                # Unreachable (a firewall, NAT) or refused: do not pay for it every round.
+                self._no_bulk[peer_key] = time.monotonic() + BULK_FAILED_RETRY_S
+                log.warning(
+                    "bulk socket of %s unusable (%r): PushChunks for attempt %s and for %.0fs",
+                    node_id,
+                    exc,
+                    key,
+                    BULK_FAILED_RETRY_S,
+                )
+        self.grpc_streams += 1
+        return _GrpcOutput(self.push_call(address, node_id))
+
+    async def _open_bulk(self, address: str, node_id: str, key: RingKey) -> bulk.BulkOutput:
+        method = self.channel(address, node_id).unary_unary(
+            peer.OPEN_BULK,
+            request_serializer=peer_pb2.OpenBulkRequest.SerializeToString,
+            response_deserializer=peer_pb2.OpenBulkResponse.FromString,
+        )
+        job_id, round_, attempt = key
+        reply = await method(
+            peer_pb2.OpenBulkRequest(
+                job_id=job_id, round=round_, attempt=attempt, from_node_id=self.node_id
+            )
+        )
+        if not 0 < reply.port < 65536 or len(reply.token) != bulk.TOKEN_BYTES:
+            raise BulkError("malformed OpenBulk reply")
+        host, _ = split_address(address)
+        ctx = bulk.client_ssl_context(self._identity) if self._identity is not None else None
+        return await bulk.connect(host, reply.port, reply.token, node_id=node_id, ssl_context=ctx)
 
     def channel(self, address: str, node_id: str) -> grpc.aio.Channel:
         """The (cached) channel to node `node_id`'s PeerService at `address`."""
@@ -196,6 +342,7 @@ class RingTransport:
 
     async def drop_channel(self, address: str, node_id: str) -> None:
         """Close the channel to a peer that left (a later call opens a new one)."""
+        self._no_bulk.pop((address, node_id), None)
         ch = self._channels.pop((address, node_id if self._identity is not None else ""), None)
         if ch is not None:
             await ch.close()
@@ -275,6 +422,27 @@ class _ReceiveSlot:
         return self._failure.node_id if self._failure is not None else None
 
     def on_chunk(self, chunk: RingChunkView) -> None:
+        payload = chunk.payload
+        e = self._check(chunk, len(payload))
+        self._apply(e, payload)
+        self._advance(len(payload))
+
+    def bulk_target(self, chunk: RingChunkView, nbytes: int, scratch: memoryview) -> memoryview:
+        e = self._check(chunk, nbytes)
+        if self.codec == "none" and not e.reduce:
+            return memoryview(self._buf[e.lo : e.hi]).cast("B")  # a copy: land it in place
+        if e.forward:
+            return memoryview(bytearray(nbytes))  # kept until this node forwards it
+        return scratch[:nbytes]
+
+    def bulk_received(self, payload: memoryview) -> None:
+        e = self._expect[self.pos]
+        if self.codec != "none" or e.reduce:
+            self._apply(e, payload)
+        self._advance(len(payload))
+
+    def _check(self, chunk: RingChunkView, nbytes: int) -> _Expect:
+        """The expected chunk `chunk` is (ChunkRejected if it is not), payload `nbytes` long."""
         if self.pos >= self.total:
             raise ChunkRejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -298,13 +466,15 @@ class _ReceiveSlot:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"chunk from {chunk.from_node_id!r} on the stream of {self.left_node_id!r}",
             )
-        payload = chunk.payload
-        if len(payload) != e.nbytes or (chunk.spec.codec or "none") != self.codec:
+        if nbytes != e.nbytes or (chunk.spec.codec or "none") != self.codec:
             raise ChunkRejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"expected {e.nbytes} bytes of codec {self.codec!r}, got {len(payload)} bytes "
+                f"expected {e.nbytes} bytes of codec {self.codec!r}, got {nbytes} bytes "
                 f"of codec {chunk.spec.codec!r}",
             )
+        return e
+
+    def _apply(self, e: _Expect, payload: memoryview) -> None:
         dst = self._buf[e.lo : e.hi]
         if self.codec == "none":
             src = np.frombuffer(payload, dtype=np.float32)
@@ -323,8 +493,10 @@ class _ReceiveSlot:
                 self._tbuf[e.lo : e.hi].copy_(decoded)
                 if e.forward:
                     self._forward[self.pos] = payload
+
+    def _advance(self, nbytes: int) -> None:
         self.pos += 1
-        self.received_bytes += len(payload)
+        self.received_bytes += nbytes
         waiter = self._waiter
         if waiter is not None and self.pos > waiter[0]:
             self._waiter = None
@@ -508,7 +680,15 @@ class _RingRun:
         self.prefix = ring_chunk_header(
             job_id=job_id, round=round_, attempt=self.key[2], from_node_id=self.me, phase=""
         )
-        self.call: grpc.aio.StreamUnaryCall | None = None
+        self.abort_header = ring_chunk_header(
+            job_id=job_id,
+            round=round_,
+            attempt=self.key[2],
+            from_node_id=self.me,
+            phase=ABORT_PHASE,
+        )
+        self.out: RingOutput | None = None
+        self._watch: asyncio.Task[None] | None = None
         self.sent_bytes = 0
 
     # -- the attempt -----------------------------------------------------------------------------
@@ -539,8 +719,10 @@ class _RingRun:
                 sender.cancel()
                 with contextlib.suppress(BaseException):
                     await sender
-            if self.call is not None and not self.call.done():
-                self.call.cancel()
+            if self.out is not None and not self.out.done():
+                self.out.close()
+            if self._watch is not None and not self._watch.done():
+                self._watch.cancel()
 
     def _as_failure(self, exc: BaseException) -> RingPeerFailed:
         if isinstance(exc, RingPeerFailed):
@@ -549,7 +731,10 @@ class _RingRun:
         return RingPeerFailed(self.me, f"internal error: {exc!r}", key=self.key)
 
     async def _send_all(self) -> None:
-        call = self.call = self.transport.push_call(self.right_address, self.right)
+        out = self.out = await self.transport.open_output(
+            self.right_address, self.right, self.key, min(max(self.deadline_s, 1.0), 10.0)
+        )
+        out.on_broken(self._output_broken)
         first = self.deadline_s + self.join_timeout_s
         for s in self.sends:
             if s.dep is not None and self.slot.pos <= s.dep:
@@ -557,25 +742,23 @@ class _RingRun:
             if self.slot.failure is not None:
                 raise self.slot.failure
             payload = self._payload(s)
-            frame = frame_ring_chunk(self.prefix + s.suffix, s.offset, payload)
-            await self._write(call, frame, s.t == 0)
+            await self._write(out, self.prefix + s.suffix, s.offset, payload, s.t == 0)
             self.sent_bytes += memoryview(payload).nbytes
         try:
             async with asyncio.timeout(self.deadline_s):
-                await call.done_writing()
-                ack = await call
+                confirmed = await out.finish()
         except TimeoutError:
             raise RingPeerFailed(
                 self.right,
                 f"did not confirm the stream within {self.deadline_s:.1f}s",
                 key=self.key,
             ) from None
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise await self._right_failure(call, exc) from None
-        if ack.received_bytes != self.sent_bytes:
+        except _OUTPUT_ERRORS as exc:
+            raise await self._right_failure(out, exc) from None
+        if confirmed != self.sent_bytes:
             raise RingPeerFailed(
                 self.right,
-                f"confirmed {ack.received_bytes} bytes of the {self.sent_bytes} sent",
+                f"confirmed {confirmed} bytes of the {self.sent_bytes} sent",
                 key=self.key,
             )
         if not self.slot.complete:
@@ -606,32 +789,38 @@ class _RingRun:
             view.copy_(compression.decode(data, self.codec, (s.hi - s.lo,)))
         return data
 
-    async def _write(self, call: grpc.aio.StreamUnaryCall, frame: bytes, first: bool) -> None:
+    async def _write(
+        self,
+        out: RingOutput,
+        header: bytes,
+        offset: int,
+        payload: bytes | memoryview,
+        first: bool,
+    ) -> None:
         timeout = self.deadline_s + (self.join_timeout_s if first else 0.0)
         try:
             async with asyncio.timeout(timeout):
-                await call.write(frame)
+                await out.write_chunk(header, offset, payload)
         except TimeoutError:
             raise RingPeerFailed(
                 self.right, f"took no data for {timeout:.1f}s", key=self.key
             ) from None
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise await self._right_failure(call, exc) from None
+        except _OUTPUT_ERRORS as exc:
+            raise await self._right_failure(out, exc) from None
 
-    async def _right_failure(
-        self, call: grpc.aio.StreamUnaryCall, exc: BaseException
-    ) -> RingPeerFailed:
+    def _output_broken(self, exc: BaseException) -> None:
+        """The right neighbour closed or refused our stream while we may be waiting on input
+        (e.g. it died after taking our first chunks): fail the attempt on what that means."""
+        if self.slot.failure is None and self._watch is None and self.out is not None:
+            self._watch = asyncio.get_running_loop().create_task(self._fail_right(self.out, exc))
+
+    async def _fail_right(self, out: RingOutput, exc: BaseException) -> None:
+        self.slot.fail(await self._right_failure(out, exc))
+
+    async def _right_failure(self, out: RingOutput, exc: BaseException) -> RingPeerFailed:
         """What the right neighbour's refusal says: a failed node it names, else itself."""
-        code: grpc.StatusCode | None = None
-        details = ""
-        failed: str | None = None
-        try:
-            async with asyncio.timeout(min(self.deadline_s, 2.0)):
-                code = await call.code()
-                details = await call.details()
-                failed = failed_node_from_metadata(await call.trailing_metadata())
-        except (TimeoutError, grpc.aio.AioRpcError):
-            details = str(exc)
+        said = await out.failure(exc, min(self.deadline_s, 2.0))
+        code, details, failed = said.code, said.details, said.failed_node
         if failed and failed != self.right:
             return RingPeerFailed(
                 failed, details or "reported failed", reported_by=self.right, key=self.key
@@ -695,21 +884,20 @@ class _RingRun:
         )
 
     async def _close_output(self, failed: str) -> None:
-        call = self.call
-        if call is None or call.done():
+        out = self.out
+        if out is None or out.done():
             return
         if failed == self.right:
-            call.cancel()
+            out.close()
             return
         try:
             async with asyncio.timeout(min(self.deadline_s, 1.0)):
-                await call.write(abort_chunk(self.key, self.me, failed))
-                await call.done_writing()
-                await call
-        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await out.write_chunk(self.abort_header, 0, failed.encode())
+                await out.finish()
+        except (TimeoutError, *_OUTPUT_ERRORS):
             pass
         finally:
-            call.cancel()
+            out.close()
 
 
 # ---------------------------------------------------------------------------------------------

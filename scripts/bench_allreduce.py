@@ -1,7 +1,12 @@
-"""Our ring all-reduce over gRPC against torch.distributed's gloo all-reduce, same tensors, same
-processes, same run. Prints one JSON line of figures.
+"""Our ring all-reduce between PeerServices against torch.distributed's gloo all-reduce, same
+tensors, same processes, same run. Prints one JSON line of figures.
 
-    scripts/bench_allreduce.py --peers 4 --mb 64
+    scripts/bench_allreduce.py --peers 4 --mb 64            # plaintext, as gloo
+    scripts/bench_allreduce.py --peers 4 --mb 64 --tls      # mutual TLS, as agents run it
+
+Our ring runs as agents run it: chunks over each PeerServer's bulk socket (`node_agent.bulk`,
+set up per attempt through the OpenBulk RPC), or with `--transport grpc` over PushChunks (the
+fallback for peers without a bulk socket). `ours_streams` counts the attempts' streams by path.
 
 Spawns `--peers` processes (multiprocessing "spawn"). Each one starts a PeerServer on a loopback
 port and joins a gloo process group (TCP store on loopback), then, `--reps` times, all-reduces
@@ -20,11 +25,12 @@ Only the data path is timed: the ring's per-round set-up (stream, schedule) is i
 timing, process start-up and the first warm-up repetition are not.
 
 `--floor` adds a third timed operation per repetition: the gRPC transport floor. Every rank
-streams exactly the frames our ring sends (same RingChunk bytes, built from the same buffer,
-1 MiB chunks) to its right neighbour over one grpc.aio client stream, into a handler that only
-counts them: no schedule, no waiting on the left neighbour, no reduction. Our ring cannot beat
-it, so `floor_vs_gloo` bounds the ratio any ring over PushChunks can reach on this machine, and
-`ours_vs_floor` says how much of the gap is our ring rather than the transport.
+streams exactly the frames our ring sends over PushChunks (same RingChunk bytes, built from the
+same buffer, 1 MiB chunks) to its right neighbour over one grpc.aio client stream, into a
+handler that only counts them: no schedule, no waiting on the left neighbour, no reduction.
+`floor_vs_gloo` bounds the ratio any ring over PushChunks can reach on this machine (the bulk
+socket is not bound by it), and with `--transport grpc`, `ours_vs_floor` says how much of the
+gap is our ring rather than the transport.
 """
 
 from __future__ import annotations
@@ -91,7 +97,8 @@ def _run_worker(
         ident = None
         if args["tls"]:
             ident = Identity(**args["identities"][rank])
-        server = PeerServer("127.0.0.1:0", identity=ident)
+        bulk = args["transport"] == "bulk"
+        server = PeerServer("127.0.0.1:0", identity=ident, bulk=bulk)
         await server.start()
         floor = _Floor(rank, n, x) if args["floor"] else None
         floor_address = await floor.start() if floor is not None else ""
@@ -100,7 +107,7 @@ def _run_worker(
         if floor is not None:
             floor.connect(floor_addresses[(rank + 1) % n])
         node_ids = [f"node-{i}" for i in range(n)]
-        transport = RingTransport.for_server(node_ids[rank], server, identity=ident)
+        transport = RingTransport.for_server(node_ids[rank], server, identity=ident, bulk=bulk)
         ring = Ring(node_ids, addresses, rank, attempt=0)
         dist.init_process_group(
             "gloo",
@@ -172,6 +179,7 @@ def _run_worker(
             await floor.stop()
         return {
             "rank": rank,
+            "streams": {"bulk": transport.bulk_streams, "grpc": transport.grpc_streams},
             "times": times,
             "cpu": cpu,
             "digest": digest,
@@ -291,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         "encryption, so the default compares plaintext with plaintext)",
     )
     parser.add_argument(
+        "--transport",
+        choices=["bulk", "grpc"],
+        default="bulk",
+        help="our ring's data path: the bulk socket (as agents run it) or PushChunks over gRPC",
+    )
+    parser.add_argument(
         "--floor",
         action="store_true",
         help="also time the gRPC transport floor: our frames streamed around the ring with no "
@@ -377,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         "mb": args.mb,
         "codec": args.codec,
         "tls": args.tls,
+        "transport": args.transport,
         "reps": reps,
         "ours_bus_gbps": round(statistics.median(ours_bw), 4),
         "gloo_bus_gbps": round(statistics.median(gloo_bw), 4),
@@ -388,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         "gloo_cpu_seconds": round(statistics.median(gloo_cpu), 4),
         "ours_runs_gbps": [round(b, 3) for b in ours_bw],
         "gloo_runs_gbps": [round(b, 3) for b in gloo_bw],
+        "ours_streams": {
+            kind: sum(r["streams"][kind] for r in results) for kind in ("bulk", "grpc")
+        },
         "identical_across_ranks": len(digests) == 1 and "differs-between-reps" not in digests,
         "sums_match_gloo": all(r["close"] for r in results),
         "max_abs_diff_vs_gloo": max(r["max_diff"] for r in results),

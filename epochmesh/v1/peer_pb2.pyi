@@ -36,6 +36,28 @@ class RingAck(_message.Message):
     received_bytes: int
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
+class OpenBulkRequest(_message.Message):
+    __slots__ = ("job_id", "round", "attempt", "from_node_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    attempt: int
+    from_node_id: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., from_node_id: _Optional[str] = ...) -> None: ...
+
+class OpenBulkResponse(_message.Message):
+    __slots__ = ("port", "token", "expires_in_s")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    token: bytes
+    expires_in_s: float
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
 class TransferStateRequest(_message.Message):
     __slots__ = ("job_id", "node_id", "version")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

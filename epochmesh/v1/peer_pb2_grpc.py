@@ -49,6 +49,11 @@ class PeerServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_peer__pb2.PingRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_peer__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/epochmesh.v1.PeerService/OpenBulk',
+                request_serializer=epochmesh_dot_v1_dot_peer__pb2.OpenBulkRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_peer__pb2.OpenBulkResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -75,6 +80,16 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBulk(self, request, context):
+        """The bulk data path for one ring attempt: a one-time token for this peer's plain TCP
+        (TLS when the ring runs with identities) socket, which then carries the same RingChunk
+        frames as PushChunks without grpcio's per-message costs. Authenticated like PushChunks.
+        UNIMPLEMENTED (an older peer, or bulk disabled): use PushChunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +107,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=epochmesh_dot_v1_dot_peer__pb2.PingRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_peer__pb2.PingResponse.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=epochmesh_dot_v1_dot_peer__pb2.OpenBulkRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_peer__pb2.OpenBulkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +195,33 @@ class PeerService:
             '/epochmesh.v1.PeerService/Ping',
             epochmesh_dot_v1_dot_peer__pb2.PingRequest.SerializeToString,
             epochmesh_dot_v1_dot_peer__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.PeerService/OpenBulk',
+            epochmesh_dot_v1_dot_peer__pb2.OpenBulkRequest.SerializeToString,
+            epochmesh_dot_v1_dot_peer__pb2.OpenBulkResponse.FromString,
             options,
             channel_credentials,
             insecure,

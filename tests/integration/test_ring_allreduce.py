@@ -494,6 +494,7 @@ async def test_stopped_server_mid_reduce_is_named_and_the_retry_succeeds() -> No
             [tasks[r] for r in survivors], "node-2", within_s=3 * deadline + 3
         )
         assert any(e.detected_here for e in errors)
+        assert all(peers.transports[r].bulk_streams == 1 for r in survivors)
         with contextlib.suppress(BaseException):
             await tasks[victim]
         await _retry_without(peers, survivors, numel)
@@ -504,20 +505,25 @@ def _victim_main(conn: Any, rank: int, numel: int, mode: str, after_chunks: int)
     received `after_chunks` chunks, i.e. in the middle of the reduce."""
     import asyncio
 
+    from node_agent import ring_allreduce as ra
+
+    advance = ra._ReceiveSlot._advance
+
+    def advance_then_stop(slot: Any, nbytes: int) -> None:
+        # Right in the data path: a watcher task may only run after many more chunks.
+        advance(slot, nbytes)
+        if slot.pos >= after_chunks:
+            conn.send("stopping")
+            os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+
+    ra._ReceiveSlot._advance = advance_then_stop  # type: ignore[method-assign]
+
     async def main() -> None:
         server = PeerServer("127.0.0.1:0")
         await server.start()
         conn.send(server.address)
         ids, addresses, deadline = await asyncio.to_thread(conn.recv)
         transport = RingTransport.for_server(ids[rank], server)
-
-        async def watch() -> None:
-            while server.service.received_chunks < after_chunks:
-                await asyncio.sleep(0.001)
-            conn.send("stopping")
-            os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
-
-        watcher = asyncio.create_task(watch())
         await ring_allreduce(
             _data(rank, numel),
             Ring(ids, addresses, rank),
@@ -528,7 +534,6 @@ def _victim_main(conn: Any, rank: int, numel: int, mode: str, after_chunks: int)
             join_timeout_s=20.0,
         )
         conn.send("finished")
-        watcher.cancel()
 
     asyncio.run(main())
 
@@ -567,6 +572,8 @@ async def test_peer_process_dies_or_stalls_mid_reduce(mode: str) -> None:
             assert msg == "stopping"
             # Dead: the streams break at once. Stalled: deadline + ping, then reports.
             await _expect_failures(tasks, "node-1", within_s=3 * deadline + 3)
+            # The streams ran over the bulk sockets (as between agents).
+            assert peers.transports[0].bulk_streams == peers.transports[2].bulk_streams == 1
             await _retry_without(peers, [0, 2], numel)
     finally:
         if proc.is_alive():
@@ -608,3 +615,6 @@ def test_bench_script_compares_with_gloo_and_the_grpc_floor() -> None:
     for key in ("ours_bus_gbps", "gloo_bus_gbps", "floor_bus_gbps"):
         assert figures[key] > 0
     assert {"ratio", "floor_vs_gloo", "ours_vs_floor"} <= figures.keys()
+    # Our ring ran over the bulk sockets, as between agents (one stream per rank and run).
+    assert figures["transport"] == "bulk"
+    assert figures["ours_streams"] == {"bulk": 2, "grpc": 0}
