@@ -245,6 +245,22 @@ class AgentService:
         self._registry.check_lease(req.node_id, req.lease_id)
         return await self._engine.report_progress(req, ctx)
 
+    async def AuthorizeStateTransfer(
+        self, req: agent_pb2.AuthorizeStateTransferRequest, ctx: Ctx
+    ) -> agent_pb2.AuthorizeStateTransferResponse:
+        """May `requester_node_id` have job `job_id`'s state from the caller (a TransferState
+        call the caller received)? Only if the coordinator told it to fetch it there."""
+        require_node_id(req.node_id)
+        require_self(req.node_id)
+        _require_lease_id(req.lease_id)
+        check_text(req.job_id, "job_id", max_len=128, required=True)
+        require_node_id(req.requester_node_id, "requester_node_id")
+        self._registry.check_lease(req.node_id, req.lease_id)
+        reason = self._engine.authorize_state_transfer(
+            req.job_id, req.node_id, req.requester_node_id
+        )
+        return agent_pb2.AuthorizeStateTransferResponse(allowed=reason is None, reason=reason or "")
+
     async def Probe(self, req: agent_pb2.ProbeRequest, ctx: Ctx) -> agent_pb2.ProbeResponse:
         """Echo ``payload`` when response_bytes is 0, else answer response_bytes of filler.
         Both are capped at 1 MiB."""

@@ -75,6 +75,7 @@ POLICY: dict[str, frozenset[str]] = {
             "PullParameters",
             "ReportProgress",
             "Probe",
+            "AuthorizeStateTransfer",
         )
     },
     **{

@@ -351,6 +351,14 @@ class Engine:
         for chunk in iter_chunks(data):
             yield agent_pb2.PullParametersResponse(chunk=chunk)
 
+    def authorize_state_transfer(self, job_id: str, source: str, requester: str) -> str | None:
+        runner = self.runners.get(job_id)
+        if runner is None:
+            return f"job {job_id!r} is not running"
+        if not isinstance(runner, RingJobRunner):
+            return f"job {job_id!r} does not transfer state between agents"
+        return runner.authorize_state_transfer(source, requester)
+
     async def report_progress(
         self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
     ) -> agent_pb2.ReportProgressResponse:

@@ -87,6 +87,10 @@ class TrainingEngine(Protocol):
         self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
     ) -> agent_pb2.ReportProgressResponse: ...
 
+    def authorize_state_transfer(self, job_id: str, source: str, requester: str) -> str | None:
+        """None when `requester` was told to fetch job `job_id`'s state from node `source`
+        (ring mode), else why not."""
+
     # -- JobService ------------------------------------------------------------------------------
     async def submit_job(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job: ...
 
@@ -163,6 +167,9 @@ class NullEngine:
     async def report_progress(
         self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
     ) -> agent_pb2.ReportProgressResponse:
+        raise UnimplementedError(NOT_AVAILABLE)
+
+    def authorize_state_transfer(self, job_id: str, source: str, requester: str) -> str | None:
         raise UnimplementedError(NOT_AVAILABLE)
 
     async def submit_job(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job:

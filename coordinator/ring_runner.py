@@ -108,6 +108,10 @@ OPTIM_PREFIX = "optim/"
 _CHECKSUM = re.compile(r"^[0-9a-f]{64}$")
 
 
+# How long past its task's deadline a node sent to a peer for state may still fetch it.
+STATE_GRANT_GRACE_S = 60.0
+
+
 @dataclass
 class RingAttempt:
     """One formation of the ring within a round."""
@@ -147,6 +151,8 @@ class RingJobRunner(JobRunner):
         # Culprits of a failed attempt (node -> when): they sit out the following rounds for
         # one silence limit, long enough for a dead one to be found silent.
         self._suspects: dict[str, float] = {}
+        # (state holder, node sent there for the state) -> until when the holder may serve it.
+        self._state_grants: dict[tuple[str, str], float] = {}
         # Measured agent -> agent links: (reporter, peer) -> (rtt_s, bandwidth bytes/s).
         self.links: dict[tuple[str, str], tuple[float, float]] = {}
 
@@ -450,7 +456,7 @@ class RingJobRunner(JobRunner):
             task.ring_total_samples = att.total
             task.push_state = n == att.push_state_node
             task.ring_gateway = n == att.gateway
-            self._set_source(task, sources.get(n))
+            self._set_source(task, n, sources.get(n), deadline)
             self.engine.enqueue(n, task, self)
         for n in externals:
             part = rs.parts[n]
@@ -460,7 +466,7 @@ class RingJobRunner(JobRunner):
             task = self._train_task(rs, part)
             task.deadline_seconds = deadline
             task.ring_total_samples = att.total
-            self._set_source(task, sources.get(n))
+            self._set_source(task, n, sources.get(n), deadline)
             self.engine.enqueue(n, task, self)
         log.info(
             "job %s round %d attempt %d: ring %s (ordered by %s), %d external(s), B=%d, "
@@ -479,10 +485,25 @@ class RingJobRunner(JobRunner):
         )
         return True
 
-    def _set_source(self, task: agent_pb2.Task, holder: str | None) -> None:
+    def _set_source(
+        self, task: agent_pb2.Task, node: str, holder: str | None, valid_s: float
+    ) -> None:
         if holder:
             task.state_source_node_id = holder
             task.state_source_address = self._peer_address(holder)
+            # The holder serves the state only to nodes sent there (AuthorizeStateTransfer),
+            # while their task may run.
+            now = time.monotonic()
+            self._state_grants = {k: t for k, t in self._state_grants.items() if t > now}
+            self._state_grants[(holder, node)] = now + valid_s + STATE_GRANT_GRACE_S
+
+    def authorize_state_transfer(self, source: str, requester: str) -> str | None:
+        """None when `requester` was told to fetch this job's state from `source` (and its
+        task may still run), else why not."""
+        expires = self._state_grants.get((source, requester))
+        if expires is None or expires <= time.monotonic():
+            return f"node {requester} was not sent to {source} for the state of job {self.job_id}"
+        return None
 
     async def _wait_attempt(self, rs: RoundState) -> str:
         """Until every member reported, or a failure is known (plus a short grace for the

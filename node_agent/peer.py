@@ -447,6 +447,8 @@ class StateSnapshot:
 
 # (job_id, min_version) -> the newest snapshot, or None when this node has no state of the job.
 StateProvider = Callable[[str, int], Awaitable[StateSnapshot | None]]
+# (job id, requesting node id) -> None when that node may have the job's state, else why not.
+StateAuthorizer = Callable[[str, str], Awaitable[str | None]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,15 +472,19 @@ class PeerService:
         mailbox: RingMailbox | None = None,
         *,
         state_provider: StateProvider | None = None,
+        state_authorizer: StateAuthorizer | None = None,
         join_timeout_s: float = 60.0,
         max_streams: int = 64,
         verify_callers: bool = False,
     ) -> None:
         """`verify_callers`: the server runs mutual TLS, so check that the certificate of a
-        PushChunks caller names the node its chunks claim to come from."""
+        PushChunks caller names the node its chunks claim to come from. `state_authorizer`
+        (with `verify_callers`): asked before serving a TransferState to the node named by the
+        caller's certificate (the agent asks the coordinator whether it sent that node here)."""
         self.mailbox = mailbox or RingMailbox()
         self.verify_callers = verify_callers
         self.state_provider = state_provider
+        self.state_authorizer = state_authorizer
         self.join_timeout_s = join_timeout_s
         self.max_streams = max_streams
         self._streams = 0
@@ -733,6 +739,10 @@ class PeerService:
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"node {principal.id!r} may not ask for state as {request.node_id!r}",
                 )
+            if self.state_authorizer is not None:
+                refused = await self.state_authorizer(request.job_id, principal.id)
+                if refused is not None:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         if self.state_provider is None:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "this peer does not serve state transfers"
@@ -863,6 +873,7 @@ class PeerServer:
         listen: str = "127.0.0.1:0",
         *,
         state_provider: StateProvider | None = None,
+        state_authorizer: StateAuthorizer | None = None,
         join_timeout_s: float = 60.0,
         identity: idm.Identity | None = None,
         advertise: str | None = None,
@@ -872,6 +883,7 @@ class PeerServer:
         self.listen = listen
         self.service = PeerService(
             state_provider=state_provider,
+            state_authorizer=state_authorizer,
             join_timeout_s=join_timeout_s,
             verify_callers=identity is not None,
         )

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -50,6 +51,7 @@ from node_agent.config import AgentConfig, advertised_peer_address
 from node_agent.connection import (
     HEARTBEAT_LEASE_CODES,
     CoordinatorConnection,
+    Expired,
     HeartbeatHooks,
     Stopped,
     describe,
@@ -239,6 +241,31 @@ class Agent:
 
     # -- PeerService ----------------------------------------------------------------------------
 
+    async def _authorize_state_transfer(self, job_id: str, requester: str) -> str | None:
+        """Ask the coordinator whether it sent `requester` here for job `job_id`'s state
+        (None: yes; else why not, including "could not ask")."""
+        conn = self.connection
+
+        def request() -> agent_pb2.AuthorizeStateTransferRequest:
+            return agent_pb2.AuthorizeStateTransferRequest(
+                node_id=conn.node_id,
+                lease_id=conn.lease_id,
+                job_id=job_id,
+                requester_node_id=requester,
+            )
+
+        try:
+            reply = await conn.call(
+                "AuthorizeStateTransfer",
+                request,
+                timeout=5.0,
+                deadline=time.monotonic() + 15.0,
+            )
+        except (grpc.aio.AioRpcError, Stopped, Expired) as exc:
+            log.warning("could not ask the coordinator about a state transfer: %s", exc)
+            return f"the coordinator could not confirm the transfer: {describe(exc)}"
+        return None if reply.allowed else reply.reason or "not allowed"
+
     async def _start_peer_server(self) -> None:
         """Listen on --peer-listen (OSError when that fails) and work out the address to
         advertise. TLS with the node certificate unless --insecure."""
@@ -247,6 +274,7 @@ class Agent:
         server = PeerServer(
             config.peer_listen,
             state_provider=provide_state,
+            state_authorizer=self._authorize_state_transfer,
             join_timeout_s=PEER_JOIN_TIMEOUT_S,
             identity=identity,
         )

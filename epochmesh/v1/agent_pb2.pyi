@@ -315,3 +315,23 @@ class ProbeResponse(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class AuthorizeStateTransferRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "job_id", "requester_node_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    job_id: str
+    requester_node_id: str
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., requester_node_id: _Optional[str] = ...) -> None: ...
+
+class AuthorizeStateTransferResponse(_message.Message):
+    __slots__ = ("allowed", "reason")
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    allowed: bool
+    reason: str
+    def __init__(self, allowed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -84,6 +84,11 @@ class AgentServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_agent__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_agent__pb2.ProbeResponse.FromString,
                 _registered_method=True)
+        self.AuthorizeStateTransfer = channel.unary_unary(
+                '/epochmesh.v1.AgentService/AuthorizeStateTransfer',
+                request_serializer=epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -155,6 +160,14 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AuthorizeStateTransfer(self, request, context):
+        """A peer asked this node (the caller) for a job's state (PeerService.TransferState): may it
+        have it? Only a node the coordinator told to fetch that job's state from the caller may.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -207,6 +220,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=epochmesh_dot_v1_dot_agent__pb2.ProbeRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_agent__pb2.ProbeResponse.SerializeToString,
+            ),
+            'AuthorizeStateTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuthorizeStateTransfer,
+                    request_deserializer=epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -479,6 +497,33 @@ class AgentService:
             '/epochmesh.v1.AgentService/Probe',
             epochmesh_dot_v1_dot_agent__pb2.ProbeRequest.SerializeToString,
             epochmesh_dot_v1_dot_agent__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuthorizeStateTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.AgentService/AuthorizeStateTransfer',
+            epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferRequest.SerializeToString,
+            epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

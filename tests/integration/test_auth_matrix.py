@@ -61,6 +61,7 @@ EXPECTED: dict[str, tuple[set[str], str | S]] = {
     "AgentService/PullParameters": ({NODE, OPERATOR}, S.INVALID_ARGUMENT),
     "AgentService/ReportProgress": ({NODE, OPERATOR}, S.INVALID_ARGUMENT),
     "AgentService/Probe": ({NODE, OPERATOR}, OK),
+    "AgentService/AuthorizeStateTransfer": ({NODE, OPERATOR}, S.INVALID_ARGUMENT),
     "JobService/UploadBlob": (ANY_USER, S.INVALID_ARGUMENT),
     "JobService/GetBlobStatus": (ANY_USER, S.INVALID_ARGUMENT),
     "JobService/SubmitJob": (ANY_USER, S.UNIMPLEMENTED),

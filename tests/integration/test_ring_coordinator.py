@@ -65,10 +65,29 @@ class FakeMember:
         self.kill_at_round = 0
         self.checksum_salt = ""
 
+    async def ask_source(self, agent: FakeAgent, task: agent_pb2.Task) -> None:
+        """What the state source's agent asks the coordinator when this node calls its
+        TransferState (AuthorizeStateTransfer), and the same for a node not sent there."""
+        source = self.world["agents"].get(task.state_source_node_id)
+        if source is None:
+            return
+        for requester in (agent.node_id, source.node_id):
+            reply = await source.stub.AuthorizeStateTransfer(
+                agent_pb2.AuthorizeStateTransferRequest(
+                    node_id=source.node_id,
+                    lease_id=source.lease_id,
+                    job_id=task.job_id,
+                    requester_node_id=requester,
+                ),
+                timeout=10,
+            )
+            self.world["authorized"].append((requester == agent.node_id, reply.allowed))
+
     async def __call__(self, agent: FakeAgent, task: agent_pb2.Task) -> None:
         if not task.ring.node_ids:  # external: a zero gradient through the coordinator
             if task.state_source_node_id:
                 self.world["sourced"].append((agent.node_id, task.state_source_node_id))
+                await self.ask_source(agent, task)
                 names = self.world["names"]
             else:
                 _, params = await agent.pull(task.job_id, task.params_version)
@@ -165,6 +184,8 @@ def new_world(packed: PackedJob) -> dict:
         "tasks": [],
         "states": {},
         "sourced": [],
+        "authorized": [],  # (sent there, allowed) of AuthorizeStateTransfer asks
+        "agents": {},  # node id -> FakeAgent, for asks made as another agent
         "checkpoints": [],
         "names": list(packed.state_names),
         "shapes": {n: t.shape for n, t in initial.items()},
@@ -226,6 +247,7 @@ async def test_a_dead_member_is_retried_without_and_externals_go_through_the_gat
             await FakeAgent(coord, "m3", 200.0, doomed, peer_address="127.0.0.1:3").start(),
             await FakeAgent(coord, "ext", 200.0, FakeMember(world)).start(),
         ]
+        world["agents"].update({a.node_id: a for a in agents})
         try:
             final, rounds, events = await run_job(coord, packed)
         finally:
@@ -257,6 +279,9 @@ async def test_a_dead_member_is_retried_without_and_externals_go_through_the_gat
     assert sorted(t.ring.node_ids[t.ring.rank] for t in late) == sorted([m1, m2])
     # Members hold each version after the first round: the external gets it from one of them.
     assert any(node == ext and source in (m1, m2, m3) for node, source in world["sourced"])
+    # A source serves the state only to the node sent there (AuthorizeStateTransfer).
+    assert world["authorized"] and all(sent == ok for sent, ok in world["authorized"])
+    assert {sent for sent, _ in world["authorized"]} == {True, False}
     # Checkpoints were pushed by rank 0 and taken (every 2 rounds, epoch ends, the end), and
     # only then.
     assert world["checkpoints"] and all(ok for _, ok, _ in world["checkpoints"])

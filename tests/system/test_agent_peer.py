@@ -65,8 +65,9 @@ async def _check_tls_peer(address: str, node_id: str, coord: str, data_dir: Path
         rtt = await ping(ch, timeout=5.0, payload=b"hello")
         log.info(f"Ping over mutual TLS: {rtt * 1e3:.2f} ms")
         assert rtt < 5.0
+        # ... but state only to a node the coordinator sent here (the agent asks it).
         status = await _status_of(fetch_state(ch, "no-such-job", node_id=member.principal.id))
-        assert status == grpc.StatusCode.NOT_FOUND  # the service answered: no state of that job
+        assert status == grpc.StatusCode.PERMISSION_DENIED
         status = await _status_of(fetch_state(ch, "job-x", node_id=node_id))
         assert status == grpc.StatusCode.PERMISSION_DENIED  # asking as another node
 
