@@ -17,7 +17,11 @@ Server side (`PeerServer` wraps a grpc.aio server with this service, health and 
   failure of that attempt, in-band on a data stream or as a stream of its own.
 - ``TransferState``: parameters and optimizer state from a provider callback, as a header
   (`TensorBundle`) and 1 MiB chunks; `fetch_state` is the joiner's side.
-- ``Ping``: echoes the payload; `ping` and `probe_link` measure round trip and bandwidth.
+- ``Ping``: echoes the payload; `ping` and `probe_link` measure round trip and bandwidth. A
+  ping that names a ring attempt is also answered with this node's state in it
+  (`ring_status`): whether it is starved (waiting for its own left neighbour's data, so it will
+  report a failure further along itself) and the failed node once the attempt has failed (kept
+  a while after the slot closed), so a neighbour blames the right node without waiting.
 - ``OpenBulk``: a one-time token for this peer's bulk socket (`node_agent.bulk`, started by
   `PeerServer` next to the gRPC port), which carries a ring attempt's chunks like PushChunks but
   off grpcio. Checked like PushChunks: under mutual TLS the caller's certificate must name
@@ -45,6 +49,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -333,6 +338,9 @@ class RingReceiver(Protocol):
     def failed_node(self) -> str | None:
         """The failed node once this attempt has failed, else None."""
 
+    def starved_s(self) -> float:
+        """Seconds this node has been waiting for the left neighbour's data (0 if it is not)."""
+
     def bulk_target(self, chunk: RingChunkView, nbytes: int, scratch: memoryview) -> memoryview:
         """Check the header of the next chunk (`chunk`, payload not read yet, `nbytes` long;
         ChunkRejected as `on_chunk`) and say where to receive its payload: straight into the
@@ -345,6 +353,15 @@ class RingReceiver(Protocol):
     @property
     def complete(self) -> bool:
         """Every expected chunk has arrived."""
+
+
+@dataclass(frozen=True)
+class RingStatus:
+    """A node's state in one ring attempt, as its Ping answers it (`ring_status`)."""
+
+    known: bool  # the attempt is running here, or failed here recently
+    starved_s: float  # waiting that long for its own left neighbour's data (0: not waiting)
+    failed_node_id: str  # the node the attempt found failed ("" while it has not failed)
 
 
 class AttemptExpired(Exception):
@@ -366,6 +383,8 @@ class RingMailbox:
         self._slots: dict[RingKey, RingReceiver] = {}
         self._current: OrderedDict[str, tuple[int, int]] = OrderedDict()  # job -> (round, att.)
         self._aborts: OrderedDict[RingKey, tuple[str, str]] = OrderedDict()
+        # Failed node of attempts whose slot closed after a failure, for neighbours that ask.
+        self._failed: OrderedDict[RingKey, str] = OrderedDict()
         self._changed = asyncio.Event()
         self._max_pending_aborts = max_pending_aborts
         self._max_jobs = max_jobs
@@ -393,7 +412,22 @@ class RingMailbox:
     def unregister(self, receiver: RingReceiver) -> None:
         if self._slots.get(receiver.key) is receiver:
             del self._slots[receiver.key]
+            failed = receiver.failed_node()
+            if failed is not None:
+                self._failed[receiver.key] = failed
+                while len(self._failed) > self._max_pending_aborts:
+                    self._failed.popitem(last=False)
             self._notify()
+
+    def status(self, key: RingKey) -> RingStatus:
+        """What this node knows of attempt `key`: for a neighbour deciding whom to blame."""
+        receiver = self._slots.get(key)
+        if receiver is not None:
+            return RingStatus(True, receiver.starved_s(), receiver.failed_node() or "")
+        failed = self._failed.get(key)
+        if failed is not None:
+            return RingStatus(True, 0.0, failed)
+        return RingStatus(False, 0.0, "")
 
     def get(self, key: RingKey) -> RingReceiver | None:
         return self._slots.get(key)
@@ -787,7 +821,15 @@ class PeerService:
     async def ping(
         self, request: peer_pb2.PingRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PingResponse:
-        return peer_pb2.PingResponse(payload=request.payload)
+        if not request.job_id:
+            return peer_pb2.PingResponse(payload=request.payload)
+        st = self.mailbox.status((request.job_id, request.round, request.attempt))
+        return peer_pb2.PingResponse(
+            payload=request.payload,
+            attempt_known=st.known,
+            starved_s=st.starved_s,
+            failed_node_id=st.failed_node_id,
+        )
 
 
 async def _parse_request(cls: Any, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
@@ -980,6 +1022,22 @@ async def ping(channel: grpc.aio.Channel, *, timeout: float, payload: bytes = b"
     if reply.payload != payload:
         raise ValueError("peer echoed a different payload")
     return time.perf_counter() - t0
+
+
+async def ring_status(channel: grpc.aio.Channel, key: RingKey, *, timeout: float) -> RingStatus:
+    """Ping a ring member and return its state in attempt `key` (a peer from before this field
+    answers "unknown"). Raises grpc.aio.AioRpcError / TimeoutError when it does not answer."""
+    call = channel.unary_unary(
+        PING,
+        request_serializer=peer_pb2.PingRequest.SerializeToString,
+        response_deserializer=peer_pb2.PingResponse.FromString,
+    )
+    job_id, round_, attempt = key
+    reply = await call(
+        peer_pb2.PingRequest(job_id=job_id, round=round_, attempt=attempt), timeout=timeout
+    )
+    starved = reply.starved_s if math.isfinite(reply.starved_s) else 0.0
+    return RingStatus(reply.attempt_known, max(starved, 0.0), reply.failed_node_id)
 
 
 async def probe_link(

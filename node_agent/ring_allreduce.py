@@ -21,12 +21,16 @@ Failures never hang. Every wait is bounded by `deadline_s` (the first step also 
 `join_timeout_s`, for neighbours still computing their gradient):
 
 - the right neighbour does not take a chunk in time (gRPC flow control or a full socket buffer
-  holds the sender back), or refuses or breaks the stream and does not answer a ping: it failed (if it answers, wait up to `deadline_s` for a report naming
-  the node that failed further along, as below, then blame it);
+  holds the sender back), or refuses or breaks the stream and does not answer a ping: it
+  failed (if it answers naming the node its attempt found failed: that one; else wait up to
+  `deadline_s` for a report naming the node that failed further along, then blame it);
 - the left neighbour's stream breaks or ends early, or sends a malformed chunk: it failed;
-- nothing arrives from the left in time: it is pinged; no answer: it failed; an answer (it is
-  alive, so probably waiting on its own left): wait another `deadline_s` for a report from the
-  node that saw the real failure, then blame the left neighbour;
+- while a node waits for its left neighbour, it asks it for its state in this attempt (a Ping
+  naming the attempt) every `deadline_s` (at least 0.5 s): no answer: it failed (also during
+  the join wait); it names a failed node: that one. Nothing in time: if it is starved itself
+  (waiting on its own left), keep waiting for the report of the node next to the real failure
+  (up to the join timeout plus a deadline per member); if it is alive and not waiting on
+  anyone, yet sends nothing: blame it after one more `deadline_s`;
 - a report arrives (an abort chunk, in-band or broadcast, or a refusal naming a node in the
   trailing metadata): that node failed.
 
@@ -319,6 +323,12 @@ class RingTransport:
     async def ping(self, address: str, node_id: str, timeout: float) -> float:
         return await peer.ping(self.channel(address, node_id), timeout=timeout)
 
+    async def ring_status(
+        self, address: str, node_id: str, key: RingKey, timeout: float
+    ) -> peer.RingStatus:
+        """A member's state in attempt `key` (starved? failed, naming whom?), by Ping."""
+        return await peer.ring_status(self.channel(address, node_id), key, timeout=timeout)
+
     async def probe(self, address: str, node_id: str) -> tuple[float, float]:
         """(rtt_s, bandwidth_bytes_per_s) to a peer, for the coordinator's ring order."""
         return await peer.probe_link(self.channel(address, node_id))
@@ -406,6 +416,7 @@ class _ReceiveSlot:
         self.received_bytes = 0
         self._forward: dict[int, memoryview] = {}
         self._waiter: tuple[int, asyncio.Future[None]] | None = None
+        self._waiting_since: float | None = None  # time.monotonic() the run began to wait
         self._failure: RingPeerFailed | None = None
         self.closed = asyncio.Event()  # the left neighbour's stream ended after every chunk
         self.failed_future: asyncio.Future[RingPeerFailed] = (
@@ -420,6 +431,12 @@ class _ReceiveSlot:
 
     def failed_node(self) -> str | None:
         return self._failure.node_id if self._failure is not None else None
+
+    def starved_s(self) -> float:
+        since = self._waiting_since
+        if since is None or self._failure is not None:
+            return 0.0
+        return max(time.monotonic() - since, 1e-6)
 
     def on_chunk(self, chunk: RingChunkView) -> None:
         payload = chunk.payload
@@ -543,16 +560,22 @@ class _ReceiveSlot:
         return err
 
     async def wait(self, index: int, timeout: float) -> None:
-        """Until chunk `index` of the receive order has arrived; TimeoutError after `timeout`."""
+        """Until chunk `index` of the receive order has arrived; TimeoutError after `timeout`.
+        While it waits, this node counts as starved (`starved_s`), also across the retries of
+        one wait: that ends only once the chunk waited for has arrived."""
         if self._failure is not None:
             raise self._failure
         if self.pos > index:
+            self._waiting_since = None
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiter = (index, fut)
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
         try:
             async with asyncio.timeout(timeout):
                 await fut
+            self._waiting_since = None
         finally:
             if self._waiter is not None and self._waiter[1] is fut:
                 self._waiter = None
@@ -669,6 +692,8 @@ class _RingRun:
         self.deadline_s = deadline_s
         self.join_timeout_s = join_timeout_s
         self.probe_timeout_s = min(max(deadline_s / 2, 0.2), 5.0)
+        # How often a node waiting for its left neighbour checks that it is still there.
+        self.probe_every_s = max(deadline_s, 0.5)
         self.codec = codec
         self.tensor = buffer
         self.buf = buffer.numpy()
@@ -830,14 +855,21 @@ class _RingRun:
             self.right, f"refused or broke the stream: {name} {details}", key=self.key
         )
         # A right neighbour that ends our stream without naming anyone may have given up on a
-        # failure further along (its abort report to us can be a moment behind). If it still
-        # answers pings, wait for that report before blaming it.
+        # failure further along (its abort report to us can be a moment behind). Ask it: it
+        # names the node its attempt found failed; if it answers without one, wait for the
+        # report before blaming it.
         if self.slot.failure is not None:
             return self.slot.failure
         try:
-            await self.transport.ping(self.right_address, self.right, self.probe_timeout_s)
+            st = await self.transport.ring_status(
+                self.right_address, self.right, self.key, self.probe_timeout_s
+            )
         except (TimeoutError, grpc.aio.AioRpcError, ValueError):
             return own
+        if st.failed_node_id and st.failed_node_id not in (self.me, self.right):
+            return RingPeerFailed(
+                st.failed_node_id, "reported failed", reported_by=self.right, key=self.key
+            )
         try:
             async with asyncio.timeout(self.deadline_s):
                 return await asyncio.shield(self.slot.failed_future)
@@ -845,29 +877,63 @@ class _RingRun:
             return own
 
     async def _await_input(self, index: int, timeout: float) -> None:
+        """Until chunk `index` has arrived from the left neighbour, or RingPeerFailed.
+
+        While it waits (up to `timeout`), the left neighbour is asked for its state in this
+        attempt every `probe_every_s`: no answer means it failed, at once (a dead or stopped
+        node is not given the whole join timeout), and a failed node it names is the failed
+        one. After `timeout` without the chunk: it is starved itself (waiting for its own left),
+        so the failure is further along and the node next to it will name it: keep waiting (as
+        long as its own wait may last: the join timeout plus a deadline per member). It has what
+        it needs but sends nothing: one more deadline of grace, then it is blamed."""
+        t0 = time.monotonic()
+        end = t0 + timeout
+        while True:
+            try:
+                await self.slot.wait(index, max(min(end - time.monotonic(), self.probe_every_s), 0))
+                return
+            except TimeoutError:
+                pass
+            if time.monotonic() >= end:
+                break
+            await self._left_status(time.monotonic() - t0)
+        give_up = time.monotonic() + self.join_timeout_s + (self.n + 1) * self.deadline_s
+        idle_answers = 0
+        while True:
+            starved = (await self._left_status(time.monotonic() - t0)).starved_s > 0.0
+            if not starved:
+                idle_answers += 1
+            if idle_answers > 1 or time.monotonic() >= give_up:
+                break
+            try:
+                await self.slot.wait(index, self.deadline_s)
+                return
+            except TimeoutError:
+                pass
+        raise RingPeerFailed(
+            self.left,
+            f"answers pings but sent nothing for {time.monotonic() - t0:.1f}s",
+            key=self.key,
+        )
+
+    async def _left_status(self, waited: float) -> peer.RingStatus:
+        """The left neighbour's state in this attempt; RingPeerFailed naming it when it does
+        not answer, or naming the node it reports failed."""
         try:
-            await self.slot.wait(index, timeout)
-            return
-        except TimeoutError:
-            pass
-        try:
-            await self.transport.ping(self.left_address, self.left, self.probe_timeout_s)
+            st = await self.transport.ring_status(
+                self.left_address, self.left, self.key, self.probe_timeout_s
+            )
         except (TimeoutError, grpc.aio.AioRpcError, ValueError) as exc:
             raise RingPeerFailed(
                 self.left,
-                f"sent nothing for {timeout:.1f}s and does not answer pings ({type(exc).__name__})",
+                f"sent nothing for {waited:.1f}s and does not answer pings ({type(exc).__name__})",
                 key=self.key,
             ) from None
-        # Alive: most likely waiting on its own left neighbour. Give the node that saw the
-        # failure time to report it before blaming this one.
-        try:
-            await self.slot.wait(index, self.deadline_s)
-        except TimeoutError:
+        if st.failed_node_id and st.failed_node_id != self.me:
             raise RingPeerFailed(
-                self.left,
-                f"answers pings but sent nothing for {timeout + self.deadline_s:.1f}s",
-                key=self.key,
-            ) from None
+                st.failed_node_id, "reported failed", reported_by=self.left, key=self.key
+            )
+        return st
 
     # -- after a failure -------------------------------------------------------------------------
 

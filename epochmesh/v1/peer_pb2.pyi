@@ -87,15 +87,27 @@ class TransferStateResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[TransferStateHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
-    __slots__ = ("payload", "from_node_id")
+    __slots__ = ("payload", "from_node_id", "job_id", "round", "attempt")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     FROM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     from_node_id: str
-    def __init__(self, payload: _Optional[bytes] = ..., from_node_id: _Optional[str] = ...) -> None: ...
+    job_id: str
+    round: int
+    attempt: int
+    def __init__(self, payload: _Optional[bytes] = ..., from_node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class PingResponse(_message.Message):
-    __slots__ = ("payload",)
+    __slots__ = ("payload", "attempt_known", "starved_s", "failed_node_id")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    STARVED_S_FIELD_NUMBER: _ClassVar[int]
+    FAILED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
-    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+    attempt_known: bool
+    starved_s: float
+    failed_node_id: str
+    def __init__(self, payload: _Optional[bytes] = ..., attempt_known: _Optional[bool] = ..., starved_s: _Optional[float] = ..., failed_node_id: _Optional[str] = ...) -> None: ...

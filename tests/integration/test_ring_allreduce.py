@@ -26,6 +26,7 @@ from epochmesh.errors import CodecError
 from epochmesh.identity import Identity
 from epochmesh.ring import RingSchedule, chunk_elems_for, simulate_allreduce
 from epochmesh.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from node_agent import ring_allreduce as ra
 from node_agent.peer import (
     PeerServer,
     StateSnapshot,
@@ -497,6 +498,60 @@ async def test_stopped_server_mid_reduce_is_named_and_the_retry_succeeds() -> No
         assert all(peers.transports[r].bulk_streams == 1 for r in survivors)
         with contextlib.suppress(BaseException):
             await tasks[victim]
+        await _retry_without(peers, survivors, numel)
+
+
+async def test_a_silent_member_is_named_not_its_starved_neighbours() -> None:
+    """Node 1 takes its left neighbour's chunks and answers pings, but its sender hangs (a
+    stuck GPU, say): it never sends. Node 2 (its right) starves first; nodes 3 and 4 time out
+    on node 2 before node 2 gives up on node 1 (their waits start earlier), but node 2 answers
+    them that it is starved itself, so they wait for its report instead of blaming it. Every
+    survivor names node 1; the ring state a Ping reports is checked on the way."""
+    n, victim, numel, deadline = 5, 1, 5 * 2 * CHUNK, 0.5
+    key = ("job", 0, 0)
+    async with started_peers(n) as peers:
+        survivors = [r for r in range(n) if r != victim]
+        # The victim's receive side of the attempt, with no run behind it.
+        plan = ra._plan(n, numel, "none", victim)
+        hung = ra._ReceiveSlot(
+            key, plan.expect, victim, "none", _data(victim, numel).numpy(), peers.ids
+        )
+        peers.servers[victim].mailbox.register(hung)
+        tasks = {
+            r: asyncio.create_task(
+                ring_allreduce(
+                    _data(r, numel),
+                    peers.ring(r),
+                    peers.transports[r],
+                    deadline,
+                    job_id="job",
+                    round=0,
+                )
+            )
+            for r in survivors
+        }
+        asker = peers.transports[3]
+        node2 = peers.addresses[2]
+
+        async def node2_state() -> Any:
+            return await asker.ring_status(node2, "node-2", key, timeout=2.0)
+
+        state = await node2_state()
+        t_end = time.monotonic() + 20
+        while not state.starved_s and time.monotonic() < t_end:
+            await asyncio.sleep(0.01)
+            state = await node2_state()
+        assert state.known and state.starved_s > 0 and not state.failed_node_id
+        unknown = await asker.ring_status(node2, "node-2", ("job", 0, 7), timeout=2.0)
+        assert not unknown.known and unknown.starved_s == 0 and not unknown.failed_node_id
+        silent = await asker.ring_status(peers.addresses[victim], "node-1", key, timeout=2.0)
+        assert silent.known and silent.starved_s == 0 and not silent.failed_node_id
+        errors = await _expect_failures(
+            list(tasks.values()), "node-1", within_s=(n + 4) * deadline + 8
+        )
+        assert [e for e in errors if e.detected_here], "nobody saw the failure itself"
+        after = await node2_state()
+        assert after.known and after.failed_node_id == "node-1" and after.starved_s == 0
         await _retry_without(peers, survivors, numel)
 
 
