@@ -13,7 +13,11 @@ A round:
   2. plan: b_i from the throughput estimates (largest remainder, capped by each node's max
      batch), slices from the epoch ledger, a deadline from the estimates; in local SGD every
      node runs the same H inner steps of b_i samples, so it gets H*b_i samples (fewer at an
-     epoch's end) and the estimates and deadline work in samples;
+     epoch's end), b_i is planned on each node's per-step time (fixed + per-sample part, see
+     coordinator/throughput.py) so that the H steps take every node the same time, and the
+     estimates and deadline work in samples. A part's sample ranges (tens of thousands of
+     index runs in a big local SGD round) stay in numpy and reach the Task and the round
+     record as encoded wire bytes, which keeps the event loop free;
   3. wait until every node has pushed its gradient or failed, the deadline passes, or a node
      falls silent (no heartbeat for SILENCE_HEARTBEATS intervals: killed, cut off, hung); a
      deadline that passes before any node delivered is extended (at most twice): the estimates
@@ -23,7 +27,9 @@ A round:
      SGD's outer Nesterov SGD); slices of applied nodes commit, the others return to pending in
      the same epoch. Updates arrive compressed with the spec's codec (exactly that one for
      every floating tensor, else INVALID_ARGUMENT and a strike);
-  5. record the round (and every K rounds a checkpoint) in one store transaction.
+  5. record the round in one store transaction; every K rounds and at an epoch's end a
+     checkpoint: its state is copied at once and written in the background while the next
+     round runs (checkpoints in order; a ring job writes its checkpoint in line).
 
 Faults:
   - a node whose lease ends (expiry, Leave, or a re-registration of the same id after a
@@ -53,14 +59,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from coordinator.allocator import quotas, split_batch
 from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes, tensors_to_bytes
-from coordinator.ledger import EpochLedger, Range
+from coordinator.ledger import EpochLedger
 from coordinator.param_server import ParameterServer
 from coordinator.store import FailedPreconditionError
-from coordinator.throughput import ThroughputEstimator
+from coordinator.throughput import MIN_SLACK, ThroughputEstimator
 from epochmesh.errors import ProgramError
 from epochmesh.program import TrainableProgram, read_initial_state
 from epochmesh.tensors import encode_bundle, to_safetensors
@@ -85,11 +92,72 @@ BENCH_STATE_PREFIX = "bench/"
 STOP_GRACE_S = 3.0
 
 
+# Field numbers of `repeated SampleRange ranges` in Task and in RoundPart (agent.proto,
+# common.proto), for encode_ranges_field.
+TASK_RANGES_FIELD = 9
+ROUND_PART_RANGES_FIELD = 3
+
+
+def index_run_array(indices: np.ndarray) -> np.ndarray:
+    """Dataset indices in training order -> their maximal runs of +1 steps as an (k, 2) int64
+    array of [start, stop) rows, in order (what a Task's ``ranges`` carries). With shuffling
+    inside shards most runs hold one sample: a local SGD round of H x B samples has about as
+    many runs, so they stay in numpy (tens of thousands of Python tuples and protobuf messages
+    per round cost the event loop a large part of a second)."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if idx.size == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [idx.size]))
+    return np.stack([idx[starts], idx[ends - 1] + 1], axis=1)
+
+
+def _varints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Protobuf varint encoding of non-negative int64 values: (n, 10) bytes and the number of
+    bytes each value uses."""
+    v = values.astype(np.uint64)
+    shifts = np.arange(10, dtype=np.uint64) * np.uint64(7)
+    groups = ((v[:, None] >> shifts[None, :]) & np.uint64(0x7F)).astype(np.uint8)
+    lengths = 1 + (v[:, None] >= (np.uint64(1) << shifts[None, 1:])).sum(axis=1)
+    cont = np.arange(10)[None, :] < (lengths[:, None] - 1)
+    return groups | (cont.astype(np.uint8) << 7), lengths
+
+
+def encode_ranges_field(field_number: int, runs: np.ndarray) -> bytes:
+    """The wire bytes of ``repeated SampleRange <field_number>`` holding ``runs`` ((k, 2)
+    [start, stop) rows, >= 0): merged into a message with ``MergeFromString`` they append the
+    ranges, as ``SampleRange(start=, stop=)`` messages would, in a few milliseconds."""
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    n = len(runs)
+    if n == 0:
+        return b""
+    if int(runs.min()) < 0:
+        raise ValueError("sample ranges must not be negative")
+    if not 0 < field_number < 16:
+        raise ValueError(f"field number {field_number} needs a one-byte tag")
+    start, start_len = _varints(runs[:, 0])
+    stop, stop_len = _varints(runs[:, 1])
+    # Columns: tag, length, 0x08, start (10), 0x10, stop (10); unused varint bytes masked out.
+    rows = np.zeros((n, 24), dtype=np.uint8)
+    rows[:, 0] = (field_number << 3) | 2
+    rows[:, 1] = 2 + start_len + stop_len
+    rows[:, 2] = 0x08
+    rows[:, 3:13] = start
+    rows[:, 13] = 0x10
+    rows[:, 14:24] = stop
+    mask = np.ones((n, 24), dtype=bool)
+    cols = np.arange(10)[None, :]
+    mask[:, 3:13] = cols < start_len[:, None]
+    mask[:, 14:24] = cols < stop_len[:, None]
+    return rows[mask].tobytes()
+
+
 @dataclass
 class Part:
     node_id: str
     task_id: str
-    ranges: list[Range]  # dataset index ranges, training order
+    ranges: np.ndarray  # dataset index runs, training order: (k, 2) [start, stop) rows
     local_batch: int  # b_i: samples per (inner) step
     # Samples in ``ranges``: local_batch in sync mode, H*b_i in local SGD (fewer at an epoch's
     # end). Aggregation weights, the ledger, the estimator and deadlines all work in these.
@@ -111,6 +179,25 @@ class Part:
     checksum: str = ""
     failed_peer: str = ""
     comm_s: float | None = None
+
+
+def part_record(p: Part) -> common_pb2.RoundPart:
+    """The round record's entry of a part."""
+    out = common_pb2.RoundPart(
+        node_id=p.node_id,
+        local_batch=p.local_batch,
+        mean_loss=p.mean_loss,
+        seconds=p.compute_s,
+        status=p.status,
+        inner_steps=p.inner_steps,
+        communicate_seconds=(
+            (p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s))
+            if p.status == "applied"
+            else 0.0
+        ),
+    )
+    out.MergeFromString(encode_ranges_field(ROUND_PART_RANGES_FIELD, p.ranges))
+    return out
 
 
 @dataclass
@@ -177,12 +264,13 @@ class JobRunner:
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
+        self._checkpoint_task: asyncio.Task[None] | None = None  # see _checkpoint_soon
         self._overhead_s = 0.0
         self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
         # Late parts of recent rounds (task -> node, samples): an update that still comes tells
         # how fast the node really was; such figures wait here for the next round's planning.
-        self._late: dict[str, tuple[str, int]] = {}
-        self._late_figures: list[tuple[str, int, float]] = []
+        self._late: dict[str, tuple[str, int, int]] = {}  # task -> (node, samples, steps)
+        self._late_figures: list[tuple[str, int, int, float]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -235,6 +323,10 @@ class JobRunner:
             log.exception("job %s failed", self.job_id)
             await self._fail(f"coordinator error: {type(exc).__name__}: {exc}")
         finally:
+            try:
+                await self._checkpoint_written()
+            except Exception:
+                log.exception("job %s: the last checkpoint could not be written", self.job_id)
             await self._release_all()
 
     # -- restore / init -------------------------------------------------------------------------
@@ -456,6 +548,15 @@ class JobRunner:
         best = min(fits, key=lambda p: abs(math.log(p.batch_size / max(1, expected_batch))))
         return best.samples_per_second
 
+    def _bench_points(self, node_id: str) -> list[tuple[int, float]]:
+        """(batch size, samples/s) of the node's job benchmark: the shape of its step time."""
+        result = self.bench[node_id]
+        return [
+            (p.batch_size, p.samples_per_second)
+            for p in result.points
+            if not p.out_of_memory and p.samples_per_second > 0
+        ]
+
     def _max_batch(self, node_id: str) -> int:
         result = self.bench.get(node_id)
         cap = result.max_batch_size if result is not None else 0
@@ -472,7 +573,9 @@ class JobRunner:
         if result.bandwidth_bytes_per_second > 0:
             comm = 2 * self.ps.num_bytes() / result.bandwidth_bytes_per_second
         comm += result.rtt_ms / 1000.0
-        self.estimator.add_node(node_id, rate, comm)
+        self.estimator.add_node(
+            node_id, rate, comm, step_points=self._bench_points(node_id), rated_batch=expected
+        )
         self.stats.setdefault(node_id, NodeStats())
         self.nodes.append(node_id)
         if node_id in self.ledger.nodes:
@@ -499,7 +602,13 @@ class JobRunner:
         for n in self.nodes:
             if n in self.estimator and n in self.bench and self.estimator.observations(n) == 0:
                 comm = self.estimator.comm_estimate(n)
-                self.estimator.add_node(n, self._bench_rate(n, expected), comm)
+                self.estimator.add_node(
+                    n,
+                    self._bench_rate(n, expected),
+                    comm,
+                    step_points=self._bench_points(n),
+                    rated_batch=expected,
+                )
 
     async def _drop_node(self, node_id: str, reason: str = "") -> None:
         if node_id in self.nodes:
@@ -585,18 +694,48 @@ class JobRunner:
         deadline is not sized for them and the round does not wait for them (if late, their
         sample returns to pending).
 
-        (Per-node fixed costs, ``split_batch(fixed_s=...)``, are not used: on a shared host the
-        measured time outside compute is mostly waiting for a core behind the other nodes, not
-        a cost of the node's own, and planning with it moved samples from fast nodes to slow
-        ones.)"""
+        (Per-node fixed costs per round, ``split_batch(fixed_s=...)``, are not used: on a
+        shared host the measured time outside compute is mostly waiting for a core behind the
+        other nodes, not a cost of the node's own, and planning with it moved samples from fast
+        nodes to slow ones.) Local SGD rounds are planned on each node's per-step time instead
+        (:meth:`_plan_local_sgd_batches`), fitted from compute seconds the agents time
+        themselves, unless the coordinator runs with ``--split equal``."""
         rates = self.estimator.planning_rates(nodes)
         caps = {n: self._max_batch(n) for n in nodes}
         batch = min(self.spec.global_batch, sum(caps.values()))
         if self.ctx.config.split == "equal":
             rates = dict.fromkeys(rates, 1.0)
+        elif self.inner_steps > 1:
+            return self._plan_local_sgd_batches(nodes, batch, caps)
         fluid = quotas(batch, rates, caps)
         slow = {n for n in nodes if fluid[n] < 1}
         batches = split_batch(batch, rates, caps)
+        return batches, (slow if len(slow) < len(nodes) else set())
+
+    def _plan_local_sgd_batches(
+        self, nodes: list[str], batch: int, caps: dict[str, int]
+    ) -> tuple[dict[str, int], set[str]]:
+        """Local SGD: b_i from each node's per-step time ``a_i + b * c_i`` (see
+        coordinator/throughput.py), so that every node's H inner steps take the same time
+        (min_time rounding: the slowest finisher sets the round's pace).
+
+        Best-effort nodes: those whose equal-time share is below one sample AND whose round
+        (per-round communication + H steps of their b_i) would take more than MIN_SLACK times
+        the longest round of the others: waiting for a node that is slow per step costs
+        nothing when the round is dominated by time both spend anyway (transfers, RTTs)."""
+        h = self.inner_steps
+        models = self.estimator.step_models(nodes, batch=batch / max(1, len(nodes)))
+        rates = {n: m.rate for n, m in models.items()}
+        fixed = {n: m.fixed_s for n, m in models.items()}
+        batches = split_batch(batch, rates, caps, rounding="min_time", fixed_s=fixed)
+        fluid = quotas(batch, rates, caps, fixed_s=fixed)
+
+        def round_s(n: str) -> float:
+            return self.estimator.comm_estimate(n) + h * models[n].step_seconds(batches[n])
+
+        full = [round_s(n) for n in nodes if fluid[n] >= 1]
+        limit = MIN_SLACK * max(full) if full else math.inf
+        slow = {n for n in nodes if fluid[n] < 1 and round_s(n) > limit}
         return batches, (slow if len(slow) < len(nodes) else set())
 
     @property
@@ -627,7 +766,7 @@ class JobRunner:
             parts[node_id] = Part(
                 node_id=node_id,
                 task_id="t-" + uuid.uuid4().hex[:12],
-                ranges=self.ledger.positions_to_index_ranges(positions),
+                ranges=index_run_array(self.ledger.positions_to_indices(positions)),
                 local_batch=local_batch,
                 samples=samples,
                 inner_steps=-(-samples // local_batch),
@@ -685,7 +824,7 @@ class JobRunner:
         waited = time.monotonic() - rs.started
         rs.waited_s = waited
         for part in rs.outstanding():
-            self._late[part.task_id] = (part.node_id, part.samples)
+            self._late[part.task_id] = (part.node_id, part.samples, part.inner_steps)
             part.status = "late"
             part.error = (
                 f"missed the {rs.deadline_s:.2f}s deadline"
@@ -736,14 +875,16 @@ class JobRunner:
             return False
         del self._late[task_id]
         if num_samples == entry[1] > 0 and math.isfinite(compute_s) and compute_s > 0:
-            self._late_figures.append((node_id, num_samples, compute_s))
+            self._late_figures.append((node_id, num_samples, entry[2], compute_s))
         return True
 
     def _observe_late_figures(self) -> None:
         figures, self._late_figures = self._late_figures, []
-        for node_id, samples, compute_s in figures:
+        for node_id, samples, steps, compute_s in figures:
             if node_id in self.estimator:
                 self.estimator.observe(node_id, samples, compute_s)
+                if self.inner_steps > 1:
+                    self.estimator.observe_steps(node_id, samples, steps, compute_s)
         # Remember the late parts of the last few rounds only.
         excess = len(self._late) - 4 * max(1, len(self.nodes))
         for task_id in list(self._late)[: max(0, excess)]:
@@ -760,12 +901,11 @@ class JobRunner:
                 log.info("job %s round %d: %s is silent", self.job_id, rs.round, part.node_id)
 
     def _train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
+        lo, hi = part.ranges[:, 0], part.ranges[:, 1]
         shards = [
-            s
-            for s in self.job.shards
-            if any(a < s.start + s.count and b > s.start for a, b in part.ranges)
+            s for s in self.job.shards if bool(np.any((lo < s.start + s.count) & (hi > s.start)))
         ]
-        return agent_pb2.Task(
+        task = agent_pb2.Task(
             task_id=part.task_id,
             kind=agent_pb2.TASK_KIND_TRAIN,
             job_id=self.job_id,
@@ -775,12 +915,13 @@ class JobRunner:
             shards=shards,
             epoch=rs.epoch,
             round=rs.round,
-            ranges=[common_pb2.SampleRange(start=a, stop=b) for a, b in part.ranges],
             local_batch=part.local_batch,
             params_version=rs.version,
             deadline_seconds=rs.deadline_s,
             inner_steps=self.inner_steps,
         )
+        task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, part.ranges))
+        return task
 
     @property
     def version(self) -> int:
@@ -828,6 +969,10 @@ class JobRunner:
                     continue
                 if p.compute_s > 0 and math.isfinite(p.compute_s):
                     self.estimator.observe(p.node_id, p.samples, p.compute_s, comm)
+                    if self.inner_steps > 1:
+                        self.estimator.observe_steps(
+                            p.node_id, p.samples, p.inner_steps, p.compute_s
+                        )
                 else:  # a figure the estimator cannot use: keep the gradient, skip the rate
                     log.warning(
                         "job %s round %d: %s reported %r compute seconds; rate not updated",
@@ -847,23 +992,7 @@ class JobRunner:
             finished_ms=now_ms(),
             loss=loss,
             params_version=self.version,
-            parts=[
-                common_pb2.RoundPart(
-                    node_id=p.node_id,
-                    local_batch=p.local_batch,
-                    ranges=[common_pb2.SampleRange(start=a, stop=b) for a, b in p.ranges],
-                    mean_loss=p.mean_loss,
-                    seconds=p.compute_s,
-                    status=p.status,
-                    inner_steps=p.inner_steps,
-                    communicate_seconds=(
-                        (p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s))
-                        if p.status == "applied"
-                        else 0.0
-                    ),
-                )
-                for p in sorted(rs.parts.values(), key=lambda p: p.node_id)
-            ],
+            parts=[part_record(p) for p in sorted(rs.parts.values(), key=lambda p: p.node_id)],
             attempts=rs.attempts,
         )
         job = self.job
@@ -907,8 +1036,21 @@ class JobRunner:
         if self.ledger.complete:
             await self._next_epoch()
         elif checkpoint:
-            await self._checkpoint(last_round=rs.round)
-        self._overhead_s = 0.5 * self._overhead_s + 0.5 * (time.monotonic() - t0)
+            await self._checkpoint_soon(last_round=rs.round)
+        t1 = time.monotonic()
+        self._overhead_s = 0.5 * self._overhead_s + 0.5 * (t1 - t0)
+        log.info(
+            "job %s round %d closed: %d of %d parts applied, %.0f samples/s; last update "
+            "%.3fs after the hand-out, round %.3fs, apply+record %.3fs",
+            self.job_id,
+            rs.round,
+            len(received),
+            len(rs.parts),
+            samples / max(t1 - rs.started, 1e-9),
+            max((p.wall_s for p in received), default=0.0),
+            t1 - rs.started,
+            t1 - t0,
+        )
         self.engine.round_finished(self)
         await self.notify()
 
@@ -953,7 +1095,7 @@ class JobRunner:
         )
         self.ledger = self.ledger.next_epoch()
         self.job.epoch = self.ledger.epoch
-        await self._checkpoint(last_round=self.next_round - 1)
+        await self._checkpoint_soon(last_round=self.next_round - 1)
 
     async def _ensure_params_payload(self) -> None:
         if self.params_payload is None or self.params_payload_version != self.ps.version:
@@ -964,20 +1106,57 @@ class JobRunner:
     # -- checkpoints, states, result ------------------------------------------------------------
 
     async def _checkpoint(self, last_round: int) -> None:
-        tensors = await asyncio.to_thread(lambda: tensors_to_bytes(self.ps.state_tensors()))
-        ref = await self.ctx.blobs.put_bytes(tensors)
+        """Write a checkpoint of the state now (after any still being written) and wait."""
+        await self._checkpoint_written()
+        await self._write_checkpoint(*self._checkpoint_state(last_round))
+
+    async def _checkpoint_soon(self, last_round: int) -> None:
+        """A checkpoint of the state now, written in the background while the next round runs
+        (parameter-server mode): the state is copied first, so later rounds cannot change what
+        is written; checkpoints are written in order, each after the one before. A crash
+        before it is written loses the rounds since the previous one, as between any two
+        checkpoints. A runner that overrides ``_checkpoint`` (ring mode checkpoints a state a
+        member pushes) writes it in line."""
+        if type(self)._checkpoint is not JobRunner._checkpoint:
+            await self._checkpoint(last_round)
+            return
+        await self._checkpoint_written()
+        state = self._checkpoint_state(last_round)
+        self._checkpoint_task = asyncio.create_task(
+            self._write_checkpoint(*state), name=f"checkpoint-{self.job_id}-{last_round}"
+        )
+
+    async def _checkpoint_written(self) -> None:
+        """Wait for the checkpoint being written in the background, if any (its error, e.g. a
+        full disk, is raised here)."""
+        task, self._checkpoint_task = self._checkpoint_task, None
+        if task is not None:
+            await task
+
+    def _checkpoint_state(
+        self, last_round: int
+    ) -> tuple[dict[str, torch.Tensor], CheckpointManifest]:
+        tensors = {k: v.clone() for k, v in self.ps.state_tensors().items()}
         manifest = CheckpointManifest(
             round=last_round,
             epoch=self.ledger.epoch,
             params_version=self.ps.version,
             rounds_applied=self.rounds_applied,
             samples_done=self.job.samples_done,
-            tensors_sha256=ref.sha256,
+            tensors_sha256="",
             ledger=self.ledger.to_state(),
             last_loss=self.job.last_loss,
         )
+        return tensors, manifest
+
+    async def _write_checkpoint(
+        self, tensors: dict[str, torch.Tensor], manifest: CheckpointManifest
+    ) -> None:
+        data = await asyncio.to_thread(tensors_to_bytes, tensors)
+        ref = await self.ctx.blobs.put_bytes(data)
+        manifest.tensors_sha256 = ref.sha256
         async with self.ctx.store.transaction():
-            await self.ctx.store.save_checkpoint(self.job_id, last_round, manifest.to_bytes())
+            await self.ctx.store.save_checkpoint(self.job_id, manifest.round, manifest.to_bytes())
             await self.ctx.store.update_job(self.job)
 
     async def _set_state(self, state: int, message: str) -> None:

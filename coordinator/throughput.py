@@ -35,6 +35,27 @@ whichever has been forecasting better:
   costs more outside compute (a slower link, or on a shared machine the wait for a core)
   gets fewer samples, so that it does not hold up the lockstep round.
 
+Per-step time (local SGD). An inner step of ``b`` samples costs ``a + b * c``: a fixed part
+``a`` (optimizer step, kernel launches, Python) and a per-sample part ``c``. Samples/s measured
+at a larger batch therefore look faster, and a split in proportion to samples/s hands the node
+measured at the larger batch even more (identical nodes drifted to b_i 25/32/39). So local SGD
+rounds are planned on the per-step model (:meth:`ThroughputEstimator.step_model`): the LEVEL,
+seconds per step at the node's recent batch ``x``, comes from the samples/s estimate above
+(``x / rate``: smoothing, change detection and the unobserved discount carry over); the SHAPE,
+the fixed fraction ``phi = a / (a + c * x)``, comes from a weighted least-squares line through
+the node's recent rounds (``observe_steps``: mean batch and seconds per inner step of each
+part; the newest weigh most) when their batch sizes differ enough (relative spread >=
+MIN_BATCH_SPREAD) and the fit is sane, else from a line through the node's job benchmark
+points (``add_node(step_points=...)``; it has no optimizer step, so it underestimates ``phi``,
+which errs towards the plain proportional split), else 0. ``split_batch(fixed_s=a_i,
+rates=1/c_i)`` then equalizes every node's H steps. A level that is off by a fraction e moves
+the node's b_i by e / (1 - phi) of it (the proportional split: by e): ``phi`` is capped at
+MAX_FIXED_FRACTION = 0.5 (at most twice the noise of the levels), and a node without an
+observed round (its level a benchmark, on a shared host 10-20% apart between identical nodes)
+is planned by samples/s alone. The cap slows convergence when the true ``phi`` is higher, it
+does not move the fixed point: where every node's measured step time at its own batch is the
+same.
+
 Deadlines (:meth:`ThroughputEstimator.deadline`): a round's deadline is
 
     max_i( b_i / rate_i * slack_i + comm_i * COMM_SLACK ) + overhead_s,  at least MIN_DEADLINE_S
@@ -53,18 +74,22 @@ which covers task hand-out and event-loop/GC jitter that dominate tiny rounds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
     "COMM_SLACK",
+    "MAX_FIXED_FRACTION",
+    "MIN_BATCH_SPREAD",
     "MAX_SLACK",
     "MIN_DEADLINE_S",
     "MIN_SLACK",
     "UNOBSERVED_DISCOUNT",
     "UNOBSERVED_SLACK",
+    "StepModel",
     "ThroughputEstimator",
+    "fit_line",
 ]
 
 MIN_DEADLINE_S = 1.0
@@ -76,6 +101,12 @@ COMM_SLACK = 2.0
 SLACK_Z = 4.0
 ERROR_BETA = 0.1
 STATE_VERSION = 1
+# Per-step model (local SGD): rounds kept per node, weight per round of age, relative spread
+# of batch sizes needed to fit the slope from rounds, cap on the fixed fraction.
+STEP_WINDOW = 8
+STEP_DECAY = 0.7
+MIN_BATCH_SPREAD = 0.1
+MAX_FIXED_FRACTION = 0.5
 
 
 @dataclass
@@ -89,6 +120,55 @@ class _Node:
     comm_observations: int = 0
     suspect_log: float | None = None  # last observation if it was a big deviation
     suspect_sign: int = 0
+    # Per-step model: (mean batch, seconds per step) of recent rounds, oldest first; the job
+    # benchmark's line (fixed s, s per sample; fixed < 0: none); the batch the rate refers to
+    # before any round is observed.
+    steps: list[list[float]] = field(default_factory=list)
+    prior_fixed_s: float = -1.0
+    prior_per_sample_s: float = 0.0
+    rated_batch: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Seconds of one inner step of ``b`` samples: ``fixed_s + b * per_sample_s``."""
+
+    fixed_s: float
+    per_sample_s: float
+
+    def step_seconds(self, batch: float) -> float:
+        return self.fixed_s + batch * self.per_sample_s
+
+    @property
+    def rate(self) -> float:
+        """Marginal samples/s (what split_batch weighs by, with ``fixed_s``)."""
+        return 1.0 / self.per_sample_s
+
+
+def fit_line(
+    points: Sequence[tuple[float, float, float]], min_spread: float = MIN_BATCH_SPREAD
+) -> tuple[float, float] | None:
+    """Weighted least squares ``y = a + c * x`` over ``(x, y, weight)`` points.
+
+    None when the weighted relative spread of ``x`` (std / mean) is below ``min_spread`` (the
+    slope is not determined), or the line is not a step-time line (``c <= 0``); ``a`` may be
+    negative (noise), callers clamp."""
+    w = [p[2] for p in points if p[2] > 0 and p[0] > 0 and math.isfinite(p[1])]
+    xs = [p[0] for p in points if p[2] > 0 and p[0] > 0 and math.isfinite(p[1])]
+    ys = [p[1] for p in points if p[2] > 0 and p[0] > 0 and math.isfinite(p[1])]
+    total = sum(w)
+    if len(w) < 2 or total <= 0:
+        return None
+    mx = sum(wi * x for wi, x in zip(w, xs, strict=True)) / total
+    my = sum(wi * y for wi, y in zip(w, ys, strict=True)) / total
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs, strict=True)) / total
+    if mx <= 0 or math.sqrt(sxx) < min_spread * mx:
+        return None
+    sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys, strict=True)) / total
+    c = sxy / sxx
+    if not math.isfinite(c) or c <= 0:
+        return None
+    return my - c * mx, c
 
 
 def _positive(name: str, value: float) -> float:
@@ -111,17 +191,38 @@ class ThroughputEstimator:
         self._nodes: dict[str, _Node] = {}
 
     # ----------------------------------------------------------------- membership
-    def add_node(self, node: str, samples_per_s: float, comm_s: float = 0.0) -> None:
+    def add_node(
+        self,
+        node: str,
+        samples_per_s: float,
+        comm_s: float = 0.0,
+        step_points: Iterable[tuple[int, float]] = (),
+        rated_batch: float = 0.0,
+    ) -> None:
         """Seed (or re-seed, after a new benchmark) a node from its benchmark figures.
 
         ``comm_s``: expected communication seconds per round, e.g. 2 * model bytes /
         bandwidth + RTT from the benchmark, until rounds are observed.
+        ``step_points``: the job benchmark's ``(batch size, samples/s)`` points: the shape of
+        the node's per-step time (see the module docstring); ``rated_batch``: the batch size
+        ``samples_per_s`` was measured at (0: unknown).
         """
         rate = _positive(f"benchmark rate of node {node!r}", samples_per_s)
         comm = float(comm_s)
         if not math.isfinite(comm) or comm < 0.0:
             raise ValueError(f"comm_s of node {node!r} must be >= 0, got {comm_s!r}")
-        self._nodes[node] = _Node(log_rate=math.log(rate), fast_log=math.log(rate), comm_s=comm)
+        st = _Node(log_rate=math.log(rate), fast_log=math.log(rate), comm_s=comm)
+        pts = [
+            (float(b), float(b) / float(r), 1.0)
+            for b, r in step_points
+            if b > 0 and math.isfinite(r) and r > 0
+        ]
+        line = fit_line(pts, min_spread=0.0) if len(pts) >= 2 else None
+        if line is not None:
+            st.prior_fixed_s = max(0.0, line[0])
+            st.prior_per_sample_s = line[1]
+        st.rated_batch = float(rated_batch) if rated_batch > 0 else 0.0
+        self._nodes[node] = st
 
     def remove_node(self, node: str) -> None:
         self._nodes.pop(node, None)
@@ -168,6 +269,16 @@ class ThroughputEstimator:
             st.comm_observations += 1
         if samples > 0:
             self._update_rate(st, math.log(samples / secs))
+
+    def observe_steps(self, node: str, samples: int, steps: int, compute_s: float) -> None:
+        """Record the per-step figures of a local SGD part: ``samples`` trained in ``steps``
+        inner steps in ``compute_s`` seconds (for :meth:`step_model`; the samples/s estimate
+        is fed by :meth:`observe` as in sync rounds). Figures that say nothing are ignored."""
+        st = self._get(node)
+        if samples <= 0 or steps <= 0 or not math.isfinite(compute_s) or compute_s <= 0:
+            return
+        st.steps.append([samples / steps, compute_s / steps])
+        del st.steps[:-STEP_WINDOW]
 
     def observe_late(self, node: str, samples: int, waited_s: float) -> None:
         """The node did not finish ``samples`` within ``waited_s`` (missed its deadline).
@@ -235,6 +346,54 @@ class ThroughputEstimator:
         """Per-round seconds of ``nodes`` (default: all) outside compute, for
         ``split_batch(..., fixed_s=...)`` together with :meth:`planning_rates`."""
         return {n: self.comm_estimate(n) for n in (self._nodes if nodes is None else nodes)}
+
+    def fixed_fraction(self, node: str, batch: float) -> float:
+        """The share ``a / (a + c * batch)`` of a step of ``batch`` samples that does not
+        depend on the batch size: from the node's recent rounds when their batch sizes differ
+        enough, else from its job benchmark, else 0 (see the module docstring)."""
+        st = self._get(node)
+        n = len(st.steps)
+        pts = [(x, y, STEP_DECAY ** (n - 1 - i)) for i, (x, y) in enumerate(st.steps)]
+        line = fit_line(pts)
+        if line is None and st.prior_fixed_s >= 0.0:
+            line = (st.prior_fixed_s, st.prior_per_sample_s)
+        if line is None or batch <= 0:
+            return 0.0
+        a = max(0.0, line[0])
+        t = a + line[1] * batch
+        return min(MAX_FIXED_FRACTION, a / t) if t > 0 else 0.0
+
+    def reference_batch(self, node: str) -> float:
+        """The batch size the node's samples/s estimate refers to: the (recency-weighted) mean
+        per-step batch of its recent local SGD rounds, else the batch it was rated at (0:
+        unknown)."""
+        st = self._get(node)
+        if not st.steps:
+            return st.rated_batch
+        n = len(st.steps)
+        w = [STEP_DECAY ** (n - 1 - i) for i in range(n)]
+        return sum(wi * x for wi, (x, _) in zip(w, st.steps, strict=True)) / sum(w)
+
+    def step_model(self, node: str, batch: float | None = None) -> StepModel:
+        """Per-step time of ``node`` for planning local SGD rounds: level from
+        :meth:`planning_rate` at the reference batch (``batch`` when the node has none), shape
+        from :meth:`fixed_fraction` there. Without any batch to refer to: no fixed part."""
+        x = self.reference_batch(node) or float(batch or 0.0)
+        rate = self.planning_rate(node)
+        if x <= 0 or self._get(node).observations == 0:
+            # No round observed: the level is a benchmark, which on a shared host differs
+            # between identical nodes by 10-20%; an affine split would amplify that by
+            # 1 / (1 - phi). Plan by samples/s until the node's first round is in.
+            return StepModel(0.0, 1.0 / rate)
+        t = x / rate
+        phi = self.fixed_fraction(node, x)
+        return StepModel(phi * t, (1.0 - phi) * t / x)
+
+    def step_models(
+        self, nodes: Iterable[str] | None = None, batch: float | None = None
+    ) -> dict[str, StepModel]:
+        """:meth:`step_model` of ``nodes`` (default: all)."""
+        return {n: self.step_model(n, batch) for n in (self._nodes if nodes is None else nodes)}
 
     def comm_estimate(self, node: str) -> float:
         """Smoothed communication seconds per round of ``node``."""

@@ -301,9 +301,11 @@ def program_step_factory(
     initial_state: Path,
     shards: list[Path],
     device: str,
+    loaded: list[Any] | None = None,
 ) -> StepFactory:
     """Load the job's exported program and its shards; `make_step(b)` then computes the loss
-    and gradients of b samples drawn (cyclically) from the shards, as a TRAIN round would."""
+    and gradients of b samples drawn (cyclically) from the shards, as a TRAIN round would.
+    `loaded` (a list) receives (program, dataset), for the trainer to keep."""
     from epochmesh.dataset import ShardedDataset
     from epochmesh.program import TrainableProgram
 
@@ -317,6 +319,8 @@ def program_step_factory(
         targets=list(task.spec.targets),
     )
     available = [i for start, stop in dataset.ranges for i in range(start, stop)]
+    if loaded is not None:
+        loaded[:] = [prog, dataset]
 
     def make_step(batch_size: int) -> Callable[[], None]:
         indices = [available[i % len(available)] for i in range(batch_size)]
@@ -334,18 +338,33 @@ def program_step_factory(
 
 
 def job_step_factory(
-    ctx: TaskContext, program: Path | None, initial_state: Path | None, shards: list[Path]
+    ctx: TaskContext,
+    program: Path | None,
+    initial_state: Path | None,
+    shards: list[Path],
+    loaded: list[Any] | None = None,
 ) -> tuple[Callable[[], StepFactory], str]:
     """How to build the job's training step on ctx.device, and a description for the logs.
 
     A task without a program (or initial state) benchmarks the built-in reference model.
+    `loaded`: see program_step_factory.
     """
     if program is None or initial_state is None:
         return partial(reference_step_factory, ctx.device), "reference model"
     return (
-        partial(program_step_factory, ctx.task, program, initial_state, shards, ctx.device),
+        partial(program_step_factory, ctx.task, program, initial_state, shards, ctx.device, loaded),
         "job's program",
     )
+
+
+def _keep_for_training(job_id: str, loaded: list[Any]) -> None:
+    """Hand the benchmark's loaded program and shards to the trainer (see
+    node_agent.trainer.adopt_loaded); without a trainer, or nothing loaded, nothing happens."""
+    if len(loaded) != 2 or importlib.util.find_spec("node_agent.trainer") is None:
+        return
+    trainer = importlib.import_module("node_agent.trainer")
+    if trainer.adopt_loaded(job_id, loaded[0], loaded[1]):
+        log.debug("job %s: the benchmark's program is kept for training", job_id)
 
 
 async def run_benchmark_task(ctx: TaskContext) -> None:
@@ -360,7 +379,8 @@ async def run_benchmark_task(ctx: TaskContext) -> None:
     state = paths.get(task.initial_state.sha256) if task.initial_state.sha256 else None
     shards = [paths[s.blob.sha256] for s in task.shards]
     ctx.check_cancelled()
-    build, what = job_step_factory(ctx, program, state, shards)
+    loaded: list[Any] = []
+    build, what = job_step_factory(ctx, program, state, shards, loaded)
     plan = JOB_PLAN.with_batch_sizes(task.benchmark_batch_sizes)
     ctx.log.info("benchmarking the %s at batch sizes %s", what, list(plan.batch_sizes))
     points = await ctx.run_compute(
@@ -375,6 +395,8 @@ async def run_benchmark_task(ctx: TaskContext) -> None:
         )
     )
     ctx.check_cancelled()
+    if task.job_id:
+        _keep_for_training(task.job_id, loaded)
     rtt_ms, bandwidth = await ctx.connection.measure_network()
     result = build_result(
         points,

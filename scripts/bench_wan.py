@@ -45,12 +45,21 @@ clock starts when its first round starts (enrolment, benchmarks and blob downloa
 Prints ONE JSON line (progress on stderr). Targets: utilisation >= 0.9 for (b), speedup >= 10.
 
 Choosing H is a trade-off between those two. Utilisation needs rounds much longer than their
-fixed cost (measured ~1.2 s per round at a low load: parameter pull, update push, RTTs,
-aggregation, and each agent's per-step work outside its timed compute); the time to target
-grows with the round length (the first round starts from scratch, and a round's recorded loss
-is the mean over its inner steps, so (b) reaches the target at the end of round 2 at best).
-H = 700 (~6 s of compute per round) reaches it in 2 rounds; utilisation 0.9 would need ~11 s of
-compute per round (H ~ 1300), which about doubles (b)'s time to target.
+fixed cost; the time to target grows with the round length (the first round starts from
+scratch, and a round's recorded loss is the mean over its inner steps, so (b) reaches the
+target at the end of round 2 at best). H = 700 (~6 s of compute per round) reaches it in 2
+rounds. What a round of (b) costs besides compute, measured at a load average of ~1.5 (the
+agents log it per round: "params", "steps [cpu, slowdown sleep]", "encode", "push"; the
+coordinator logs "round N closed ... last update ... after the hand-out"):
+  - the parameter pull, 2 MB fp32 through the 100 Mbit/s link: ~0.22 s; the int8 push
+    (0.5 MB): ~0.10 s; task hand-out and the coordinator's turn-around: ~0.05 s;
+  - per inner step ~0.3 ms outside the timed compute (on 2 shared cores: waiting for a core),
+    ~0.25 s per round;
+  - unequal finishing times, ~2% once rounds are observed (b_i is planned on each node's
+    per-step time; round 1 on the job benchmarks, ~5-10% apart between identical agents).
+So utilisation ~0.84 for (b) at H = 700 at a low load (round 1 ~0.81, planned on the job
+benchmarks; 0.87 over the rounds after it; 0.89 with `--modes local`, 0.91 after round 1 at
+H = 2100), lower on a loaded machine (steps wait for a core longer).
 
 About 4-5 minutes:
 

@@ -66,7 +66,9 @@ JS = common_pb2.JobState
 NS = common_pb2.NodeState
 HEARTBEAT_S = 0.5
 LR = 0.01
+JOB_SEED = 11  # job_doc's default seed
 LEASE_TTL_S = 3 * HEARTBEAT_S
+CONVERGED_WINDOW = 10  # rounds at the end of a job whose median loss check_converged judges
 
 # Small and learnable (labels are a linear function of the pixels). Rounds take tens of ms, so a
 # test job has a couple of hundred of them: faults land while the job runs.
@@ -95,7 +97,7 @@ def job_doc(name: str, **overrides: Any) -> dict[str, Any]:
     cluster = {"aggregation": "ps", "min_nodes": 1, "max_nodes": 4, "checkpoint_every": 4}
     for key, value in overrides.items():
         (train if key in ("epochs", "global_batch", "lr", "seed") else cluster)[key] = value
-    train.setdefault("seed", 11)
+    train.setdefault("seed", JOB_SEED)
     return {
         "name": name,
         "model": {"file": "model.py", "loss": "cross_entropy"},
@@ -294,10 +296,16 @@ def check_exactly_once(rounds: list[common_pb2.RoundRecord], n: int, epochs: int
 
 
 def check_converged(rounds: list[common_pb2.RoundRecord]) -> tuple[float, float]:
+    """The loss fell: the median round loss of the last CONVERGED_WINDOW rounds is below 0.6 x
+    the mean of the first two. A median, not the mean of the last few: this small-batch
+    momentum SGD (batch 24) has brief loss spikes of a few rounds now and then (seen: four
+    rounds at 1.0-1.4 late in epoch 4, all nodes alike, which a plain PyTorch replay of the
+    recorded rounds reproduces exactly), and one at the very end would fail a mean of 3."""
     losses = [r.loss for r in rounds if applied(r)]
     first = statistics.mean(losses[:2])
-    last = statistics.mean(losses[-3:])
-    assert last < 0.6 * first, f"loss went from {first:.3f} to {last:.3f}"
+    last = statistics.median(losses[-CONVERGED_WINDOW:])
+    tail = ", ".join(f"{x:.2f}" for x in losses[-CONVERGED_WINDOW:])
+    assert last < 0.6 * first, f"loss went from {first:.3f} to {last:.3f} (last rounds: {tail})"
     return first, last
 
 
@@ -435,9 +443,19 @@ def test_agent_kill9_pauses_the_job_a_new_agent_joins_and_it_rejoins_with_its_ca
     ]
     assert dropped_b, "the killed node had no part in a round after the kill"
     assert events_of(events, "job.running"), "no event says the job resumed"
+    # The live rounds, replayed in plain PyTorch, give the result: through the kill, the pause,
+    # the new node and the rejoin (its program loaded again or kept from its benchmark) every
+    # applied update was computed from its round's parameters and weighed right.
+    out = cli(cluster.address, "download", job_id, "-o", str(tmp_path / "result"))
+    assert out.returncode == 0, out.stderr
+    trained = load_file(str(tmp_path / "result" / "model.safetensors"))
+    expected = replay(tmp_path / "job", rounds, make_dataset(n), JOB_SEED)
+    diff = max((trained[k] - v).abs().max().item() for k, v in expected.items())
+    assert diff <= 1e-5, f"max abs difference {diff} between the result and the replay"
     log.info(
         f"loss {first:.3f} -> {last:.3f} (final {job.last_loss:.3f}), {len(rounds)} rounds, "
-        f"{sum(1 for r in rounds if len(applied(r)) < len(r.parts))} incomplete"
+        f"{sum(1 for r in rounds if len(applied(r)) < len(r.parts))} incomplete; result vs "
+        f"replay {diff:.1e}"
     )
 
 
