@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES
+from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES, MAX_CHUNK_BYTES
 
 DEFAULT_DATA_DIR = Path(".epochmesh")
 DEFAULT_LISTEN = "127.0.0.1:7070"
@@ -35,6 +35,9 @@ class CoordinatorConfig:
     insecure: bool = False
     # Extra host names / addresses for the server certificate (--advertise).
     advertise: tuple[str, ...] = ()
+    # Parameter-server rounds: parameters up to this many bytes (encoded) travel inline with
+    # every task instead of through a PullParameters call; 0: always PullParameters.
+    inline_params_max_bytes: int = MAX_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
@@ -50,6 +53,8 @@ class CoordinatorConfig:
             raise ValueError("heartbeat flush interval must be positive")
         if self.split not in ("throughput", "equal"):
             raise ValueError(f"split must be 'throughput' or 'equal', not {self.split!r}")
+        if not 0 <= self.inline_params_max_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"inline params max bytes must be 0..{MAX_CHUNK_BYTES}")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown grace must not be negative")
         parse_listen(self.listen)

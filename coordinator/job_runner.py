@@ -921,6 +921,16 @@ class JobRunner:
             inner_steps=self.inner_steps,
         )
         task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, part.ranges))
+        payload = self.params_payload
+        if (
+            payload is not None
+            and self.params_payload_version == rs.version
+            and len(payload[1]) <= self.ctx.config.inline_params_max_bytes
+        ):
+            # Small models: the parameters travel with the task (no PullParameters round trip
+            # between the hand-out and the compute).
+            task.params_bundle.CopyFrom(payload[0])
+            task.params_data = payload[1]
         return task
 
     @property

@@ -33,7 +33,7 @@ from coordinator.config import (
 )
 from coordinator.engine_api import EngineFactory
 from coordinator.store import CoordinatorError
-from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES
+from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES, MAX_CHUNK_BYTES
 
 log = logging.getLogger("coordinator")
 
@@ -51,6 +51,16 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _inline_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of bytes, got {text!r}") from None
+    if not 0 <= value <= MAX_CHUNK_BYTES:
+        raise argparse.ArgumentTypeError(f"must be 0..{MAX_CHUNK_BYTES}, got {text}")
     return value
 
 
@@ -120,6 +130,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "server certificate when the CA is created (repeatable)",
     )
     parser.add_argument(
+        "--inline-params-max-bytes",
+        type=_inline_bytes,
+        default=MAX_CHUNK_BYTES,
+        metavar="BYTES",
+        help="parameter-server jobs whose parameters encode to at most this many bytes get "
+        f"them inline with every task, saving agents a PullParameters call (0..{MAX_CHUNK_BYTES}"
+        f", default {MAX_CHUNK_BYTES}; 0: never)",
+    )
+    parser.add_argument(
         "--split",
         choices=("throughput", "equal"),
         default="throughput",
@@ -140,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         log_level=args.log_level,
         insecure=args.insecure,
         advertise=tuple(args.advertise),
+        inline_params_max_bytes=args.inline_params_max_bytes,
     )
 
 

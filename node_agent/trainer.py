@@ -37,7 +37,7 @@ from epochmesh.compression import ErrorFeedback
 from epochmesh.dataset import ShardedDataset, ranges_to_indices
 from epochmesh.optim import build_optimizer
 from epochmesh.program import TrainableProgram
-from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks
+from epochmesh.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.connection import Expired
 from node_agent.slowdown import SlowdownController
@@ -439,8 +439,21 @@ async def ensure_params(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) 
         return
     if task.state_source_node_id:
         await _fetch_state_from_peer(ctx, job, task)
+    elif task.HasField("params_bundle"):
+        await _set_inline_parameters(ctx, job, task)
     else:
         await _pull_parameters(ctx, job, task)
+
+
+async def _set_inline_parameters(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> None:
+    """The task carries its parameters (a small model): check and load them."""
+
+    def load() -> None:
+        params = decode_bundle(task.params_bundle, task.params_data, job.expected)
+        job.program.set_parameters(params)
+
+    await ctx.run_compute(load)
+    job.version = task.params_version
 
 
 # -- parameter-server rounds --------------------------------------------------------------------

@@ -85,6 +85,11 @@ class LocalSgdWorker:
         assert task.inner_steps == H
         version, params = await agent.pull(task.job_id, task.params_version)
         assert version == task.params_version
+        # A small model's parameters also travel inline with the task: the same ones.
+        assert task.HasField("params_bundle"), "small parameters were not sent with the task"
+        inline = decode_bundle(task.params_bundle, task.params_data)
+        assert list(inline) == list(params)
+        assert all(torch.equal(inline[k], v) for k, v in params.items())
         idx = task_indices(task)
         delta, mean_loss = await asyncio.to_thread(self._inner_steps, params, idx, task.local_batch)
         fields = dict(num_samples=len(idx), mean_loss=mean_loss)

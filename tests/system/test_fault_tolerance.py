@@ -153,8 +153,16 @@ class Cluster:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.address = f"127.0.0.1:{free_port()}"
+        # Parameters through PullParameters, as for big models (the other system tests get
+        # their small models' parameters inline with the task).
         self.coord: CoordinatorProc = start_coordinator(
-            root / "coord", "--listen", self.address, "--heartbeat-interval", str(HEARTBEAT_S)
+            root / "coord",
+            "--listen",
+            self.address,
+            "--heartbeat-interval",
+            str(HEARTBEAT_S),
+            "--inline-params-max-bytes",
+            "0",
         )
         self.agents: dict[str, AgentProc] = {}
         self.slowdowns: dict[str, float] = {}
