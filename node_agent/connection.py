@@ -113,6 +113,11 @@ class Expired(Exception):
     """A call kept failing until its deadline passed."""
 
 
+class Refused(Exception):
+    """The coordinator does not accept this agent's certificate (revoked, expired, or from
+    another CA): no retry can help; the agent must be enrolled again."""
+
+
 class _LeaseUnknown(ConnectionError):
     """A lease refusal that could not be checked (the coordinator is unreachable)."""
 
@@ -164,6 +169,7 @@ class CoordinatorConnection:
         *,
         stop: asyncio.Event | None = None,
         on_registered: Callable[[], Awaitable[None]] | None = None,
+        on_refused: Callable[[str], None] | None = None,
         backoff_base: float = BACKOFF_BASE_S,
         backoff_cap: float = BACKOFF_CAP_S,
     ) -> None:
@@ -172,6 +178,8 @@ class CoordinatorConnection:
         self._make_register_request = make_register_request
         self._stop = stop or asyncio.Event()
         self._on_registered = on_registered
+        self._on_refused = on_refused
+        self.refused = ""  # why the coordinator refuses this agent's certificate, once it does
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
         self._channel = open_channel(address, transport_identity(data_dir))
@@ -197,6 +205,14 @@ class CoordinatorConnection:
 
     def new_backoff(self) -> Backoff:
         return Backoff(self._backoff_base, self._backoff_cap)
+
+    def _refuse(self, exc: grpc.aio.AioRpcError) -> Refused:
+        """The coordinator answered UNAUTHENTICATED: note it (once) and say so."""
+        if not self.refused:
+            self.refused = describe(exc)
+            if self._on_refused is not None:
+                self._on_refused(self.refused)
+        return Refused(self.refused)
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -251,6 +267,8 @@ class CoordinatorConnection:
                     self._note_failure("Register", exc)
                     await self._sleep_or_stop(backoff.next_delay())
                     continue
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise self._refuse(exc) from None
                 if self.node_id and exc.code() in (
                     grpc.StatusCode.NOT_FOUND,
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -393,7 +411,7 @@ class CoordinatorConnection:
             wake.clear()
             try:
                 delay = await self._heartbeat_once(hooks, backoff)
-            except Stopped:
+            except (Stopped, Refused):
                 return
             except Exception:  # a bug here must not silently end the lease
                 log.exception("heartbeat failed unexpectedly")
@@ -417,6 +435,8 @@ class CoordinatorConnection:
                 await self.renew_lease(lease)
                 backoff.reset()
                 return 0.0 if hooks.draining() else self.heartbeat_interval_s
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise self._refuse(exc) from None
             if is_transient(exc):
                 self._note_failure("Heartbeat", exc)
             else:

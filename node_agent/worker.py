@@ -16,6 +16,10 @@ Draining (SIGTERM, SIGINT, or the coordinator reporting the node DRAINING): take
 tell the coordinator (a Heartbeat with draining=True), let the current task finish for up to
 --drain-grace seconds, else abandon it and report it failed so the coordinator re-queues it,
 then Leave, stop the PeerService and exit 0. A second signal abandons the current task at once.
+
+Refused (the coordinator answers UNAUTHENTICATED: this node's certificate was revoked, has
+expired, or is not from its CA): retrying cannot help, so the agent says why and what to do
+(enroll again with a new token), abandons any task and exits 7 (as the CLI's "not authorized").
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from node_agent.connection import (
     CoordinatorConnection,
     Expired,
     HeartbeatHooks,
+    Refused,
     Stopped,
     describe,
     device_summary,
@@ -74,6 +79,9 @@ ABANDON_WAIT_S = 5.0
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
+# The coordinator refuses this agent's certificate (revoked, expired, another CA): as the CLI's
+# "not authorized".
+EXIT_REFUSED = 7
 # How long a ring stream from a neighbour may wait for this node to join its all-reduce (it may
 # still be computing); each sender bounds its own wait by the round's deadline.
 PEER_JOIN_TIMEOUT_S = 600.0
@@ -191,6 +199,7 @@ class Agent:
             self._register_request,
             stop=self._stop,
             on_registered=self._after_registration,
+            on_refused=self._on_refused,
         )
         heartbeats: asyncio.Task[None] | None = None
         try:
@@ -212,9 +221,22 @@ class Agent:
                 await self._reference_benchmark()
             if not self.draining:
                 await self._work_loop()
+        except Refused:
+            pass  # _on_refused has said why and started the drain
         finally:
             await self._shutdown(heartbeats)
-        return EXIT_OK
+        return EXIT_REFUSED if self.connection.refused else EXIT_OK
+
+    def _on_refused(self, why: str) -> None:
+        """The coordinator no longer accepts this agent's certificate: stop for good (a task
+        in progress could not report anyway)."""
+        log.error(
+            "the coordinator refuses this agent (%s): stopping; enroll it again with a new "
+            "node token (epochmesh-agent --token ...) and a fresh --data-dir",
+            why,
+        )
+        self.request_drain("refused by the coordinator")
+        self._hurry.set()
 
     async def _shutdown(self, heartbeats: asyncio.Task[None] | None) -> None:
         if self.connection.registered:

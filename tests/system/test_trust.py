@@ -95,6 +95,10 @@ def test_enroll_login_roles_and_revoke(tmp_path: Path) -> None:
                 timeout=30,
                 message=f"agent never saw the refusal\n{agent}",
             )
+            # Retrying cannot help: the agent says what to do and exits 7 (not authorized).
+            wait_until(lambda: not agent.running(), timeout=30, message=f"still running\n{agent}")
+            assert agent.proc.returncode == 7, agent.log_text()
+            assert "enroll it again with a new node token" in agent.log_text()
             events = operator.run("events", "--output", "json").json_lines()
             assert any(e["kind"] == "principal.revoked" for e in events)
 
