@@ -26,8 +26,8 @@ Failures never hang. Every wait is bounded by `deadline_s` (the first step also 
   `deadline_s` for a report naming the node that failed further along, then blame it);
 - the left neighbour's stream breaks or ends early, or sends a malformed chunk: it failed;
 - while a node waits for its left neighbour, it asks it for its state in this attempt (a Ping
-  naming the attempt) every `deadline_s` (at least 0.5 s): no answer: it failed (also during
-  the join wait); it names a failed node: that one. Nothing in time: if it is starved itself
+  naming the attempt) every `deadline_s` (at least 0.5 s): three unanswered in a row, or one
+  after the wait: it failed (also during the join wait); it names a failed node: that one. Nothing in time: if it is starved itself
   (waiting on its own left), keep waiting for the report of the node next to the real failure
   (up to the join timeout plus a deadline per member); if it is alive and not waiting on
   anyone, yet sends nothing: blame it after one more `deadline_s`;
@@ -664,6 +664,15 @@ def _plan(n: int, numel: int, codec: str, rank: int) -> _Plan:
     return _Plan(schedule=sch, sends=tuple(sends), expect=tuple(expect))
 
 
+class _NoAnswer(RingPeerFailed):
+    """The left neighbour did not answer a ping in time."""
+
+
+# While a node waits for its left neighbour (before its timeout), this many unanswered pings in
+# a row mean the neighbour failed.
+EARLY_PROBE_MISSES = 3
+
+
 class _RingRun:
     def __init__(
         self,
@@ -880,14 +889,15 @@ class _RingRun:
         """Until chunk `index` has arrived from the left neighbour, or RingPeerFailed.
 
         While it waits (up to `timeout`), the left neighbour is asked for its state in this
-        attempt every `probe_every_s`: no answer means it failed, at once (a dead or stopped
-        node is not given the whole join timeout), and a failed node it names is the failed
-        one. After `timeout` without the chunk: it is starved itself (waiting for its own left),
+        attempt every `probe_every_s`: EARLY_PROBE_MISSES unanswered pings in a row mean it
+        failed (a dead or stopped node is not given the whole join timeout), and a failed node
+        it names is the failed one. After `timeout` without the chunk: it is starved itself (waiting for its own left),
         so the failure is further along and the node next to it will name it: keep waiting (as
         long as its own wait may last: the join timeout plus a deadline per member). It has what
         it needs but sends nothing: one more deadline of grace, then it is blamed."""
         t0 = time.monotonic()
         end = t0 + timeout
+        misses = 0
         while True:
             try:
                 await self.slot.wait(index, max(min(end - time.monotonic(), self.probe_every_s), 0))
@@ -896,7 +906,15 @@ class _RingRun:
                 pass
             if time.monotonic() >= end:
                 break
-            await self._left_status(time.monotonic() - t0)
+            try:
+                await self._left_status(time.monotonic() - t0)
+                misses = 0
+            except _NoAnswer:
+                # A neighbour busy loading or computing can miss one ping: blame it early only
+                # after several in a row (after the wait, one miss is enough).
+                misses += 1
+                if misses >= EARLY_PROBE_MISSES:
+                    raise
         give_up = time.monotonic() + self.join_timeout_s + (self.n + 1) * self.deadline_s
         idle_answers = 0
         while True:
@@ -924,7 +942,7 @@ class _RingRun:
                 self.left_address, self.left, self.key, self.probe_timeout_s
             )
         except (TimeoutError, grpc.aio.AioRpcError, ValueError) as exc:
-            raise RingPeerFailed(
+            raise _NoAnswer(
                 self.left,
                 f"sent nothing for {waited:.1f}s and does not answer pings ({type(exc).__name__})",
                 key=self.key,

@@ -357,7 +357,9 @@ def round_without(
 def test_agent_kill9_pauses_the_job_a_new_agent_joins_and_it_rejoins_with_its_cache(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    n, epochs = 1152, 4
+    # Long enough that the restarted b (process start, program load, job benchmark: 5-15 s on a
+    # loaded host) still finds rounds to train: rounds take 40-100 ms here.
+    n, epochs = 1152, 10
     job_id = cluster.submit(
         tmp_path / "job",
         job_doc("kill-agent", epochs=epochs, min_nodes=3, max_nodes=4),
