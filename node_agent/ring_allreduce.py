@@ -690,6 +690,7 @@ class _RingRun:
         self.n = n
         self.rank = ring.rank
         self.node_ids = list(ring.node_ids)
+        self.members = frozenset(self.node_ids)
         self.addresses = list(ring.peer_addresses)
         self.me = self.node_ids[self.rank]
         self.left = self.node_ids[(self.rank - 1) % n]
@@ -875,7 +876,8 @@ class _RingRun:
             )
         except (TimeoutError, grpc.aio.AioRpcError, ValueError):
             return own
-        if st.failed_node_id and st.failed_node_id not in (self.me, self.right):
+        # Only another member can have failed (a peer's answer is not trusted beyond that).
+        if st.failed_node_id in self.members and st.failed_node_id not in (self.me, self.right):
             return RingPeerFailed(
                 st.failed_node_id, "reported failed", reported_by=self.right, key=self.key
             )
@@ -947,7 +949,7 @@ class _RingRun:
                 f"sent nothing for {waited:.1f}s and does not answer pings ({type(exc).__name__})",
                 key=self.key,
             ) from None
-        if st.failed_node_id and st.failed_node_id != self.me:
+        if st.failed_node_id in self.members and st.failed_node_id != self.me:
             raise RingPeerFailed(
                 st.failed_node_id, "reported failed", reported_by=self.left, key=self.key
             )
