@@ -27,10 +27,11 @@ Failures never hang. Every wait is bounded by `deadline_s` (the first step also 
 - the left neighbour's stream breaks or ends early, or sends a malformed chunk: it failed;
 - while a node waits for its left neighbour, it asks it for its state in this attempt (a Ping
   naming the attempt) every `deadline_s` (at least 0.5 s): three unanswered in a row, or one
-  after the wait: it failed (also during the join wait); it names a failed node: that one. Nothing in time: if it is starved itself
-  (waiting on its own left), keep waiting for the report of the node next to the real failure
-  (up to the join timeout plus a deadline per member); if it is alive and not waiting on
-  anyone, yet sends nothing: blame it after one more `deadline_s`;
+  after the wait: it failed (also during the join wait); it names a failed node: that one.
+  Nothing in time: if it is starved itself (waiting on its own left), keep waiting for the
+  report of the node next to the real failure (up to the join timeout plus a deadline per
+  member); if it is alive and not waiting on anyone, yet sends nothing: blame it after one
+  more `deadline_s`;
 - a report arrives (an abort chunk, in-band or broadcast, or a refusal naming a node in the
   trailing metadata): that node failed.
 
@@ -893,10 +894,11 @@ class _RingRun:
         While it waits (up to `timeout`), the left neighbour is asked for its state in this
         attempt every `probe_every_s`: EARLY_PROBE_MISSES unanswered pings in a row mean it
         failed (a dead or stopped node is not given the whole join timeout), and a failed node
-        it names is the failed one. After `timeout` without the chunk: it is starved itself (waiting for its own left),
-        so the failure is further along and the node next to it will name it: keep waiting (as
-        long as its own wait may last: the join timeout plus a deadline per member). It has what
-        it needs but sends nothing: one more deadline of grace, then it is blamed."""
+        it names is the failed one. After `timeout` without the chunk: if it is starved itself
+        (waiting for its own left), the failure is further along and the node next to it will
+        name it: keep waiting (as long as its own wait may last: the join timeout plus a
+        deadline per member). If it has what it needs but sends nothing: one more deadline of
+        grace, then it is blamed."""
         t0 = time.monotonic()
         end = t0 + timeout
         misses = 0

@@ -18,7 +18,8 @@ Building blocks (the ring trainer uses them too):
   it loaded, so that the job's first round does not load them again.
 - `run_train_task(ctx, task)` (parameter-server mode, and nodes without a PeerService in a ring
   job): get the round's parameters (already held; else from the peer named by
-  task.state_source_node_id through TransferState; else PullParameters from the coordinator),
+  task.state_source_node_id through TransferState; else from the task itself when the
+  coordinator sent them inline (small models); else PullParameters from the coordinator),
   compute the update, encode it with the spec's compression (int8 and topk through a per-job
   ErrorFeedback, whose residual is rolled back when the update is not applied) and stream it
   with PushUpdate in chunks of at most 1 MiB, kind "gradient" or "pseudo_gradient".
