@@ -198,13 +198,17 @@ def identity_for(address: str, role: str = ROLE_OPERATOR) -> Identity | None:
     return None if trust is None else trust.identity(address, role)
 
 
-def sync_channel_for(address: str, role: str = ROLE_OPERATOR) -> grpc.Channel:
+def sync_channel_for(
+    address: str, role: str = ROLE_OPERATOR, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
     """A blocking channel to a coordinator the helpers started, as ``role``."""
     identity = identity_for(address, role)
     if identity is None:
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
     return grpc.secure_channel(
-        address, identity_credentials(identity), options=coordinator_channel_options()
+        address,
+        identity_credentials(identity),
+        options=[*coordinator_channel_options(), *options],
     )
 
 

@@ -50,7 +50,7 @@ try:  # TLS-aware helpers (operator channels, join tokens, a logged-in CLI)
 except ImportError:  # a tree without TLS: plaintext
     from epochmesh.grpc_util import sync_channel
 
-    def sync_channel_for(address: str, role: str = "operator") -> grpc.Channel:
+    def sync_channel_for(address: str, role: str = "operator", options: Any = ()) -> grpc.Channel:
         return sync_channel(address)
 
     def token_for(address: str, role: str = "node") -> str | None:
@@ -68,6 +68,11 @@ HEARTBEAT_S = 0.5
 LR = 0.01
 JOB_SEED = 11  # job_doc's default seed
 LEASE_TTL_S = 3 * HEARTBEAT_S
+# The test's polling channel reconnects within a second after a coordinator restart.
+FAST_RECONNECT = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 CONVERGED_WINDOW = 10  # rounds at the end of a job whose median loss check_converged judges
 
 # Small and learnable (labels are a linear function of the pixels). Rounds take tens of ms, so a
@@ -166,6 +171,8 @@ class Cluster:
         )
         self.agents: dict[str, AgentProc] = {}
         self.slowdowns: dict[str, float] = {}
+        self._channel: grpc.Channel | None = None
+        self._stub: job_pb2_grpc.JobServiceStub | None = None
 
     def start_agent(self, name: str, slowdown: float, address: str = "") -> AgentProc:
         """Start (or restart, on the same data dir) agent ``name``; ``address``: reach the
@@ -213,27 +220,37 @@ class Cluster:
         for agent in self.agents.values():
             agent.kill9()
         self.coord.kill9()
+        if self._channel is not None:
+            self._channel.close()
 
     # -- gRPC reads (fast enough to poll between rounds) --------------------------------------
+    # One channel for all of them, kept across coordinator restarts (it reconnects, quickly:
+    # short reconnect backoff, and calls wait up to their timeout for it). A channel per poll
+    # (20 a second for minutes) once left a sync channel's close() hanging with the GIL held,
+    # which froze this process, its WAN relay included.
 
-    def _jobs(self, channel: grpc.Channel) -> job_pb2_grpc.JobServiceStub:
-        return job_pb2_grpc.JobServiceStub(channel)
+    def _jobs(self) -> job_pb2_grpc.JobServiceStub:
+        if self._stub is None:
+            self._channel = sync_channel_for(self.address, options=FAST_RECONNECT)
+            self._stub = job_pb2_grpc.JobServiceStub(self._channel)
+        return self._stub
 
     def job(self, job_id: str) -> common_pb2.Job:
-        with sync_channel_for(self.address) as ch:
-            return self._jobs(ch).GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=5)
+        return self._jobs().GetJob(
+            job_pb2.GetJobRequest(job_id=job_id), timeout=5, wait_for_ready=True
+        )
 
     def rounds(self, job_id: str) -> list[common_pb2.RoundRecord]:
-        with sync_channel_for(self.address) as ch:
-            reply = self._jobs(ch).GetRounds(job_pb2.GetRoundsRequest(job_id=job_id), timeout=5)
-            return list(reply.rounds)
+        reply = self._jobs().GetRounds(
+            job_pb2.GetRoundsRequest(job_id=job_id), timeout=5, wait_for_ready=True
+        )
+        return list(reply.rounds)
 
     def events(self, job_id: str) -> list[common_pb2.Event]:
-        with sync_channel_for(self.address) as ch:
-            reply = self._jobs(ch).GetJobEvents(
-                job_pb2.GetJobEventsRequest(job_id=job_id), timeout=5
-            )
-            return list(reply.events)
+        reply = self._jobs().GetJobEvents(
+            job_pb2.GetJobEventsRequest(job_id=job_id), timeout=5, wait_for_ready=True
+        )
+        return list(reply.events)
 
     def wait_rounds(self, job_id: str, pred: Any, timeout: float, what: str) -> Any:
         def check() -> Any:
@@ -456,12 +473,7 @@ def test_agent_kill9_pauses_the_job_a_new_agent_joins_and_it_rejoins_with_its_ca
     # The live rounds, replayed in plain PyTorch, give the result: through the kill, the pause,
     # the new node and the rejoin (its program loaded again or kept from its benchmark) every
     # applied update was computed from its round's parameters and weighed right.
-    out = cli(cluster.address, "download", job_id, "-o", str(tmp_path / "result"))
-    assert out.returncode == 0, out.stderr
-    trained = load_file(str(tmp_path / "result" / "model.safetensors"))
-    expected = replay(tmp_path / "job", rounds, make_dataset(n), JOB_SEED)
-    diff = max((trained[k] - v).abs().max().item() for k, v in expected.items())
-    assert diff <= 1e-5, f"max abs difference {diff} between the result and the replay"
+    diff = check_replay(cluster, job_id, tmp_path, rounds, n, JOB_SEED)
     log.info(
         f"loss {first:.3f} -> {last:.3f} (final {job.last_loss:.3f}), {len(rounds)} rounds, "
         f"{sum(1 for r in rounds if len(applied(r)) < len(r.parts))} incomplete; result vs "
@@ -490,7 +502,7 @@ def test_a_straggler_loses_share_and_hung_or_cut_off_agents_are_dropped_then_rej
 
 
 def straggler_then_partition(cluster: Cluster, relay: Relay, tmp_path: Path) -> None:
-    n, epochs = 1536, 3
+    n, epochs = 1536, 5  # long enough for a and e to re-join and train again (rounds ~40 ms)
     job_id = cluster.submit(
         # min_nodes 3: while a and e are gone the job waits for them (PAUSED), so they re-join
         # before it ends
@@ -624,6 +636,26 @@ def replay(
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def check_replay(
+    cluster: Cluster,
+    job_id: str,
+    tmp_path: Path,
+    rounds: list[common_pb2.RoundRecord],
+    n: int,
+    seed: int,
+) -> float:
+    """The downloaded result equals the live rounds replayed in plain PyTorch (<= 1e-5): every
+    applied update was computed from its round's parameters and weighed right. Returns the
+    largest difference."""
+    out = cli(cluster.address, "download", job_id, "-o", str(tmp_path / "result"))
+    assert out.returncode == 0, out.stderr
+    trained = load_file(str(tmp_path / "result" / "model.safetensors"))
+    expected = replay(tmp_path / "job", rounds, make_dataset(n), seed)
+    diff = max((trained[k] - v).abs().max().item() for k, v in expected.items())
+    assert diff <= 1e-5, f"max abs difference {diff} between the result and the replay"
+    return diff
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("aggregation", ["ps", "ring"])
 def test_coordinator_kill9_resumes_from_its_checkpoint(
@@ -702,9 +734,4 @@ def test_coordinator_kill9_resumes_from_its_checkpoint(
 
     # The live rounds, replayed in plain PyTorch, give the downloaded parameters: the restored
     # parameters, optimizer state and ledger were consistent with them.
-    out = cli(cluster.address, "download", job_id, "-o", str(tmp_path / "result"))
-    assert out.returncode == 0, out.stderr
-    trained = load_file(str(tmp_path / "result" / "model.safetensors"))
-    expected = replay(tmp_path / "job", rounds, make_dataset(n), seed)
-    diff = max((trained[k] - v).abs().max().item() for k, v in expected.items())
-    assert diff <= 1e-5, f"max abs difference {diff} between the result and the replay"
+    check_replay(cluster, job_id, tmp_path, rounds, n, seed)
