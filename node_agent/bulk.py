@@ -67,6 +67,7 @@ from node_agent.peer import (
     ChunkRejected,
     RingKey,
     WireError,
+    _varint,
     failed_id_of,
     parse_checked_ring_chunk,
 )
@@ -349,17 +350,8 @@ def chunk_head(header: bytes, offset: int) -> bytes:
     """The RingChunk head of a bulk frame: `header` plus a DataChunk holding only `offset`."""
     if not offset:
         return header
-    value = offset
-    varint = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            varint.append(byte | 0x80)
-        else:
-            varint.append(byte)
-            break
-    return header + b"\x4a" + bytes([len(varint) + 1]) + b"\x08" + bytes(varint)
+    inner = b"\x08" + _varint(offset)
+    return header + b"\x4a" + _varint(len(inner)) + inner
 
 
 class BulkOutput:

@@ -541,20 +541,29 @@ def main() -> int:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
 
-    def solo_sum(cycle: dict[str, Run]) -> float:
-        return sum(cycle[f"solo_x{s}"].samples_per_s for s in SLOWDOWNS)
+    def cluster_over(kind: str) -> list[float]:
+        """Per cycle: cluster samples/s over the sum of the `kind` runs' (solo, together,
+        share), for the cycles that have them."""
+        return [
+            c["cluster"].samples_per_s / sum(c[f"{kind}_x{s}"].samples_per_s for s in SLOWDOWNS)
+            for c in cycles
+            if f"{kind}_x1" in c
+        ]
 
-    ratios = [c["cluster"].samples_per_s / solo_sum(c) for c in cycles]
-    together = [
-        c["cluster"].samples_per_s / sum(c[f"together_x{s}"].samples_per_s for s in SLOWDOWNS)
-        for c in cycles
-        if "together_x1" in c
-    ]
-    share = [
-        c["cluster"].samples_per_s / sum(c[f"share_x{s}"].samples_per_s for s in SLOWDOWNS)
-        for c in cycles
-        if "share_x1" in c
-    ]
+    def median_rates(kind: str) -> dict[str, float] | None:
+        """Each node's median samples/s over the cycles in its `kind` runs (None: not run)."""
+        if not any(f"{kind}_x1" in c for c in cycles):
+            return None
+        return {
+            f"slowdown_{s}": round(
+                statistics.median(c[f"{kind}_x{s}"].samples_per_s for c in cycles), 1
+            )
+            for s in SLOWDOWNS
+        }
+
+    ratios = cluster_over("solo")
+    together = cluster_over("together")
+    share = cluster_over("share")
     robust = [
         median_throughput(c["cluster"].rounds)
         / sum(median_throughput(c[f"solo_x{s}"].rounds) for s in SLOWDOWNS)
@@ -579,26 +588,12 @@ def main() -> int:
         "median_round_ratio_per_cycle": [round(r, 3) for r in robust],
         "cluster_over_sum_of_share_solos": round(statistics.median(share), 3) if share else None,
         "cluster_over_sum_of_share_solos_per_cycle": [round(r, 3) for r in share],
-        "share_solo_samples_per_s": {
-            f"slowdown_{s}": round(
-                statistics.median(c[f"share_x{s}"].samples_per_s for c in cycles), 1
-            )
-            for s in SLOWDOWNS
-        }
-        if share
-        else None,
+        "share_solo_samples_per_s": median_rates("share"),
         "cluster_over_sum_of_concurrent_solos": round(statistics.median(together), 3)
         if together
         else None,
         "cluster_over_sum_of_concurrent_solos_per_cycle": [round(r, 3) for r in together],
-        "concurrent_solo_samples_per_s": {
-            f"slowdown_{s}": round(
-                statistics.median(c[f"together_x{s}"].samples_per_s for c in cycles), 1
-            )
-            for s in SLOWDOWNS
-        }
-        if together
-        else None,
+        "concurrent_solo_samples_per_s": median_rates("together"),
         "plain_loop_samples_per_s": round(statistics.median(plains), 1),
         "system_over_plain_loop": round(
             statistics.median(
