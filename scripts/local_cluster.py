@@ -62,7 +62,11 @@ class LocalCluster:
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.env = dict(os.environ, XDG_CONFIG_HOME=str(self.work / "cli-config"))
 
-    def _start(self, cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    def _start(
+        self, cmd: list[str], log: Path, cpus: set[int] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start `cmd` in its own session, output to `log`; `cpus`: the CPUs it may run on
+        (every thread it will have inherits them)."""
         with open(log, "ab") as f:
             proc = subprocess.Popen(
                 cmd,
@@ -70,11 +74,12 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
             )
         self.procs.append(proc)
         return proc
 
-    def start_coordinator(self, *args: str) -> str:
+    def start_coordinator(self, *args: str, cpus: set[int] | None = None) -> str:
         self.coord_dir.mkdir(parents=True, exist_ok=True)
         addr_file = self.coord_dir / "coordinator.addr"
         addr_file.unlink(missing_ok=True)
@@ -88,6 +93,7 @@ class LocalCluster:
                 *args,
             ],
             self.work / "coordinator.log",
+            cpus,
         )
 
         def started() -> str:
@@ -122,10 +128,15 @@ class LocalCluster:
         return out.stdout.strip()
 
     def start_agent(
-        self, name: str, *args: str, coordinator: str | None = None
+        self,
+        name: str,
+        *args: str,
+        coordinator: str | None = None,
+        cpus: set[int] | None = None,
     ) -> subprocess.Popen[bytes]:
         """An enrolled agent named `name`; it dials `coordinator` (default: the coordinator's
-        own address; give a relay's address to put the agent behind an emulated link)."""
+        own address; give a relay's address to put the agent behind an emulated link); `cpus`:
+        the CPUs it may run on (None: any)."""
         proc = self._start(
             [
                 str(BIN / "epochmesh-agent"),
@@ -144,6 +155,7 @@ class LocalCluster:
                 *args,
             ],
             self.work / f"agent-{name}.log",
+            cpus,
         )
         self.agents[name] = proc
         return proc
