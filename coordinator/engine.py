@@ -266,8 +266,10 @@ class Engine:
         want_kind = "pseudo_gradient" if runner.spec.sync == "local_sgd" else "gradient"
         if h.kind not in (want_kind, "" if want_kind == "gradient" else want_kind):
             problem = f"update kind {h.kind!r}; this job expects {want_kind!r} updates"
-        elif h.num_samples != expected_samples:
-            problem = f"num_samples is {h.num_samples}, the task assigned {expected_samples}"
+        elif h.num_samples != expected_samples and (
+            reason := runner.samples_problem(h.node_id, h.task_id, h.num_samples)
+        ):
+            problem = reason
         elif not math.isfinite(h.mean_loss):
             problem = f"mean_loss is {h.mean_loss}"
         elif not math.isfinite(h.compute_seconds) or h.compute_seconds < 0:

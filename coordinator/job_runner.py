@@ -85,6 +85,10 @@ TERMINAL = (JS.JOB_STATE_SUCCEEDED, JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED)
 MAX_CONSECUTIVE_FAILURES = 3
 # A round whose deadline passes before any node delivered waits at most this many times longer.
 MAX_DEADLINE_EXTENSIONS = 2
+# Time-boxed local SGD rounds (parameter server): each node gets the ranges for this many
+# times the H steps planned, and a time box; a node faster than its estimate runs more steps
+# in the box, a slower one fewer, and nobody waits for the others (see _plan_parts).
+TIME_BOX_EXTRA_STEPS = 0.25
 # Benchmark tasks get this long, plus the node's lease, before they are asked again.
 BENCHMARK_TIMEOUT_S = 120.0
 BENCH_STATE_PREFIX = "bench/"
@@ -153,6 +157,19 @@ def encode_ranges_field(field_number: int, runs: np.ndarray) -> bytes:
     return rows[mask].tobytes()
 
 
+def head_of_runs(runs: np.ndarray, n: int) -> np.ndarray:
+    """The first ``n`` indices of (k, 2) [start, stop) index runs, as runs (n >= 0)."""
+    lengths = runs[:, 1] - runs[:, 0]
+    ends = np.cumsum(lengths)
+    k = int(np.searchsorted(ends, n, side="left"))
+    if k >= len(runs):
+        return runs.copy()
+    head = runs[: k + 1].copy()
+    before = int(ends[k - 1]) if k > 0 else 0
+    head[k, 1] = head[k, 0] + (n - before)
+    return head[head[:, 1] > head[:, 0]]
+
+
 @dataclass
 class Part:
     node_id: str
@@ -163,6 +180,11 @@ class Part:
     # end). Aggregation weights, the ledger, the estimator and deadlines all work in these.
     samples: int = 0
     inner_steps: int = 1  # steps the node runs on them: ceil(samples / local_batch)
+    # Time-boxed local SGD: the seconds of stepping the node has (0: none, every step), and the
+    # samples handed out; an update for a prefix of them narrows ranges/samples/inner_steps to
+    # what was trained, and the ledger commits only that.
+    budget_s: float = 0.0
+    assigned: int = 0
     handed_out: float = 0.0
     grads: dict[str, torch.Tensor] | None = None
     mean_loss: float = float("nan")
@@ -266,6 +288,7 @@ class JobRunner:
         self._wake = asyncio.Event()
         self._checkpoint_task: asyncio.Task[None] | None = None  # see _checkpoint_soon
         self._overhead_s = 0.0
+        self._time_boxes: dict[str, float] = {}  # node -> seconds of stepping, last plan
         self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
         # Late parts of recent rounds (task -> node, samples): an update that still comes tells
         # how fast the node really was; such figures wait here for the next round's planning.
@@ -736,7 +759,20 @@ class JobRunner:
         full = [round_s(n) for n in nodes if fluid[n] >= 1]
         limit = MIN_SLACK * max(full) if full else math.inf
         slow = {n for n in nodes if fluid[n] < 1 and round_s(n) > limit}
-        return batches, (slow if len(slow) < len(nodes) else set())
+        slow = slow if len(slow) < len(nodes) else set()
+        # The time box: every awaited node's planned round ends at the same moment, the latest
+        # of their planned ends; a node's box is that minus its own communication.
+        end = max((round_s(n) for n in nodes if n not in slow), default=0.0)
+        self._time_boxes = {
+            n: max(end - self.estimator.comm_estimate(n), 1e-3) for n in nodes if end > 0
+        }
+        return batches, slow
+
+    @property
+    def time_boxed(self) -> bool:
+        """Whether local SGD rounds are time-boxed: on the parameter server (a ring member's
+        weight in the all-reduce is fixed before it steps), with the throughput split."""
+        return self.inner_steps > 1 and self.ctx.config.split != "equal"
 
     @property
     def inner_steps(self) -> int:
@@ -749,13 +785,19 @@ class JobRunner:
         in samples from the estimates. Returns (round number, parts by node, deadline)."""
         self._observe_late_figures()
         self.ledger.rebalance(self.estimator.rates(nodes))
+        self._time_boxes = {}
         batches, best_effort = self._plan_batches(nodes)
         h = self.inner_steps
+        boxes = self._time_boxes if self.time_boxed else {}
+        # Time-boxed: ranges for more steps than planned (a node faster than its estimate goes
+        # on stepping); the deadline is still sized on the planned H steps.
+        steps = {n: math.ceil(h * (1 + TIME_BOX_EXTRA_STEPS)) if n in boxes else h for n in batches}
         round_id = self.next_round
         self.next_round += 1
-        plan = self.ledger.plan_round(round_id, {n: h * b for n, b in batches.items()})
+        plan = self.ledger.plan_round(round_id, {n: steps[n] * b for n, b in batches.items()})
         sizes = {n: sum(b - a for a, b in rs) for n, rs in plan.items()}
-        awaited = {n: b for n, b in sizes.items() if n not in best_effort} or sizes
+        planned = {n: min(c, h * batches[n]) for n, c in sizes.items()}
+        awaited = {n: b for n, b in planned.items() if n not in best_effort} or planned
         deadline = self.estimator.deadline(awaited, self._overhead_s)
         parts: dict[str, Part] = {}
         for node_id, positions in plan.items():
@@ -771,6 +813,8 @@ class JobRunner:
                 samples=samples,
                 inner_steps=-(-samples // local_batch),
                 required=node_id in awaited,
+                budget_s=boxes.get(node_id, 0.0),
+                assigned=samples,
             )
         self.batches = {n: p.local_batch for n, p in parts.items()}
         return round_id, parts, deadline
@@ -918,7 +962,8 @@ class JobRunner:
             local_batch=part.local_batch,
             params_version=rs.version,
             deadline_seconds=rs.deadline_s,
-            inner_steps=self.inner_steps,
+            inner_steps=max(self.inner_steps, part.inner_steps),
+            compute_budget_seconds=part.budget_s,
         )
         task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, part.ranges))
         payload = self.params_payload
@@ -967,7 +1012,8 @@ class JobRunner:
         if received:
             self.rounds_applied += 1
         applied = {p.node_id for p in received}
-        self.ledger.commit_round(rs.round, applied)
+        consumed = {p.node_id: p.samples for p in received if 0 < p.samples < p.assigned}
+        self.ledger.commit_round(rs.round, applied, consumed)
         for p in rs.parts.values():
             st = self.stats.setdefault(p.node_id, NodeStats())
             if p.status == "applied":
@@ -1232,6 +1278,14 @@ class JobRunner:
             return "the task is not part of the open round"
         if part.status != "pending":
             return f"the task is already {part.status}"
+        if num_samples != part.samples:
+            problem = self.samples_problem(node_id, task_id, num_samples)
+            if problem:
+                return problem
+            # A time-boxed part: the node trained the first num_samples of its ranges.
+            part.ranges = head_of_runs(part.ranges, num_samples)
+            part.samples = num_samples
+            part.inner_steps = -(-num_samples // part.local_batch)
         part.grads = dict(grads)
         part.mean_loss = mean_loss
         part.compute_s = compute_s
@@ -1281,6 +1335,24 @@ class JobRunner:
     ) -> str:
         """Take a pushed state; returns "" or why it was not taken."""
         return "this job takes no checkpoints from nodes"
+
+    def samples_problem(self, node_id: str, task_id: str, num_samples: int) -> str:
+        """Why an update's num_samples does not fit the open part of this task ("" if it does):
+        all of the part's samples, or (a time-boxed part) a whole number of its inner steps."""
+        rs = self.round_state
+        part = rs.parts.get(node_id) if rs is not None else None
+        if part is None or part.task_id != task_id:
+            return "the task is not part of the open round"
+        if num_samples == part.samples:
+            return ""
+        if part.budget_s > 0 and 0 < num_samples < part.samples:
+            if num_samples % part.local_batch == 0:
+                return ""
+            return (
+                f"num_samples is {num_samples}: a time-boxed part trains whole steps of "
+                f"{part.local_batch} samples or all {part.samples}"
+            )
+        return f"num_samples is {num_samples}, the task assigned {part.samples}"
 
     def expected_samples(self, node_id: str, task_id: str) -> int | None:
         rs = self.round_state

@@ -658,13 +658,24 @@ class EpochLedger:
         self._assigned_count += sum(_count(rs) for rs in out.values())
         return {n: list(rs) for n, rs in out.items()}
 
-    def commit_round(self, round_id: int, nodes_applied: Iterable[str]) -> dict[str, list[Range]]:
+    def commit_round(
+        self,
+        round_id: int,
+        nodes_applied: Iterable[str],
+        consumed: Mapping[str, int] | None = None,
+    ) -> dict[str, list[Range]]:
         """Close round ``round_id``: slices of applied nodes become COMMITTED; slices of every
         other node of the round return to PENDING (given to the nodes that will run out
         first) and are trained in a later round of this epoch.
 
-        Raises ValueError if the round is not open, or if an applied node holds nothing in
-        it (e.g. it was failed meanwhile: its update must then not be applied).
+        ``consumed``: for an applied node that trained only the first k positions of its slice
+        (a time-boxed local SGD round stops when its time is up), k. Those k positions (in
+        training order) are committed and the rest returns to PENDING, at the head of the
+        node's own segment (it trains them next). A node not named consumed all of its slice.
+
+        Raises ValueError if the round is not open, if an applied node holds nothing in
+        it (e.g. it was failed meanwhile: its update must then not be applied), or if a
+        consumed count is not in 1..(the node's slice) or names a node not applied.
         Returns the committed position ranges per applied node.
         """
         parts = self._assigned.get(round_id)
@@ -677,16 +688,34 @@ class EpochLedger:
                 f"nodes {stray!r} hold no slice of round {round_id} (failed or never "
                 "assigned); their updates must not be applied"
             )
+        consumed = dict(consumed or {})
+        for n, k in consumed.items():
+            if n not in applied:
+                raise ValueError(f"node {n!r} is not applied in round {round_id}")
+            size = _count(parts[n])
+            if isinstance(k, bool) or int(k) != k or not 1 <= k <= size:
+                raise ValueError(
+                    f"node {n!r} consumed {k!r} positions of round {round_id}; "
+                    f"its slice holds {size}"
+                )
         del self._assigned[round_id]
         committed: dict[str, list[Range]] = {}
         orphans: list[Range] = []
         for n, rs in parts.items():
             self._assigned_count -= _count(rs)
             if n in applied:
-                for r in rs:
+                done = list(rs)
+                if n in consumed and consumed[n] < _count(rs):
+                    rest = list(rs)
+                    done = _take_head(rest, int(consumed[n]))
+                    if n in self._rates:
+                        self._own_insert(n, rest)
+                    else:
+                        orphans.extend(rest)
+                for r in done:
                     _insert(self._committed, r)
-                self._committed_count += _count(rs)
-                committed[n] = list(rs)
+                self._committed_count += _count(done)
+                committed[n] = done
             else:
                 orphans.extend(rs)
         self._distribute(orphans)

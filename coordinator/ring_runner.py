@@ -834,6 +834,12 @@ class RingJobRunner(JobRunner):
                     )
         rs.touch()
 
+    @property
+    def time_boxed(self) -> bool:
+        """No time boxes in ring rounds: the members' weights in the all-reduce are fixed
+        before they step."""
+        return False
+
     def expected_samples(self, node_id: str, task_id: str) -> int | None:
         rs = self.round_state
         part = rs.parts.get(node_id) if rs is not None else None

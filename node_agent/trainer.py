@@ -225,8 +225,16 @@ def local_sgd_steps(
     get_batch: Callable[[Sequence[int]], Batch],
     slowdown: SlowdownController,
     check_cancelled: Callable[[], None] = lambda: None,
+    budget_s: float = 0.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> ComputedUpdate:
     """Local SGD's inner loop: one optimizer step per slice, then Δ = start − end.
+
+    ``budget_s`` > 0 time-boxes the loop: it stops before the next step when that step would
+    end further past ``budget_s`` seconds of stepping than short of it (judged by the mean
+    step so far), after at least one step; the update then covers the slices stepped (a
+    prefix). The update's ``compute_s`` is the loop's wall time (the emulated device's padded
+    steps, batch views, the loop itself): what the coordinator plans rounds and time boxes on.
 
     The program's parameters are back at their start values afterwards (also when a step
     raises); the optimizer's state keeps what the steps put into it.
@@ -236,11 +244,16 @@ def local_sgd_steps(
     start = program.get_parameters()
     total_loss = 0.0
     samples = 0
-    device_s = 0.0
+    steps = 0
+    began = clock()
     try:
         for k, (idx, (inputs, targets)) in enumerate(
-            zip(slices, prefetched_batches(slices, get_batch), strict=True)
+            zip(slices, prefetched_batches(slices, get_batch), strict=False)
         ):
+            if budget_s > 0 and k > 0:
+                stepped = clock() - began
+                if stepped + 0.5 * stepped / k > budget_s:
+                    break
             check_cancelled()
 
             def step(
@@ -258,9 +271,10 @@ def local_sgd_steps(
             loss = slowdown.timed_step(step)
             if not math.isfinite(loss):
                 raise ValueError(f"inner step {k} gave a non-finite loss ({loss})")
-            device_s += slowdown.last_device_seconds
             total_loss += loss * len(idx)
             samples += len(idx)
+            steps += 1
+        stepped = clock() - began
         with torch.no_grad():
             delta = {
                 k: (start[k] - p.detach()).to("cpu", torch.float32)
@@ -274,9 +288,9 @@ def local_sgd_steps(
         kind=KIND_PSEUDO_GRADIENT,
         tensors=delta,
         mean_loss=total_loss / max(1, samples),
-        compute_s=device_s,
+        compute_s=stepped,
         num_samples=samples,
-        steps=len(slices),
+        steps=steps,
     )
 
 
@@ -314,6 +328,7 @@ async def compute_update(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task)
             job.dataset.get_batch,
             ctx.slowdown,
             ctx.check_cancelled,
+            max(0.0, task.compute_budget_seconds),
         )
     except BaseException:
         # The steps that ran changed the optimizer's state (after a diverging step: inf or NaN

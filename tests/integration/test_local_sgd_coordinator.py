@@ -2,12 +2,15 @@
 engine over real gRPC + TLS; the agents are played by the test (tests/integration/fake_agent.py)
 so that what they push is known exactly.
 
-- Planning: every node gets inner_steps = H and local_batch = b_i, and H*b_i samples (fewer at
-  an epoch's end); every epoch covers every sample exactly once.
+- Planning: every node gets local_batch = b_i, a time box, and ranges for ceil(1.25 H) steps of
+  b_i (fewer at an epoch's end). The agents here train the first H steps (their box ran out):
+  the coordinator records and commits that prefix and hands the rest out again; every epoch
+  covers every sample exactly once.
 - Aggregation: the job's result equals the outer Nesterov optimizer applied, round by round,
   to the sample-weighted mean of the pseudo-gradients the agents pushed (int8-decoded).
-- Hostile input: a float tensor not encoded with the job's codec, or a "gradient" in a local
-  SGD job, is INVALID_ARGUMENT with a strike; the round goes on without that part.
+- Hostile input: a float tensor not encoded with the job's codec, a "gradient" in a local
+  SGD job, or a sample count that is not a whole number of steps, is INVALID_ARGUMENT with a
+  strike; the round goes on without that part.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class LocalSgdWorker:
         self.model = _model()
         self.inner = torch.optim.SGD(self.model.parameters(), lr=INNER_LR, momentum=0.9)
         self.ef = ErrorFeedback("int8")
-        self.misbehave: list[str] = []  # what to do wrong next: "fp32" | "gradient"
+        # What to do wrong next: "fp32" | "gradient" | "ragged".
+        self.misbehave: list[str] = []
 
     def _inner_steps(
         self, params: dict[str, torch.Tensor], idx: list[int], b: int
@@ -82,7 +86,9 @@ class LocalSgdWorker:
         return delta, sum(losses) / len(idx)
 
     async def __call__(self, agent: FakeAgent, task: agent_pb2.Task) -> None:
-        assert task.inner_steps == H
+        assert task.compute_budget_seconds > 0
+        steps = math.ceil(len(task_indices(task)) / task.local_batch)
+        assert task.inner_steps == max(H, steps)
         version, params = await agent.pull(task.job_id, task.params_version)
         assert version == task.params_version
         # A small model's parameters also travel inline with the task: the same ones.
@@ -90,12 +96,16 @@ class LocalSgdWorker:
         inline = decode_bundle(task.params_bundle, task.params_data)
         assert list(inline) == list(params)
         assert all(torch.equal(inline[k], v) for k, v in params.items())
-        idx = task_indices(task)
+        # The time box ran out after H steps: the update covers their samples, a prefix.
+        idx = task_indices(task)[: H * task.local_batch]
         delta, mean_loss = await asyncio.to_thread(self._inner_steps, params, idx, task.local_batch)
         fields = dict(num_samples=len(idx), mean_loss=mean_loss)
         if self.misbehave:
             what = self.misbehave.pop(0)
-            if what == "fp32":  # float tensors must use the job's codec
+            if what == "ragged" and len(idx) > 1:  # a prefix of whole steps only
+                fields["num_samples"] = len(idx) - 1
+                await agent.push(task, delta, kind="pseudo_gradient", codec="int8", **fields)
+            elif what == "fp32":  # float tensors must use the job's codec
                 await agent.push(task, delta, kind="pseudo_gradient", codec="none", **fields)
             else:  # a gradient is not what a local SGD job takes
                 await agent.push(task, delta, kind="gradient", codec="int8", **fields)
@@ -140,8 +150,10 @@ async def test_local_sgd_int8_rounds_match_the_outer_optimizer(tmp_path: Path) -
     ) as coord:
         shady = LocalSgdWorker(data, pushed)
         shady.misbehave = ["fp32", "gradient"]
+        ragged = LocalSgdWorker(data, pushed)
+        ragged.misbehave = ["ragged"]
         agents = [
-            await FakeAgent(coord, "fast", 300.0, LocalSgdWorker(data, pushed)).start(),
+            await FakeAgent(coord, "fast", 300.0, ragged).start(),
             await FakeAgent(coord, "slow", 100.0, shady).start(),
         ]
         try:
@@ -170,22 +182,23 @@ async def test_local_sgd_int8_rounds_match_the_outer_optimizer(tmp_path: Path) -
                 )
             shady_id = agents[1].node_id
             strikes = coord.registry.find(shady_id).strikes
+            ragged_strikes = coord.registry.find(agents[0].node_id).strikes
         finally:
             for a in agents:
                 await a.stop()
 
-    # The two refused pushes: INVALID_ARGUMENT, one strike each.
+    # The three refused pushes: INVALID_ARGUMENT, one strike each.
     codes = [e for a in agents for e in a.errors]
-    assert codes.count("INVALID_ARGUMENT") == 2, codes
+    assert codes.count("INVALID_ARGUMENT") == 3, codes
     assert set(codes) <= {"INVALID_ARGUMENT", "FAILED_PRECONDITION"}, codes  # late pulls only
-    assert strikes == 2
+    assert (strikes, ragged_strikes) == (2, 1)
 
-    # Planning: H for everyone, b_i per step, H*b_i samples (less only at an epoch's end).
+    # Planning: b_i per step, ranges for ceil(1.25 H) steps (less only at an epoch's end).
     tasks = [t for a in agents for t in a.tasks]
-    assert all(t.inner_steps == H for t in tasks)
-    full = [t for t in tasks if len(task_indices(t)) == H * t.local_batch]
+    most = math.ceil(1.25 * H)
+    full = [t for t in tasks if len(task_indices(t)) == most * t.local_batch]
     assert len(full) >= len(tasks) // 2
-    assert all(len(task_indices(t)) <= H * t.local_batch for t in tasks)
+    assert all(len(task_indices(t)) <= most * t.local_batch for t in tasks)
 
     # Records: exactly once per epoch over applied parts; inner steps and times filled in.
     by_epoch: dict[int, list[int]] = defaultdict(list)
@@ -198,7 +211,11 @@ async def test_local_sgd_int8_rounds_match_the_outer_optimizer(tmp_path: Path) -
                 samples = sum(r.stop - r.start for r in part.ranges)
                 assert part.inner_steps == math.ceil(samples / part.local_batch)
                 assert part.communicate_seconds >= 0
-    assert statuses["rejected"] == 2, dict(statuses)
+    assert statuses["rejected"] == 3, dict(statuses)
+    # The applied parts cover the prefixes the agents trained: H steps (fewer at epochs' ends).
+    applied = [p for rnd in rounds for p in rnd.parts if p.status == "applied"]
+    assert all(p.inner_steps <= H for p in applied)
+    assert sum(p.inner_steps == H for p in applied) >= len(applied) // 2
     assert sorted(by_epoch) == [0, 1]
     for epoch, seen in by_epoch.items():
         assert sorted(seen) == list(range(NUM_SAMPLES)), f"epoch {epoch} not covered once"

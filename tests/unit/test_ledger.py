@@ -254,6 +254,27 @@ def test_abort_returns_slices_to_own_segments() -> None:
         led.abort_round(7)
 
 
+def test_partial_commit_keeps_the_rest_at_the_head_of_the_nodes_segment() -> None:
+    led = EpochLedger(100, 0, 1)
+    led.assign_segments({"a": 1.0, "b": 1.0})
+    plan = led.plan_round(0, {"a": 20, "b": 20})
+    done = led.commit_round(0, {"a", "b"}, consumed={"a": 7})
+    assert done["a"] == [(plan["a"][0][0], plan["a"][0][0] + 7)]
+    assert done["b"] == plan["b"]
+    assert led.committed_count == 27 and led.pending_count == 73
+    # a's next round starts where its time ran out.
+    again = led.plan_round(1, {"a": 20, "b": 20})
+    assert again["a"][0][0] == plan["a"][0][0] + 7
+    for bad in ({"a": 0}, {"a": 21}, {"c": 3}, {"a": 2.5}):
+        with pytest.raises(ValueError, match="consumed|not applied"):
+            led.commit_round(1, {"a", "b"}, consumed=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not applied"):
+        led.commit_round(1, {"b"}, consumed={"a": 3})
+    led.commit_round(1, {"a", "b"}, consumed={"a": 20, "b": 1})
+    led.check()
+    assert led.committed_count == 27 + 21
+
+
 def test_plan_round_validation() -> None:
     led = EpochLedger(100, 0, 1)
     led.assign_segments({"a": 1.0})
@@ -354,6 +375,7 @@ ACTIONS = [
     "plan",
     "plan",
     "commit_some",
+    "commit_partial",
     "commit_all",
     "abort",
     "fail",
@@ -424,9 +446,18 @@ def test_every_sample_committed_exactly_once_whatever_fails(data: st.DataObject)
             assert sum(sizes.values()) == pending
         next_round += 1
 
-    def commit(rid: int, applied: set[str]) -> None:
-        done = led.commit_round(rid, applied)
+    def commit(rid: int, applied: set[str], consumed: dict[str, int] | None = None) -> None:
+        held = {n: list(rs) for n, rs in led.assigned_in(rid).items()}
+        done = led.commit_round(rid, applied, consumed)
         assert set(done) == applied
+        for n, rs in done.items():
+            # A time-boxed part commits the head of its slice (training order).
+            k = (consumed or {}).get(n, _count(held[n]))
+            assert _count(rs) == k
+            assert (
+                sorted(p for a, b in rs for p in range(a, b))
+                == sorted(p for a, b in held[n] for p in range(a, b))[:k]
+            )
         log.append((rid, [r for rs in done.values() for r in rs]))
 
     steps = 0
@@ -444,13 +475,22 @@ def test_every_sample_committed_exactly_once_whatever_fails(data: st.DataObject)
         opened = led.open_rounds()
         if action == "plan":
             plan()
-        elif action in ("commit_some", "commit_all", "abort") and opened:
+        elif action in ("commit_some", "commit_partial", "commit_all", "abort") and opened:
             rid = data.draw(st.sampled_from(opened))
             holders = sorted(led.assigned_in(rid))
             if action == "abort":
                 led.abort_round(rid)
             elif action == "commit_all":
                 commit(rid, set(holders))
+            elif action == "commit_partial":
+                # Time-boxed local SGD: each applied node trained a prefix of its slice.
+                held = led.assigned_in(rid)
+                consumed = {
+                    n: data.draw(st.integers(1, _count(held[n])), label=f"consumed {n}")
+                    for n in holders
+                    if _count(held[n]) > 0
+                }
+                commit(rid, set(consumed), consumed)
             else:
                 commit(
                     rid,

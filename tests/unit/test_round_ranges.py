@@ -14,6 +14,7 @@ from coordinator.job_runner import (
     ROUND_PART_RANGES_FIELD,
     TASK_RANGES_FIELD,
     encode_ranges_field,
+    head_of_runs,
     index_run_array,
 )
 from coordinator.ledger import EpochLedger, index_runs
@@ -49,6 +50,19 @@ def test_wire_bytes_parse_as_the_messages_would(runs: list[tuple[int, int]]) -> 
     part = common_pb2.RoundPart(node_id="n")
     part.MergeFromString(encode_ranges_field(ROUND_PART_RANGES_FIELD, arr))
     assert [(r.start, r.stop) for r in part.ranges] == runs
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.integers(1, 9)), max_size=12),
+    st.integers(0, 200),
+)
+def test_head_of_runs_is_the_first_indices_in_order(runs: list[tuple[int, int]], n: int) -> None:
+    arr = np.array([(a, a + k) for a, k in runs], dtype=np.int64).reshape(-1, 2)
+    flat = [i for a, b in arr.tolist() for i in range(a, b)]
+    head = head_of_runs(arr, min(n, len(flat)))
+    assert [i for a, b in head.tolist() for i in range(a, b)] == flat[: min(n, len(flat))]
+    assert head.shape[1] == 2 and bool((head[:, 1] > head[:, 0]).all())
 
 
 def test_refuses_negative_ranges_and_long_tags() -> None:

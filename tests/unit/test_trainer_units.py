@@ -5,7 +5,8 @@ taking parameters out of a peer's state transfer."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -99,16 +100,6 @@ def eager_inner_loop(
     return delta, total / sum(len(s) for s in slices)
 
 
-def fake_clock(step: float = 1.0) -> Callable[[], float]:
-    t = [0.0]
-
-    def clock() -> float:
-        t[0] += step
-        return t[0]
-
-    return clock
-
-
 def test_inner_step_slices() -> None:
     idx = list(range(100, 130))
     assert inner_step_slices(idx, 10, 3) == [idx[0:10], idx[10:20], idx[20:30]]
@@ -167,18 +158,55 @@ def test_local_sgd_reduces_the_loss_of_its_samples(
     assert program.loss(inputs, targets) < before
 
 
-def test_compute_seconds_are_device_seconds_of_all_steps(
+def test_compute_seconds_are_the_wall_time_of_the_padded_steps(
     packed: PackedJob, program: TrainableProgram, dataset: ShardedDataset
 ) -> None:
-    slept: list[float] = []
-    slow = SlowdownController(3.0, sleep=slept.append, clock=fake_clock(1.0))
+    slow = SlowdownController(3.0)
     opt = build_optimizer(packed.spec, program.parameters())
+    t0 = time.monotonic()
     update = local_sgd_steps(
         program, opt, inner_step_slices(range(30), 8, 4), dataset.get_batch, slow
     )
-    # Each step "computes" 1 s on the fake clock: 3 device seconds each, 2 s of padding.
-    assert update.compute_s == pytest.approx(4 * 3.0)
-    assert len(slept) == 4 and all(s == pytest.approx(2.0) for s in slept)
+    wall = time.monotonic() - t0
+    # Every step is padded to 3x its compute (an over-long sleep is paid back on the next one,
+    # at most one step's padding).
+    assert slow.steps == 4
+    assert 2.5 * slow.compute_seconds <= update.compute_s <= wall
+
+
+def test_a_time_box_stops_the_steps_and_covers_the_prefix(
+    packed: PackedJob, program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    slices = inner_step_slices(range(60), 8, 8)  # 8 steps, the last of 4 samples
+    ticks = [0]
+
+    def tick() -> None:  # one "second" per step on the loop's clock
+        ticks[0] += 1
+
+    def clock() -> float:
+        return float(ticks[0])
+
+    opt = build_optimizer(packed.spec, program.parameters())
+    boxed = local_sgd_steps(
+        program, opt, slices, dataset.get_batch, SlowdownController(), tick, 3.4, clock
+    )
+    # After 3 steps (3 s) a fourth would end at 4 s: 0.6 s past the box, more than the 0.4 s
+    # short of it that stopping leaves.
+    assert (boxed.steps, boxed.num_samples, boxed.compute_s) == (3, 24, 3.0)
+    ref_opt = build_optimizer(packed.spec, program.parameters())
+    prefix = local_sgd_steps(program, ref_opt, slices[:3], dataset.get_batch, SlowdownController())
+    for k, d in boxed.tensors.items():
+        torch.testing.assert_close(d, prefix.tensors[k], rtol=0, atol=0)
+    ticks[0] = 0
+    whole = local_sgd_steps(
+        program, opt, slices, dataset.get_batch, SlowdownController(), tick, 100.0, clock
+    )
+    assert (whole.steps, whole.num_samples) == (8, 60)
+    ticks[0] = 0
+    one = local_sgd_steps(
+        program, opt, slices, dataset.get_batch, SlowdownController(), tick, 0.1, clock
+    )
+    assert (one.steps, one.num_samples) == (1, 8)  # at least one step
 
 
 def test_a_step_that_raises_leaves_the_round_parameters(
