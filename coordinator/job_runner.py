@@ -788,10 +788,25 @@ class JobRunner:
         self._time_boxes = {}
         batches, best_effort = self._plan_batches(nodes)
         h = self.inner_steps
-        boxes = self._time_boxes if self.time_boxed else {}
-        # Time-boxed: ranges for more steps than planned (a node faster than its estimate goes
-        # on stepping); the deadline is still sized on the planned H steps.
-        steps = {n: math.ceil(h * (1 + TIME_BOX_EXTRA_STEPS)) if n in boxes else h for n in batches}
+        steps = dict.fromkeys(batches, h)
+        boxes: dict[str, float] = {}
+        if self.time_boxed and self._time_boxes:
+            # Time-boxed: ranges for more steps than planned (a node faster than its estimate
+            # goes on stepping); the deadline is sized on the planned steps. The rounds left in
+            # the epoch are sized alike (no short tail round paying a whole round's
+            # communication for a few steps), and the epoch's last round is not boxed: it
+            # trains all that is left, so a slower-than-planned box leaves no tail behind.
+            per_step = sum(batches.values())
+            left = max(1, round(self.ledger.pending_count / (h * per_step)))
+            if left > 1:
+                scale = self.ledger.pending_count / (left * h * per_step)
+                h = max(1, round(h * scale))
+                extra = math.ceil(h * (1 + TIME_BOX_EXTRA_STEPS))
+                boxes = {n: t * h / self.inner_steps for n, t in self._time_boxes.items()}
+                steps = {n: extra if n in boxes else h for n in batches}
+            else:
+                h = steps_left = -(-self.ledger.pending_count // per_step) + 1
+                steps = dict.fromkeys(batches, steps_left)
         round_id = self.next_round
         self.next_round += 1
         plan = self.ledger.plan_round(round_id, {n: steps[n] * b for n, b in batches.items()})
@@ -804,7 +819,7 @@ class JobRunner:
             samples = sizes[node_id]
             # Sync: the node's batch is what the ledger gave. Local SGD: b_i per inner step,
             # the agent runs ceil(samples / b_i) steps (the last one possibly smaller).
-            local_batch = samples if h == 1 else max(1, batches[node_id])
+            local_batch = samples if self.inner_steps == 1 else max(1, batches[node_id])
             parts[node_id] = Part(
                 node_id=node_id,
                 task_id="t-" + uuid.uuid4().hex[:12],
