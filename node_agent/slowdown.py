@@ -2,7 +2,10 @@
 
 A step that computes for t seconds is followed by a sleep of (F - 1) * t, so a node with F = 4
 really delivers a quarter of the samples per second, whatever the machine's load, and the
-benchmark (which goes through the same controller) measures exactly that slowed speed.
+benchmark (which goes through the same controller) measures exactly that slowed speed. In a
+loop of steps (local SGD's inner steps) the host's own work between two steps (slicing the next
+batch, the loop) is taken off the sleep: an emulated device that is F times slower than a core
+hides it behind its compute, as an accelerator's asynchronous execution hides the host's work.
 
 The factor can change while the agent runs (the fault-tolerance tests make stragglers that way):
 write a number to the watch file (DATA_DIR/slowdown); the controller notices the change through
@@ -113,9 +116,15 @@ class SlowdownController:
         *,
         pay_back: bool = True,
         reference_seconds: float | None = None,
+        overlap_s: float = 0.0,
     ) -> T:
         """Run `fn`, then sleep so that it takes F times its compute time (wall time, or the
         process's CPU time after `measure_cpu_time`). Exceptions propagate, unpadded.
+
+        `overlap_s`: host-side time the caller spent since its previous step (slicing the
+        next batch, its loop) that the emulated device overlaps with its own compute, as an
+        accelerator's asynchronous execution hides the host's work: taken off the padding, so
+        a loop of steps takes F times their compute rather than that plus the loop.
 
         `reference_seconds`: the step's known warm compute time (the benchmark measures it). A
         step that computed slower than that (cold caches after the previous sleep) is charged
@@ -134,7 +143,7 @@ class SlowdownController:
                 compute,
                 factor,
                 pay_back=pay_back,
-                padding=max(0.0, factor * compute - elapsed),
+                padding=max(0.0, factor * compute - elapsed - overlap_s),
             )
             return result
         self.last_compute_seconds = elapsed
@@ -146,6 +155,13 @@ class SlowdownController:
                 factor,
                 pay_back=pay_back,
                 padding=max(0.0, target - elapsed),
+            )
+        elif overlap_s > 0:
+            self.pad(
+                elapsed,
+                factor,
+                pay_back=pay_back,
+                padding=max(0.0, (factor - 1.0) * elapsed - overlap_s),
             )
         else:
             self.pad(elapsed, factor, pay_back=pay_back)

@@ -234,7 +234,8 @@ def local_sgd_steps(
     end further past ``budget_s`` seconds of stepping than short of it (judged by the mean
     step so far), after at least one step; the update then covers the slices stepped (a
     prefix). The update's ``compute_s`` is the loop's wall time (the emulated device's padded
-    steps, batch views, the loop itself): what the coordinator plans rounds and time boxes on.
+    steps, batch views, the loop itself, which a slowed device's padding absorbs): what the
+    coordinator plans rounds and time boxes on.
 
     The program's parameters are back at their start values afterwards (also when a step
     raises); the optimizer's state keeps what the steps put into it.
@@ -245,7 +246,7 @@ def local_sgd_steps(
     total_loss = 0.0
     samples = 0
     steps = 0
-    began = clock()
+    began = last_end = clock()
     try:
         for k, (idx, (inputs, targets)) in enumerate(
             zip(slices, prefetched_batches(slices, get_batch), strict=False)
@@ -268,7 +269,10 @@ def local_sgd_steps(
                     p.grad = None
                 return loss
 
-            loss = slowdown.timed_step(step)
+            # The loop's own time since the last step (batch views, this code) runs on the host
+            # while the emulated device computes: the step's padding absorbs it.
+            loss = slowdown.timed_step(step, overlap_s=clock() - last_end)
+            last_end = clock()
             if not math.isfinite(loss):
                 raise ValueError(f"inner step {k} gave a non-finite loss ({loss})")
             total_loss += loss * len(idx)

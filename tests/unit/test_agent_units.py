@@ -132,6 +132,22 @@ def test_slowdown_pads_each_step_by_factor_minus_one() -> None:
     assert s.padding_seconds == pytest.approx(1.5)
 
 
+def test_slowdown_absorbs_the_host_time_between_steps() -> None:
+    t = FakeTime()
+    s = SlowdownController(4.0, sleep=t.sleep, clock=t.clock)
+    start = t.now
+    for _ in range(5):
+        t.work(0.2)  # the loop's own work between steps (batch slicing)
+        s.timed_step(lambda: t.work(0.5), overlap_s=0.2)
+    # The device's 4 x 0.5 s per step hides the 0.2 s of host work: 2 s a step, not 2.2 s.
+    assert t.now - start == pytest.approx(5 * 2.0)
+    assert t.sleeps == [pytest.approx(1.3)] * 5
+    # Host work longer than the padding is not hidden: the step takes that long, no sleep.
+    t.work(2.0)
+    s.timed_step(lambda: t.work(0.5), overlap_s=2.0)
+    assert t.sleeps[-1] == pytest.approx(1.3) and len(t.sleeps) == 5
+
+
 def test_slowdown_pays_back_late_wakeups() -> None:
     t = FakeTime()
     late = 0.05
