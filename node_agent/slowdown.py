@@ -74,6 +74,9 @@ class SlowdownController:
         self.steps = 0
         self.compute_seconds = 0.0
         self.padding_seconds = 0.0
+        # Wall time beyond F x compute that no padding absorbed: late wake-ups past the one
+        # step's padding that is paid back (a long pause is not paid back on purpose).
+        self.unpaid_seconds = 0.0
         if watch_file is not None:
             self._write_watch_file(self._factor)
 
@@ -196,7 +199,9 @@ class SlowdownController:
         with self._lock:
             if wanted > 0 and pay_back:
                 # Carry at most one step's padding over: a long pause is not paid back.
-                self._overslept = min(max(0.0, debt + slept - wanted), wanted)
+                over = max(0.0, debt + slept - wanted)
+                self._overslept = min(over, wanted)
+                self.unpaid_seconds += over - self._overslept
             self.steps += 1
             self.compute_seconds += max(0.0, compute_seconds)
             self.padding_seconds += slept

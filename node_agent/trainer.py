@@ -486,6 +486,7 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     await ensure_params(ctx, job, task)
     pulled = time.monotonic()
     cpu0, slept0 = ctx.slowdown.compute_seconds, ctx.slowdown.padding_seconds
+    unpaid0 = ctx.slowdown.unpaid_seconds
     ctx.check_cancelled()
     due = ctx.deadline
     if due is not None and time.monotonic() > due:
@@ -534,7 +535,7 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
         ctx.log.info(
             "round %d: %s of %d samples in %d step(s), loss %.4f, %d bytes (%s), "
             "compute %.3fs, total %.3fs (load %.3f, params %.3f, steps %.3f [cpu %.3f, "
-            "slowdown sleep %.3f], encode %.3f, push %.3f)",
+            "slowdown sleep %.3f, late wake-ups not paid back %.3f], encode %.3f, push %.3f)",
             task.round,
             update.kind,
             update.num_samples,
@@ -549,6 +550,7 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
             computed - pulled,
             ctx.slowdown.compute_seconds - cpu0,
             ctx.slowdown.padding_seconds - slept0,
+            ctx.slowdown.unpaid_seconds - unpaid0,
             encoded - computed,
             done - encoded,
         )
