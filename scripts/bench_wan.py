@@ -38,7 +38,10 @@ clock starts when its first round starts (enrolment, benchmarks and blob downloa
     (for (b) the wall time of the inner loop: the emulated device's steps, each padded to F x
     its CPU time, with the batch slicing between them; for (a) the step's device time): what
     is not compute is pulling parameters, pushing the update, and waiting for the round to
-    close; utilisation_after_round_1: the same over every round but the first (which
+    close; device_utilisation (b only): the same with only the emulated devices' own compute
+    (F x the steps' CPU time, from the agents' logs) counted, which leaves out the host's work
+    between steps and steps that waited for one of the two shared cores longer than a device's
+    padding hides; utilisation_after_round_1: the same over every round but the first (which
     includes loading the program and first-round deadlines), (b) running --extra-rounds more
     rounds after the target for it;
   - bytes_up_per_sample / bytes_down_per_sample: bytes the relays carried agent->coordinator /
@@ -79,6 +82,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -509,6 +513,33 @@ def figures(run: Run, sampler: ByteSampler) -> dict[str, Any]:
     return out
 
 
+# An agent's round line (node_agent/trainer.py): "round N: pseudo_gradient of ... [cpu C, ...".
+AGENT_ROUND = re.compile(r"round (\d+): pseudo_gradient of \d+ samples .*?\[cpu ([0-9.]+),")
+
+
+def device_utilisation(
+    work: Path, recs: list[common_pb2.RoundRecord], factor: float
+) -> float | None:
+    """(b)'s utilisation counting only the emulated devices' own compute, F x the CPU time of
+    the steps (what the agents log per round), over the same rounds as `utilisation`: it
+    leaves out the host's work between steps and the steps that waited for one of the shared
+    cores longer than a device's padding hides (an artifact of three emulated devices on this
+    host's cores). None when the agents' logs do not cover those rounds."""
+    rounds = {r.round for r in recs}
+    device = 0.0
+    seen = 0
+    for log_file in sorted(work.glob("agent-*.log")):
+        for m in AGENT_ROUND.finditer(log_file.read_text(errors="replace")):
+            if int(m.group(1)) in rounds:
+                device += factor * float(m.group(2))
+                seen += 1
+    applied = sum(1 for r in recs for p in r.parts if p.status in ("", "applied"))
+    wall = (recs[-1].finished_ms - recs[0].started_ms) / 1000.0
+    if seen != applied or wall <= 0:
+        return None
+    return round(device / (wall * NODES), 3)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bandwidth", type=parse_bandwidth, default=100e6, help="per link")
@@ -565,6 +596,11 @@ def main() -> int:
     try:
         for run, sampler in run_all(work, [modes[k] for k in chosen], args):
             results[run.mode.name] = figures(run, sampler)
+            if run.mode.sync == "local_sgd" and run.records:
+                end = run.target_index if run.target_index is not None else len(run.records) - 1
+                results[run.mode.name]["device_utilisation"] = device_utilisation(
+                    work, run.records[: end + 1], args.slowdown
+                )
             log.info("%s: %s", run.mode.name, json.dumps(results[run.mode.name]))
     except grpc.RpcError as exc:
         log.error("coordinator call failed: %s", exc)
