@@ -15,18 +15,25 @@ A round:
      node runs the same H inner steps of b_i samples, so it gets H*b_i samples (fewer at an
      epoch's end), b_i is planned on each node's per-step time (fixed + per-sample part, see
      coordinator/throughput.py) so that the H steps take every node the same time, and the
-     estimates and deadline work in samples. A part's sample ranges (tens of thousands of
-     index runs in a big local SGD round) stay in numpy and reach the Task and the round
-     record as encoded wire bytes, which keeps the event loop free;
+     estimates and deadline work in samples. On the parameter server local SGD rounds are
+     time-boxed (``time_boxed``): each node gets a box (the latest planned end of the round's
+     awaited nodes minus its own communication) and ranges for 1.25 times the steps the box
+     is sized for; it steps until the box runs out and pushes the prefix it trained, so a node
+     faster than its estimate trains more and nobody waits for a slower one. The rounds left in
+     an epoch are sized alike, and an epoch's last round is not boxed (it trains what is left,
+     so no short tail round follows a box that ended early). A part's sample ranges (tens of
+     thousands of index runs in a big local SGD round) stay in numpy and reach the Task and the
+     round record as encoded wire bytes, which keeps the event loop free;
   3. wait until every node has pushed its gradient or failed, the deadline passes, or a node
      falls silent (no heartbeat for SILENCE_HEARTBEATS intervals: killed, cut off, hung); a
      deadline that passes before any node delivered is extended (at most twice): the estimates
      were wrong for everyone, e.g. in a first round;
   4. apply: sample-weighted mean of the received gradients (local SGD: pseudo-gradients,
      start - end of the inner steps), one step of the round optimizer (the spec's, or local
-     SGD's outer Nesterov SGD); slices of applied nodes commit, the others return to pending in
-     the same epoch. Updates arrive compressed with the spec's codec (exactly that one for
-     every floating tensor, else INVALID_ARGUMENT and a strike);
+     SGD's outer Nesterov SGD); slices of applied nodes commit (a time-boxed part: the prefix
+     it trained, the rest back to the head of its node's segment), the others return to
+     pending in the same epoch. Updates arrive compressed with the spec's codec (exactly that
+     one for every floating tensor, else INVALID_ARGUMENT and a strike);
   5. record the round in one store transaction; every K rounds and at an epoch's end a
      checkpoint: its state is copied at once and written in the background while the next
      round runs (checkpoints in order; a ring job writes its checkpoint in line).
@@ -761,7 +768,9 @@ class JobRunner:
         slow = {n for n in nodes if fluid[n] < 1 and round_s(n) > limit}
         slow = slow if len(slow) < len(nodes) else set()
         # The time box: every awaited node's planned round ends at the same moment, the latest
-        # of their planned ends; a node's box is that minus its own communication.
+        # of their planned ends; a node's box is that minus its own communication. (Planned
+        # on the planning rates: a node not yet observed is known by its job benchmark, which
+        # times the device's fastest steps; its discount makes up for that.)
         end = max((round_s(n) for n in nodes if n not in slow), default=0.0)
         self._time_boxes = {
             n: max(end - self.estimator.comm_estimate(n), 1e-3) for n in nodes if end > 0
@@ -809,6 +818,15 @@ class JobRunner:
                 steps = dict.fromkeys(batches, steps_left)
         round_id = self.next_round
         self.next_round += 1
+        if boxes:
+            log.info(
+                "job %s round %d: time boxes %s for about %d steps of b_i %s",
+                self.job_id,
+                round_id,
+                {n: round(t, 3) for n, t in boxes.items()},
+                h,
+                batches,
+            )
         plan = self.ledger.plan_round(round_id, {n: steps[n] * b for n, b in batches.items()})
         sizes = {n: sum(b - a for a, b in rs) for n, rs in plan.items()}
         planned = {n: min(c, h * batches[n]) for n, c in sizes.items()}

@@ -30,7 +30,9 @@ one state:
 - COMMITTED, by :meth:`EpochLedger.commit_round` for the nodes whose update was applied.
 
 Assigned slices of nodes that were not applied (late, failed, rejected) go back to PENDING
-in the same epoch, so they are trained in a later round of it. Once every position is
+in the same epoch, so they are trained in a later round of it. A node that trained only the
+head of its slice (a time-boxed local SGD round) commits that head; the rest of the slice goes
+back to PENDING at the head of its own segment. Once every position is
 committed the epoch is complete: every sample exactly once, whatever failed.
 
 Segments

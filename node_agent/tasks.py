@@ -304,7 +304,8 @@ def program_step_factory(
     loaded: list[Any] | None = None,
 ) -> StepFactory:
     """Load the job's exported program and its shards; `make_step(b)` then computes the loss
-    and gradients of b samples drawn (cyclically) from the shards, as a TRAIN round would.
+    and gradients of b samples drawn (cyclically) from the shards, as a TRAIN round would (in a
+    local SGD job also an optimizer step, at learning rate 0).
     `loaded` (a list) receives (program, dataset), for the trainer to keep."""
     from epochmesh.dataset import ShardedDataset
     from epochmesh.program import TrainableProgram
@@ -321,6 +322,19 @@ def program_step_factory(
     available = [i for start, stop in dataset.ranges for i in range(start, stop)]
     if loaded is not None:
         loaded[:] = [prog, dataset]
+    # Local SGD: a round's inner step also runs the node's optimizer; so does the benchmark's
+    # step, with a learning rate of 0 (same arithmetic, parameters unchanged: the program is
+    # kept for training).
+    inner: torch.optim.Optimizer | None = None
+    if task.spec.sync == "local_sgd":
+        from epochmesh.optim import build_optimizer
+
+        frozen = common_pb2.JobSpec()
+        frozen.CopyFrom(task.spec)
+        frozen.lr = 0.0
+        inner = build_optimizer(frozen, prog.parameters())
+    params = prog.parameters()
+    names = prog.param_names
 
     def make_step(batch_size: int) -> Callable[[], None]:
         indices = [available[i % len(available)] for i in range(batch_size)]
@@ -329,7 +343,14 @@ def program_step_factory(
         targets = [t.to(dev) for t in targets]
 
         def step() -> None:
-            prog.loss_and_grads(inputs, targets)
+            _, grads = prog.loss_and_grads(inputs, targets)
+            if inner is not None:
+                for name, p in zip(names, params, strict=True):
+                    g = grads[name]
+                    p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+                inner.step()
+                for p in params:
+                    p.grad = None
             synchronize(dev)
 
         return step
