@@ -810,9 +810,22 @@ class JobRunner:
             if left > 1:
                 scale = self.ledger.pending_count / (left * h * per_step)
                 h = max(1, round(h * scale))
-                extra = math.ceil(h * (1 + TIME_BOX_EXTRA_STEPS))
                 boxes = {n: t * h / self.inner_steps for n, t in self._time_boxes.items()}
-                steps = {n: extra if n in boxes else h for n in batches}
+                # A node not yet observed is planned at a discount of its benchmark: should the
+                # benchmark be right, its box holds that many times more steps than planned;
+                # its ranges cover them (a node that runs out of ranges before its box ends
+                # idles until the round closes).
+                steps = {
+                    n: math.ceil(
+                        h
+                        * (1 + TIME_BOX_EXTRA_STEPS)
+                        * self.estimator.estimate(n)
+                        / self.estimator.planning_rate(n)
+                    )
+                    if n in boxes
+                    else h
+                    for n in batches
+                }
             else:
                 h = steps_left = -(-self.ledger.pending_count // per_step) + 1
                 steps = dict.fromkeys(batches, steps_left)
