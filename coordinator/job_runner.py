@@ -92,9 +92,9 @@ TERMINAL = (JS.JOB_STATE_SUCCEEDED, JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED)
 MAX_CONSECUTIVE_FAILURES = 3
 # A round whose deadline passes before any node delivered waits at most this many times longer.
 MAX_DEADLINE_EXTENSIONS = 2
-# Time-boxed local SGD rounds (parameter server): each node gets the ranges for this many
-# times the H steps planned, and a time box; a node faster than its estimate runs more steps
-# in the box, a slower one fewer, and nobody waits for the others (see _plan_parts).
+# Time-boxed local SGD rounds (parameter server): each node gets a time box and ranges for
+# this much more than the steps the box is sized for; a node faster than its estimate runs more
+# steps in the box, a slower one fewer, and nobody waits for the others (see _plan_parts).
 TIME_BOX_EXTRA_STEPS = 0.25
 # Benchmark tasks get this long, plus the node's lease, before they are asked again.
 BENCHMARK_TIMEOUT_S = 120.0
