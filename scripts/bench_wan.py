@@ -63,11 +63,12 @@ rounds. What a round of (b) costs besides compute (the agents log it per round: 
 update ... after the hand-out"): the parameter pull, 2 MB fp32 through the 100 Mbit/s link,
 ~0.22 s; the int8 push (0.5 MB), ~0.10 s; task hand-out and the coordinator's turn-around,
 ~0.05 s. Nodes no longer wait for each other: the time box ends every node's steps together
-(round 1's box is sized on the job benchmarks, which flatter the steps: the nodes run ~650 of
-the 700 steps in it, and the epoch's last round trains the rest). Measured (load 1.2 -> 1.0):
-utilisation 0.933 for (b) (0.931 after round 1), 13.9 s to the target against 172.8 s for (a),
-a 12.4x speed-up; without time boxes (rounds of exactly H steps, planned on the per-step
-times) it was 0.84 (round 1 0.81: the benchmarks of identical agents 5-10 % apart).
+(round 1's box is sized on the job benchmarks, so round 1 runs anywhere from ~450 to ~1100
+steps, and the epoch's last round trains the rest). Measured (load 0.6 -> 0.7): utilisation
+0.931 for (b) (device_utilisation 0.901, 0.918 after round 1), 14.7 s to the target against
+163.2 s for (a), an 11.1x speed-up; without time boxes (rounds of exactly H steps, planned on
+the per-step times) it was 0.84 (round 1 0.81: the benchmarks of identical agents 5-10 %
+apart).
 
 About 4-5 minutes:
 
