@@ -5,6 +5,8 @@ meaning of every field (in local_sgd mode this is the inner optimizer);
 `build_outer_optimizer(spec, params)` gives local SGD's outer optimizer (SGD with Nesterov
 momentum over pseudo-gradients).
 
+`optimizer_step(opt, params, names, grads)` runs one step with gradients given by name.
+
 `optimizer_state_tensors(opt, names)` flattens an optimizer's per-parameter state into tensors
 named "<state key>/<parameter name>", e.g. "momentum_buffer/fc.weight", "exp_avg/fc.weight",
 "exp_avg_sq/fc.weight", "step/fc.weight"; `load_optimizer_state_tensors(opt, names, tensors)`
@@ -20,6 +22,22 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from epochmesh.v1 import common_pb2
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    grads: Mapping[str, torch.Tensor],
+) -> None:
+    """One step of `optimizer` with `grads[names[i]]` as the gradient of `params[i]` (cast to
+    the parameter's dtype); the gradients are cleared again afterwards."""
+    for name, p in zip(names, params, strict=True):
+        g = grads[name]
+        p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+    optimizer.step()
+    for p in params:
+        p.grad = None
 
 
 def build_optimizer(

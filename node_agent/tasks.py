@@ -74,6 +74,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from epochmesh.optim import build_optimizer, optimizer_step
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.benchmark import (
     JOB_PLAN,
@@ -327,8 +328,6 @@ def program_step_factory(
     # kept for training).
     inner: torch.optim.Optimizer | None = None
     if task.spec.sync == "local_sgd":
-        from epochmesh.optim import build_optimizer
-
         frozen = common_pb2.JobSpec()
         frozen.CopyFrom(task.spec)
         frozen.lr = 0.0
@@ -345,12 +344,7 @@ def program_step_factory(
         def step() -> None:
             _, grads = prog.loss_and_grads(inputs, targets)
             if inner is not None:
-                for name, p in zip(names, params, strict=True):
-                    g = grads[name]
-                    p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-                inner.step()
-                for p in params:
-                    p.grad = None
+                optimizer_step(inner, params, names, grads)
             synchronize(dev)
 
         return step

@@ -36,7 +36,7 @@ import torch
 
 from epochmesh.compression import ErrorFeedback
 from epochmesh.dataset import ShardedDataset, ranges_to_indices
-from epochmesh.optim import build_optimizer
+from epochmesh.optim import build_optimizer, optimizer_step
 from epochmesh.program import TrainableProgram
 from epochmesh.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, common_pb2
@@ -261,12 +261,7 @@ def local_sgd_steps(
                 inputs: list[torch.Tensor] = inputs, targets: list[torch.Tensor] = targets
             ) -> float:
                 loss, grads = program.loss_and_grads(inputs, targets)
-                for name, p in zip(names, params, strict=True):
-                    g = grads[name]
-                    p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-                optimizer.step()
-                for p in params:
-                    p.grad = None
+                optimizer_step(optimizer, params, names, grads)
                 return loss
 
             # The loop's own time since the last step (batch views, this code) runs on the host
