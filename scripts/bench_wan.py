@@ -16,10 +16,10 @@ the same agents, and one job trained twice, one run after the other:
 
 The job: an MLP 128-640-640-10 (0.5 M parameters, 2.0 MB in fp32) regressing (MSE) a small
 random tanh teacher network on 2 H x 96 Gaussian samples (see `dataset`; two rounds of (b) an
-epoch: a time-boxed one and the epoch's last, which trains what the first left). Its loss sits on a
-plateau near 0.2, then falls steadily for hundreds of steps with little batch-to-batch noise,
-so "the first round at or below the target" marks real progress in both runs (a noisy task
-lets the synchronous run cross a target by chance).
+epoch: a time-boxed one and the epoch's last, which trains what the first left). Its loss sits
+on a plateau near 0.2, then falls steadily for hundreds of steps with little batch-to-batch
+noise, so "the first round at or below the target" marks real progress in both runs (a noisy
+task lets the synchronous run cross a target by chance).
 
 Every agent emulates a device `--slowdown` (default 2) times slower than one core of this
 machine: compute is the agent's CPU time x F (node_agent/slowdown.py), so the three devices
