@@ -775,6 +775,13 @@ class JobRunner:
         self._time_boxes = {
             n: max(end - self.estimator.comm_estimate(n), 1e-3) for n in nodes if end > 0
         }
+        # Rounds whose compute is shorter than their communication are not boxed: waiting for
+        # a slower node costs little there, and a box of a few milliseconds (a small model) is
+        # at the mercy of timer and scheduling noise (measured: first rounds of one step).
+        awaited = [n for n in nodes if n not in slow] or nodes
+        compute = max(h * models[n].step_seconds(batches[n]) for n in awaited)
+        if compute < max(self.estimator.comm_estimate(n) for n in awaited):
+            self._time_boxes = {}
         return batches, slow
 
     @property
