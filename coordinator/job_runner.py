@@ -21,7 +21,8 @@ A round:
      is sized for; it steps until the box runs out and pushes the prefix it trained, so a node
      faster than its estimate trains more and nobody waits for a slower one. The rounds left in
      an epoch are sized alike, and an epoch's last round is not boxed (it trains what is left,
-     so no short tail round follows a box that ended early). A part's sample ranges (tens of
+     so no short tail round follows a box that ended early); nor is a round that computes for
+     less time than it communicates (millisecond boxes are timer noise, and waiting is cheap). A part's sample ranges (tens of
      thousands of index runs in a big local SGD round) stay in numpy and reach the Task and the
      round record as encoded wire bytes, which keeps the event loop free;
   3. wait until every node has pushed its gradient or failed, the deadline passes, or a node
