@@ -12,6 +12,10 @@
   global batch and inner optimizer, on the same cluster) by at most 10% of the initial loss.
 - sync + topk (ratio 0.1, error feedback on the agents): top-k gradients on the wire,
   exactly once per epoch, and the loss falls.
+- a local SGD job whose rounds compute far longer than they communicate (H = 512): its rounds
+  are time-boxed (parts run other step counts than H, the recorded ranges are the steps run)
+  and the epoch is still covered exactly once. (The jobs above compute for less time than they
+  communicate over the relays: not boxed.)
 """
 
 from __future__ import annotations
@@ -309,3 +313,56 @@ def test_sync_topk_with_error_feedback_trains(
     losses = round_losses(rounds)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
     assert dataset_loss(trained) < 0.7 * dataset_loss(None)
+
+
+# A job whose rounds compute far longer than they communicate: time-boxed.
+BOXED_N = 16384
+BOXED_BATCH = 8
+BOXED_H = 512  # ~0.3-1 s of steps a round against ~0.1 s of transfers over the relays
+
+
+@pytest.mark.timeout(240)
+def test_long_local_sgd_rounds_are_time_boxed_and_exactly_once(
+    cluster: tuple[str, list[AgentProc]], tmp_path: Path
+) -> None:
+    address, _ = cluster
+    overrides = {
+        "name": "diloco-boxed",
+        "train": {
+            "epochs": 1,
+            "global_batch": BOXED_BATCH,
+            "lr": 0.05,
+            "momentum": 0.9,
+            "seed": TRAIN_SEED,
+            "sync": "local_sgd",
+            "inner_steps": BOXED_H,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.5,
+        },
+        "cluster": {"min_nodes": len(SLOWDOWNS), "max_nodes": len(SLOWDOWNS)},
+    }
+    job_id = submit(address, write_mlp_job(tmp_path / "job", BOXED_N, overrides=overrides))
+
+    def done() -> bool:
+        out = cli(address, "status", job_id, "--output", "json")
+        job = json.loads(out.stdout)
+        assert job["state"] not in ("failed", "cancelled"), job
+        return job["state"] == "succeeded"
+
+    wait_until(done, timeout=180, interval=0.3, message="the boxed job did not finish")
+    rounds = load_rounds(address, job_id)
+    seen = [i for rnd in rounds for p in applied_parts(rnd) for i in indices(p)]
+    assert sorted(seen) == list(range(BOXED_N)), "the epoch is not covered exactly once"
+    applied = [rnd for rnd in rounds if applied_parts(rnd)]
+    assert len(applied) >= 3, [len(applied_parts(r)) for r in rounds]
+    steps = []
+    for rnd in applied[:-1]:  # the epoch's last round is not boxed
+        for p in applied_parts(rnd):
+            n, b = len(indices(p)), p["local_batch"]
+            # The recorded ranges are the steps the node ran (a box ends after a whole step).
+            assert p["inner_steps"] == math.ceil(n / b), p
+            steps.append(p["inner_steps"])
+    # Without boxes every part of these rounds would run exactly H steps; in a box a node runs
+    # as many as fit (the three nodes, two of them alike, never all land on H every round).
+    assert any(k != BOXED_H for k in steps), steps
+    assert all(1 <= k <= 2 * BOXED_H for k in steps), steps
