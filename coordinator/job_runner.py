@@ -296,7 +296,6 @@ class JobRunner:
         self._wake = asyncio.Event()
         self._checkpoint_task: asyncio.Task[None] | None = None  # see _checkpoint_soon
         self._overhead_s = 0.0
-        self._time_boxes: dict[str, float] = {}  # node -> seconds of stepping, last plan
         self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
         # Late parts of recent rounds (task -> node, samples): an update that still comes tells
         # how fast the node really was; such figures wait here for the next round's planning.
@@ -715,8 +714,9 @@ class JobRunner:
 
     # -- rounds ---------------------------------------------------------------------------------
 
-    def _plan_batches(self, nodes: list[str]) -> tuple[dict[str, int], set[str]]:
-        """b_i of each node, and the best-effort nodes.
+    def _plan_batches(self, nodes: list[str]) -> tuple[dict[str, int], set[str], dict[str, float]]:
+        """b_i of each node, the best-effort nodes, and the nodes' time boxes for H steps
+        (local SGD only, see :meth:`_plan_local_sgd_batches`; else empty).
 
         b_i is in proportion to each node's planning rate (largest remainder).
         Best-effort nodes are those whose proportional share is below one sample: split_batch
@@ -741,11 +741,11 @@ class JobRunner:
         fluid = quotas(batch, rates, caps)
         slow = {n for n in nodes if fluid[n] < 1}
         batches = split_batch(batch, rates, caps)
-        return batches, (slow if len(slow) < len(nodes) else set())
+        return batches, (slow if len(slow) < len(nodes) else set()), {}
 
     def _plan_local_sgd_batches(
         self, nodes: list[str], batch: int, caps: dict[str, int]
-    ) -> tuple[dict[str, int], set[str]]:
+    ) -> tuple[dict[str, int], set[str], dict[str, float]]:
         """Local SGD: b_i from each node's per-step time ``a_i + b * c_i`` (see
         coordinator/throughput.py), so that every node's H inner steps take the same time
         (min_time rounding: the slowest finisher sets the round's pace).
@@ -768,22 +768,20 @@ class JobRunner:
         limit = MIN_SLACK * max(full) if full else math.inf
         slow = {n for n in nodes if fluid[n] < 1 and round_s(n) > limit}
         slow = slow if len(slow) < len(nodes) else set()
-        # The time box: every awaited node's planned round ends at the same moment, the latest
-        # of their planned ends; a node's box is that minus its own communication. (Planned
-        # on the planning rates: a node not yet observed is known by its job benchmark, which
-        # times the device's fastest steps; its discount makes up for that.)
-        end = max((round_s(n) for n in nodes if n not in slow), default=0.0)
-        self._time_boxes = {
-            n: max(end - self.estimator.comm_estimate(n), 1e-3) for n in nodes if end > 0
-        }
         # Rounds whose compute is shorter than their communication are not boxed: waiting for
         # a slower node costs little there, and a box of a few milliseconds (a small model) is
         # at the mercy of timer and scheduling noise (measured: first rounds of one step).
         awaited = [n for n in nodes if n not in slow] or nodes
         compute = max(h * models[n].step_seconds(batches[n]) for n in awaited)
         if compute < max(self.estimator.comm_estimate(n) for n in awaited):
-            self._time_boxes = {}
-        return batches, slow
+            return batches, slow, {}
+        # The time box: every awaited node's planned round ends at the same moment, the latest
+        # of their planned ends; a node's box is that minus its own communication. (Planned
+        # on the planning rates: a node not yet observed is known by its job benchmark, which
+        # times the device's fastest steps; its discount makes up for that.)
+        end = max(round_s(n) for n in awaited)
+        boxes = {n: max(end - self.estimator.comm_estimate(n), 1e-3) for n in nodes}
+        return batches, slow, boxes
 
     @property
     def time_boxed(self) -> bool:
@@ -802,12 +800,11 @@ class JobRunner:
         in samples from the estimates. Returns (round number, parts by node, deadline)."""
         self._observe_late_figures()
         self.ledger.rebalance(self.estimator.rates(nodes))
-        self._time_boxes = {}
-        batches, best_effort = self._plan_batches(nodes)
+        batches, best_effort, planned_boxes = self._plan_batches(nodes)
         h = self.inner_steps
         steps = dict.fromkeys(batches, h)
         boxes: dict[str, float] = {}
-        if self.time_boxed and self._time_boxes:
+        if self.time_boxed and planned_boxes:
             # Time-boxed: ranges for more steps than planned (a node faster than its estimate
             # goes on stepping); the deadline is sized on the planned steps. The rounds left in
             # the epoch are sized alike (no short tail round paying a whole round's
@@ -818,7 +815,7 @@ class JobRunner:
             if left > 1:
                 scale = self.ledger.pending_count / (left * h * per_step)
                 h = max(1, round(h * scale))
-                boxes = {n: t * h / self.inner_steps for n, t in self._time_boxes.items()}
+                boxes = {n: t * h / self.inner_steps for n, t in planned_boxes.items()}
                 # A node not yet observed is planned at a discount of its benchmark: should the
                 # benchmark be right, its box holds that many times more steps than planned;
                 # its ranges cover them (a node that runs out of ranges before its box ends
