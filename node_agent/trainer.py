@@ -300,8 +300,9 @@ def inner_optimizer(job: LoadedJob, spec: common_pb2.JobSpec) -> torch.optim.Opt
     return job.inner_optimizer
 
 
-async def compute_update(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
-    """The task's update from the parameters the job holds now (see the module docstring)."""
+def update_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
+    """The task's update from the parameters the job holds now (see the module docstring);
+    runs on the compute thread."""
     indices = ranges_to_indices(task.ranges)
     spec = task.spec
     if not is_local_sgd(spec):
@@ -309,18 +310,12 @@ async def compute_update(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task)
             raise ValueError(
                 f"task names {len(indices)} samples but local_batch {task.local_batch}"
             )
-
-        def compute_gradient() -> ComputedUpdate:
-            batch = job.dataset.get_batch(indices)
-            return gradient_step(job.program, batch, ctx.slowdown)
-
-        return await ctx.run_compute(compute_gradient)
+        return gradient_step(job.program, job.dataset.get_batch(indices), ctx.slowdown)
 
     slices = inner_step_slices(indices, task.local_batch, task.inner_steps or spec.inner_steps)
     opt = inner_optimizer(job, spec)
     try:
-        return await ctx.run_compute(
-            local_sgd_steps,
+        return local_sgd_steps(
             job.program,
             opt,
             slices,
@@ -335,6 +330,11 @@ async def compute_update(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task)
         # starts with a fresh inner optimizer.
         job.inner_optimizer = None
         raise
+
+
+async def compute_update(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
+    """:func:`update_in_thread` on the compute thread."""
+    return await ctx.run_compute(update_in_thread, ctx, job, task)
 
 
 # -- compression --------------------------------------------------------------------------------
@@ -455,48 +455,76 @@ async def ensure_params(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) 
     if task.state_source_node_id:
         await _fetch_state_from_peer(ctx, job, task)
     elif task.HasField("params_bundle"):
-        await _set_inline_parameters(ctx, job, task)
+        await ctx.run_compute(set_inline_parameters, job, task)
     else:
         await _pull_parameters(ctx, job, task)
 
 
-async def _set_inline_parameters(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> None:
+def set_inline_parameters(job: LoadedJob, task: agent_pb2.Task) -> None:
     """The task carries its parameters (a small model): check and load them."""
-
-    def load() -> None:
-        params = decode_bundle(task.params_bundle, task.params_data, job.expected)
-        job.program.set_parameters(params)
-
-    await ctx.run_compute(load)
+    params = decode_bundle(task.params_bundle, task.params_data, job.expected)
+    job.program.set_parameters(params)
     job.version = task.params_version
 
 
 # -- parameter-server rounds --------------------------------------------------------------------
 
 
+@dataclass
+class RoundWork:
+    """What a round's compute thread produced, with the time each phase took."""
+
+    update: ComputedUpdate
+    bundle: common_pb2.TensorBundle
+    payload: bytes
+    # The error feedback's residuals before this update (restored if it is not applied).
+    saved_residuals: dict[str, torch.Tensor] | None
+    params_s: float
+    steps_s: float
+    encode_s: float
+
+
+def round_in_thread(
+    ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task, ef: ErrorFeedback | None
+) -> RoundWork:
+    """One parameter-server round on the compute thread, in one go (no hand-offs between the
+    phases: on a busy host each costs a wake-up of another thread): load inline parameters
+    (when the task carries the version the job lacks), compute the update, encode it."""
+    t0 = time.monotonic()
+    if job.version != task.params_version:
+        set_inline_parameters(job, task)
+    t1 = time.monotonic()
+    ctx.check_cancelled()
+    due = ctx.deadline
+    if due is not None and t1 > due:
+        # The round closed without this part (the agent was busy or cut off): computing it now
+        # would only delay the next task. The coordinator has returned its samples to pending.
+        raise Expired(f"the round's {task.deadline_seconds:.2f}s deadline passed before compute")
+    update = update_in_thread(ctx, job, task)
+    t2 = time.monotonic()
+    ctx.check_cancelled()
+    # Residuals are replaced (never modified in place) by compress(): a shallow copy is a
+    # snapshot to go back to when the update is not applied (its samples are trained again).
+    saved = ef.state_tensors() if ef is not None else None
+    bundle, payload = encode_update(update, task.spec, ef)
+    return RoundWork(update, bundle, payload, saved, t1 - t0, t2 - t1, time.monotonic() - t2)
+
+
 async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     started = time.monotonic()
     job = await load_for_task(ctx, task)
     loaded = time.monotonic()
-    await ensure_params(ctx, job, task)
-    pulled = time.monotonic()
+    if job.version != task.params_version and not (
+        task.HasField("params_bundle") and not task.state_source_node_id
+    ):
+        await ensure_params(ctx, job, task)  # from a peer or the coordinator
+    fetched = time.monotonic() - loaded
     cpu0, slept0 = ctx.slowdown.compute_seconds, ctx.slowdown.padding_seconds
     unpaid0 = ctx.slowdown.unpaid_seconds
     ctx.check_cancelled()
-    due = ctx.deadline
-    if due is not None and time.monotonic() > due:
-        # The round closed without this part (the agent was busy or cut off): computing it now
-        # would only delay the next task. The coordinator has returned its samples to pending.
-        raise Expired(f"the round's {task.deadline_seconds:.2f}s deadline passed before compute")
-    update = await compute_update(ctx, job, task)
-    computed = time.monotonic()
-    ctx.check_cancelled()
-
     ef = job_error_feedback(job, task.spec)
-    # Residuals are replaced (never modified in place) by compress(): a shallow copy is a
-    # snapshot to go back to when the update is not applied (its samples are trained again).
-    saved = ef.state_tensors() if ef is not None else None
-    bundle, payload = await ctx.run_compute(encode_update, update, task.spec, ef)
+    work = await ctx.run_compute(round_in_thread, ctx, job, task, ef)
+    update, bundle, payload, saved = work.update, work.bundle, work.payload, work.saved_residuals
     header = agent_pb2.UpdateHeader(
         node_id=ctx.node_id,
         lease_id=ctx.lease_id,
@@ -520,6 +548,7 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     accepted = False
     encoded = time.monotonic()
     try:
+        ctx.check_cancelled()
         response = await ctx.stub.PushUpdate(requests(), timeout=timeout)
         accepted = response.accepted
     finally:
@@ -541,12 +570,12 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
             update.compute_s,
             done - started,
             loaded - started,
-            pulled - loaded,
-            computed - pulled,
+            fetched + work.params_s,
+            work.steps_s,
             ctx.slowdown.compute_seconds - cpu0,
             ctx.slowdown.padding_seconds - slept0,
             ctx.slowdown.unpaid_seconds - unpaid0,
-            encoded - computed,
+            work.encode_s,
             done - encoded,
         )
     else:

@@ -460,7 +460,7 @@ class Agent:
             peer=self.peer,
         )
         self.current = ctx
-        self._wake_heartbeat.set()  # the coordinator hears the task id at once
+        pass  # EXPERIMENT self._wake_heartbeat.set()
         job = asyncio.create_task(dispatch_task(ctx), name=f"task-{task.task_id}")
         try:
             await self._until_drain(asyncio.shield(job))

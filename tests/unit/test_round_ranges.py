@@ -16,6 +16,7 @@ from coordinator.job_runner import (
     encode_ranges_field,
     head_of_runs,
     index_run_array,
+    touched_shards,
 )
 from coordinator.ledger import EpochLedger, index_runs
 from epochmesh.dataset import ranges_to_indices
@@ -89,3 +90,34 @@ def test_a_local_sgd_round_of_67200_shuffled_samples_is_cheap() -> None:
     assert sorted(seen.tolist()) == list(range(n))
     # Message objects took ~0.4 s here (index runs as tuples, then SampleRange messages).
     assert elapsed < 0.15, elapsed
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 50), min_size=1, max_size=30),
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 60)), max_size=20),
+)
+def test_touched_shards_are_the_shards_a_scan_finds(
+    counts: list[int], raw_runs: list[tuple[int, int]]
+) -> None:
+    starts = np.cumsum([0, *counts[:-1]]).astype(np.int64)
+    total = sum(counts)
+    runs = np.array(
+        [[a % total, min(total, a % total + n)] for a, n in raw_runs], dtype=np.int64
+    ).reshape(-1, 2)
+    scan = [
+        i
+        for i, (s, c) in enumerate(zip(starts.tolist(), counts, strict=True))
+        if bool(np.any((runs[:, 0] < s + c) & (runs[:, 1] > s)))
+    ]
+    assert touched_shards(starts, runs).tolist() == scan
+
+
+def test_touched_shards_of_a_round_on_a_large_dataset_take_little_time() -> None:
+    starts = np.arange(0, 1_000_000, 100, dtype=np.int64)  # 10 000 shards
+    rng = np.random.default_rng(0)
+    runs = index_run_array(rng.permutation(1_000_000)[:4096])
+    t0 = time.perf_counter()
+    got = touched_shards(starts, runs)
+    assert time.perf_counter() - t0 < 1.0
+    assert set(got.tolist()) == {i // 100 for a, b in runs.tolist() for i in range(a, b)}
