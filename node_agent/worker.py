@@ -460,7 +460,9 @@ class Agent:
             peer=self.peer,
         )
         self.current = ctx
-        pass  # EXPERIMENT self._wake_heartbeat.set()
+        # The next regular heartbeat names the task (no extra one per task: a round of a small
+        # model takes a fraction of a second, and one Heartbeat per node per round is a good
+        # part of the coordinator's work at the moment every node starts computing).
         job = asyncio.create_task(dispatch_task(ctx), name=f"task-{task.task_id}")
         try:
             await self._until_drain(asyncio.shield(job))
