@@ -487,7 +487,7 @@ class Engine:
             update.job.CopyFrom(job)
             if runner is not None:
                 update.allocation.CopyFrom(runner.allocation())
-            rounds = await self.ctx.store.list_rounds(req.job_id, since_round=since_round)
+            rounds = await self._list_rounds(req.job_id, since_round=since_round)
             update.rounds.extend(rounds)
             if rounds:
                 since_round = rounds[-1].round
@@ -551,10 +551,23 @@ class Engine:
         self, req: job_pb2.GetRoundsRequest, ctx: Ctx
     ) -> job_pb2.GetRoundsResponse:
         await self._job(req.job_id)
-        rounds = await self.ctx.store.list_rounds(
+        rounds = await self._list_rounds(
             req.job_id, since_round=req.since_round, limit=max(0, req.limit)
         )
         return job_pb2.GetRoundsResponse(rounds=rounds)
+
+    async def _list_rounds(
+        self, job_id: str, since_round: int = 0, limit: int = 0
+    ) -> list[common_pb2.RoundRecord]:
+        """The job's rounds after `since_round` (at most `limit`; 0: all): the stored ones, then
+        those closed whose records are still being written (newer than every stored one)."""
+        rounds = await self.ctx.store.list_rounds(job_id, since_round=since_round, limit=limit)
+        runner = self.runners.get(job_id)
+        if runner is not None and (limit <= 0 or len(rounds) < limit):
+            last = max([since_round, *(r.round for r in rounds)])
+            unwritten = [r for r in runner.unwritten_rounds() if r.round > last]
+            rounds.extend(unwritten[: limit - len(rounds)] if limit > 0 else unwritten)
+        return rounds
 
     # -- SchedulerService -----------------------------------------------------------------------
 

@@ -35,9 +35,11 @@ A round:
      it trained, the rest back to the head of its node's segment), the others return to
      pending in the same epoch. Updates arrive compressed with the spec's codec (exactly that
      one for every floating tensor, else INVALID_ARGUMENT and a strike);
-  5. record the round in one store transaction; every K rounds and at an epoch's end a
-     checkpoint: its state is copied at once and written in the background while the next
-     round runs (checkpoints in order; a ring job writes its checkpoint in line).
+  5. record the round in one store transaction, written in the background while the next
+     round runs (records in order; a checkpoint only after the records it covers); every K
+     rounds and at an epoch's end a checkpoint: its state is copied at once and written in
+     the background too (checkpoints in order; a ring job writes its records and
+     checkpoints in line).
 
 Faults:
   - a node whose lease ends (expiry, Leave, or a re-registration of the same id after a
@@ -136,10 +138,9 @@ def touched_shards(shard_starts: np.ndarray, runs: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     first = np.searchsorted(shard_starts, runs[:, 0], side="right") - 1
     last = np.searchsorted(shard_starts, runs[:, 1] - 1, side="right") - 1
-    marks = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(marks, np.clip(first, 0, n - 1), 1)
-    np.add.at(marks, np.clip(last, 0, n - 1) + 1, -1)
-    return np.flatnonzero(np.cumsum(marks[:n]) > 0)
+    opens = np.bincount(np.clip(first, 0, n - 1), minlength=n + 1)
+    closes = np.bincount(np.clip(last, 0, n - 1) + 1, minlength=n + 1)
+    return np.flatnonzero(np.cumsum(opens[:n] - closes[:n]) > 0)
 
 
 def _varints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -313,6 +314,8 @@ class JobRunner:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._checkpoint_task: asyncio.Task[None] | None = None  # see _checkpoint_soon
+        self._record_task: asyncio.Task[None] | None = None  # see _close_round
+        self._unwritten: list[common_pb2.RoundRecord] = []  # closed, record being written
         self._overhead_s = 0.0
         self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
         # Late parts of recent rounds (task -> node, samples): an update that still comes tells
@@ -372,6 +375,10 @@ class JobRunner:
             await self._fail(f"coordinator error: {type(exc).__name__}: {exc}")
         finally:
             try:
+                await self._records_written()
+            except Exception:
+                log.exception("job %s: a round record could not be written", self.job_id)
+            try:
                 await self._checkpoint_written()
             except Exception:
                 log.exception("job %s: the last checkpoint could not be written", self.job_id)
@@ -425,8 +432,11 @@ class JobRunner:
             tensors = tensors_from_bytes(await self.ctx.blobs.read_bytes(manifest.tensors_sha256))
             # Versions after the checkpoint (rolled back below) were handed out to agents with
             # other parameters: continue past all of them so that a version names one set only.
+            # A round's record is written while the next round runs, so one version past the
+            # newest recorded one may have been handed out (never two: a round is handed out
+            # only once the record before the last is stored).
             newest = max((r.params_version for r in all_rounds), default=0)
-            version = max(manifest.params_version, newest) + 1
+            version = max(manifest.params_version, newest) + 2
             self.ps.load_state_tensors(tensors, version)
             self.ledger = EpochLedger.from_state(manifest.ledger)
             self.ledger.abort_open_rounds()
@@ -1152,11 +1162,18 @@ class JobRunner:
                     p.error,
                 )
         checkpoint = bool(received) and self._want_checkpoint(rs)
-        async with self.ctx.store.transaction():
-            await self.ctx.store.add_round(record)
-            await self.ctx.store.update_job(job)
-            if dropped:
-                await self._record_dropped(rs, dropped)
+        if self._defers_records:
+            # Written in the background while the next round runs: the record of round r - 1
+            # is in the store before round r + 1 is handed out (see `_restore` for the
+            # parameter versions this bounds), and a checkpoint after every record it covers.
+            await self._records_written()
+            self._unwritten.append(record)
+            self._record_task = asyncio.create_task(
+                self._write_round(self._record_task, record, rs, dropped),
+                name=f"record-{self.job_id}-{rs.round}",
+            )
+        else:
+            await self._write_round(None, record, rs, dropped)
         if self.ledger.complete:
             await self._next_epoch()
         elif checkpoint:
@@ -1177,6 +1194,42 @@ class JobRunner:
         )
         self.engine.round_finished(self)
         await self.notify()
+
+    @property
+    def _defers_records(self) -> bool:
+        """Whether round records are written in the background (parameter-server mode; a ring
+        job, whose checkpoints are written in line, records in line too)."""
+        return type(self)._checkpoint is JobRunner._checkpoint
+
+    async def _write_round(
+        self,
+        previous: asyncio.Task[None] | None,
+        record: common_pb2.RoundRecord,
+        rs: RoundState,
+        dropped: list[Part],
+    ) -> None:
+        """Store a closed round's record with the job as it is now (and an event for the
+        parts it did without), after the record before it."""
+        if previous is not None:
+            await previous
+        async with self.ctx.store.transaction():
+            await self.ctx.store.add_round(record)
+            await self.ctx.store.update_job(self.job)
+            if dropped:
+                await self._record_dropped(rs, dropped)
+        self._unwritten = [r for r in self._unwritten if r is not record]
+
+    def unwritten_rounds(self) -> list[common_pb2.RoundRecord]:
+        """Records of closed rounds still being written to the store, oldest first (GetRounds
+        and WatchJob show them with the stored ones)."""
+        return list(self._unwritten)
+
+    async def _records_written(self) -> None:
+        """Wait until every closed round's record is in the store (each background write
+        waits for the one before, so the latest one done means all are done)."""
+        task = self._record_task
+        if task is not None:
+            await task
 
     async def _record_dropped(self, rs: RoundState, dropped: list[Part]) -> None:
         """One event per round that closed without some of its parts (their samples are
@@ -1276,6 +1329,9 @@ class JobRunner:
     async def _write_checkpoint(
         self, tensors: dict[str, torch.Tensor], manifest: CheckpointManifest
     ) -> None:
+        # A checkpoint never lands before the records of the rounds it covers (after a restart
+        # from it, every round it holds has its record).
+        await self._records_written()
         data = await asyncio.to_thread(tensors_to_bytes, tensors)
         ref = await self.ctx.blobs.put_bytes(data)
         manifest.tensors_sha256 = ref.sha256
