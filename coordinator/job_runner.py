@@ -316,6 +316,7 @@ class JobRunner:
         self._checkpoint_task: asyncio.Task[None] | None = None  # see _checkpoint_soon
         self._record_task: asyncio.Task[None] | None = None  # see _close_round
         self._unwritten: list[common_pb2.RoundRecord] = []  # closed, record being written
+        self._record_to_write: tuple[common_pb2.RoundRecord, RoundState, list[Part]] | None = None
         self._overhead_s = 0.0
         self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
         # Late parts of recent rounds (task -> node, samples): an update that still comes tells
@@ -536,6 +537,7 @@ class JobRunner:
                 )
             elif self.job.state == JS.JOB_STATE_QUEUED:
                 self.job.message = f"benchmarking {len(chosen) - len(ready)} node(s)"
+            self._start_record_write()  # no round goes out now: write the last one's record
             try:
                 timeout = min(1.0, self.ctx.registry.heartbeat_interval_s)
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
@@ -916,6 +918,7 @@ class JobRunner:
             part.handed_out = time.monotonic()
             self.engine.enqueue(node_id, self._train_task(rs, part), self)
         await self.notify()
+        self._start_record_write()  # the previous round's record, now that this one is out
         # Wait for every awaited node (a failure, silence, or the deadline ends the wait for
         # it). Silence is checked a few times per heartbeat interval (not on every wake-up:
         # O(parts) per check).
@@ -1168,10 +1171,7 @@ class JobRunner:
             # parameter versions this bounds), and a checkpoint after every record it covers.
             await self._records_written()
             self._unwritten.append(record)
-            self._record_task = asyncio.create_task(
-                self._write_round(self._record_task, record, rs, dropped),
-                name=f"record-{self.job_id}-{rs.round}",
-            )
+            self._record_to_write = (record, rs, dropped)  # started once the next round is out
         else:
             await self._write_round(None, record, rs, dropped)
         if self.ledger.complete:
@@ -1224,9 +1224,23 @@ class JobRunner:
         and WatchJob show them with the stored ones)."""
         return list(self._unwritten)
 
+    def _start_record_write(self) -> None:
+        """Start writing the last closed round's record in the background, if not yet (the
+        round loop does so right after handing out the next round, so that the write does not
+        delay the hand-out)."""
+        if self._record_to_write is None:
+            return
+        record, rs, dropped = self._record_to_write
+        self._record_to_write = None
+        self._record_task = asyncio.create_task(
+            self._write_round(self._record_task, record, rs, dropped),
+            name=f"record-{self.job_id}-{rs.round}",
+        )
+
     async def _records_written(self) -> None:
         """Wait until every closed round's record is in the store (each background write
         waits for the one before, so the latest one done means all are done)."""
+        self._start_record_write()
         task = self._record_task
         if task is not None:
             await task
