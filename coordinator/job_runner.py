@@ -1071,7 +1071,14 @@ class JobRunner:
         )
         if received:
             contributions = [(p.samples, p.grads or {}) for p in received]
-            await asyncio.to_thread(self.ps.apply, contributions)
+
+            def apply() -> tuple[int, tuple[common_pb2.TensorBundle, bytes]]:
+                # The next round's parameter payload in the same hand-off to a worker thread
+                # (every round needs it: inline in its tasks, or served by PullParameters).
+                self.ps.apply(contributions)
+                return self.ps.version, encode_bundle(self.ps.snapshot())
+
+            self.params_payload_version, self.params_payload = await asyncio.to_thread(apply)
             for p in received:
                 p.status = "applied"
                 p.grads = None
