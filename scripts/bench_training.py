@@ -294,10 +294,6 @@ class Bench:
         self.args = args
         self.cluster = LocalCluster(work)
         pins = placement(args.pin)
-        # The harness's own `epochmesh watch` streams run beside the coordinator, off the fast
-        # agent's CPU (a watch process the kernel put there took time from its compute).
-        harness = pins.get("coordinator")
-        self.watch_preexec = None if harness is None else lambda: os.sched_setaffinity(0, harness)
         self.cluster.start_coordinator("--split", split, cpus=pins.get("coordinator"))
         for s in SLOWDOWNS:
             proc = self.cluster.start_agent(f"x{s}", "--slowdown", str(s), cpus=pins.get(f"x{s}"))
@@ -372,7 +368,6 @@ class Bench:
             text=True,
             timeout=900,
             check=False,
-            preexec_fn=self.watch_preexec,
         )
         if watch.returncode != 0:
             raise RuntimeError(f"job {job_id} ({label}) did not succeed: {watch.stderr.strip()}")
@@ -422,7 +417,6 @@ class Bench:
                 env=self.cluster.env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                preexec_fn=self.watch_preexec,
             )
             for job in jobs
         ]
