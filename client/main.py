@@ -156,7 +156,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         return mapped.code
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")
-        ctx = None  # no orderly channel shutdown: main() exits at once
         return ExitCode.INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`epochmesh events | head`): stop quietly.
@@ -180,18 +179,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    code = run(argv)
-    if code == ExitCode.INTERRUPTED:
-        # Ctrl-C ends the process now: closing a channel with a cancelled stream, and the
-        # interpreter's shutdown of gRPC, can take seconds on a busy machine (seen in the
-        # suite: `events --follow` still running 10 s after SIGINT).
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-    sys.exit(code)
+    sys.exit(run(argv))
 
 
 if __name__ == "__main__":
