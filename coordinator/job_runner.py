@@ -1221,8 +1221,9 @@ class JobRunner:
 
     @property
     def _defers_records(self) -> bool:
-        """Whether round records are written in the background (parameter-server mode; a ring
-        job, whose checkpoints are written in line, records in line too)."""
+        """Whether round records and checkpoints are written in the background (parameter-
+        server mode; a runner that overrides ``_checkpoint``, the ring's, writes both in
+        line)."""
         return type(self)._checkpoint is JobRunner._checkpoint
 
     async def _write_round(
@@ -1332,7 +1333,7 @@ class JobRunner:
         before it is written loses the rounds since the previous one, as between any two
         checkpoints. A runner that overrides ``_checkpoint`` (ring mode checkpoints a state a
         member pushes) writes it in line."""
-        if type(self)._checkpoint is not JobRunner._checkpoint:
+        if not self._defers_records:
             await self._checkpoint(last_round)
             return
         await self._checkpoint_written()
