@@ -70,23 +70,6 @@ def check_update_codecs(bundle: common_pb2.TensorBundle, spec: common_pb2.JobSpe
             )
 
 
-def with_unwritten(
-    stored: list[common_pb2.RoundRecord],
-    unwritten: list[common_pb2.RoundRecord],
-    since_round: int = 0,
-    limit: int = 0,
-) -> list[common_pb2.RoundRecord]:
-    """A job's rounds after ``since_round``, at most ``limit`` (0: all): ``stored`` (read from
-    the store with the same filter), then those of ``unwritten`` (records of closed rounds
-    still being written, oldest first, each newer than every stored record) that the store
-    did not return yet (one whose write just committed may be in both)."""
-    if 0 < limit <= len(stored):
-        return stored
-    last = max([since_round, *(r.round for r in stored)])
-    newer = [r for r in unwritten if r.round > last]
-    return stored + (newer[: limit - len(stored)] if limit > 0 else newer)
-
-
 class Engine:
     def __init__(self, ctx: CoordinatorContext) -> None:
         self.ctx = ctx
@@ -576,13 +559,10 @@ class Engine:
     async def _list_rounds(
         self, job_id: str, since_round: int = 0, limit: int = 0
     ) -> list[common_pb2.RoundRecord]:
-        """The job's rounds after `since_round` (at most `limit`; 0: all): the stored ones, then
-        those closed whose records are still being written (newer than every stored one)."""
-        rounds = await self.ctx.store.list_rounds(job_id, since_round=since_round, limit=limit)
-        runner = self.runners.get(job_id)
-        if runner is None:
-            return rounds
-        return with_unwritten(rounds, runner.unwritten_rounds(), since_round, limit)
+        """The job's stored rounds after `since_round` (at most `limit`; 0: all). A closed
+        round whose record is still being written shows once it is stored: a round a reader saw
+        is never lost to a coordinator crash."""
+        return await self.ctx.store.list_rounds(job_id, since_round=since_round, limit=limit)
 
     # -- SchedulerService -----------------------------------------------------------------------
 

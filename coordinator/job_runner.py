@@ -323,7 +323,6 @@ class JobRunner:
         self._wake = asyncio.Event()
         self._checkpoint_task: asyncio.Task[None] | None = None  # see _checkpoint_soon
         self._record_task: asyncio.Task[None] | None = None  # see _close_round
-        self._unwritten: list[common_pb2.RoundRecord] = []  # closed, record being written
         self._record_to_write: tuple[common_pb2.RoundRecord, RoundState, list[Part]] | None = None
         self._overhead_s = 0.0
         self._apply_s: float | None = None  # the last round's apply took (see INLINE_APPLY_MAX_S)
@@ -1194,7 +1193,6 @@ class JobRunner:
             # is in the store before round r + 1 is handed out (see `_restore` for the
             # parameter versions this bounds), and a checkpoint after every record it covers.
             await self._records_written()
-            self._unwritten.append(record)
             self._record_to_write = (record, rs, dropped)  # started once the next round is out
         else:
             await self._write_round(None, record, rs, dropped)
@@ -1234,7 +1232,8 @@ class JobRunner:
         dropped: list[Part],
     ) -> None:
         """Store a closed round's record with the job as it is now (and an event for the
-        parts it did without), after the record before it."""
+        parts it did without), after the record before it. GetRounds and WatchJob show only
+        stored records (a round a reader saw survives a crash), so watchers hear of it now."""
         if previous is not None:
             await previous
         async with self.ctx.store.transaction():
@@ -1242,12 +1241,8 @@ class JobRunner:
             await self.ctx.store.update_job(self.job)
             if dropped:
                 await self._record_dropped(rs, dropped)
-        self._unwritten = [r for r in self._unwritten if r is not record]
-
-    def unwritten_rounds(self) -> list[common_pb2.RoundRecord]:
-        """Records of closed rounds still being written to the store, oldest first (GetRounds
-        and WatchJob show them with the stored ones)."""
-        return list(self._unwritten)
+        if self._defers_records:  # else _close_round notifies
+            await self.notify()
 
     def _start_record_write(self) -> None:
         """Start writing the last closed round's record in the background, if not yet (the
@@ -1381,6 +1376,11 @@ class JobRunner:
     async def _set_state(self, state: int, message: str) -> None:
         if self.job.state == state and self.job.message == message:
             return
+        # Whoever sees the new state (PAUSED, a terminal one) finds every closed round stored.
+        try:
+            await self._records_written()
+        except Exception:
+            log.exception("job %s: a round record could not be written", self.job_id)
         previous = self.job.state
         self.job.state = state
         self.job.message = message

@@ -521,14 +521,16 @@ def straggler_then_partition(cluster: Cluster, relay: Relay, tmp_path: Path) -> 
         job_id, lambda rs: len(c_batches(rs)) >= 4, timeout=60, what="four rounds of c"
     )
     before = statistics.mean(c_batches(cluster.rounds(job_id))[-3:])
-    change_round = max(r.round for r in cluster.rounds(job_id))
+    # Rounds are counted from the first one handed out after the change (GetRounds shows a
+    # round once its record is stored, a round or so after it closed).
+    change_ms = int(time.time() * 1000)
     set_slowdown(cluster, "c", 300 * cluster.slowdowns["c"])
 
-    def c_parts_after(rs: list[common_pb2.RoundRecord], after: int) -> list[common_pb2.RoundPart]:
-        return [p for r in rs if r.round > after for p in r.parts if p.node_id == c_id]
+    def c_parts_after(rs: list[common_pb2.RoundRecord], ms: int) -> list[common_pb2.RoundPart]:
+        return [p for r in rs if r.started_ms >= ms for p in r.parts if p.node_id == c_id]
 
     def c_shrunk(rs: list[common_pb2.RoundRecord]) -> list[int] | None:
-        later = [p.local_batch for p in c_parts_after(rs, change_round)]
+        later = [p.local_batch for p in c_parts_after(rs, change_ms)]
         return later if later and later[-1] <= before / 3 else None
 
     try:
@@ -541,10 +543,10 @@ def straggler_then_partition(cluster: Cluster, relay: Relay, tmp_path: Path) -> 
 
     # Back to its speed, c gets its share back: it kept one sample per round (best effort, the
     # rounds do not wait for it), and its updates measure it again.
-    recover_round = max(r.round for r in cluster.rounds(job_id))
+    recover_ms = int(time.time() * 1000)
 
     def c_recovered(rs: list[common_pb2.RoundRecord]) -> list[int] | None:
-        again = [p.local_batch for p in c_parts_after(rs, recover_round)]
+        again = [p.local_batch for p in c_parts_after(rs, recover_ms)]
         return again if again and again[-1] >= 2 else None
 
     again = cluster.wait_rounds(job_id, c_recovered, timeout=30, what="c's share comes back")
