@@ -123,6 +123,9 @@ class TaskContext:
     received_at: float = field(default_factory=time.monotonic)
     cancel_reason: str = ""
     failure_reported: bool = False
+    # Called right before a parameter-server round pushes its update (the agent starts its
+    # next NextTask poll then).
+    on_pushing: Callable[[], None] | None = None
     # node_agent.ring_trainer.PeerRuntime (not imported here: it imports this module)
     peer: Any = None
     log: logging.LoggerAdapter = field(init=False)  # type: ignore[type-arg]

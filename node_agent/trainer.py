@@ -543,6 +543,9 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
         yield agent_pb2.PushUpdateRequest(header=header)
         for chunk in iter_chunks(payload):
             yield agent_pb2.PushUpdateRequest(chunk=chunk)
+        # The update is out: the agent's next NextTask poll can start (see Agent._poll_early).
+        if ctx.on_pushing is not None:
+            ctx.on_pushing()
 
     timeout = max(5.0, task.deadline_seconds)
     accepted = False

@@ -108,6 +108,7 @@ class Agent:
         self.discovered: Discovered
         self.cache: BlobCache
         self.connection: CoordinatorConnection
+        self._early_poll: asyncio.Task[tuple[agent_pb2.Task, float] | None] | None = None
 
     # -- control --------------------------------------------------------------------------------
 
@@ -414,6 +415,41 @@ class Agent:
     # -- work loop ------------------------------------------------------------------------------
 
     async def _work_loop(self) -> None:
+        try:
+            while not self.draining:
+                polled = self._early_poll
+                self._early_poll = None
+                got = await self._until_drain(polled if polled is not None else self._poll())
+                if got is None:  # draining, or the agent stops
+                    return
+                task, received_at = got
+                if task.kind == agent_pb2.TASK_KIND_NONE:
+                    continue
+                await self._run_task(task, received_at)
+        finally:
+            await self._drop_early_poll()
+
+    async def _drop_early_poll(self) -> None:
+        """The work loop ends (drain, stop) with an early poll out: cancel it, and report a
+        task it already brought as failed, so that its samples go back to pending now rather
+        than when the coordinator notices the node is gone."""
+        polled, self._early_poll = self._early_poll, None
+        if polled is None:
+            return
+        polled.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await polled
+        if polled.cancelled() or polled.exception() is not None:
+            return
+        got = polled.result()
+        if got is not None and got[0].kind != agent_pb2.TASK_KIND_NONE:
+            ctx = self._task_context(*got)
+            why = self.drain_reason or "the agent stops"
+            await ctx.report_failure(f"not started: draining ({why})")
+
+    async def _poll(self) -> tuple[agent_pb2.Task, float] | None:
+        """One NextTask long-poll: the task (TASK_KIND_NONE: nothing yet) and when it arrived,
+        or None when the agent stops. A refused poll is logged and retried after a backoff."""
         wait_ms = self.config.poll_wait_ms
         backoff = self.connection.new_backoff()
 
@@ -424,32 +460,38 @@ class Agent:
                 wait_ms=wait_ms,
             )
 
-        while not self.draining:
+        while True:
             try:
-                task: Any = await self._until_drain(
-                    self.connection.call(
-                        "NextTask",
-                        request,
-                        timeout=wait_ms / 1000.0 + 10.0,
-                        lease_codes=HEARTBEAT_LEASE_CODES,
-                    )
+                task: Any = await self.connection.call(
+                    "NextTask",
+                    request,
+                    timeout=wait_ms / 1000.0 + 10.0,
+                    lease_codes=HEARTBEAT_LEASE_CODES,
                 )
             except Stopped:
-                return
+                return None
             except grpc.aio.AioRpcError as exc:
                 log.error("NextTask refused: %s", describe(exc))
-                await self._until_drain(asyncio.sleep(max(1.0, backoff.next_delay())))
+                await asyncio.sleep(max(1.0, backoff.next_delay()))
                 continue
-            backoff.reset()
             if task is None:
-                return
-            if task.kind == agent_pb2.TASK_KIND_NONE:
-                continue
-            await self._run_task(task)
+                return None
+            return task, time.monotonic()
 
-    async def _run_task(self, task: agent_pb2.Task) -> None:
-        ctx = TaskContext(
+    def _poll_early(self) -> None:
+        """Called by a parameter-server round once its update is sent, before the answer: the
+        next NextTask poll starts now, so that it waits at the coordinator when the round
+        closes and the next task comes without another request after the answer (on a WAN
+        link, a round trip less on every round's critical path: measured 0.117 -> 0.070 s per
+        round at 50 ms RTT). The task runs once the current one has finished."""
+        if self._early_poll is None and not self.draining:
+            self._early_poll = asyncio.create_task(self._poll(), name="next-task-poll")
+
+    def _task_context(self, task: agent_pb2.Task, received_at: float) -> TaskContext:
+        return TaskContext(
             task=task,
+            received_at=received_at,
+            on_pushing=self._poll_early,
             connection=self.connection,
             cache=self.cache,
             device=self.discovered.torch_device,
@@ -459,6 +501,9 @@ class Agent:
             memory_limit_bytes=self.config.memory_limit_bytes,
             peer=self.peer,
         )
+
+    async def _run_task(self, task: agent_pb2.Task, received_at: float) -> None:
+        ctx = self._task_context(task, received_at)
         self.current = ctx
         # The next regular heartbeat names the task (no extra one per task: a round of a small
         # model takes a fraction of a second, and one Heartbeat per node per round is a good

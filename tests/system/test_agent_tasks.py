@@ -1,18 +1,20 @@
 """Agent processes working on tasks handed out by a real in-process coordinator (real gRPC on
 loopback) whose training engine is a small scripted one: benchmarks of a job's exported
 program, the blob cache (a corrupted entry is detected and fetched again), task errors,
-cancellation from the coordinator, a slowdown changed at run time, and drain on SIGTERM with
-a task in progress (finished within the grace, or abandoned and reported failed)."""
+cancellation from the coordinator, a slowdown changed at run time, drain on SIGTERM with
+a task in progress (finished within the grace, or abandoned and reported failed), and the
+next task's poll waiting at the coordinator before a round's update is answered."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import signal
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ from torch import nn
 from coordinator.engine_api import CoordinatorContext, NullEngine
 from coordinator.store import FailedPreconditionError
 from epochmesh.packaging import LossWrapper, export_program
-from epochmesh.tensors import to_safetensors
+from epochmesh.program import TrainableProgram
+from epochmesh.tensors import encode_bundle, to_safetensors
 from epochmesh.v1 import agent_pb2, common_pb2
 from tests.procs import async_wait_until, in_process_coordinator
 from tests.system.test_agent import AgentProc
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 
 NS = common_pb2.NodeState
 SAMPLES = 64
+PUSH_HOLD_S = 5.0
 
 
 class ScriptedEngine(NullEngine):
@@ -46,6 +50,12 @@ class ScriptedEngine(NullEngine):
         self.cancelled: set[str] = set()
         self.refuse: set[str] = set()  # task ids whose reports are refused
         self.refused: list[str] = []
+        self.polls: defaultdict[str, int] = defaultdict(int)  # NextTask calls per node
+        self.polled = asyncio.Condition()
+        self.polls_at: dict[str, int] = {}  # task id -> the node's NextTask calls then
+        self.pushed: list[tuple[str, bool]] = []  # (task id, the next poll came before)
+        self.answer_pushes = asyncio.Event()  # cleared: updates are not answered meanwhile
+        self.answer_pushes.set()
 
     def push(self, node_id: str, task: agent_pb2.Task) -> None:
         self.queues[node_id].put_nowait(task)
@@ -54,14 +64,38 @@ class ScriptedEngine(NullEngine):
         wait_s = min(req.wait_ms / 1000.0, self._context.config.max_long_poll_s)
         get = asyncio.ensure_future(self.queues[req.node_id].get())
         stop = asyncio.ensure_future(self._context.shutdown.wait())
+        async with self.polled:
+            self.polls[req.node_id] += 1
+            self.polled.notify_all()
         await asyncio.wait({get, stop}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
         if get.done():
             task = get.result()
             self.handed[task.task_id] = req.node_id
+            self.polls_at[task.task_id] = self.polls[req.node_id]
             return task
         get.cancel()
         return agent_pb2.Task(kind=agent_pb2.TASK_KIND_NONE)
+
+    async def push_update(
+        self, request_iterator: AsyncIterator[agent_pb2.PushUpdateRequest], ctx: object
+    ) -> agent_pb2.PushUpdateResponse:
+        """Takes the update, then answers once the node's next NextTask poll (any since the
+        task was handed out) has come, at most PUSH_HOLD_S later: an agent that polls only
+        after the answer is recorded as such."""
+        header = agent_pb2.UpdateHeader()
+        async for msg in request_iterator:
+            if msg.WhichOneof("part") == "header":
+                header = msg.header
+        node, before = header.node_id, self.polls_at[header.task_id]
+        async with self.polled:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self.polled.wait_for(lambda: self.polls[node] > before), PUSH_HOLD_S
+                )
+        self.pushed.append((header.task_id, self.polls[node] > before))
+        await self.answer_pushes.wait()
+        return agent_pb2.PushUpdateResponse(accepted=True)
 
     async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
         self.benchmarks.append((node_id, result))
@@ -271,3 +305,67 @@ async def test_sigterm_finishes_or_abandons_the_current_task(
         finally:
             await asyncio.to_thread(finisher.kill9)
             await asyncio.to_thread(quitter.kill9)
+
+
+def train_task(
+    task_id: str, job_id: str, refs: dict[str, common_pb2.BlobRef], blobs: dict[str, bytes]
+) -> agent_pb2.Task:
+    """A parameter-server round of the tiny job: 16 samples, its parameters inline."""
+    program = TrainableProgram.from_bytes(blobs["program"], blobs["initial_state"])
+    bundle, data = encode_bundle(program.get_parameters())
+    return agent_pb2.Task(
+        task_id=task_id,
+        kind=agent_pb2.TASK_KIND_TRAIN,
+        job_id=job_id,
+        spec=common_pb2.JobSpec(name="tiny", inputs=["x"], targets=["y"], aggregation="ps"),
+        program=refs["program"],
+        initial_state=refs["initial_state"],
+        shards=[common_pb2.Shard(blob=refs["shard"], start=0, count=SAMPLES)],
+        round=int(task_id.rsplit("-", 1)[1]),
+        ranges=[common_pb2.SampleRange(start=0, stop=16)],
+        local_batch=16,
+        params_version=1,
+        params_bundle=bundle,
+        params_data=data,
+        deadline_seconds=60,
+    )
+
+
+@pytest.mark.timeout(120)
+async def test_the_next_poll_waits_at_the_coordinator_before_the_update_is_answered(
+    tmp_path: Path, job_blobs: dict[str, bytes]
+) -> None:
+    """After pushing a round's update the agent does not wait for the answer to ask for its
+    next task: the poll is at the coordinator when the round closes (on a WAN link, one round
+    trip less per round). The tasks still run one after the other, in order."""
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=ScriptedEngine, heartbeat_interval_s=0.2, lease_ttl_s=2.0
+    ) as coord:
+        engine: ScriptedEngine = coord.engine  # type: ignore[assignment]
+        refs = {name: await coord.blobs.put_bytes(data) for name, data in job_blobs.items()}
+        agent, node_id = await start_agent(engine, coord.address, tmp_path / "agent")
+        try:
+            for i in (1, 2, 3):
+                engine.push(node_id, train_task(f"r-{i}", "j-t", refs, job_blobs))
+            await wait_for(lambda: len(engine.pushed) == 3, agent, "three updates")
+            assert engine.pushed == [("r-1", True), ("r-2", True), ("r-3", True)], engine.pushed
+            assert not engine.progress, engine.progress  # no task failed
+
+            # Drained while an update waits for its answer, with the next task already brought
+            # by the early poll: the current task finishes, the next one is reported failed
+            # (its samples go back to pending at once) rather than silently dropped.
+            engine.answer_pushes.clear()
+            for i in (4, 5):
+                engine.push(node_id, train_task(f"r-{i}", "j-t", refs, job_blobs))
+            await wait_for(lambda: len(engine.pushed) == 4, agent, "the fourth update")
+            await wait_for(lambda: "r-5" in engine.handed, agent, "r-5 brought by the poll")
+            agent.send(signal.SIGTERM)
+            await wait_for(lambda: "draining" in agent.log_text(), agent, "the drain")
+            engine.answer_pushes.set()
+            assert await asyncio.to_thread(agent.proc.wait, 60) == 0, str(agent)
+            assert engine.pushed[3] == ("r-4", True)
+            assert engine.progress_of("r-4") is None
+            r5 = engine.progress_of("r-5")
+            assert r5 is not None and r5.failed and "not started: draining" in r5.error, r5
+        finally:
+            await asyncio.to_thread(agent.kill9)
