@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 JS = common_pb2.JobState
 # WatchJob sends an update at least this often while nothing changes (keeps ETA fresh).
 WATCH_REFRESH_S = 1.0
+# ... and at most this often: a job of many rounds a second changes several times per round
+# (hand-out, stored record); each watcher then gets the rounds and events of a few rounds per
+# update, and watching does not load the coordinator in proportion to the round rate.
+WATCH_MIN_INTERVAL_S = 0.25
+WATCH_EVENTS_LIMIT = 1000
 # A node in a round that has not heartbeated for this many heartbeat intervals is presumed
 # dead (kill -9, network cut, hang) and the round closes without it; the agent heartbeats
 # every interval from its event loop, also while it computes. Its lease (3 intervals) later
@@ -480,23 +485,38 @@ class Engine:
         job = await self._job(req.job_id)
         since_round = req.since_round
         since_event = 0
+        loop = asyncio.get_running_loop()
         while True:
             runner = self.runners.get(req.job_id)
+            # Read before the events: a runner's job turns terminal before its last events are
+            # stored (the state's, the nodes' release); the stream ends with an update after.
+            ended = runner is None or runner.ended
             job = runner.job if runner is not None else await self._job(req.job_id)
             update = job_pb2.JobUpdate()
             update.job.CopyFrom(job)
             if runner is not None:
                 update.allocation.CopyFrom(runner.allocation())
-            rounds = await self._list_rounds(req.job_id, since_round=since_round)
-            update.rounds.extend(rounds)
-            if rounds:
-                since_round = rounds[-1].round
-            events = await self.ctx.store.list_events(since_event, job_id=req.job_id)
-            update.events.extend(events)
-            if events:
-                since_event = events[-1].id
+            # The store is read only when it holds something new for this watcher (a running
+            # job knows its newest stored round; the event log its newest committed event).
+            stored = runner.stored_round if runner is not None else None
+            if stored is None or stored > since_round:
+                rounds = await self._list_rounds(req.job_id, since_round=since_round)
+                update.rounds.extend(rounds)
+                if rounds:
+                    since_round = rounds[-1].round
+            last_event = self.ctx.events.last_id
+            if last_event > since_event:
+                events = await self.ctx.store.list_events(
+                    since_event, job_id=req.job_id, limit=WATCH_EVENTS_LIMIT
+                )
+                update.events.extend(events)
+                if len(events) < WATCH_EVENTS_LIMIT:
+                    since_event = last_event  # none of this job's events left up to there
+                else:
+                    since_event = events[-1].id
             yield update
-            if job.state in TERMINAL or self.ctx.shutdown.is_set():
+            sent = loop.time()
+            if self.ctx.shutdown.is_set() or (job.state in TERMINAL and ended):
                 return
             if runner is None:
                 await asyncio.sleep(WATCH_REFRESH_S)
@@ -504,6 +524,9 @@ class Engine:
             async with runner.changed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(runner.changed.wait(), timeout=WATCH_REFRESH_S)
+            pause = sent + WATCH_MIN_INTERVAL_S - loop.time()
+            if pause > 0 and not runner.terminal:
+                await asyncio.sleep(pause)
 
     async def cancel_job(self, req: job_pb2.CancelJobRequest, ctx: Ctx) -> common_pb2.Job:
         job = await self._job(req.job_id)

@@ -5,6 +5,8 @@ slowdowns 1, 2 and 4, and the `epochmesh` CLI.
   submitter's model.py, eager, no epochmesh code) gives the downloaded parameters within 1e-5.
 - Exactly once: per epoch, the applied parts' index ranges partition the dataset.
 - The allocation follows speed: average b_i shares within 20% of 4:2:1.
+- A WatchJob stream open for the whole job gets every round and every event of the job once,
+  in order, in updates at most every WATCH_MIN_INTERVAL_S (not one per change).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from coordinator.engine import WATCH_MIN_INTERVAL_S
+from epochmesh.v1 import job_pb2, job_pb2_grpc
 from tests.fixtures import write_dataset, write_job
-from tests.procs import console_script, start_coordinator, wait_until
+from tests.procs import console_script, start_coordinator, sync_channel_for, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
 from tests.system.test_cli_support import logged_in_env
 
@@ -121,6 +127,47 @@ def import_model(path: Path):
     return module
 
 
+class Watcher:
+    """A WatchJob stream read on a thread from the job's submission to its end."""
+
+    def __init__(self, address: str, job_id: str) -> None:
+        self.updates: list[tuple[float, job_pb2.JobUpdate]] = []
+        self.channel = sync_channel_for(address)
+        stream = job_pb2_grpc.JobServiceStub(self.channel).WatchJob(
+            job_pb2.WatchJobRequest(job_id=job_id), timeout=240
+        )
+
+        def read() -> None:
+            for update in stream:
+                self.updates.append((time.monotonic(), update))
+
+        self.thread = threading.Thread(target=read, daemon=True)
+        self.thread.start()
+
+    def check(self, address: str, job_id: str, rounds: list[int]) -> None:
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the watch did not end with the job"
+        self.channel.close()
+        watched = [r.round for _, u in self.updates for r in u.rounds]
+        assert watched == rounds, f"watched rounds {watched}, stored {rounds}"
+        events = [e.id for _, u in self.updates for e in u.events]
+        with sync_channel_for(address) as ch:  # the finished job, read again in one go
+            final = list(
+                job_pb2_grpc.JobServiceStub(ch).WatchJob(
+                    job_pb2.WatchJobRequest(job_id=job_id), timeout=30
+                )
+            )
+        everything = [e for u in final for e in u.events]
+        assert events == [e.id for e in everything], [
+            (e.id, e.kind, e.message) for e in everything if e.id not in events
+        ]
+        # One update per few changes, not one per change (two or more changes a round here):
+        # a reader late on its stream can get two at once, but not most of them.
+        gaps = [b - a for (a, _), (b, _) in zip(self.updates, self.updates[1:], strict=False)]
+        close = [g for g in gaps if g < 0.8 * WATCH_MIN_INTERVAL_S]
+        assert len(close) <= max(2, len(gaps) // 4), (len(close), len(gaps), gaps)
+
+
 @pytest.mark.timeout(300)
 def test_three_agents_match_single_process_replay(
     cluster: tuple[str, list[AgentProc]], tmp_path: Path
@@ -148,8 +195,10 @@ def test_three_agents_match_single_process_replay(
         },
     )
     job_id = submit(address, job_toml)
+    watcher = Watcher(address, job_id)
     wait_succeeded(address, job_id, timeout=240)
     rounds = load_rounds(address, job_id)
+    watcher.check(address, job_id, [r["round"] for r in rounds])
 
     # Exactly once per epoch, from the records alone.
     by_epoch: dict[int, list[int]] = defaultdict(list)
