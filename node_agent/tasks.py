@@ -123,8 +123,8 @@ class TaskContext:
     received_at: float = field(default_factory=time.monotonic)
     cancel_reason: str = ""
     failure_reported: bool = False
-    # Called right before a parameter-server round pushes its update (the agent starts its
-    # next NextTask poll then).
+    # Called once a parameter-server round's update is sent, before its answer (the agent
+    # starts its next NextTask poll then).
     on_pushing: Callable[[], None] | None = None
     # node_agent.ring_trainer.PeerRuntime (not imported here: it imports this module)
     peer: Any = None
