@@ -500,7 +500,7 @@ class Engine:
             # job knows its newest stored round; the event log its newest committed event).
             stored = runner.stored_round if runner is not None else None
             if stored is None or stored > since_round:
-                rounds = await self._list_rounds(req.job_id, since_round=since_round)
+                rounds = await self.ctx.store.list_rounds(req.job_id, since_round=since_round)
                 update.rounds.extend(rounds)
                 if rounds:
                     since_round = rounds[-1].round
@@ -574,18 +574,10 @@ class Engine:
         self, req: job_pb2.GetRoundsRequest, ctx: Ctx
     ) -> job_pb2.GetRoundsResponse:
         await self._job(req.job_id)
-        rounds = await self._list_rounds(
+        rounds = await self.ctx.store.list_rounds(
             req.job_id, since_round=req.since_round, limit=max(0, req.limit)
         )
         return job_pb2.GetRoundsResponse(rounds=rounds)
-
-    async def _list_rounds(
-        self, job_id: str, since_round: int = 0, limit: int = 0
-    ) -> list[common_pb2.RoundRecord]:
-        """The job's stored rounds after `since_round` (at most `limit`; 0: all). A closed
-        round whose record is still being written shows once it is stored: a round a reader saw
-        is never lost to a coordinator crash."""
-        return await self.ctx.store.list_rounds(job_id, since_round=since_round, limit=limit)
 
     # -- SchedulerService -----------------------------------------------------------------------
 
