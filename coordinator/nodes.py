@@ -53,6 +53,11 @@ NODE_ID_HEX = 10
 LEASE_EXPIRED = "lease expired: register again"
 # Refused updates a node may send before it is quarantined.
 DEFAULT_STRIKE_LIMIT = 3
+# After a restart, a lease loaded from the store lasts this many TTLs from the restart: its agent
+# first has to notice that the coordinator is back (its channel retries the connection with a
+# backoff of up to ~1.2 s, and its heartbeat may be waiting out a failed call), so one TTL from
+# the restart would expire agents that did nothing wrong.
+RESTORED_LEASE_TTLS = 2
 
 OfflineListener = Callable[[str], Awaitable[None]]
 
@@ -133,15 +138,16 @@ class NodeRegistry:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def load(self) -> None:
-        """Load nodes from the store. Nodes that were leased keep their lease id and get a fresh
-        TTL from now, so their agents carry on heartbeating across a coordinator restart."""
+        """Load nodes from the store. Nodes that were leased keep their lease id and get
+        RESTORED_LEASE_TTLS fresh TTLs from now, so their agents carry on heartbeating across a
+        coordinator restart."""
         now, wall = self._clock(), now_ms()
         for record in await self._store.list_nodes():
             info = record.info
             node = _Node(info=info, lease_id=record.lease_id, expires=0.0)
             if info.state != OFFLINE:
-                node.expires = now + self.lease_ttl_s
-                info.lease_expires_ms = wall + self.lease_ttl_ms
+                node.expires = now + RESTORED_LEASE_TTLS * self.lease_ttl_s
+                info.lease_expires_ms = wall + RESTORED_LEASE_TTLS * self.lease_ttl_ms
                 self._dirty.add(info.node_id)
             self._nodes[info.node_id] = node
         log.info(

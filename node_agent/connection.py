@@ -191,6 +191,10 @@ class CoordinatorConnection:
         self.registrations = 0
         self._register_lock = asyncio.Lock()
         self._reachable = True
+        # The heartbeat loop's wake-up (set while it runs): the first call to succeed after the
+        # coordinator was unreachable sends a heartbeat at once, so that a lease carried across
+        # a coordinator restart is renewed as soon as the agent reaches it again.
+        self._heartbeat_wake: asyncio.Event | None = None
         self._background: set[asyncio.Task[None]] = set()
 
     # -- basics ---------------------------------------------------------------------------------
@@ -238,10 +242,12 @@ class CoordinatorConnection:
         else:
             log.debug("%s failed again: %s", what, describe(exc))
 
-    def _note_success(self) -> None:
+    def _note_success(self, heartbeat: bool = False) -> None:
         if not self._reachable:
             log.info("coordinator %s reachable again", self.address)
             self._reachable = True
+            if not heartbeat and self._heartbeat_wake is not None:
+                self._heartbeat_wake.set()
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -401,6 +407,7 @@ class CoordinatorConnection:
 
     async def heartbeat_loop(self, hooks: HeartbeatHooks, wake: asyncio.Event) -> None:
         """Renew the lease every heartbeat interval until cancelled. `wake` sends one at once."""
+        self._heartbeat_wake = wake
         backoff = self.new_backoff()
         delay = 0.0
         while True:
@@ -442,7 +449,7 @@ class CoordinatorConnection:
             else:
                 log.error("heartbeat refused: %s", describe(exc))
             return min(backoff.next_delay(), max(self.heartbeat_interval_s, 0.2))
-        self._note_success()
+        self._note_success(heartbeat=True)
         backoff.reset()
         if response.heartbeat_interval_ms > 0:
             self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000.0

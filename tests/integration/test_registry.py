@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.events import EventLog
-from coordinator.nodes import LeaseExpiredError, NodeRegistry, is_node_id
+from coordinator.nodes import RESTORED_LEASE_TTLS, LeaseExpiredError, NodeRegistry, is_node_id
 from coordinator.sqlite_store import SqliteStore
 from coordinator.store import FailedPreconditionError, NotFoundError
 from epochmesh.v1 import common_pb2
@@ -103,13 +103,25 @@ async def test_reload_keeps_leases_with_a_fresh_ttl(store: SqliteStore) -> None:
     a = await reg.register(name="a")
     gone = await reg.register(name="gone")
     await reg.leave(gone.node_id, gone.lease_id, "bye")
+    silent = await reg.register(name="silent")
     clock.t += TTL - 0.5  # about to lapse when the coordinator "restarts"
     reg2, _ = await make_registry(store, clock)
-    clock.t += TTL - 0.5  # past the old deadline, within the fresh TTL
+    # A restored lease lasts RESTORED_LEASE_TTLS TTLs from the restart: its agent needs a while
+    # to notice that the coordinator is back.
+    clock.t += RESTORED_LEASE_TTLS * TTL - 0.5  # past the old deadline and past one fresh TTL
+    assert await reg2.sweep() == []
     assert await reg2.heartbeat(a.node_id, a.lease_id) == NS.NODE_STATE_ONLINE
     with pytest.raises(LeaseExpiredError):
         await reg2.heartbeat(gone.node_id, gone.lease_id)
     assert reg2.get(gone.node_id).state == NS.NODE_STATE_OFFLINE  # type: ignore[union-attr]
+    # ... and no longer: a node that never comes back is OFFLINE one grace later.
+    clock.t += 1.0
+    assert await reg2.sweep() == [silent.node_id]
+    # After the first heartbeat since the restart, a lease is back to one TTL.
+    clock.t += TTL - 1.5  # TTL - 0.5 since a's heartbeat
+    assert await reg2.sweep() == []
+    clock.t += 1.0
+    assert await reg2.sweep() == [a.node_id]
 
 
 async def test_rejoin_replacing_a_live_lease_notifies_and_keeps_cordon(

@@ -390,6 +390,9 @@ def test_waits_for_the_coordinator_and_reconnects_after_its_restart(tmp_path: Pa
             assert [n.node_id for n in list_nodes(address)] == [node_id]
             assert agent.running()
             assert "reachable again" in agent.log_text()
+            # It kept its lease across the restart (restored leases last two TTLs, and the
+            # agent heartbeats as soon as any call gets through again): no new registration.
+            assert "registering again" not in agent.log_text(), str(agent)
 
             # an operator drain: the agent finishes (nothing to do here), leaves and exits 0
             with sync_channel_for(address) as channel:
