@@ -207,6 +207,11 @@ class CoordinatorConnection:
     def registered(self) -> bool:
         return bool(self.lease_id)
 
+    @property
+    def reachable(self) -> bool:
+        """False from a call's transient failure until a call gets through again."""
+        return self._reachable
+
     def new_backoff(self) -> Backoff:
         return Backoff(self._backoff_base, self._backoff_cap)
 
