@@ -22,7 +22,7 @@ INTERVAL_S = 120.0
 
 
 class Coordinator(agent_pb2_grpc.AgentServiceServicer):
-    """Answers heartbeats (recording when) and progress reports."""
+    """Answers heartbeats (recording the lease each renews) and progress reports."""
 
     def __init__(self) -> None:
         self.heartbeats: list[str] = []
