@@ -360,7 +360,7 @@ class Bench:
         cluster run does the opposite."""
         attempts: list[Run] = []
         while True:
-            run = self.run_once(label, names, batch)
+            run = self.run_once(label, names, batch, attempt=len(attempts))
             attempts.append(run)
             disturbed = run.cpu.get("foreign", 0.0) + run.cpu.get("steal", 0.0)
             if disturbed <= self.args.max_disturbed or len(attempts) > self.args.retries:
@@ -372,9 +372,19 @@ class Bench:
                 disturbed,
                 self.args.max_disturbed,
             )
-        return min(attempts, key=lambda r: r.cpu.get("foreign", 0.0) + r.cpu.get("steal", 0.0))
+        kept = min(
+            range(len(attempts)),
+            key=lambda i: attempts[i].cpu.get("foreign", 0.0) + attempts[i].cpu.get("steal", 0.0),
+        )
+        if len(attempts) > 1:
+            log.info("%s: keeping attempt %d of %d", label, kept, len(attempts))
+        return attempts[kept]
 
-    def run_once(self, label: str, names: list[str], batch: int | None = None) -> Run:
+    def run_once(
+        self, label: str, names: list[str], batch: int | None = None, attempt: int = 0
+    ) -> Run:
+        """One job on `names`; with --keep its rounds go to DIR/LABEL.rounds.jsonl (a repeated
+        measurement's to DIR/LABEL.attemptN.rounds.jsonl)."""
         self.use(names)
         self.wait_quiet()
         self.jobs += 1
@@ -402,7 +412,8 @@ class Bench:
         lines = self.cluster.cli("rounds", job_id, "--output", "json").splitlines()
         records = [json.loads(line) for line in lines if line.strip()]
         if args.keep is not None:
-            (args.keep / f"{label}.rounds.jsonl").write_text("\n".join(lines) + "\n")
+            name = f"{label}.attempt{attempt}" if attempt else label
+            (args.keep / f"{name}.rounds.jsonl").write_text("\n".join(lines) + "\n")
         kept = records[args.warmup :]
         if len(kept) < 2:
             raise RuntimeError(f"{label}: only {len(records)} rounds; raise --rounds")
