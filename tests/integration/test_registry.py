@@ -114,7 +114,8 @@ async def test_reload_keeps_leases_with_a_fresh_ttl(store: SqliteStore) -> None:
     with pytest.raises(LeaseExpiredError):
         await reg2.heartbeat(gone.node_id, gone.lease_id)
     assert reg2.get(gone.node_id).state == NS.NODE_STATE_OFFLINE  # type: ignore[union-attr]
-    # ... and no longer: a node that never comes back is OFFLINE one grace later.
+    # ... and no longer: a node that never comes back goes OFFLINE RESTORED_LEASE_TTLS TTLs
+    # after the restart.
     clock.t += 1.0
     assert await reg2.sweep() == [silent.node_id]
     # After the first heartbeat since the restart, a lease is back to one TTL.
