@@ -325,7 +325,9 @@ class JobRunner:
         self._record_task: asyncio.Task[None] | None = None  # see _close_round
         # The newest round whose record is in the store (None: not known, e.g. after a restart).
         self.stored_round: int | None = None
-        self._ended = False  # see `ended`
+        # The runner is done: its job's last records and events (the terminal state, the nodes'
+        # release) are stored, so a watcher that stops now has seen everything.
+        self.ended = False
         self._record_to_write: tuple[common_pb2.RoundRecord, RoundState, list[Part]] | None = None
         self._overhead_s = 0.0
         self._apply_s: float | None = None  # the last round's apply took (see INLINE_APPLY_MAX_S)
@@ -369,12 +371,6 @@ class JobRunner:
     def terminal(self) -> bool:
         return self.job.state in TERMINAL
 
-    @property
-    def ended(self) -> bool:
-        """The runner is done: its job's last records, events (the terminal state, the nodes'
-        release) are stored, so a watcher that stops now has seen everything."""
-        return self._ended
-
     async def _main(self) -> None:
         try:
             await self._restore()
@@ -401,7 +397,7 @@ class JobRunner:
             except Exception:
                 log.exception("job %s: the last checkpoint could not be written", self.job_id)
             await self._release_all()
-            self._ended = True
+            self.ended = True
             await self.notify()
 
     # -- restore / init -------------------------------------------------------------------------

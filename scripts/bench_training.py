@@ -230,6 +230,11 @@ class CpuSampler:
 # -- one configuration -------------------------------------------------------------------------
 
 
+def disturbed_cores(cpu: dict[str, float]) -> float:
+    """Cores that other work on the machine and the hypervisor took during a window."""
+    return cpu.get("foreign", 0.0) + cpu.get("steal", 0.0)
+
+
 @dataclass
 class Run:
     name: str
@@ -347,7 +352,7 @@ class Bench:
             t0 = time.time()
             time.sleep(3.0)
             cpu = self.sampler.window(t0, time.time())
-            foreign = cpu["foreign"] + cpu["steal"]
+            foreign = disturbed_cores(cpu)
             if foreign < limit or time.monotonic() >= deadline:
                 log.info("foreign load %.2f cores (waiting for < %.2f)", foreign, limit)
                 return
@@ -362,7 +367,7 @@ class Bench:
         while True:
             run = self.run_once(label, names, batch, attempt=len(attempts))
             attempts.append(run)
-            disturbed = run.cpu.get("foreign", 0.0) + run.cpu.get("steal", 0.0)
+            disturbed = disturbed_cores(run.cpu)
             if disturbed <= self.args.max_disturbed or len(attempts) > self.args.retries:
                 break
             self.reruns += 1
@@ -372,13 +377,10 @@ class Bench:
                 disturbed,
                 self.args.max_disturbed,
             )
-        kept = min(
-            range(len(attempts)),
-            key=lambda i: attempts[i].cpu.get("foreign", 0.0) + attempts[i].cpu.get("steal", 0.0),
-        )
+        kept, run = min(enumerate(attempts), key=lambda a: disturbed_cores(a[1].cpu))
         if len(attempts) > 1:
             log.info("%s: keeping attempt %d of %d", label, kept, len(attempts))
-        return attempts[kept]
+        return run
 
     def run_once(
         self, label: str, names: list[str], batch: int | None = None, attempt: int = 0
