@@ -140,6 +140,10 @@ async def test_lease_expiry_makes_node_offline_with_event(
         return await node_state(sched, reg.node_id) == NS.NODE_STATE_OFFLINE
 
     await async_wait_until(is_offline, timeout=10, message="node never went OFFLINE")
+
+    # The registry marks the node OFFLINE in memory before it stores the event and then calls
+    # the listeners; the listener's call is the sign that both are done.
+    await async_wait_until(lambda: offline, timeout=10, message="offline listener not called")
     assert offline == [reg.node_id]
     assert not coord.registry.is_alive(reg.node_id)
     assert coord.registry.eligible_nodes() == []

@@ -155,8 +155,13 @@ def test_kill9_and_restart_keeps_nodes_jobs_blobs_events(tmp_path: Path) -> None
 
         wait_until(silent_offline, timeout=20, interval=0.3)
         assert c.node(alive.node_id).state == NS.NODE_STATE_ONLINE
-        offline_events = [e for e in c.events() if e.kind == "node.offline"]
-        assert [e.node_id for e in offline_events] == [silent.node_id]
+
+        # The state flips in memory before the event is stored: wait for the event.
+        def offline_events() -> list[str]:
+            return [e.node_id for e in c.events() if e.kind == "node.offline"]
+
+        wait_until(offline_events, timeout=10, interval=0.05)
+        assert offline_events() == [silent.node_id]
         c.close()
         assert proc.terminate() == 0
 
