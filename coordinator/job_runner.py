@@ -615,7 +615,10 @@ class JobRunner:
         self.wake()
 
     def _bench_rate(self, node_id: str, expected_batch: int) -> float:
-        """Samples/s at the benchmarked batch size closest to what the node will get."""
+        """Samples/s at the benchmarked batch size closest to what the node will compute in one
+        pass (its batch, or the job's micro_batch when that is smaller)."""
+        if self.spec.micro_batch > 0:
+            expected_batch = min(expected_batch, self.spec.micro_batch)
         result = self.bench[node_id]
         fits = [p for p in result.points if not p.out_of_memory and p.samples_per_second > 0]
         if not fits:
@@ -635,6 +638,9 @@ class JobRunner:
     def _max_batch(self, node_id: str) -> int:
         result = self.bench.get(node_id)
         cap = result.max_batch_size if result is not None else 0
+        if cap > 0 and 0 < self.spec.micro_batch <= cap:
+            # One micro-batch fits the node's memory: it accumulates a local batch of any size.
+            return self.spec.global_batch
         return cap if cap > 0 else self.spec.global_batch
 
     async def _join(self, node_id: str) -> None:

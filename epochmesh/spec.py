@@ -21,6 +21,9 @@ A job.toml, with every field and its default (``-`` = required)::
     [train]
     epochs = 1                     # >= 1
     global_batch = 32              # >= 1    samples per round, summed over all nodes
+    micro_batch = 0                # >= 0    samples per forward/backward pass on a node: its
+                                   #         local batch (or inner step) in chunks of at most
+                                   #         this many, gradients accumulated; 0 = one pass
     optimizer = "sgd"              # sgd | adamw (torch.optim.SGD / torch.optim.AdamW)
     lr = 0.001                     # > 0     torch.optim's default
     momentum = 0.0                 # sgd only, in [0, 1]
@@ -114,6 +117,7 @@ _SECTIONS: dict[str, dict[str, _Field]] = {
     "train": {
         "epochs": _Field("int", default=1, lo=1, hi=MAX_EPOCHS),
         "global_batch": _Field("int", default=32, lo=1, hi=MAX_GLOBAL_BATCH),
+        "micro_batch": _Field("int", default=0, lo=0, hi=MAX_GLOBAL_BATCH),
         "optimizer": _Field("str", default="sgd", choices=OPTIMIZERS),
         "lr": _Field("float", default=1e-3, lo=0.0, lo_open=True),
         "momentum": _Field("float", default=0.0, lo=0.0, hi=1.0),
@@ -512,6 +516,7 @@ def _build_spec(values: dict[str, dict[str, Any]], where: _Locator) -> common_pb
         targets=data["targets"],
         epochs=train["epochs"],
         global_batch=train["global_batch"],
+        micro_batch=train["micro_batch"],
         optimizer=optimizer,
         lr=train["lr"],
         weight_decay=weight_decay,
@@ -605,6 +610,7 @@ def validate_job_spec(spec: common_pb2.JobSpec) -> None:
 
     rng("epochs", spec.epochs, 1, MAX_EPOCHS)
     rng("global_batch", spec.global_batch, 1, MAX_GLOBAL_BATCH)
+    rng("micro_batch", spec.micro_batch, 0, MAX_GLOBAL_BATCH)
     if spec.optimizer not in OPTIMIZERS:
         raise err(f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {spec.optimizer!r})")
     rng("lr", spec.lr, 0.0, None, lo_open=True)
@@ -672,6 +678,8 @@ def spec_to_dict(spec: common_pb2.JobSpec) -> dict[str, Any]:
     else:
         train.update(betas=[spec.beta1, spec.beta2], eps=spec.eps)
     train["weight_decay"] = spec.weight_decay
+    if spec.micro_batch:
+        train["micro_batch"] = spec.micro_batch
     train["seed"] = spec.seed
     train["compression"] = spec.compression
     if spec.compression == "topk":

@@ -172,12 +172,52 @@ def inner_step_slices(
     return [list(indices[i : i + local_batch]) for i in range(0, len(indices), local_batch)]
 
 
+def accumulated_loss_and_grads(
+    program: TrainableProgram,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    micro_batch: int = 0,
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """The batch's mean loss and its gradient, computed in consecutive chunks of at most
+    ``micro_batch`` samples (gradient accumulation; 0, or a batch no larger: one pass).
+
+    Each chunk's gradient (of its mean loss) is weighted by its share of the batch's samples,
+    so the result is the whole batch's gradient up to float rounding, for any loss that is a
+    mean over samples (the built-in ones are) and a model whose samples do not interact (batch
+    norm sees a chunk's statistics, as with any gradient accumulation). A node's memory then
+    holds one chunk's activations, and a CPU's caches a working set that fits them."""
+    n = int(inputs[0].shape[0]) if inputs else 0
+    if micro_batch <= 0 or n <= micro_batch:
+        return program.loss_and_grads(inputs, targets)
+    total_loss = 0.0
+    acc: dict[str, torch.Tensor] = {}
+    for start in range(0, n, micro_batch):
+        end = min(n, start + micro_batch)
+        loss, grads = program.loss_and_grads(
+            [t[start:end] for t in inputs], [t[start:end] for t in targets]
+        )
+        weight = (end - start) / n
+        total_loss += loss * weight
+        for name, g in grads.items():
+            if name in acc:
+                acc[name].add_(g, alpha=weight)
+            else:
+                acc[name] = g * weight
+    return total_loss, acc
+
+
 def gradient_step(
-    program: TrainableProgram, batch: Batch, slowdown: SlowdownController
+    program: TrainableProgram,
+    batch: Batch,
+    slowdown: SlowdownController,
+    micro_batch: int = 0,
 ) -> ComputedUpdate:
-    """Sync mode: the gradient of the mean loss over one batch (parameters untouched)."""
+    """Sync mode: the gradient of the mean loss over one batch (parameters untouched), in
+    chunks of at most ``micro_batch`` samples (see `accumulated_loss_and_grads`)."""
     inputs, targets = batch
-    loss, grads = slowdown.timed_step(lambda: program.loss_and_grads(inputs, targets))
+    loss, grads = slowdown.timed_step(
+        lambda: accumulated_loss_and_grads(program, inputs, targets, micro_batch)
+    )
     return ComputedUpdate(
         kind=KIND_GRADIENT,
         tensors={k: g.detach().to("cpu", torch.float32) for k, g in grads.items()},
@@ -227,8 +267,10 @@ def local_sgd_steps(
     check_cancelled: Callable[[], None] = lambda: None,
     budget_s: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
+    micro_batch: int = 0,
 ) -> ComputedUpdate:
-    """Local SGD's inner loop: one optimizer step per slice, then Δ = start − end.
+    """Local SGD's inner loop: one optimizer step per slice (its gradient in chunks of at most
+    ``micro_batch`` samples), then Δ = start − end.
 
     ``budget_s`` > 0 time-boxes the loop: it stops before the next step when that step would
     end further past ``budget_s`` seconds of stepping than short of it (judged by the mean
@@ -260,7 +302,7 @@ def local_sgd_steps(
             def step(
                 inputs: list[torch.Tensor] = inputs, targets: list[torch.Tensor] = targets
             ) -> float:
-                loss, grads = program.loss_and_grads(inputs, targets)
+                loss, grads = accumulated_loss_and_grads(program, inputs, targets, micro_batch)
                 optimizer_step(optimizer, params, names, grads)
                 return loss
 
@@ -310,7 +352,9 @@ def update_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> 
             raise ValueError(
                 f"task names {len(indices)} samples but local_batch {task.local_batch}"
             )
-        return gradient_step(job.program, job.dataset.get_batch(indices), ctx.slowdown)
+        return gradient_step(
+            job.program, job.dataset.get_batch(indices), ctx.slowdown, spec.micro_batch
+        )
 
     slices = inner_step_slices(indices, task.local_batch, task.inner_steps or spec.inner_steps)
     opt = inner_optimizer(job, spec)
@@ -323,6 +367,7 @@ def update_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> 
             ctx.slowdown,
             ctx.check_cancelled,
             max(0.0, task.compute_budget_seconds),
+            micro_batch=spec.micro_batch,
         )
     except BaseException:
         # The steps that ran changed the optimizer's state (after a diverging step: inf or NaN

@@ -25,12 +25,21 @@ Jobs are followed with `epochmesh watch` streams (no polling processes during th
 Each cycle gives cluster / (solo x1 + solo x2 + solo x4) and cluster / (sum of the together
 runs); the figures are medians over cycles.
 
-Why more than one ratio. Samples/s per node depend on the batch size: this conv model runs
-~850 samples/s at 192 per step on one core but ~600 at 384 (caches), so a node that trains b_i
-= B/3 in the cluster runs faster per sample than it does alone at B. Against the solo runs at B
-the cluster is then flattered at large B (measured: > 1 at B = 384) and judged mostly on the
-fixed per-round cost at small B; cluster / (share x1 + share x2 + share x4) compares each node
-at the batch it really trains and isolates what coordinating three nodes costs.
+The job: global batch 768 in micro-batches of 128 (--batch, --micro-batch: the job's
+micro_batch, every node computes its b_i in forward/backward passes of at most 128 samples and
+accumulates the gradient). A round then computes for ~0.5 s on this host. Why these values:
+samples/s per pass depend on the pass's size (this conv model runs ~850 samples/s at 192 per
+pass on one core but ~600 at 384: its activations leave the caches), so without micro-batches
+a node that trains b_i = B/3 in the cluster runs faster per sample than it does alone at B and
+the cluster is flattered at large B (session 6 measured > 1 at B = 384). With passes of at most
+128 samples the solo runs and the cluster compute alike. And at B = 192 without micro-batches
+(rounds of ~0.14 s, --batch 192 --micro-batch 0) the fixed cost of a lockstep round (task
+hand-out, update push, aggregation: 12-20 ms on this 2-core host, session 9's timeline) and the
+wait for the slowest of three nodes weigh 15-20 % of a round: that configuration measures the
+round's fixed cost more than how the cluster adds up (0.72-0.85 over sessions 6-9, see the
+README). Still, a node's samples/s also depend on b_i; cluster / (share x1 + share x2 + share
+x4) compares each node at the batch it really trains and isolates what coordinating three
+nodes costs.
 
 And the emulated devices share this host's cores. Alone, a node has the host to itself;
 in the cluster the three agents need 1 + 1/2 + 1/4 cores of compute plus the coordinator, on a
@@ -71,7 +80,8 @@ through the whole system vs the plain loop, target >= 0.9), per-cycle ratios (al
 rounds: each run's median over rounds of samples / time since the previous round's end, which
 a few rounds delayed by other work do not move), load, foreign and stolen CPU of every run.
 
-    .venv/bin/python scripts/bench_training.py [--cycles 3] [--rounds 24] [--batch 192]
+    .venv/bin/python scripts/bench_training.py [--cycles 3] [--rounds 24] [--batch 768]
+        [--micro-batch 128]
 """
 
 from __future__ import annotations
@@ -123,6 +133,7 @@ targets = ["y"]
 [train]
 epochs = {epochs}
 global_batch = {batch}
+micro_batch = {micro}
 optimizer = "sgd"
 lr = 0.05
 momentum = 0.9
@@ -143,12 +154,20 @@ def dataset(n: int) -> dict[str, torch.Tensor]:
 
 
 def write_job(
-    d: Path, batch: int, rounds: int, nodes: int, name: str = "bench-conv", epochs: int = 1
+    d: Path,
+    batch: int,
+    rounds: int,
+    nodes: int,
+    name: str = "bench-conv",
+    epochs: int = 1,
+    micro: int = 0,
 ) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "model.py").write_text(MODEL)
     save_file(dataset(batch * rounds), str(d / "train.safetensors"))
-    (d / "job.toml").write_text(JOB.format(batch=batch, nodes=nodes, name=name, epochs=epochs))
+    (d / "job.toml").write_text(
+        JOB.format(batch=batch, nodes=nodes, name=name, epochs=epochs, micro=micro)
+    )
     return d / "job.toml"
 
 
@@ -397,6 +416,7 @@ class Bench:
             args.rounds,
             len(names),
             f"bench-{label}",
+            micro=args.micro_batch,
         )
         job_id = json.loads(self.cluster.cli("submit", str(job_toml), "--output", "json"))["job_id"]
         load = os.getloadavg()[0]
@@ -446,6 +466,7 @@ class Bench:
                 1,
                 f"bench-{label}",
                 epochs=TOGETHER_EPOCHS,
+                micro=args.micro_batch,
             )
             out = self.cluster.cli("submit", str(job_toml), "--output", "json")
             jobs.append(json.loads(out)["job_id"])
@@ -505,8 +526,10 @@ def placement(pin: bool) -> dict[str, set[int]]:
     return {"x1": {cpus[0]}, "x2": rest, "x4": rest, "coordinator": rest}
 
 
-def plain_loop(batch: int, rounds: int, warmup: int) -> float:
-    """Samples/s of an eager PyTorch loop on one thread: the same model, batch and optimizer."""
+def plain_loop(batch: int, rounds: int, warmup: int, micro: int = 0) -> float:
+    """Samples/s of an eager PyTorch loop on one thread: the same model, batch and optimizer,
+    and with `micro` > 0 the same gradient accumulation (chunks of at most `micro` samples,
+    each chunk's mean loss weighted by its share of the batch)."""
     torch.set_num_threads(1)
     ns: dict[str, Any] = {}
     exec(MODEL, ns)  # noqa: S102 (our own model source, as the submitter would run it)
@@ -519,7 +542,11 @@ def plain_loop(batch: int, rounds: int, warmup: int) -> float:
         x = data["x"][r * batch : (r + 1) * batch]
         y = data["y"][r * batch : (r + 1) * batch]
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        step = micro if micro > 0 else batch
+        for i in range(0, batch, step):
+            xs, ys = x[i : i + step], y[i : i + step]
+            loss = torch.nn.functional.cross_entropy(model(xs), ys) * (len(ys) / batch)
+            loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
     kept = times[warmup:]
@@ -531,7 +558,14 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=3, help="interleaved measurement cycles")
     parser.add_argument("--rounds", type=int, default=24, help="rounds per job (one epoch)")
     parser.add_argument("--warmup", type=int, default=3, help="first rounds left out")
-    parser.add_argument("--batch", type=int, default=192, help="global batch")
+    parser.add_argument("--batch", type=int, default=768, help="global batch")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=128,
+        help="the job's micro_batch: samples per forward/backward pass on a node (0: the "
+        "whole local batch in one pass)",
+    )
     parser.add_argument(
         "--nice", type=int, default=10, help="scheduling priority of the slowed agents"
     )
@@ -591,7 +625,9 @@ def main() -> int:
                     runs[label] = bench.run(f"{label}.{c}", nodes)
                     if label == "solo_x1":
                         # Right after the one-agent run, in the same conditions.
-                        plains.append(plain_loop(args.batch, args.rounds, args.warmup))
+                        plains.append(
+                            plain_loop(args.batch, args.rounds, args.warmup, args.micro_batch)
+                        )
                         log.info("plain loop: %.1f samples/s", plains[-1])
                     if label == "cluster" and not args.no_together:
                         for name, r in bench.run_together(f"together.{c}").items():
@@ -652,6 +688,7 @@ def main() -> int:
     out: dict[str, Any] = {
         "model": "conv 1x24x24 -> 32 -> 64 -> 8",
         "global_batch": args.batch,
+        "micro_batch": args.micro_batch,
         "rounds": args.rounds,
         "warmup_rounds": args.warmup,
         "cycles": args.cycles,

@@ -112,7 +112,9 @@ def _status_one(ctx: Context, job: common_pb2.Job) -> int:
     rows.append(
         (
             "spec",
-            f"{spec.epochs} epochs, batch {spec.global_batch}, {spec.optimizer} lr {spec.lr:g}, "
+            f"{spec.epochs} epochs, batch {spec.global_batch}"
+            + (f" (passes of {spec.micro_batch})" if spec.micro_batch else "")
+            + f", {spec.optimizer} lr {spec.lr:g}, "
             f"{spec.aggregation}, {spec.min_nodes}-{spec.max_nodes} nodes",
         )
     )

@@ -40,8 +40,10 @@ class FakeAgent:
         on_train: TrainHandler,
         *,
         peer_address: str = "",
+        max_batch_size: int = 0,
     ) -> None:
         self.coord = coord
+        self.max_batch_size = max_batch_size  # what its benchmark says fits one pass (0: any)
         self.name = name
         self.rate = samples_per_second
         self.on_train = on_train
@@ -110,6 +112,7 @@ class FakeAgent:
                             samples_per_second=self.rate,
                             rtt_ms=1.0,
                             bandwidth_bytes_per_second=1e9,
+                            max_batch_size=self.max_batch_size,
                         ),
                     ),
                     timeout=10,

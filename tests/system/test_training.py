@@ -168,6 +168,44 @@ class Watcher:
         assert len(close) <= max(2, len(gaps) // 4), (len(close), len(gaps), gaps)
 
 
+def replay_difference(
+    address: str,
+    job_id: str,
+    tmp_path: Path,
+    data: dict[str, torch.Tensor],
+    rounds: list[dict],
+    seed: int,
+) -> float:
+    """Download the job's result and replay its recorded rounds in a plain PyTorch loop (the
+    submitter's model.py, SGD lr 0.05 momentum 0.9, each applied part's mean-loss gradient on
+    its whole b_i weighted by its share of the round); the max abs parameter difference."""
+    out = cli(address, "download", job_id, "-o", str(tmp_path / "result"))
+    assert out.returncode == 0, out.stderr
+    trained = load_file(str(tmp_path / "result" / "model.safetensors"))
+    module = import_model(tmp_path / "job" / "model.py")
+    torch.manual_seed(seed)
+    model = module.make_model()
+    assert set(trained) == set(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = torch.nn.functional.cross_entropy
+    for rnd in rounds:
+        parts = applied_parts(rnd)
+        if not parts:
+            continue
+        total_b = sum(p["local_batch"] for p in parts)
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for part in parts:
+            idx = torch.tensor(indices(part))
+            model.zero_grad()
+            loss_fn(model(data["x"][idx]), data["y"][idx]).backward()
+            for g, p in zip(grads, model.parameters(), strict=True):
+                g.add_(p.grad, alpha=part["local_batch"] / total_b)
+        for g, p in zip(grads, model.parameters(), strict=True):
+            p.grad = g
+        opt.step()
+    return max((trained[k] - v).abs().max().item() for k, v in model.state_dict().items())
+
+
 @pytest.mark.timeout(300)
 def test_three_agents_match_single_process_replay(
     cluster: tuple[str, list[AgentProc]], tmp_path: Path
@@ -210,31 +248,7 @@ def test_three_agents_match_single_process_replay(
         assert sorted(seen) == list(range(n)), f"epoch {epoch} is not covered exactly once"
 
     # Download, then replay the recorded rounds with plain PyTorch.
-    out = cli(address, "download", job_id, "-o", str(tmp_path / "result"))
-    assert out.returncode == 0, out.stderr
-    trained = load_file(str(tmp_path / "result" / "model.safetensors"))
-    module = import_model(tmp_path / "job" / "model.py")
-    torch.manual_seed(7)
-    model = module.make_model()
-    assert set(trained) == set(model.state_dict())
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loss_fn = torch.nn.functional.cross_entropy
-    for rnd in rounds:
-        parts = applied_parts(rnd)
-        if not parts:
-            continue
-        total_b = sum(p["local_batch"] for p in parts)
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for part in parts:
-            idx = torch.tensor(indices(part))
-            model.zero_grad()
-            loss_fn(model(data["x"][idx]), data["y"][idx]).backward()
-            for g, p in zip(grads, model.parameters(), strict=True):
-                g.add_(p.grad, alpha=part["local_batch"] / total_b)
-        for g, p in zip(grads, model.parameters(), strict=True):
-            p.grad = g
-        opt.step()
-    diff = max((trained[k] - v).abs().max().item() for k, v in model.state_dict().items())
+    diff = replay_difference(address, job_id, tmp_path, data, rounds, seed=7)
     assert diff <= 1e-5, f"max abs difference {diff}"
 
     # The allocation follows speed: shares over rounds where all three nodes trained.
@@ -263,6 +277,49 @@ def test_three_agents_match_single_process_replay(
                 for r in rounds
             )
         )
+
+
+@pytest.mark.timeout(180)
+def test_micro_batches_train_what_whole_batches_train(
+    cluster: tuple[str, list[AgentProc]], tmp_path: Path
+) -> None:
+    """micro_batch = 16: every node computes its b_i in passes of at most 16 samples (b_i is up
+    to ~55 here) and accumulates the gradient; the result is what whole-batch passes give, as
+    replayed by the plain loop, within the same 1e-5."""
+    address, _ = cluster
+    n = 384
+    data = make_dataset(n)
+    job_toml = write_job(
+        tmp_path / "job",
+        MODEL,
+        data,
+        {
+            "name": "micro-batches",
+            "model": {"file": "model.py", "loss": "cross_entropy"},
+            "data": {"train": "train.safetensors", "inputs": ["x"], "targets": ["y"]},
+            "train": {
+                "epochs": 2,
+                "global_batch": 96,
+                "micro_batch": 16,
+                "optimizer": "sgd",
+                "lr": 0.05,
+                "momentum": 0.9,
+                "seed": 3,
+            },
+            "cluster": {"aggregation": "ps", "min_nodes": 3, "max_nodes": 3},
+        },
+    )
+    job_id = submit(address, job_toml)
+    wait_succeeded(address, job_id, timeout=150)
+    out = cli(address, "status", job_id, "--output", "json")
+    assert json.loads(out.stdout)["spec"]["micro_batch"] == 16
+    out = cli(address, "status", job_id)
+    assert out.returncode == 0 and "batch 96 (passes of 16)" in out.stdout, out.stdout
+    rounds = load_rounds(address, job_id)
+    assert len(rounds) >= 2 * n // 96
+    assert max(p["local_batch"] for r in rounds for p in applied_parts(r)) > 16
+    diff = replay_difference(address, job_id, tmp_path, data, rounds, seed=3)
+    assert diff <= 1e-5, f"max abs difference {diff}"
 
 
 @pytest.mark.timeout(120)

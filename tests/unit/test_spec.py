@@ -128,6 +128,9 @@ def test_not_toml_names_the_line() -> None:
         ("betas = [0.9, 0.99]", "betas applies only with optimizer = 'adamw'"),
         ("nesterov = true", "nesterov = true needs momentum > 0 and dampening = 0"),
         ("dampening = 2.0", "[train].dampening must be <= 1"),
+        ("micro_batch = -1", "[train].micro_batch must be >= 0"),
+        ("micro_batch = 1.5", "[train].micro_batch must be an integer"),
+        ("micro_bach = 16", "unknown key [train].micro_bach; did you mean micro_batch?"),
     ],
 )
 def test_bad_train_values(extra: str, needle: str) -> None:
@@ -237,6 +240,17 @@ def test_fixture_job_loads(tmp_path: Path) -> None:
     assert (MLP_DIR / "job.toml").is_file()
 
 
+def test_micro_batch_is_optional_and_reads_back() -> None:
+    assert parse(EXAMPLE).micro_batch == 0
+    assert "micro_batch" not in spec_to_dict(parse(EXAMPLE))["train"]
+    spec = parse(with_train("micro_batch = 32"))
+    assert spec.micro_batch == 32
+    validate_job_spec(spec)
+    assert spec_to_dict(spec)["train"]["micro_batch"] == 32
+    # Larger than the global batch is allowed: every local batch is then one pass.
+    assert parse(with_train("micro_batch = 4096")).micro_batch == 4096
+
+
 def test_spec_to_dict_lists_what_applies() -> None:
     d = spec_to_dict(parse(EXAMPLE))
     assert d["train"]["momentum"] == 0.0 and "betas" not in d["train"]
@@ -277,6 +291,7 @@ def test_spec_to_dict_lists_what_applies() -> None:
         ("name", "", "name must not be empty"),
         ("sync", "async", "sync must be one of"),
         ("inner_steps", 5, "inner_steps must be 1"),
+        ("micro_batch", -3, "micro_batch must be >= 0"),
     ],
 )
 def test_validate_job_spec_rejects(field: str, value: object, needle: str) -> None:
@@ -298,7 +313,7 @@ _VALUES = st.one_of(
 _TRAIN_KEYS = [
     "epochs", "global_batch", "optimizer", "lr", "momentum", "dampening", "nesterov",
     "weight_decay", "betas", "eps", "seed", "compression", "topk_ratio", "sync", "inner_steps",
-    "inner_optimizer", "outer_optimizer", "outer_lr", "outer_momentum", "bogus",
+    "inner_optimizer", "outer_optimizer", "outer_lr", "outer_momentum", "micro_batch", "bogus",
 ]  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from node_agent.trainer import (
     KIND_PSEUDO_GRADIENT,
     ComputedUpdate,
     LoadedJob,
+    accumulated_loss_and_grads,
     encode_update,
     ensure_params,
     gradient_step,
@@ -245,6 +246,62 @@ def test_gradient_step_is_the_mean_loss_gradient(
     assert update.mean_loss == pytest.approx(loss)
     for k, g in grads.items():
         assert torch.equal(update.tensors[k], g)
+
+
+class PassRecorder:
+    """The program, noting the batch size of every forward/backward pass."""
+
+    def __init__(self, program: TrainableProgram) -> None:
+        self.program = program
+        self.passes: list[int] = []
+
+    def loss_and_grads(
+        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+    ) -> tuple[float, dict[str, torch.Tensor]]:
+        self.passes.append(int(inputs[0].shape[0]))
+        return self.program.loss_and_grads(inputs, targets)
+
+
+def test_micro_batches_accumulate_to_the_whole_batch_gradient(
+    program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    batch = dataset.get_batch(list(range(5, 42)))  # 37 samples
+    loss, grads = program.loss_and_grads(*batch)
+    recorder = PassRecorder(program)
+    acc_loss, acc = accumulated_loss_and_grads(recorder, *batch, micro_batch=8)  # type: ignore[arg-type]
+    assert recorder.passes == [8, 8, 8, 8, 5]
+    assert acc_loss == pytest.approx(loss, rel=1e-6)
+    assert acc.keys() == grads.keys()
+    for k, g in grads.items():
+        assert acc[k].dtype == torch.float32
+        torch.testing.assert_close(acc[k], g, rtol=1e-5, atol=1e-6)
+    update = gradient_step(program, batch, SlowdownController(), micro_batch=8)
+    assert update.num_samples == 37 and update.mean_loss == pytest.approx(loss, rel=1e-6)
+    for k, g in grads.items():
+        torch.testing.assert_close(update.tensors[k], g, rtol=1e-5, atol=1e-6)
+    # A micro-batch no smaller than the batch (or 0): one pass, the very same result.
+    for micro in (0, 37, 100):
+        recorder.passes.clear()
+        same_loss, same = accumulated_loss_and_grads(recorder, *batch, micro_batch=micro)  # type: ignore[arg-type]
+        assert recorder.passes == [37] and same_loss == loss
+        assert all(torch.equal(same[k], g) for k, g in grads.items())
+
+
+def test_local_sgd_inner_steps_with_micro_batches(
+    packed: PackedJob, dataset: ShardedDataset
+) -> None:
+    slices = inner_step_slices(range(60), 15, 4)
+    deltas = []
+    for micro in (0, 4):
+        prog = TrainableProgram.from_bytes(packed.program, packed.initial_state)
+        opt = build_optimizer(packed.spec, prog.parameters())
+        update = local_sgd_steps(
+            prog, opt, slices, dataset.get_batch, SlowdownController(), micro_batch=micro
+        )
+        assert update.num_samples == 60 and update.steps == 4
+        deltas.append(update.tensors)
+    for k, d in deltas[0].items():
+        torch.testing.assert_close(deltas[1][k], d, rtol=1e-4, atol=1e-6)
 
 
 def spec_with(compression: str, ratio: float = 0.0) -> common_pb2.JobSpec:
