@@ -36,10 +36,10 @@ the cluster is flattered at large B (session 6 measured > 1 at B = 384). With pa
 (rounds of ~0.14 s, --batch 192 --micro-batch 0) the fixed cost of a lockstep round (task
 hand-out, update push, aggregation: 12-20 ms on this 2-core host, session 9's timeline) and the
 wait for the slowest of three nodes weigh 15-20 % of a round: that configuration measures the
-round's fixed cost more than how the cluster adds up (0.72-0.85 over sessions 6-9, see the
-README). Still, a node's samples/s also depend on b_i; cluster / (share x1 + share x2 + share
-x4) compares each node at the batch it really trains and isolates what coordinating three
-nodes costs.
+round's fixed cost and the host's drift more than how the cluster adds up (0.72-0.92 over
+sessions 6-9, see the README). Still, a node's samples/s also depend on b_i; cluster /
+(share x1 + share x2 + share x4) compares each node at the batch it really trains and
+isolates what coordinating three nodes costs.
 
 And the emulated devices share this host's cores. Alone, a node has the host to itself;
 in the cluster the three agents need 1 + 1/2 + 1/4 cores of compute plus the coordinator, on a

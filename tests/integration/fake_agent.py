@@ -21,6 +21,7 @@ import torch
 from epochmesh import identity as idm
 from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
+from tests.procs import async_wait_until
 
 if TYPE_CHECKING:
     from coordinator.server import Coordinator
@@ -214,6 +215,26 @@ async def submit_packed(coord: Coordinator, packed: PackedJob) -> common_pb2.Job
             ),
             timeout=60,
         )
+
+
+async def wait_for_job_state(
+    coord: Coordinator, job_id: str, state: int, timeout: float = 60.0
+) -> common_pb2.Job:
+    """Poll GetJob, as an operator, until the job is in `state` (a JobState); the job. A job
+    that fails while the test waits for another state fails the test with its message."""
+    async with idm.secure_aio_channel(coord.address, coord.issue_identity("operator")) as ch:
+        jobs = job_pb2_grpc.JobServiceStub(ch)
+
+        async def reached() -> common_pb2.Job | None:
+            j = await jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=10)
+            if state != common_pb2.JOB_STATE_FAILED:
+                assert j.state != common_pb2.JOB_STATE_FAILED, j.message
+            return j if j.state == state else None
+
+        name = common_pb2.JobState.Name(state)
+        job = await async_wait_until(reached, timeout=timeout, message=f"job never {name}")
+        assert isinstance(job, common_pb2.Job)
+        return job
 
 
 def task_indices(task: agent_pb2.Task) -> list[int]:

@@ -16,13 +16,17 @@ import pytest
 import torch
 
 from coordinator.engine import Engine
-from epochmesh import identity as idm
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec
-from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, job_pb2_grpc
+from epochmesh.v1 import agent_pb2, common_pb2
 from tests.fixtures import write_mlp_job
-from tests.integration.fake_agent import FakeAgent, submit_packed, task_indices
-from tests.procs import async_wait_until, in_process_coordinator
+from tests.integration.fake_agent import (
+    FakeAgent,
+    submit_packed,
+    task_indices,
+    wait_for_job_state,
+)
+from tests.procs import in_process_coordinator
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -59,17 +63,7 @@ async def test_memory_cap_binds_only_without_micro_batches(
         small = await FakeAgent(coord, "small", 100.0, zero_gradient, max_batch_size=4).start()
         try:
             job = await submit_packed(coord, packed)
-            async with idm.secure_aio_channel(
-                coord.address, coord.issue_identity("operator")
-            ) as ch:
-                jobs = job_pb2_grpc.JobServiceStub(ch)
-
-                async def finished() -> bool:
-                    j = await jobs.GetJob(job_pb2.GetJobRequest(job_id=job.job_id))
-                    assert j.state != common_pb2.JOB_STATE_FAILED, j.message
-                    return j.state == common_pb2.JOB_STATE_SUCCEEDED
-
-                await async_wait_until(finished, timeout=60, message="job did not finish")
+            await wait_for_job_state(coord, job.job_id, common_pb2.JOB_STATE_SUCCEEDED)
         finally:
             await big.stop()
             await small.stop()

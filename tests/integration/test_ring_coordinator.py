@@ -33,7 +33,12 @@ from epochmesh.v1 import (
     scheduler_pb2_grpc,
 )
 from tests.fixtures import write_mlp_job
-from tests.integration.fake_agent import FakeAgent, submit_packed, task_indices
+from tests.integration.fake_agent import (
+    FakeAgent,
+    submit_packed,
+    task_indices,
+    wait_for_job_state,
+)
 from tests.procs import async_wait_until, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(60)
@@ -342,16 +347,7 @@ async def test_a_ring_job_without_members_waits_and_says_why(tmp_path: Path) -> 
         agent = await FakeAgent(coord, "ext", 200.0, FakeMember(world)).start()
         try:
             job = await submit_packed(coord, packed)
-            async with idm.secure_aio_channel(
-                coord.address, coord.issue_identity("operator")
-            ) as ch:
-                jobs = job_pb2_grpc.JobServiceStub(ch)
-
-                async def paused() -> common_pb2.Job | None:
-                    j = await jobs.GetJob(job_pb2.GetJobRequest(job_id=job.job_id))
-                    return j if j.state == common_pb2.JOB_STATE_PAUSED else None
-
-                j = await async_wait_until(paused, timeout=20, message="job never paused")
+            j = await wait_for_job_state(coord, job.job_id, common_pb2.JOB_STATE_PAUSED, 20)
         finally:
             await agent.stop()
     assert "PeerService" in j.message and "ring" in j.message
