@@ -536,13 +536,13 @@ def plain_loop(batch: int, rounds: int, warmup: int, micro: int = 0) -> float:
     model = ns["make_model"]()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = dataset(batch * rounds)
+    step = micro if micro > 0 else batch
     times = []
     for r in range(rounds):
         t0 = time.perf_counter()
         x = data["x"][r * batch : (r + 1) * batch]
         y = data["y"][r * batch : (r + 1) * batch]
         opt.zero_grad()
-        step = micro if micro > 0 else batch
         for i in range(0, batch, step):
             xs, ys = x[i : i + step], y[i : i + step]
             loss = torch.nn.functional.cross_entropy(model(xs), ys) * (len(ys) / batch)
