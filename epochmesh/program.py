@@ -704,6 +704,11 @@ class TrainableProgram:
         """Copies of parameters and buffers with make_model().state_dict() keys and order."""
         return {k: self._tensors[k].detach().clone() for k in self.state_names}
 
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """The live parameters and buffers by state name (tied weights: one tensor, several
+        names); for a host that places them in memory of its own (`tensor.data = ...`)."""
+        return dict(self._tensors)
+
     def state_bytes(self) -> bytes:
         """state_dict() as safetensors with the initial-state metadata (a loadable checkpoint)."""
         meta = {PARAMS_METADATA_KEY: json.dumps(self.param_names)}

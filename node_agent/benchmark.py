@@ -551,9 +551,11 @@ def benchmark_model(
     *,
     memory_limit_bytes: int | None = None,
     should_stop: Callable[[], bool] = _never,
+    meter: MemoryMeter | None = None,
 ) -> list[Point]:
-    """Build a model with `build()` and sweep it on `device` (blocking: run it in a thread)."""
-    meter = memory_meter_for(device)
+    """Build a model with `build()` and sweep it on `device` (blocking: run it in a thread);
+    `meter`: how its steps' memory is counted (by default, in this process on `device`)."""
+    meter = meter if meter is not None else memory_meter_for(device)
     make_step = build()
     try:
         return run_compute_benchmark(

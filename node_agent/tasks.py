@@ -14,7 +14,8 @@
 - Any other kind is reported failed.
 
 A handler that raises is reported failed with the error's message (ReportProgress failed=True);
-an exception never ends the agent. A cancelled task (TaskCancelled) is reported failed with
+an exception never ends the agent. A ProgramFault (the job's program crashed, hung, hit a limit
+or computed a non-finite loss or gradient) is reported with job_fault=True: the job's fault. A cancelled task (TaskCancelled) is reported failed with
 "abandoned: <reason>", so that the coordinator can hand its work to another node.
 
 `TaskContext` is everything a handler may use. It is the contract with node_agent/trainer.py:
@@ -37,6 +38,8 @@ an exception never ends the agent. A cancelled task (TaskCancelled) is reported 
     ctx.slowdown           SlowdownController: wrap each training step in
                            ctx.slowdown.timed_step(fn) (or call ctx.slowdown.pad(seconds))
     ctx.memory_limit_bytes emulated device memory (--memory-limit) or None
+    ctx.programs           ProgramHosts: loads a job's program into a confined child process
+                           (node_agent.program_host); the agent never runs one itself
     ctx.cancelled          threading.Event, set when the task must be abandoned (coordinator
                            cancel_task, drain grace exceeded); ctx.check_cancelled() raises
                            TaskCancelled -- check between steps, it is safe from any thread
@@ -85,7 +88,8 @@ from node_agent.benchmark import (
 )
 from node_agent.cache import BlobCache, CacheError
 from node_agent.connection import CoordinatorConnection, Expired, Stopped, describe, is_transient
-from node_agent.reference_model import reference_step_factory, synchronize
+from node_agent.program_host import ChildMemoryMeter, ProgramFault, ProgramHosts
+from node_agent.reference_model import reference_step_factory
 from node_agent.slowdown import SlowdownController
 
 log = logging.getLogger(__name__)
@@ -119,6 +123,7 @@ class TaskContext:
     slowdown: SlowdownController
     executor: Executor | None = None
     memory_limit_bytes: int | None = None
+    programs: ProgramHosts = field(default_factory=lambda: ProgramHosts("cpu", None, None))
     cancelled: threading.Event = field(default_factory=threading.Event)
     received_at: float = field(default_factory=time.monotonic)
     cancel_reason: str = ""
@@ -216,14 +221,15 @@ class TaskContext:
 
         await self.call("ReportProgress", request)
 
-    async def report_failure(self, error: str) -> None:
-        """Report the task failed (once); errors of the report itself are logged, not raised."""
+    async def report_failure(self, error: str, *, job_fault: bool = False) -> None:
+        """Report the task failed (once); errors of the report itself are logged, not raised.
+        `job_fault`: the failure is the job's (its program), not this node's."""
         if self.failure_reported:
             return
         self.failure_reported = True
-        self.log.warning("reporting failure: %s", error)
+        self.log.warning("reporting failure%s: %s", " (the job's fault)" * job_fault, error)
         try:
-            await self.report_progress(failed=True, error=error[:2000])
+            await self.report_progress(failed=True, error=error[:2000], job_fault=job_fault)
         except (Stopped, Expired, grpc.aio.AioRpcError) as exc:
             self.log.warning("could not report the failure: %s", describe(exc))
 
@@ -256,6 +262,9 @@ async def dispatch_task(ctx: TaskContext) -> None:
         raise
     except Expired as exc:
         await ctx.report_failure(f"deadline passed: {exc}")
+        return
+    except ProgramFault as exc:
+        await ctx.report_failure(str(exc), job_fault=True)
         return
     except grpc.aio.AioRpcError as exc:
         await ctx.report_failure(f"coordinator call failed: {describe(exc)}")
@@ -304,20 +313,18 @@ def program_step_factory(
     program: Path,
     initial_state: Path,
     shards: list[Path],
-    device: str,
+    programs: ProgramHosts,
     loaded: list[Any] | None = None,
 ) -> StepFactory:
-    """Load the job's exported program and its shards; `make_step(b)` then computes the loss
-    and gradients of b samples drawn (cyclically) from the shards, as a TRAIN round would (in a
-    local SGD job also an optimizer step, at learning rate 0).
+    """Load the job's exported program (into a confined child) and its shards; `make_step(b)`
+    then computes the loss and gradients of b samples drawn (cyclically) from the shards, as a
+    TRAIN round would (in a local SGD job also an optimizer step, at learning rate 0).
     `loaded` (a list) receives (program, dataset), for the trainer to keep."""
     from epochmesh.dataset import ShardedDataset
-    from epochmesh.program import TrainableProgram
 
     if not shards:
         raise ValueError("the benchmark task names no shard to draw sample batches from")
-    dev = torch.device(device)
-    prog = TrainableProgram.from_bytes(program.read_bytes(), initial_state.read_bytes(), dev)
+    prog = programs.load(program.read_bytes(), initial_state.read_bytes())
     dataset = ShardedDataset(
         [(s.start, s.count, path) for s, path in zip(task.shards, shards, strict=True)],
         inputs=list(task.spec.inputs),
@@ -341,14 +348,11 @@ def program_step_factory(
     def make_step(batch_size: int) -> Callable[[], None]:
         indices = [available[i % len(available)] for i in range(batch_size)]
         inputs, targets = dataset.get_batch(indices)
-        inputs = [t.to(dev) for t in inputs]
-        targets = [t.to(dev) for t in targets]
 
         def step() -> None:
             _, grads = prog.loss_and_grads(inputs, targets)
             if inner is not None:
                 optimizer_step(inner, params, names, grads)
-            synchronize(dev)
 
         return step
 
@@ -370,19 +374,23 @@ def job_step_factory(
     if program is None or initial_state is None:
         return partial(reference_step_factory, ctx.device), "reference model"
     return (
-        partial(program_step_factory, ctx.task, program, initial_state, shards, ctx.device, loaded),
-        "job's program",
+        partial(
+            program_step_factory, ctx.task, program, initial_state, shards, ctx.programs, loaded
+        ),
+        "job's program (confined)",
     )
 
 
-def _keep_for_training(job_id: str, loaded: list[Any]) -> None:
+def _keep_for_training(ctx: TaskContext, job_id: str, loaded: list[Any]) -> bool:
     """Hand the benchmark's loaded program and shards to the trainer (see
-    node_agent.trainer.adopt_loaded); without a trainer, or nothing loaded, nothing happens."""
+    node_agent.trainer.adopt_loaded); False when it did not take them."""
     if len(loaded) != 2 or importlib.util.find_spec("node_agent.trainer") is None:
-        return
+        return False
     trainer = importlib.import_module("node_agent.trainer")
-    if trainer.adopt_loaded(job_id, loaded[0], loaded[1]):
+    if trainer.adopt_loaded(ctx.programs, job_id, loaded[0], loaded[1]):
         log.debug("job %s: the benchmark's program is kept for training", job_id)
+        return True
+    return False
 
 
 async def run_benchmark_task(ctx: TaskContext) -> None:
@@ -399,22 +407,29 @@ async def run_benchmark_task(ctx: TaskContext) -> None:
     ctx.check_cancelled()
     loaded: list[Any] = []
     build, what = job_step_factory(ctx, program, state, shards, loaded)
+    meter = ChildMemoryMeter(lambda: loaded[0]) if program is not None else None
     plan = JOB_PLAN.with_batch_sizes(task.benchmark_batch_sizes)
     ctx.log.info("benchmarking the %s at batch sizes %s", what, list(plan.batch_sizes))
-    points = await ctx.run_compute(
-        partial(
-            benchmark_model,
-            build,
-            ctx.device,
-            plan,
-            ctx.slowdown,
-            memory_limit_bytes=ctx.memory_limit_bytes,
-            should_stop=ctx.cancelled.is_set,
+    kept = False
+    try:
+        points = await ctx.run_compute(
+            partial(
+                benchmark_model,
+                build,
+                ctx.device,
+                plan,
+                ctx.slowdown,
+                memory_limit_bytes=ctx.memory_limit_bytes,
+                should_stop=ctx.cancelled.is_set,
+                meter=meter,
+            )
         )
-    )
-    ctx.check_cancelled()
-    if task.job_id:
-        _keep_for_training(task.job_id, loaded)
+        ctx.check_cancelled()
+        if task.job_id:
+            kept = _keep_for_training(ctx, task.job_id, loaded)
+    finally:
+        if loaded and not kept:
+            ctx.programs.release(loaded[0])
     rtt_ms, bandwidth = await ctx.connection.measure_network()
     result = build_result(
         points,

@@ -41,6 +41,7 @@ from epochmesh.program import TrainableProgram
 from epochmesh.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.connection import Expired
+from node_agent.program_host import NONFINITE, ConfinedProgram, ProgramFault, ProgramHosts
 from node_agent.slowdown import SlowdownController
 from node_agent.tasks import TaskContext
 
@@ -60,9 +61,14 @@ KIND_PSEUDO_GRADIENT = "pseudo_gradient"
 Batch = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
+# What a job's compute runs on: in the agent always a ConfinedProgram (a child process); the
+# pure functions below take either.
+Program = ConfinedProgram | TrainableProgram
+
+
 @dataclass
 class LoadedJob:
-    program: TrainableProgram
+    program: Program
     dataset: ShardedDataset
     version: int = -1
     expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
@@ -98,22 +104,29 @@ async def _load_job(ctx: TaskContext, task: agent_pb2.Task) -> LoadedJob:
     state_path = await ctx.fetch_blob(task.initial_state)
 
     def load() -> LoadedJob:
-        prog = TrainableProgram.from_bytes(
-            program_path.read_bytes(), state_path.read_bytes(), torch.device(ctx.device)
-        )
+        prog = ctx.programs.load(program_path.read_bytes(), state_path.read_bytes())
         dataset = ShardedDataset(inputs=list(task.spec.inputs), targets=list(task.spec.targets))
         params = prog.get_parameters()
         expected = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
         return LoadedJob(program=prog, dataset=dataset, expected=expected)
 
     job = await ctx.run_compute(load)
-    while len(_jobs) >= MAX_LOADED_JOBS:
-        _jobs.pop(next(iter(_jobs)))
-    _jobs[task.job_id] = job
+    _keep(ctx.programs, task.job_id, job)
     return job
 
 
-def adopt_loaded(job_id: str, program: TrainableProgram, dataset: ShardedDataset) -> bool:
+def _keep(programs: ProgramHosts, job_id: str, job: LoadedJob) -> None:
+    """Keep a loaded job, stopping the program of the oldest one beyond MAX_LOADED_JOBS."""
+    while len(_jobs) >= MAX_LOADED_JOBS:
+        old = _jobs.pop(next(iter(_jobs)))
+        if isinstance(old.program, ConfinedProgram):
+            programs.release(old.program)
+    _jobs[job_id] = job
+
+
+def adopt_loaded(
+    programs: ProgramHosts, job_id: str, program: Program, dataset: ShardedDataset
+) -> bool:
     """Keep a program and dataset that a job benchmark already loaded for the job's rounds, so
     that its first round does not load the exported program again (seconds of a first round).
     The program's parameters must still be the job's initial ones (a benchmark computes
@@ -123,9 +136,7 @@ def adopt_loaded(job_id: str, program: TrainableProgram, dataset: ShardedDataset
         return False
     params = program.get_parameters()
     expected = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
-    while len(_jobs) >= MAX_LOADED_JOBS:
-        _jobs.pop(next(iter(_jobs)))
-    _jobs[job_id] = LoadedJob(program=program, dataset=dataset, expected=expected)
+    _keep(programs, job_id, LoadedJob(program=program, dataset=dataset, expected=expected))
     return True
 
 
@@ -173,7 +184,7 @@ def inner_step_slices(
 
 
 def accumulated_loss_and_grads(
-    program: TrainableProgram,
+    program: Program,
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor],
     micro_batch: int = 0,
@@ -207,7 +218,7 @@ def accumulated_loss_and_grads(
 
 
 def gradient_step(
-    program: TrainableProgram,
+    program: Program,
     batch: Batch,
     slowdown: SlowdownController,
     micro_batch: int = 0,
@@ -259,7 +270,7 @@ def prefetched_batches(
 
 
 def local_sgd_steps(
-    program: TrainableProgram,
+    program: Program,
     optimizer: torch.optim.Optimizer,
     slices: Sequence[Sequence[int]],
     get_batch: Callable[[Sequence[int]], Batch],
@@ -311,7 +322,10 @@ def local_sgd_steps(
             loss = slowdown.timed_step(step, overlap_s=clock() - last_end)
             last_end = clock()
             if not math.isfinite(loss):
-                raise ValueError(f"inner step {k} gave a non-finite loss ({loss})")
+                raise ProgramFault(
+                    f"the job's program computed a non-finite loss ({loss}) at inner step {k}",
+                    NONFINITE,
+                )
             total_loss += loss * len(idx)
             samples += len(idx)
             steps += 1
@@ -342,9 +356,30 @@ def inner_optimizer(job: LoadedJob, spec: common_pb2.JobSpec) -> torch.optim.Opt
     return job.inner_optimizer
 
 
+def require_finite(update: ComputedUpdate) -> ComputedUpdate:
+    """The update, checked before anything is sent: a non-finite loss or tensor is the job's
+    fault (ProgramFault), reported as such instead of pushed (where it would cost the node a
+    strike)."""
+    if not math.isfinite(update.mean_loss):
+        raise ProgramFault(
+            f"the job's program computed a non-finite loss ({update.mean_loss})", NONFINITE
+        )
+    for name, t in update.tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise ProgramFault(
+                f"the job's {update.kind} for {name!r} is not finite (the training diverged)",
+                NONFINITE,
+            )
+    return update
+
+
 def update_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
-    """The task's update from the parameters the job holds now (see the module docstring);
-    runs on the compute thread."""
+    """The task's update from the parameters the job holds now (see the module docstring),
+    checked to be finite; runs on the compute thread."""
+    return require_finite(_compute(ctx, job, task))
+
+
+def _compute(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
     indices = ranges_to_indices(task.ranges)
     spec = task.spec
     if not is_local_sgd(spec):

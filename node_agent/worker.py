@@ -65,6 +65,7 @@ from node_agent.connection import (
 from node_agent.devices import DeviceError, Discovered, discover_devices
 from node_agent.identity import transport_identity
 from node_agent.peer import PeerServer
+from node_agent.program_host import ProgramHosts, child_memory_budget
 from node_agent.reference_model import reference_step_factory
 from node_agent.ring_trainer import PeerRuntime, provide_state
 from node_agent.slowdown import SlowdownController
@@ -94,6 +95,7 @@ class Agent:
         self.config = config
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.current: TaskContext | None = None
+        self.programs = ProgramHosts("cpu", None, None)  # replaced once the device is known
         self.reference_result: common_pb2.BenchmarkResult | None = None
         self.drain_reason = ""
         self.peer: PeerRuntime | None = None
@@ -180,8 +182,15 @@ class Agent:
             return EXIT_CONFIG
         for device in self.discovered.devices:
             log.info("device: %s", device_summary(device))
+        self.programs = ProgramHosts(
+            self.discovered.torch_device,
+            config.threads,
+            child_memory_budget(self.discovered.selected, config.memory_limit_bytes),
+        )
         if self.discovered.torch_device == "cpu":
-            self.slowdown.measure_cpu_time()
+            # Jobs' programs compute in child processes: their CPU time is the device's too.
+            programs = self.programs
+            self.slowdown.measure_cpu_time(lambda: time.process_time() + programs.cpu_seconds())
         log.info("training on %s (slowdown %g)", self.discovered.torch_device, self.slowdown.factor)
         if not config.no_peer:
             try:
@@ -251,6 +260,7 @@ class Agent:
         await self.connection.close()
         await self._stop_peer_server()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.programs.close_all)
         log.info("agent stopped")
 
     def _register_request(self) -> agent_pb2.RegisterRequest:
@@ -499,6 +509,7 @@ class Agent:
             slowdown=self.slowdown,
             executor=self.executor,
             memory_limit_bytes=self.config.memory_limit_bytes,
+            programs=self.programs,
             peer=self.peer,
         )
 

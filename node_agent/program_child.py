@@ -1,0 +1,296 @@
+"""The program child: runs one job's exported program for the agent, confined.
+
+Started by node_agent.program_host as ``python -m node_agent.program_child FD`` with a fresh
+interpreter (never forked from the agent, so it never holds the node's key, certificate or
+tokens) and a minimal environment; FD is its end of a socket pair to the agent, its only
+channel (node_agent.program_wire). It imports what it needs, confines itself
+(epochmesh.confine: resource limits, Landlock, seccomp), answers "ready", then serves:
+
+- ``load``: the program and initial state (memfds), the state region (memfd + layout): checks
+  and loads the program (epochmesh.program, the same allow-list as everywhere), and binds its
+  parameters and buffers to the shared state region, so that the agent's optimizer steps and
+  parameter loads are the program's (on a GPU: copied in before and out after each step);
+- ``grads``: the region (float32, one slot per parameter) the gradients are written to;
+- ``arena``: a region the agent writes batches into;
+- ``step``: loss and gradients (or the loss alone) of the batch described by arena slots,
+  optionally with the peak tensor memory of the step;
+- ``probe`` (tests only: answered when EPOCHMESH_TEST_HOOKS=1 is in the environment): try
+  something confinement must stop and say what happened.
+
+Errors are answered ({"ok": false, "kind", "error"}); after running out of memory the child
+exits, since the program's state may be half-updated. EPOCHMESH_TEST_PROGRAM_FAULT (tests
+only) makes the first step crash, hang or allocate without bound.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+
+from epochmesh.confine import Confinement, confine_self, data_bytes, runtime_read_paths
+from epochmesh.errors import ProgramError
+from epochmesh.program import TrainableProgram
+from node_agent.benchmark import CpuMemoryMeter, is_out_of_memory
+from node_agent.program_wire import Layout, Region, WireError, read_message, send_message
+
+log = logging.getLogger("epochmesh.program_child")
+
+TEST_HOOKS_ENV = "EPOCHMESH_TEST_HOOKS"
+TEST_FAULT_ENV = "EPOCHMESH_TEST_PROGRAM_FAULT"
+
+
+class ProgramRunner:
+    """The loaded program and the shared regions it works in."""
+
+    def __init__(self) -> None:
+        self.program: TrainableProgram | None = None
+        self.state_views: dict[str, torch.Tensor] = {}
+        self.grad_views: dict[str, torch.Tensor] = {}
+        self.arena: Region | None = None
+        self.mirror = False  # device memory is not the shared region: copy in and out
+        self.fault = os.environ.get(TEST_FAULT_ENV, "")
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def load(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        if len(fds) != 3:
+            raise WireError("load needs the program, initial state and state regions")
+        program_region, init_region, state_region = (Region.attach(fd) for fd in fds)
+        program = _read(program_region, msg.get("program_bytes"))
+        init = _read(init_region, msg.get("init_bytes"))
+        for region in (program_region, init_region, state_region):
+            region.close_fd()
+        device = torch.device(str(msg.get("device", "cpu")))
+        prog = TrainableProgram.from_bytes(program, init, device)
+        del program, init
+        layout = Layout.from_json(msg.get("layout"), state_region.size)
+        views = state_region.views(layout)
+        live = prog.live_tensors()
+        canonical = {id(t): k for k, t in reversed(list(live.items()))}
+        for name, view in views.items():
+            t = live.get(name)
+            if t is None or canonical[id(t)] != name:
+                raise ProgramError(f"the state region names {name!r}, which the program lacks")
+            if t.dtype != view.dtype or tuple(t.shape) != tuple(view.shape):
+                raise ProgramError(f"state {name!r} does not match the program's tensor")
+        missing = {k for k, t in live.items() if canonical[id(t)] == k} - set(views)
+        if missing:
+            raise ProgramError(f"the state region lacks {sorted(missing)[:5]}")
+        self.mirror = device.type != "cpu"
+        with torch.no_grad():
+            for name, view in views.items():
+                if self.mirror:
+                    live[name].copy_(view)
+                else:
+                    live[name].data = view
+        self.program = prog
+        self.state_views = views
+        return {
+            "param_names": prog.param_names,
+            "buffer_names": prog.buffer_names,
+            "state_names": prog.state_names,
+            "num_user_inputs": prog.num_user_inputs,
+        }
+
+    def grads(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        prog = self._program()
+        if len(fds) != 1:
+            raise WireError("grads needs one region")
+        region = Region.attach(fds[0])
+        region.close_fd()
+        layout = Layout.from_json(msg.get("layout"), region.size)
+        views = region.views(layout)
+        if list(views) != prog.param_names or any(
+            v.dtype != torch.float32 or v.shape != prog.live_tensors()[k].shape
+            for k, v in views.items()
+        ):
+            raise ProgramError("the gradient region does not match the program's parameters")
+        self.grad_views = views
+        return {}
+
+    def set_arena(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        if len(fds) != 1:
+            raise WireError("arena needs one region")
+        self.arena = Region.attach(fds[0])
+        self.arena.close_fd()
+        return {}
+
+    # -- compute --------------------------------------------------------------------------------
+
+    def step(self, msg: dict[str, Any]) -> dict[str, Any]:
+        prog = self._program()
+        if self.arena is None:
+            raise WireError("no arena")
+        self._test_fault()
+        inputs = list(
+            self.arena.views(Layout.from_json(msg.get("inputs"), self.arena.size)).values()
+        )
+        targets = list(
+            self.arena.views(Layout.from_json(msg.get("targets"), self.arena.size)).values()
+        )
+        with_grads = bool(msg.get("grads", True))
+        meter = CpuMemoryMeter() if msg.get("track_memory") else None
+        if self.mirror:
+            self._copy_in()
+
+        def run() -> float:
+            if not with_grads:
+                return prog.loss(inputs, targets)
+            loss, grads = prog.loss_and_grads(inputs, targets)
+            with torch.no_grad():
+                for name, g in grads.items():
+                    self.grad_views[name].copy_(g)
+            return loss
+
+        loss = meter.track(run) if meter is not None else run()
+        if self.mirror:
+            self._copy_out()
+        out: dict[str, Any] = {"loss": loss if math.isfinite(loss) else str(loss)}
+        if meter is not None:
+            out["peak"] = meter.peak_bytes()
+        return out
+
+    def _copy_in(self) -> None:
+        live = self._program().live_tensors()
+        with torch.no_grad():
+            for name, view in self.state_views.items():
+                live[name].copy_(view, non_blocking=True)
+
+    def _copy_out(self) -> None:
+        prog = self._program()
+        live = prog.live_tensors()
+        with torch.no_grad():
+            for name in prog.buffer_names:
+                if name in self.state_views:
+                    self.state_views[name].copy_(live[name])
+
+    def _program(self) -> TrainableProgram:
+        if self.program is None:
+            raise WireError("no program loaded")
+        return self.program
+
+    def _test_fault(self) -> None:
+        fault, self.fault = self.fault, ""
+        if fault == "crash":
+            import ctypes
+
+            ctypes.string_at(0)
+        elif fault == "hang":
+            while True:
+                pass
+        elif fault == "alloc":
+            hoard = []
+            while True:
+                hoard.append(torch.ones(1 << 26))
+
+
+def _read(region: Region, size: Any) -> bytes:
+    if type(size) is not int or not 0 <= size <= region.size:
+        raise WireError("a region's byte count is out of range")
+    return bytes(region.view_bytes(size))
+
+
+def probe(msg: dict[str, Any]) -> dict[str, Any]:
+    """Tests only: try what confinement must stop; the answer says what happened."""
+    what = msg.get("what")
+    try:
+        if what == "read":
+            with open(str(msg.get("path")), "rb") as f:
+                f.read(1)
+        elif what == "socket":
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.connect(("127.0.0.1", int(msg.get("port", 1))))
+            s.close()
+        elif what == "alloc":
+            hoard = torch.ones(int(msg.get("bytes", 0)) // 4)
+            hoard.add_(1)
+        else:
+            return {"outcome": f"unknown probe {what!r}"}
+    except Exception as e:  # the point: report whatever stopped it
+        return {"outcome": f"refused: {type(e).__name__}: {e}"}
+    return {"outcome": "allowed"}
+
+
+def serve(sock: socket.socket, runner: ProgramRunner) -> None:
+    hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
+    while True:
+        try:
+            msg, fds = read_message(sock)
+        except WireError:
+            return  # the agent went away
+        op = msg.get("op")
+        started = time.process_time()
+        try:
+            if op == "load":
+                out = runner.load(msg, fds)
+            elif op == "grads":
+                out = runner.grads(msg, fds)
+            elif op == "arena":
+                out = runner.set_arena(msg, fds)
+            elif op == "step":
+                out = runner.step(msg)
+            elif op == "probe" and hooks:
+                out = probe(msg)
+            elif op == "exit":
+                return
+            else:
+                raise WireError(f"unknown op {op!r}")
+        except Exception as e:
+            fatal = is_out_of_memory(e)
+            kind = "memory" if fatal else ("value" if isinstance(e, ValueError) else "error")
+            reply = {"ok": False, "kind": kind, "error": f"{type(e).__name__}: {_first(e)}"}
+            send_message(sock, reply)
+            if fatal:
+                return
+            continue
+        out.update(ok=True, cpu=time.process_time() - started)
+        send_message(sock, out)
+
+
+def _first(e: BaseException) -> str:
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()[:500]
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="program child: %(message)s")
+    sock = socket.socket(fileno=int(args[0]))
+    hello, _ = read_message(sock)
+    threads = hello.get("threads")
+    if type(threads) is int and threads > 0:
+        torch.set_num_threads(threads)
+    device = str(hello.get("device", "cpu"))
+    if device.startswith("cuda"):
+        torch.zeros(1, device=device)  # the driver's files are opened before confinement
+    # torch.export.load's modules, imported while files are still open: their import touches
+    # a cache folder (torch._dynamo), which confinement would refuse.
+    for name in ("torch._export.serde.serialize", "torch.export.pt2_archive"):
+        importlib.import_module(name)
+
+    memory = hello.get("memory_bytes")
+    budget = memory if type(memory) is int and memory > 0 else None
+    report = confine_self(
+        Confinement(
+            memory_bytes=data_bytes() + budget if budget else None,
+            open_files=int(hello.get("open_files", 64)),
+            read_paths=runtime_read_paths(),
+        )
+    )
+    send_message(sock, {"ok": True, "confinement": report.describe(), "pid": os.getpid()})
+    serve(sock, ProgramRunner())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,569 @@
+"""A job's program, run in a confined child process (node_agent.program_child).
+
+`ConfinedProgram` offers the agent what `epochmesh.program.TrainableProgram` offers (names,
+live parameters for optimizers, state, loss and gradients of a batch), but the program itself
+runs in a child that never holds the node's key, certificate or tokens, has no network, and
+runs under resource limits (epochmesh.confine). Parameters and buffers live in shared memory
+that the agent owns (a memfd): the agent's optimizer steps and parameter loads change what the
+child computes with, without copies; batches go through a shared arena and gradients come
+back through a shared region; only small JSON messages cross the socket pair.
+
+A crash, a limit hit, a hang (no answer within `timeout_s`) or an error of the child raises
+`ProgramFault`: the task fails with the reason, and the next call starts a fresh child, which
+loads the program again and finds the state where the agent left it. A non-finite loss or
+gradient is a `ProgramFault` too: the job's fault, not the node's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import psutil
+import torch
+
+from epochmesh.confine import describe_exit, set_cpu_limit
+from epochmesh.errors import ProgramError
+from epochmesh.program import (
+    ALIASES_METADATA_KEY,
+    PARAMS_METADATA_KEY,
+    read_initial_state,
+)
+from epochmesh.tensors import to_safetensors
+from epochmesh.v1 import common_pb2
+from node_agent.benchmark import MEMORY_HEADROOM
+from node_agent.program_wire import Layout, Region, WireError, read_message, send_message
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TEST_HOOKS_ENV = "EPOCHMESH_TEST_HOOKS"
+# Tests only: "crash:N" / "hang:N" / "alloc:N": the first N children fail their first step so.
+TEST_FAULT_ENV = "EPOCHMESH_TEST_PROGRAM_FAULT"
+# Environment a child gets from the agent (nothing else: no tokens, no credentials).
+_PASSED_ENV = ("LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", TEST_HOOKS_ENV)
+
+CHILD_OVERHEAD_BYTES = 512 << 20
+START_TIMEOUT_S = 120.0  # a fresh interpreter importing torch on a busy machine
+LOAD_TIMEOUT_S = 300.0  # loading a large exported program
+DEFAULT_STEP_TIMEOUT_S = 120.0
+MIN_STEP_TIMEOUT_S = 10.0
+
+# Kinds of ProgramFault.
+CRASHED = "crashed"
+HUNG = "hung"
+MEMORY = "memory"
+NONFINITE = "nonfinite"
+REFUSED = "refused"
+FAILED = "failed"
+
+
+class ProgramFault(Exception):
+    """The job's program failed on this node (see the module docstring): the job's fault."""
+
+    def __init__(self, reason: str, kind: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+class ProgramMemoryError(ProgramFault, MemoryError):
+    """The program ran out of its child's memory limit (a benchmark takes it as out of memory)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, MEMORY)
+
+
+@dataclass
+class ChildLimits:
+    """What a program child may use."""
+
+    memory_bytes: int | None = None  # private memory beyond its start-up use (RLIMIT_DATA)
+    threads: int | None = None  # torch threads (also the CPU seconds per wall second allowed)
+    device: str = "cpu"
+
+
+class ProgramChild:
+    """One child process and its socket; every failure to answer becomes a ProgramFault."""
+
+    _spawned = 0
+    _spawn_lock = threading.Lock()
+
+    def __init__(self, limits: ChildLimits) -> None:
+        self.limits = limits
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+        env["PATH"] = "/usr/bin:/bin"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        fault = _test_fault_for_next_child()
+        if fault:
+            env["EPOCHMESH_TEST_PROGRAM_FAULT"] = fault
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "node_agent.program_child", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=env,
+                cwd="/",
+                close_fds=True,
+            )
+        finally:
+            child.close()
+        self.sock = parent
+        self.pid = self.proc.pid
+        self.confinement = ""
+        hello = {
+            "op": "hello",
+            "device": limits.device,
+            "threads": limits.threads or torch.get_num_threads(),
+            "memory_bytes": limits.memory_bytes or 0,
+        }
+        ready = self.request(hello, timeout_s=START_TIMEOUT_S)
+        self.confinement = str(ready.get("confinement", ""))[:200]
+        log.info("program child %d started (%s)", self.pid, self.confinement)
+
+    def request(
+        self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout_s: float
+    ) -> dict[str, Any]:
+        """Send a message, wait for the answer; ProgramFault for a dead, hung or failing child
+        (it is killed then)."""
+        if self.proc.poll() is None:
+            threads = self.limits.threads or torch.get_num_threads()
+            try:
+                set_cpu_limit(self.pid, timeout_s * max(1, threads))
+            except (OSError, ValueError):
+                pass  # it is exiting
+        try:
+            send_message(self.sock, message, fds)
+        except OSError:
+            raise self._dead() from None
+        ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        if not ready:
+            self.kill()
+            raise ProgramFault(
+                f"the job's program did not answer within {timeout_s:.0f} s (hung); stopped it",
+                HUNG,
+            )
+        try:
+            reply, extra = read_message(self.sock)
+        except (WireError, OSError):
+            raise self._dead() from None
+        for fd in extra:  # the child has no business sending descriptors
+            os.close(fd)
+        if reply.get("ok") is True:
+            return reply
+        kind = reply.get("kind")
+        error = str(reply.get("error", "unknown error"))[:500]
+        if kind == "memory":
+            self.kill()
+            raise ProgramMemoryError(
+                f"the job's program ran out of its memory limit ({error}); stopped it"
+            )
+        if kind == "value":
+            raise ValueError(error)
+        raise ProgramFault(f"the job's program failed: {error}", FAILED)
+
+    def _dead(self) -> ProgramFault:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.proc.returncode
+        self.sock.close()
+        return ProgramFault(f"the job's program {describe_exit(code)}", CRASHED)
+
+    def cpu_seconds(self) -> float:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("program child %d did not die", self.pid)
+        self.sock.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                send_message(self.sock, {"op": "exit"})
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+def _test_fault_for_next_child() -> str:
+    """EPOCHMESH_TEST_PROGRAM_FAULT=kind:N: the fault for the first N children (tests only)."""
+    raw = os.environ.get(TEST_FAULT_ENV, "")
+    if not raw or os.environ.get(TEST_HOOKS_ENV) != "1":
+        return ""
+    kind, _, count = raw.partition(":")
+    with ProgramChild._spawn_lock:
+        ProgramChild._spawned += 1
+        return kind if ProgramChild._spawned <= int(count or 1) else ""
+
+
+class ConfinedProgram:
+    """TrainableProgram's interface over a program child (see the module docstring)."""
+
+    def __init__(
+        self,
+        program: bytes,
+        initial_state: bytes,
+        limits: ChildLimits,
+    ) -> None:
+        init = read_initial_state(initial_state, require_params=False)
+        self.device = torch.device(limits.device)
+        if limits.memory_bytes is not None:  # room for the program's own bytes, loaded there
+            extra = 4 * (len(program) + len(initial_state))
+            limits = replace(limits, memory_bytes=limits.memory_bytes + extra)
+        self.limits = limits
+        self.timeout_s = DEFAULT_STEP_TIMEOUT_S
+        self.aliases = dict(init.aliases)
+        # From the initial state's metadata (packaging writes it), else from the first load.
+        self._declared_params = list(init.param_names) if init.param_names is not None else None
+        self.param_names: list[str] = []
+        self.state_names: list[str] = list(init.state)
+        self.buffer_names: list[str] = []
+        self.num_user_inputs = 0
+        self._program = Region.create("program", len(program))
+        self._program.write(0, program)
+        self._init = Region.create("initial-state", len(initial_state))
+        self._init.write(0, initial_state)
+        self._sizes = (len(program), len(initial_state))
+        own = [k for k in self.state_names if k not in self.aliases]
+        self._state_layout = Layout.of((k, init.state[k].dtype, init.state[k].shape) for k in own)
+        self._state = Region.create("state", self._state_layout.size)
+        self._tensors = self._state.views(self._state_layout)
+        with torch.no_grad():
+            for k in own:
+                self._tensors[k].copy_(init.state[k])
+        for alias, canonical in self.aliases.items():
+            self._tensors[alias] = self._tensors[canonical]
+        self._grad_layout: Layout | None = None
+        self._grads: Region | None = None
+        self._grad_views: dict[str, torch.Tensor] = {}
+        self._arena: Region | None = None
+        self._child: ProgramChild | None = None
+        self._lock = threading.Lock()
+        self.track_memory = False
+        self.last_peak_bytes = 0
+        self.restarts = -1
+        self._cpu_of_dead = 0.0
+        self._start()
+
+    # -- the child ------------------------------------------------------------------------------
+
+    def _start(self) -> ProgramChild:
+        if self._child is not None and self._child.alive:
+            return self._child
+        if self._child is not None:
+            self._cpu_of_dead += self._child.cpu_seconds()
+        self.restarts += 1
+        child = ProgramChild(self.limits)
+        self._child = child
+        try:
+            reply = child.request(
+                {
+                    "op": "load",
+                    "program_bytes": self._sizes[0],
+                    "init_bytes": self._sizes[1],
+                    "device": str(self.device),
+                    "layout": self._state_layout.to_json(),
+                },
+                [self._program.fd, self._init.fd, self._state.fd],
+                timeout_s=LOAD_TIMEOUT_S,
+            )
+        except ValueError as e:
+            child.kill()
+            raise ProgramFault(f"the job's program was refused on this node: {e}", REFUSED) from e
+        except ProgramFault as e:
+            child.kill()
+            raise ProgramFault(f"loading the job's program failed: {e}", e.kind) from e
+        try:
+            self._take_names(reply)
+        except ProgramFault:
+            child.kill()
+            raise
+        assert self._grad_layout is not None and self._grads is not None
+        child.request(
+            {"op": "grads", "layout": self._grad_layout.to_json()},
+            [self._grads.fd],
+            timeout_s=MIN_STEP_TIMEOUT_S,
+        )
+        if self._arena is not None:
+            child.request({"op": "arena"}, [self._arena.fd], timeout_s=MIN_STEP_TIMEOUT_S)
+        return child
+
+    def _take_names(self, reply: dict[str, Any]) -> None:
+        """The parameter names of the child's first load (checked against the initial state's
+        metadata and tensors); later loads must name the same."""
+        names = reply.get("param_names")
+        own = {k for k in self.state_names if k not in self.aliases}
+        if (
+            not isinstance(names, list)
+            or not all(isinstance(n, str) and n in own for n in names)
+            or len(set(names)) != len(names)
+            or not all(self._tensors[n].is_floating_point() for n in names)
+        ):
+            raise ProgramFault("the program names parameters its initial state lacks", REFUSED)
+        expected = self._declared_params if self._grad_layout is None else self.param_names
+        if expected is not None and names != expected:
+            raise ProgramFault("the program's parameters differ from its initial state's", REFUSED)
+        inputs = reply.get("num_user_inputs")
+        self.num_user_inputs = inputs if type(inputs) is int and inputs > 0 else 0
+        if self._grad_layout is not None:
+            return
+        self.param_names = list(names)
+        params = set(names)
+        self.buffer_names = [k for k in self.state_names if k not in params | set(self.aliases)]
+        for k in self.param_names:
+            self._tensors[k].requires_grad_(True)
+        self._grad_layout = Layout.of(
+            (k, torch.float32, self._tensors[k].shape) for k in self.param_names
+        )
+        self._grads = Region.create("grads", self._grad_layout.size)
+        self._grad_views = self._grads.views(self._grad_layout)
+
+    @property
+    def confinement(self) -> str:
+        return self._child.confinement if self._child is not None else ""
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None and self._child.alive else None
+
+    def cpu_seconds(self) -> float:
+        """CPU time of every child this program ran in (for the slowdown's compute clock)."""
+        child = self._child
+        return self._cpu_of_dead + (child.cpu_seconds() if child is not None else 0.0)
+
+    def set_memory_budget(self, budget_bytes: int) -> None:
+        """Memory the child may use beyond its start-up use, from now on (and for restarts)."""
+        self.limits.memory_bytes = budget_bytes
+        if self._child is not None and self._child.alive:
+            self._child.kill()  # the next call starts one under the new limit
+
+    def close(self) -> None:
+        with self._lock:
+            if self._child is not None:
+                self._cpu_of_dead += self._child.cpu_seconds()
+                self._child.close()
+                self._child = None
+
+    def probe(self, **message: Any) -> str:
+        """Tests only (EPOCHMESH_TEST_HOOKS=1): ask the child to try something."""
+        with self._lock:
+            reply = self._start().request({"op": "probe", **message}, timeout_s=60.0)
+        return str(reply.get("outcome", ""))
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._tensors[k] for k in self.param_names]
+
+    def get_parameters(self) -> dict[str, torch.Tensor]:
+        return {k: self._tensors[k].detach().clone() for k in self.param_names}
+
+    def set_parameters(self, params: Mapping[str, torch.Tensor]) -> None:
+        self._assign(params, self.param_names, "parameters")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: self._tensors[k].detach().clone() for k in self.state_names}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._assign(state, self.state_names, "state")
+
+    def state_bytes(self) -> bytes:
+        meta = {PARAMS_METADATA_KEY: json.dumps(self.param_names)}
+        if self.aliases:
+            meta[ALIASES_METADATA_KEY] = json.dumps(self.aliases)
+        return to_safetensors(self.state_dict(), metadata=meta)
+
+    def _assign(self, values: Mapping[str, torch.Tensor], names: list[str], what: str) -> None:
+        if set(values) != set(names):
+            missing = [n for n in names if n not in values]
+            extra = [n for n in values if n not in set(names)]
+            raise ValueError(f"{what}: missing {missing[:5]}, unexpected {extra[:5]}")
+        for k in names:
+            dst, src = self._tensors[k], values[k]
+            if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+                raise ValueError(
+                    f"{what}: {k!r} is {src.dtype} {list(src.shape)}, the program expects "
+                    f"{dst.dtype} {list(dst.shape)}"
+                )
+        with torch.no_grad():
+            for k in names:
+                if k not in self.aliases:
+                    self._tensors[k].copy_(values[k])
+
+    # -- compute --------------------------------------------------------------------------------
+
+    def _place(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """Write the batch into the arena (grown as needed); its layout as JSON."""
+        specs = [(str(i), t.dtype, tuple(t.shape)) for i, t in enumerate(tensors)]
+        layout = Layout.of(specs)
+        if self._arena is None or self._arena.size < layout.size:
+            self._arena = Region.create("arena", max(layout.size * 2, 1 << 20))
+            if self._child is not None and self._child.alive:
+                self._child.request({"op": "arena"}, [self._arena.fd], timeout_s=30.0)
+        views = self._arena.views(layout)
+        with torch.no_grad():
+            for slot, t in zip(layout.slots, tensors, strict=True):
+                views[slot.name].copy_(t.detach().to("cpu"))
+        return layout.to_json()
+
+    def _step(
+        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], grads: bool
+    ) -> float:
+        args = [*inputs, *targets]
+        if self.num_user_inputs and len(args) != self.num_user_inputs:
+            raise ValueError(
+                f"the program takes {self.num_user_inputs} tensors (inputs then targets), "
+                f"got {len(inputs)} + {len(targets)}"
+            )
+        with self._lock:
+            child = self._start()
+            placed = self._place(args)
+            n_in = len(inputs)
+            layout = placed["slots"]
+            message = {
+                "op": "step",
+                "inputs": {"slots": layout[:n_in], "size": placed["size"]},
+                "targets": {"slots": layout[n_in:], "size": placed["size"]},
+                "grads": grads,
+                "track_memory": self.track_memory,
+            }
+            reply = child.request(message, timeout_s=self.timeout_s)
+        peak = reply.get("peak")
+        self.last_peak_bytes = peak if type(peak) is int and peak >= 0 else 0
+        loss = reply.get("loss")
+        if isinstance(loss, str):
+            loss = float(loss) if loss in ("nan", "inf", "-inf") else None
+        if not isinstance(loss, int | float) or isinstance(loss, bool):
+            raise ProgramFault("the job's program answered without a loss", FAILED)
+        if not math.isfinite(loss):
+            raise ProgramFault(f"the job's program computed a non-finite loss ({loss})", NONFINITE)
+        return float(loss)
+
+    def loss_and_grads(
+        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+    ) -> tuple[float, dict[str, torch.Tensor]]:
+        """Mean loss of the batch and its gradients (float32 CPU copies); ProgramFault for a
+        non-finite loss (the trainer checks the gradients of the whole update)."""
+        loss = self._step(inputs, targets, grads=True)
+        return loss, {k: v.clone() for k, v in self._grad_views.items()}
+
+    def loss(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
+        return self._step(inputs, targets, grads=False)
+
+
+def load_confined(program: bytes, initial_state: bytes, limits: ChildLimits) -> ConfinedProgram:
+    """A ConfinedProgram; ProgramFault when the program is refused or its child fails."""
+    try:
+        return ConfinedProgram(program, initial_state, limits)
+    except ProgramError as e:
+        raise ProgramFault(f"the job's program was refused on this node: {e}", REFUSED) from e
+
+
+class ChildMemoryMeter:
+    """node_agent.benchmark's MemoryMeter for a confined program: the child counts the peak
+    tensor memory of a tracked step (as CpuMemoryMeter does in-process)."""
+
+    def __init__(self, program_of: Callable[[], ConfinedProgram]) -> None:
+        self._program_of = program_of
+        self._peak = 0
+
+    def reset(self) -> None:
+        self._peak = 0
+
+    def track(self, fn: Callable[[], T]) -> T:
+        prog = self._program_of()
+        prog.track_memory = True
+        try:
+            result = fn()
+        finally:
+            prog.track_memory = False
+        self._peak = max(self._peak, prog.last_peak_bytes)
+        return result
+
+    def peak_bytes(self) -> int:
+        return self._peak
+
+
+def child_memory_budget(device: common_pb2.Device, memory_limit_bytes: int | None) -> int:
+    """Private memory a program child may use beyond its start-up use, before the program's
+    own bytes: on a CPU what a batch may use there (--memory-limit, else MEMORY_HEADROOM of the
+    machine's memory), on a GPU a quarter of the host's memory (activations live on the
+    device); plus CHILD_OVERHEAD_BYTES for the allocator and scratch space."""
+    if device.kind in ("cpu", ""):
+        budget = memory_limit_bytes or int(device.total_memory_bytes * MEMORY_HEADROOM)
+    else:
+        budget = psutil.virtual_memory().total // 4
+    if budget <= 0:
+        budget = psutil.virtual_memory().total // 2
+    return budget + CHILD_OVERHEAD_BYTES
+
+
+class ProgramHosts:
+    """The agent's confined programs: loads them with the agent's limits, sums their CPU time
+    (the slowdown's compute clock), stops them all at shutdown."""
+
+    def __init__(self, device: str, threads: int | None, memory_budget: int | None) -> None:
+        self.device = device
+        self.threads = threads
+        self.memory_budget = memory_budget
+        self._programs: list[ConfinedProgram] = []
+        self._cpu_of_closed = 0.0
+        self._lock = threading.Lock()
+
+    def load(self, program: bytes, initial_state: bytes) -> ConfinedProgram:
+        limits = ChildLimits(
+            memory_bytes=self.memory_budget, threads=self.threads, device=self.device
+        )
+        prog = load_confined(program, initial_state, limits)
+        with self._lock:
+            self._programs.append(prog)
+        return prog
+
+    def release(self, prog: ConfinedProgram) -> None:
+        """Stop a program the agent no longer keeps."""
+        prog.close()
+        with self._lock:
+            if prog in self._programs:
+                self._programs.remove(prog)
+                self._cpu_of_closed += prog.cpu_seconds()
+
+    def cpu_seconds(self) -> float:
+        with self._lock:
+            programs = list(self._programs)
+            closed = self._cpu_of_closed
+        return closed + sum(p.cpu_seconds() for p in programs)
+
+    def close_all(self) -> None:
+        with self._lock:
+            programs, self._programs = self._programs, []
+        for p in programs:
+            p.close()
