@@ -93,6 +93,10 @@ JS = common_pb2.JobState
 TERMINAL = (JS.JOB_STATE_SUCCEEDED, JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED)
 # A node that fails this many tasks of a job in a row is left out of that job.
 MAX_CONSECUTIVE_FAILURES = 3
+# A job fails for its own fault (its program crashed, hung, hit a limit or computed non-finite
+# values) once this many distinct nodes report such a fault since its last applied round (or
+# every node it has, when it has fewer): one node alone cannot end another tenant's job.
+JOB_FAULT_NODES = 2
 # A round whose deadline passes before any node delivered waits at most this many times longer.
 MAX_DEADLINE_EXTENSIONS = 2
 # Time-boxed local SGD rounds (parameter server): each node gets a time box and ranges for
@@ -336,6 +340,10 @@ class JobRunner:
         # how fast the node really was; such figures wait here for the next round's planning.
         self._late: dict[str, tuple[str, int, int]] = {}  # task -> (node, samples, steps)
         self._late_figures: list[tuple[str, int, int, float]] = []
+        # Job faults reported since the last applied round (node -> reason), and the verdict
+        # that ends the job once enough nodes agree (see JOB_FAULT_NODES).
+        self._job_faults: dict[str, str] = {}
+        self._job_fault_verdict = ""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -375,6 +383,9 @@ class JobRunner:
         try:
             await self._restore()
             while not self._stop.is_set() and not self.terminal:
+                if self._job_fault_verdict:
+                    await self._fail_for_program(self._job_fault_verdict)
+                    continue
                 if self.job.epoch >= self.spec.epochs:
                     await self._finish()  # SUCCEEDED (terminal), or a ring job rolled back
                     continue
@@ -508,7 +519,7 @@ class JobRunner:
     async def _gather_nodes(self) -> list[str]:
         """The nodes of the next round (benchmarked on this job); waits while there are too
         few (PAUSED below min_nodes)."""
-        while not self._stop.is_set() and not self.terminal:
+        while not self._stop.is_set() and not self.terminal and not self._job_fault_verdict:
             self._wake.clear()
             await self._handle_departures()
             max_nodes = min(self.spec.max_nodes, self.spec.global_batch)
@@ -748,11 +759,16 @@ class JobRunner:
             )
         self.wake()
 
-    def on_task_failed(self, node_id: str, task_id: str, error: str) -> None:
+    def on_task_failed(
+        self, node_id: str, task_id: str, error: str, *, job_fault: bool = False
+    ) -> None:
+        """A task of this job failed on the node; `job_fault`: by the job's own fault (counted
+        by `on_job_fault`, not against the node)."""
         pending = self.bench_pending.get(node_id)
         if pending is not None and pending[0] == task_id:
             self.bench_pending.pop(node_id, None)
-            self._note_failure(node_id, error)
+            if not job_fault:
+                self._note_failure(node_id, error)
             return
         rs = self.round_state
         if rs is not None:
@@ -760,8 +776,48 @@ class JobRunner:
             if part is not None and part.task_id == task_id and part.status == "pending":
                 part.status = "failed"
                 part.error = error[:500]
-                self._note_failure(node_id, error)
+                if not job_fault:
+                    self._note_failure(node_id, error)
                 rs.touch()
+
+    def on_job_fault(self, node_id: str, task_id: str, error: str) -> None:
+        """A node of this job says one of its tasks failed by the job's fault. Once enough
+        distinct nodes say so (JOB_FAULT_NODES, or all the job's nodes when it has fewer) since
+        the last applied round, the job fails with the reason; no node is blamed."""
+        if task_id not in (self._open_task_ids()):
+            return  # stale, or not this node's task
+        self._job_faults[node_id] = error[:300]
+        holders = set(self.nodes) | set(self.bench_pending) | set(self._job_faults)
+        needed = max(1, min(JOB_FAULT_NODES, len(holders)))
+        if len(self._job_faults) >= needed and not self._job_fault_verdict:
+            nodes = ", ".join(sorted(self._job_faults))
+            first = next(iter(self._job_faults.values()))
+            self._job_fault_verdict = (
+                f"the job's program failed on {len(self._job_faults)} node(s) ({nodes}): {first}"
+            )
+            self.wake()
+
+    def _open_task_ids(self) -> set[str]:
+        ids = {task for task, _ in self.bench_pending.values()}
+        rs = self.round_state
+        if rs is not None:
+            ids.update(p.task_id for p in rs.parts.values())
+        return ids
+
+    async def _fail_for_program(self, message: str) -> None:
+        """End the job for its own program's fault (see on_job_fault)."""
+        rs = self.round_state
+        if rs is not None:
+            self.ledger.abort_round(rs.round)
+            self.round_state = None
+        log.warning("job %s: %s", self.job_id, message)
+        await self.ctx.events.append(
+            "job.program_failed",
+            job_id=self.job_id,
+            message=message,
+            attrs={f"fault.{n}": why for n, why in sorted(self._job_faults.items())},
+        )
+        await self._fail(message)
 
     # -- rounds ---------------------------------------------------------------------------------
 
@@ -1128,6 +1184,7 @@ class JobRunner:
         )
         if received:
             self.rounds_applied += 1
+            self._job_faults.clear()  # the program works: earlier faults were transient
         applied = {p.node_id for p in received}
         consumed = {p.node_id: p.samples for p in received if 0 < p.samples < p.assigned}
         self.ledger.commit_round(rs.round, applied, consumed)
@@ -1474,7 +1531,11 @@ class JobRunner:
     def on_report(self, req: agent_pb2.ReportProgressRequest) -> None:
         """ReportProgress of one of this job's tasks (only failures matter in PS mode)."""
         if req.failed:
-            self.on_task_failed(req.node_id, req.task_id, req.error or "failed")
+            if req.job_fault:
+                self.on_job_fault(req.node_id, req.task_id, req.error or "failed")
+            self.on_task_failed(
+                req.node_id, req.task_id, req.error or "failed", job_fault=req.job_fault
+            )
 
     async def parameters_payload(
         self, req: agent_pb2.PullParametersRequest

@@ -771,6 +771,10 @@ class RingJobRunner(JobRunner):
         return min(known, default=math.inf) if len(order) > 1 else math.inf
 
     def on_report(self, req: agent_pb2.ReportProgressRequest) -> None:
+        pending = self.bench_pending.get(req.node_id)
+        if req.failed and pending is not None and pending[0] == req.task_id:
+            super().on_report(req)  # a failed job benchmark
+            return
         rs = self.round_state
         att = self.attempt
         if rs is None or rs.closed or att is None:
@@ -800,6 +804,8 @@ class RingJobRunner(JobRunner):
             )
             return
         if req.failed:
+            if req.job_fault:
+                self.on_job_fault(req.node_id, req.task_id, req.error or "failed")
             part.status = "reported_failed"
             part.error = (req.error or "failed")[:500]
             part.failed_peer = req.failed_peer_node_id[:128]

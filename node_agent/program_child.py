@@ -14,12 +14,14 @@ channel (node_agent.program_wire). It imports what it needs, confines itself
 - ``arena``: a region the agent writes batches into;
 - ``step``: loss and gradients (or the loss alone) of the batch described by arena slots,
   optionally with the peak tensor memory of the step;
-- ``probe`` (tests only: answered when EPOCHMESH_TEST_HOOKS=1 is in the environment): try
-  something confinement must stop and say what happened.
+- ``probe``: try something confinement must stop and say what happened.
 
 Errors are answered ({"ok": false, "kind", "error"}); after running out of memory the child
-exits, since the program's state may be half-updated. EPOCHMESH_TEST_PROGRAM_FAULT (tests
-only) makes the first step crash, hang or allocate without bound.
+exits, since the program's state may be half-updated.
+
+Test hooks, honoured only with EPOCHMESH_TEST_HOOKS=1 in the environment (the agent passes it
+on from its own): the ``probe`` op, and a step's ``fault`` (crash, hang, alloc), which makes
+that step crash, hang or allocate without bound.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from node_agent.program_wire import Layout, Region, WireError, read_message, sen
 log = logging.getLogger("epochmesh.program_child")
 
 TEST_HOOKS_ENV = "EPOCHMESH_TEST_HOOKS"
-TEST_FAULT_ENV = "EPOCHMESH_TEST_PROGRAM_FAULT"
 
 
 class ProgramRunner:
@@ -56,7 +57,7 @@ class ProgramRunner:
         self.grad_views: dict[str, torch.Tensor] = {}
         self.arena: Region | None = None
         self.mirror = False  # device memory is not the shared region: copy in and out
-        self.fault = os.environ.get(TEST_FAULT_ENV, "")
+        self.hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -129,7 +130,8 @@ class ProgramRunner:
         prog = self._program()
         if self.arena is None:
             raise WireError("no arena")
-        self._test_fault()
+        if self.hooks and msg.get("fault"):
+            _test_fault(str(msg["fault"]))
         inputs = list(
             self.arena.views(Layout.from_json(msg.get("inputs"), self.arena.size)).values()
         )
@@ -177,19 +179,20 @@ class ProgramRunner:
             raise WireError("no program loaded")
         return self.program
 
-    def _test_fault(self) -> None:
-        fault, self.fault = self.fault, ""
-        if fault == "crash":
-            import ctypes
 
-            ctypes.string_at(0)
-        elif fault == "hang":
-            while True:
-                pass
-        elif fault == "alloc":
-            hoard = []
-            while True:
-                hoard.append(torch.ones(1 << 26))
+def _test_fault(kind: str) -> None:
+    """Tests only: fail this step by crashing, hanging or allocating without bound."""
+    if kind == "crash":
+        import ctypes
+
+        ctypes.string_at(0)
+    elif kind == "hang":
+        while True:
+            pass
+    elif kind == "alloc":
+        hoard = []
+        while True:
+            hoard.append(torch.ones(1 << 26))
 
 
 def _read(region: Region, size: Any) -> bytes:
@@ -262,9 +265,24 @@ def _first(e: BaseException) -> str:
     return ""
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when the agent dies (kill -9 included): a busy program must not
+    outlive it."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="program child: %(message)s")
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the agent died before the line above
+        return 1
     sock = socket.socket(fileno=int(args[0]))
     hello, _ = read_message(sock)
     threads = hello.get("threads")

@@ -27,6 +27,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
@@ -49,8 +50,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TEST_HOOKS_ENV = "EPOCHMESH_TEST_HOOKS"
-# Tests only: "crash:N" / "hang:N" / "alloc:N": the first N children fail their first step so.
-TEST_FAULT_ENV = "EPOCHMESH_TEST_PROGRAM_FAULT"
+# Tests only (with EPOCHMESH_TEST_HOOKS=1): a file in the agent's data dir whose content (crash,
+# hang or alloc) the next step of a program passes to its child, which then fails so.
+TEST_FAULT_FILE = "test-program-fault"
 # Environment a child gets from the agent (nothing else: no tokens, no credentials).
 _PASSED_ENV = ("LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", TEST_HOOKS_ENV)
 
@@ -91,13 +93,11 @@ class ChildLimits:
     memory_bytes: int | None = None  # private memory beyond its start-up use (RLIMIT_DATA)
     threads: int | None = None  # torch threads (also the CPU seconds per wall second allowed)
     device: str = "cpu"
+    fault_file: Path | None = None  # tests only: see TEST_FAULT_FILE
 
 
 class ProgramChild:
     """One child process and its socket; every failure to answer becomes a ProgramFault."""
-
-    _spawned = 0
-    _spawn_lock = threading.Lock()
 
     def __init__(self, limits: ChildLimits) -> None:
         self.limits = limits
@@ -105,9 +105,6 @@ class ProgramChild:
         env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
         env["PATH"] = "/usr/bin:/bin"
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        fault = _test_fault_for_next_child()
-        if fault:
-            env["EPOCHMESH_TEST_PROGRAM_FAULT"] = fault
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "node_agent.program_child", str(child.fileno())],
@@ -122,6 +119,7 @@ class ProgramChild:
             child.close()
         self.sock = parent
         self.pid = self.proc.pid
+        self._cpu = 0.0
         self.confinement = ""
         hello = {
             "op": "hello",
@@ -184,12 +182,14 @@ class ProgramChild:
         return ProgramFault(f"the job's program {describe_exit(code)}", CRASHED)
 
     def cpu_seconds(self) -> float:
+        """The child's CPU time (user + system), the last figure read once it is gone."""
         try:
             with open(f"/proc/{self.pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            self._cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+        return self._cpu
 
     @property
     def alive(self) -> bool:
@@ -205,24 +205,23 @@ class ProgramChild:
         self.sock.close()
 
     def close(self) -> None:
+        """Ask the child to exit, without waiting (a thread reaps it, killing it if it lingers):
+        callable from the agent's event loop."""
         if self.proc.poll() is None:
             try:
                 send_message(self.sock, {"op": "exit"})
-                self.proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
+            except OSError:
                 pass
+            threading.Thread(target=self._reap, name=f"reap-{self.pid}", daemon=True).start()
+        else:
+            self.sock.close()
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
         self.kill()
-
-
-def _test_fault_for_next_child() -> str:
-    """EPOCHMESH_TEST_PROGRAM_FAULT=kind:N: the fault for the first N children (tests only)."""
-    raw = os.environ.get(TEST_FAULT_ENV, "")
-    if not raw or os.environ.get(TEST_HOOKS_ENV) != "1":
-        return ""
-    kind, _, count = raw.partition(":")
-    with ProgramChild._spawn_lock:
-        ProgramChild._spawned += 1
-        return kind if ProgramChild._spawned <= int(count or 1) else ""
 
 
 class ConfinedProgram:
@@ -360,12 +359,6 @@ class ConfinedProgram:
         child = self._child
         return self._cpu_of_dead + (child.cpu_seconds() if child is not None else 0.0)
 
-    def set_memory_budget(self, budget_bytes: int) -> None:
-        """Memory the child may use beyond its start-up use, from now on (and for restarts)."""
-        self.limits.memory_bytes = budget_bytes
-        if self._child is not None and self._child.alive:
-            self._child.kill()  # the next call starts one under the new limit
-
     def close(self) -> None:
         with self._lock:
             if self._child is not None:
@@ -449,13 +442,16 @@ class ConfinedProgram:
             placed = self._place(args)
             n_in = len(inputs)
             layout = placed["slots"]
-            message = {
+            message: dict[str, Any] = {
                 "op": "step",
                 "inputs": {"slots": layout[:n_in], "size": placed["size"]},
                 "targets": {"slots": layout[n_in:], "size": placed["size"]},
                 "grads": grads,
                 "track_memory": self.track_memory,
             }
+            fault = self._test_fault()
+            if fault:
+                message["fault"] = fault
             reply = child.request(message, timeout_s=self.timeout_s)
         peak = reply.get("peak")
         self.last_peak_bytes = peak if type(peak) is int and peak >= 0 else 0
@@ -467,6 +463,18 @@ class ConfinedProgram:
         if not math.isfinite(loss):
             raise ProgramFault(f"the job's program computed a non-finite loss ({loss})", NONFINITE)
         return float(loss)
+
+    def _test_fault(self) -> str:
+        path = self.limits.fault_file
+        if path is None or os.environ.get(TEST_HOOKS_ENV) != "1":
+            return ""
+        try:
+            kind = path.read_text().strip()
+            path.unlink()
+        except OSError:
+            return ""
+        log.warning("test hook: the program's next step will %s", kind)
+        return kind
 
     def loss_and_grads(
         self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
@@ -531,17 +539,27 @@ class ProgramHosts:
     """The agent's confined programs: loads them with the agent's limits, sums their CPU time
     (the slowdown's compute clock), stops them all at shutdown."""
 
-    def __init__(self, device: str, threads: int | None, memory_budget: int | None) -> None:
+    def __init__(
+        self,
+        device: str,
+        threads: int | None,
+        memory_budget: int | None,
+        fault_file: Path | None = None,
+    ) -> None:
         self.device = device
         self.threads = threads
         self.memory_budget = memory_budget
+        self.fault_file = fault_file
         self._programs: list[ConfinedProgram] = []
         self._cpu_of_closed = 0.0
         self._lock = threading.Lock()
 
     def load(self, program: bytes, initial_state: bytes) -> ConfinedProgram:
         limits = ChildLimits(
-            memory_bytes=self.memory_budget, threads=self.threads, device=self.device
+            memory_bytes=self.memory_budget,
+            threads=self.threads,
+            device=self.device,
+            fault_file=self.fault_file,
         )
         prog = load_confined(program, initial_state, limits)
         with self._lock:

@@ -41,7 +41,14 @@ from epochmesh.program import TrainableProgram
 from epochmesh.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.connection import Expired
-from node_agent.program_host import NONFINITE, ConfinedProgram, ProgramFault, ProgramHosts
+from node_agent.program_host import (
+    DEFAULT_STEP_TIMEOUT_S,
+    MIN_STEP_TIMEOUT_S,
+    NONFINITE,
+    ConfinedProgram,
+    ProgramFault,
+    ProgramHosts,
+)
 from node_agent.slowdown import SlowdownController
 from node_agent.tasks import TaskContext
 
@@ -356,6 +363,14 @@ def inner_optimizer(job: LoadedJob, spec: common_pb2.JobSpec) -> torch.optim.Opt
     return job.inner_optimizer
 
 
+def step_timeout(task: agent_pb2.Task) -> float:
+    """How long one call of the task's program may take before its child counts as hung: twice
+    the task's deadline (from the node's measured speed), at least MIN_STEP_TIMEOUT_S."""
+    if task.deadline_seconds > 0:
+        return max(MIN_STEP_TIMEOUT_S, 2.0 * task.deadline_seconds)
+    return DEFAULT_STEP_TIMEOUT_S
+
+
 def require_finite(update: ComputedUpdate) -> ComputedUpdate:
     """The update, checked before anything is sent: a non-finite loss or tensor is the job's
     fault (ProgramFault), reported as such instead of pushed (where it would cost the node a
@@ -380,6 +395,8 @@ def update_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> 
 
 
 def _compute(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
+    if isinstance(job.program, ConfinedProgram):
+        job.program.timeout_s = step_timeout(task)
     indices = ranges_to_indices(task.ranges)
     spec = task.spec
     if not is_local_sgd(spec):

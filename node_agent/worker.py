@@ -65,7 +65,7 @@ from node_agent.connection import (
 from node_agent.devices import DeviceError, Discovered, discover_devices
 from node_agent.identity import transport_identity
 from node_agent.peer import PeerServer
-from node_agent.program_host import ProgramHosts, child_memory_budget
+from node_agent.program_host import TEST_FAULT_FILE, ProgramHosts, child_memory_budget
 from node_agent.reference_model import reference_step_factory
 from node_agent.ring_trainer import PeerRuntime, provide_state
 from node_agent.slowdown import SlowdownController
@@ -186,6 +186,7 @@ class Agent:
             self.discovered.torch_device,
             config.threads,
             child_memory_budget(self.discovered.selected, config.memory_limit_bytes),
+            config.data_dir / TEST_FAULT_FILE,
         )
         if self.discovered.torch_device == "cpu":
             # Jobs' programs compute in child processes: their CPU time is the device's too.

@@ -1,0 +1,156 @@
+"""A job's program in its confined child (node_agent.program_host), with real child processes.
+
+- It computes what the program computes in-process, bit for bit, and sees the agent's
+  parameter changes (optimizer steps on the shared parameters) without copies.
+- The child cannot read a file such as the agent's key, cannot open a network socket, gets no
+  credentials in its environment, and is stopped at its memory limit; a crash or a hang of the
+  child is a ProgramFault and the next call runs in a fresh child from the same state.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from epochmesh.packaging import PackedJob, build_job
+from epochmesh.program import TrainableProgram
+from epochmesh.spec import load_spec
+from node_agent.program_host import (
+    CRASHED,
+    HUNG,
+    ChildLimits,
+    ConfinedProgram,
+    ProgramFault,
+    ProgramMemoryError,
+)
+from tests.fixtures import write_mlp_job
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
+    return build_job(load_spec(write_mlp_job(tmp_path_factory.mktemp("mlp"))))
+
+
+@pytest.fixture
+def hooks(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    monkeypatch.setenv("EPOCHMESH_TEST_HOOKS", "1")
+    yield monkeypatch
+
+
+def batch(n: int = 8, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 16, generator=g)], [torch.randint(0, 4, (n,), generator=g)]
+
+
+def confined(
+    job: PackedJob, memory: int | None = 256 << 20, fault_file: Path | None = None
+) -> ConfinedProgram:
+    limits = ChildLimits(memory, threads=1, fault_file=fault_file)
+    return ConfinedProgram(job.program, job.initial_state, limits)
+
+
+def test_same_gradients_and_shared_parameters(job: PackedJob) -> None:
+    prog = confined(job)
+    ref = TrainableProgram.from_bytes(job.program, job.initial_state)
+    try:
+        assert prog.param_names == ref.param_names and prog.state_names == ref.state_names
+        opt = torch.optim.SGD(prog.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            inputs, targets = batch(seed=step)
+            loss, grads = prog.loss_and_grads(inputs, targets)
+            ref_loss, ref_grads = ref.loss_and_grads(inputs, targets)
+            assert loss == ref_loss
+            assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+            for o, p, names in ((opt, prog, grads), (ref_opt, ref, ref_grads)):
+                for name, t in zip(p.param_names, p.parameters(), strict=True):
+                    t.grad = names[name]
+                o.step()
+        assert prog.loss(*batch(seed=9)) == ref.loss(*batch(seed=9))
+        state = ref.state_dict()
+        assert all(torch.equal(prog.state_dict()[k], state[k]) for k in state)
+        with pytest.raises(ValueError, match="takes 2 tensors"):
+            prog.loss_and_grads(*batch()[0:1], [])
+    finally:
+        prog.close()
+
+
+def test_the_child_holds_no_credentials_and_cannot_reach_files_or_the_network(
+    job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    key = tmp_path / "agent" / "key.pem"
+    key.parent.mkdir()
+    key.write_text("-----BEGIN PRIVATE KEY-----\nsecret\n")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    hooks.setenv("EPOCHMESH_TOKEN", "emt1.secret")
+    prog = confined(job)
+    try:
+        assert "Landlock ABI" in prog.confinement, prog.confinement
+        assert "no seccomp" not in prog.confinement, prog.confinement
+        pid = prog.pid
+        assert pid is not None
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        names = {e.split(b"=", 1)[0].decode() for e in environ if e}
+        assert names <= {"PATH", "PYTHONPATH", "LANG", "LC_ALL", "EPOCHMESH_TEST_HOOKS"}, names
+        assert prog.probe(what="read", path=str(key)).startswith("refused: PermissionError")
+        port = listener.getsockname()[1]
+        assert prog.probe(what="socket", port=port).startswith("refused: PermissionError")
+        listener.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+        assert prog.loss(*batch()) > 0  # still serving
+    finally:
+        prog.close()
+        listener.close()
+
+
+def test_the_child_is_stopped_at_its_memory_limit_and_replaced(
+    job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fault = tmp_path / "fault"
+    prog = confined(job, memory=256 << 20, fault_file=fault)
+    try:
+        first = prog.loss(*batch())
+        pid = prog.pid
+        fault.write_text("alloc")
+        with pytest.raises(ProgramMemoryError, match="memory limit"):
+            prog.loss(*batch())
+        assert prog.pid is None and not Path(f"/proc/{pid}").exists()
+        assert prog.loss(*batch()) == first  # a fresh child, the same state
+        assert prog.restarts == 1
+    finally:
+        prog.close()
+
+
+def test_a_crash_or_a_hang_is_a_fault_and_the_next_call_works(
+    job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fault = tmp_path / "fault"
+    prog = confined(job, fault_file=fault)
+    try:
+        first = prog.loss(*batch())
+        fault.write_text("crash")
+        with pytest.raises(ProgramFault, match="segmentation fault") as crash:
+            prog.loss(*batch())
+        assert crash.value.kind == CRASHED
+        assert prog.loss(*batch()) == first
+        prog.timeout_s = 2.0
+        fault.write_text("hang")
+        t0 = time.monotonic()
+        with pytest.raises(ProgramFault, match="did not answer") as hang:
+            prog.loss(*batch())
+        assert hang.value.kind == HUNG and time.monotonic() - t0 < 10
+        prog.timeout_s = 60.0
+        assert prog.loss(*batch()) == first
+        assert prog.restarts == 2
+    finally:
+        prog.close()
