@@ -6,6 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES, MAX_CHUNK_BYTES
+from epochmesh.program_inspection import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_MEMORY_BASE_BYTES,
+    DEFAULT_TIMEOUT_S,
+)
 
 DEFAULT_DATA_DIR = Path(".epochmesh")
 DEFAULT_LISTEN = "127.0.0.1:7070"
@@ -38,6 +43,13 @@ class CoordinatorConfig:
     # Parameter-server rounds: parameters up to this many bytes (encoded) travel inline with
     # every task instead of through a PullParameters call; 0: always PullParameters.
     inline_params_max_bytes: int = MAX_CHUNK_BYTES
+    # SubmitJob checks and loads every program in a confined child process (program_inspection):
+    # wall-clock limit, memory (this + 4 x program and state sizes), children at once, and
+    # whether one child is kept started for the next submission.
+    program_check_timeout_s: float = DEFAULT_TIMEOUT_S
+    program_check_memory_bytes: int = DEFAULT_MEMORY_BASE_BYTES
+    program_check_concurrency: int = DEFAULT_CONCURRENCY
+    program_check_spare: bool = True
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
@@ -57,6 +69,12 @@ class CoordinatorConfig:
             raise ValueError(f"inline params max bytes must be 0..{MAX_CHUNK_BYTES}")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown grace must not be negative")
+        if not self.program_check_timeout_s > 0:
+            raise ValueError("program check timeout must be positive")
+        if self.program_check_memory_bytes <= 0:
+            raise ValueError("program check memory must be positive")
+        if self.program_check_concurrency < 1:
+            raise ValueError("program check concurrency must be at least 1")
         parse_listen(self.listen)
 
     @property

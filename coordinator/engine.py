@@ -25,10 +25,11 @@ from coordinator.store import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    UnavailableError,
 )
 from epochmesh.errors import CodecError, SpecError
 from epochmesh.limits import MAX_CHUNK_BYTES
-from epochmesh.program import TrainableProgram
+from epochmesh.program_inspection import InspectionLimits, ProgramInspector, Verdict
 from epochmesh.spec import validate_job_spec
 from epochmesh.tensors import DTYPES, BundleAssembler, iter_chunks
 from epochmesh.tensors import _safetensors_header as safetensors_header
@@ -86,6 +87,16 @@ class Engine:
         # Heartbeat times loaded from the store after a restart are old: nobody is judged
         # silent for a gap that began before this engine started.
         self.started_ms = now_ms()
+        config = ctx.config
+        # Submitted programs are checked and loaded in confined child processes.
+        self.program_inspector = ProgramInspector(
+            InspectionLimits(
+                timeout_s=config.program_check_timeout_s,
+                memory_base_bytes=config.program_check_memory_bytes,
+            ),
+            concurrency=config.program_check_concurrency,
+            spare=config.program_check_spare,
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -99,6 +110,7 @@ class Engine:
         runners = list(self.runners.values())
         self.runners.clear()
         await asyncio.gather(*(r.stop() for r in runners), return_exceptions=True)
+        await self.program_inspector.close()
 
     def _start_runner(self, job: common_pb2.Job) -> JobRunner:
         cls = RingJobRunner if job.spec.aggregation == "ring" else JobRunner
@@ -421,10 +433,11 @@ class Engine:
         await self._check_shards(req, spec)
         program = await self.ctx.blobs.read_bytes(req.program.sha256)
         state = await self.ctx.blobs.read_bytes(req.initial_state.sha256)
-        try:
-            await asyncio.to_thread(TrainableProgram.from_bytes, program, state, "cpu")
-        except Exception as exc:
-            raise InvalidArgumentError(f"program refused: {exc}") from None
+        inspection = await self.program_inspector.inspect(program, state)
+        if inspection.verdict is Verdict.UNAVAILABLE:
+            raise UnavailableError(f"cannot check the program now: {inspection.reason}")
+        if not inspection.ok:
+            raise InvalidArgumentError(f"program refused: {inspection.reason}")
         job = common_pb2.Job(
             name=spec.name,
             state=JS.JOB_STATE_QUEUED,

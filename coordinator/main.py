@@ -34,6 +34,11 @@ from coordinator.config import (
 from coordinator.engine_api import EngineFactory
 from coordinator.store import CoordinatorError
 from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES, MAX_CHUNK_BYTES
+from epochmesh.program_inspection import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_MEMORY_BASE_BYTES,
+    DEFAULT_TIMEOUT_S,
+)
 
 log = logging.getLogger("coordinator")
 
@@ -139,6 +144,36 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         f", default {MAX_CHUNK_BYTES}; 0: never)",
     )
     parser.add_argument(
+        "--program-check-timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="SubmitJob loads every program in a confined child process; a program that takes "
+        f"longer is refused (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--program-check-memory",
+        type=_positive_int,
+        default=DEFAULT_MEMORY_BASE_BYTES,
+        metavar="BYTES",
+        help="memory that child may use, plus 4 x the program's and initial state's sizes "
+        f"(default {DEFAULT_MEMORY_BASE_BYTES})",
+    )
+    parser.add_argument(
+        "--program-check-concurrency",
+        type=_positive_int,
+        default=DEFAULT_CONCURRENCY,
+        metavar="N",
+        help=f"programs checked at once; later submissions wait (default {DEFAULT_CONCURRENCY})",
+    )
+    parser.add_argument(
+        "--no-program-check-spare",
+        dest="program_check_spare",
+        action="store_false",
+        help="start each check's child on demand (about 3 s more per SubmitJob) instead of "
+        "keeping one started (about 300 MB of memory) after the first submission",
+    )
+    parser.add_argument(
         "--split",
         choices=("throughput", "equal"),
         default="throughput",
@@ -160,6 +195,10 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         insecure=args.insecure,
         advertise=tuple(args.advertise),
         inline_params_max_bytes=args.inline_params_max_bytes,
+        program_check_timeout_s=args.program_check_timeout,
+        program_check_memory_bytes=args.program_check_memory,
+        program_check_concurrency=args.program_check_concurrency,
+        program_check_spare=args.program_check_spare,
     )
 
 

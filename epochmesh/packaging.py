@@ -21,6 +21,12 @@ Modes: the exported module cannot switch between train and eval (torch.export's 
 NotImplementedError on .train()/.eval()), so the model is exported in train mode: dropout is
 active and batch norm normalizes with batch statistics while updating its running statistics.
 
+Trial runs: the eager run of model+loss on an example batch happens in a fresh Python process
+(`eager_check_main`), at the same time as the export here, and the load-back check (the program
+loaded as an agent loads it, batches of 1 and 2 samples run through it) in a confined one
+(`epochmesh.program_inspection`), after the archive passed validation: a model that crashes
+Python (a segmentation fault, an abort) fails with a one-line SpecError, not a dead process.
+
 Errors are SpecError (ExportError for export failures) with a message saying what to change.
 """
 
@@ -32,6 +38,7 @@ import importlib.util
 import io
 import logging
 import math
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -46,19 +53,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from epochmesh.errors import ExportError, ProgramError, SpecError
-from epochmesh.program import (
-    TrainableProgram,
-    initial_state_metadata,
-    validate_program_archive,
+from epochmesh.program import initial_state_metadata, validate_program_archive
+from epochmesh.program_inspection import (
+    START_TIMEOUT_S,
+    ChildProcess,
+    InspectionLimits,
+    PendingInspection,
+    TrialBatch,
+    Verdict,
+    answer_channel,
+    encode_request,
+    exit_description,
+    one_line,
+    read_answer,
+    read_request,
+    send_answer,
+    send_ready,
+    signal_description,
 )
 from epochmesh.spec import LoadedSpec
-from epochmesh.tensors import to_safetensors
+from epochmesh.tensors import from_safetensors, to_safetensors
 from epochmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 4 << 20
 EXAMPLE_BATCH = 4  # samples traced by torch.export (at least 2 so the batch stays dynamic)
+# The load-back check: the submitter's machine, a program of any size, two trial batches.
+VERIFY_LIMITS = InspectionLimits(timeout_s=300.0)
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -124,25 +146,30 @@ def build_job(
     data = load_dataset(loaded.data_path, list(spec.inputs), list(spec.targets))
     num_samples = next(iter(data.values())).shape[0]
 
-    with importable(loaded.model_path.parent):
-        module = import_model_file(loaded.model_path)
-        try:
-            loss_fn = _pick_loss(module, spec, loaded.model_path.name)
-            model = _make_model(module, spec.seed, loaded.model_path)
-            state = model.state_dict()
-            initial_state = to_safetensors(state, metadata=initial_state_metadata(model))
-            state_names = list(state)
-            num_parameters = sum(p.numel() for p in model.parameters())
+    with contextlib.ExitStack() as children:
+        pending: PendingInspection | None = None
+        with importable(loaded.model_path.parent):
+            module = import_model_file(loaded.model_path)
+            try:
+                loss_fn = _pick_loss(module, spec, loaded.model_path.name)
+                model = _make_model(module, spec.seed, loaded.model_path)
+                state = model.state_dict()
+                initial_state = to_safetensors(state, metadata=initial_state_metadata(model))
+                state_names = list(state)
+                num_parameters = sum(p.numel() for p in model.parameters())
 
-            wrapper = LossWrapper(model, loss_fn, len(spec.inputs))
-            example = _example_batch(data, list(spec.inputs) + list(spec.targets))
-            _check_eager(wrapper, example, loaded.model_path)
-            program = export_program(wrapper, example)
-        finally:
-            sys.modules.pop(module.__name__, None)
+                wrapper = LossWrapper(model, loss_fn, len(spec.inputs))
+                example = _example_batch(data, list(spec.inputs) + list(spec.targets))
+                # Both children start now and import torch while this process exports.
+                eager = children.enter_context(EagerCheck(loaded.model_path, spec, example))
+                if verify:
+                    pending = children.enter_context(PendingInspection())
+                program = _export_checked(wrapper, example, eager)
+            finally:
+                sys.modules.pop(module.__name__, None)
 
-    if verify:
-        _verify(program, initial_state, data, spec)
+        if pending is not None:
+            _verify(pending, program, initial_state, data, spec)
 
     names = list(dict.fromkeys([*spec.inputs, *spec.targets]))
     if shard_samples is None:
@@ -308,6 +335,112 @@ def _example_batch(data: dict[str, torch.Tensor], order: list[str]) -> tuple[tor
     return tuple(out)
 
 
+class EagerCheck:
+    """model.py's model and loss run once on the example batch in a fresh Python process
+    (the submitter's own code on their machine: isolated, not confined), so that a crash there
+    becomes an error message. Started at construction; close it (context manager) when done."""
+
+    def __init__(
+        self, model_path: Path, spec: common_pb2.JobSpec, example: tuple[torch.Tensor, ...]
+    ) -> None:
+        self.batch = int(example[0].shape[0])
+        env = dict(os.environ)
+        model_dir = str(model_path.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and p != model_dir)
+        self.child = ChildProcess(_eager_check_argv(), env=env, cwd=None)
+        header = {
+            "model_path": str(model_path.resolve()),
+            "seed": spec.seed,
+            "loss": spec.loss,
+            "num_inputs": len(spec.inputs),
+        }
+        tensors = {str(i): t for i, t in enumerate(example)}
+        self.child.send(encode_request(header, [to_safetensors(tensors)]))
+
+    def outcome(self) -> tuple[str, str]:
+        """(error, crash): the run's error message (SpecError's), or the message of its crash;
+        both empty when it ran and the loss was fine."""
+        ended = self.child.finish(None)
+        answer = read_answer(ended.answer)
+        if answer is not None and answer["ok"] and ended.returncode == 0:
+            return "", ""
+        if answer is not None and not answer["ok"]:
+            return str(answer.get("error") or "the eager run failed"), ""
+        what = f"running the model and loss on a batch of {self.batch} samples"
+        if ended.timed_out:
+            return "", f"{what}: its Python process did not start within {START_TIMEOUT_S:g} s"
+        if ended.returncode < 0:
+            why = signal_description(-ended.returncode)
+            return "", f"{what} crashed the Python process ({why})"
+        lines = ended.stderr_tail.decode(errors="replace").strip().splitlines()
+        detail = f": {one_line(lines[-1])}" if lines else ""
+        return "", (
+            f"{what} ended the Python process without an answer "
+            f"({exit_description(ended.returncode)}{detail})"
+        )
+
+    def close(self) -> None:
+        self.child.close()
+
+    def __enter__(self) -> EagerCheck:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _eager_check_argv() -> list[str]:
+    code = "import epochmesh.packaging as p; raise SystemExit(p.eager_check_main())"
+    return [sys.executable, "-c", code]
+
+
+def eager_check_main() -> int:
+    """The eager check's child: reads its request (`EagerCheck`), answers one line."""
+    channel = answer_channel()
+    send_ready(channel)
+    header, blobs = read_request(sys.stdin.buffer)
+    path = Path(header["model_path"])
+    example = tuple(from_safetensors(blobs[0]).values())
+    spec = common_pb2.JobSpec(loss=header["loss"], seed=header["seed"])
+    try:
+        with importable(path.parent):
+            module = import_model_file(path)
+            loss_fn = _pick_loss(module, spec, path.name)
+            model = _make_model(module, spec.seed, path)
+            _check_eager(LossWrapper(model, loss_fn, int(header["num_inputs"])), example, path)
+        reply: dict[str, Any] = {"ok": True}
+    except SpecError as e:
+        reply = {"ok": False, "error": str(e)}
+    except BaseException as e:  # SystemExit, KeyboardInterrupt from model.py: its error too
+        reply = {
+            "ok": False,
+            "error": f"running the model and loss on a batch of {example[0].shape[0]} samples "
+            f"raised {_summary(e, path)}",
+        }
+    send_answer(channel, reply)
+    os._exit(0)
+
+
+def _export_checked(
+    wrapper: LossWrapper, example: tuple[torch.Tensor, ...], eager: EagerCheck
+) -> bytes:
+    """Export while the eager run goes on. Its error is the clearest message: it wins over
+    export's, and export's (a refused operator, say) over the eager run's crash."""
+    export_error: ExportError | None = None
+    try:
+        program = export_program(wrapper, example)
+    except ExportError as e:
+        export_error = e
+    error, crash = eager.outcome()
+    if error:
+        raise SpecError(error)
+    if export_error is not None:
+        raise export_error
+    if crash:
+        raise SpecError(crash)
+    return program
+
+
 def _check_eager(wrapper: LossWrapper, example: tuple[torch.Tensor, ...], path: Path) -> None:
     """Run the wrapper once eagerly: clearer errors than torch.export's for plain bugs."""
     buffers = {k: v.clone() for k, v in wrapper.named_buffers()}
@@ -374,22 +507,31 @@ def _first_line(e: BaseException) -> str:
 
 
 def _verify(
-    program: bytes, initial_state: bytes, data: dict[str, torch.Tensor], spec: common_pb2.JobSpec
+    pending: PendingInspection,
+    program: bytes,
+    initial_state: bytes,
+    data: dict[str, torch.Tensor],
+    spec: common_pb2.JobSpec,
 ) -> None:
-    try:
-        prog = TrainableProgram.from_bytes(program, initial_state, "cpu")
-    except ProgramError as e:
-        raise ExportError(f"the exported program does not load back: {e}") from e
+    """Load the program back as an agent does and run batches of 1 and 2 samples through it,
+    in the confined inspection child `pending`."""
     n = next(iter(data.values())).shape[0]
-    for size in sorted({1, min(2, n)}):
-        inputs = [data[k][:size] for k in spec.inputs]
-        targets = [data[k][:size] for k in spec.targets]
-        try:
-            loss, _ = prog.loss_and_grads(inputs, targets)
-        except ValueError as e:
-            raise ExportError(
-                f"the exported program fails on a batch of {size}: {e}. {_export_hint(e)}"
-            ) from e
+    sizes = tuple(sorted({1, min(2, n)}))
+    trial = TrialBatch(
+        inputs=[data[k][: sizes[-1]] for k in spec.inputs],
+        targets=[data[k][: sizes[-1]] for k in spec.targets],
+        sizes=sizes,
+    )
+    task = "loading it and running batches of " + " and ".join(map(str, sizes)) + " samples"
+    result = pending.run(program, initial_state, VERIFY_LIMITS, trial=trial, task=task)
+    if result.verdict is Verdict.BATCH_FAILED:
+        hint = _export_hint(ValueError(result.reason))
+        raise ExportError(
+            f"the exported program fails on a batch of {result.batch_size}: {result.reason}. {hint}"
+        )
+    if not result.ok:
+        raise ExportError(f"the exported program does not load back: {result.reason}")
+    for size, loss in zip(sizes, result.losses, strict=False):
         if not math.isfinite(loss):
             log.warning("the initial loss on a batch of %d samples is %s", size, loss)
 
