@@ -530,7 +530,11 @@ class AsyncChild:
         done = asyncio.create_task(self._started.wait())
         try:
             remaining = self._spawned_at + timeout_s - time.monotonic()
-            await asyncio.wait({waiter, done}, timeout=max(0.0, remaining))
+            await asyncio.wait(
+                {waiter, done},
+                timeout=max(0.0, remaining),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             waiter.cancel()
             done.cancel()

@@ -298,14 +298,16 @@ def main(argv: list[str] | None = None) -> int:
 
     memory = hello.get("memory_bytes")
     budget = memory if type(memory) is int and memory > 0 else None
+    base = data_bytes()  # the agent may lower the limit later: base + a smaller budget
     report = confine_self(
         Confinement(
-            memory_bytes=data_bytes() + budget if budget else None,
+            memory_bytes=base + budget if budget else None,
             open_files=int(hello.get("open_files", 64)),
             read_paths=runtime_read_paths(),
         )
     )
-    send_message(sock, {"ok": True, "confinement": report.describe(), "pid": os.getpid()})
+    ready = {"ok": True, "confinement": report.describe(), "pid": os.getpid(), "data_base": base}
+    send_message(sock, ready)
     serve(sock, ProgramRunner())
     return 0
 

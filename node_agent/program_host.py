@@ -16,10 +16,12 @@ gradient is a `ProgramFault` too: the job's fault, not the node's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import resource
 import select
 import socket
 import subprocess
@@ -42,7 +44,7 @@ from epochmesh.program import (
 )
 from epochmesh.tensors import to_safetensors
 from epochmesh.v1 import common_pb2
-from node_agent.benchmark import MEMORY_HEADROOM
+from node_agent.benchmark import MEMORY_HEADROOM, Point, fitting, linear_fit
 from node_agent.program_wire import Layout, Region, WireError, read_message, send_message
 
 log = logging.getLogger(__name__)
@@ -57,10 +59,12 @@ TEST_FAULT_FILE = "test-program-fault"
 _PASSED_ENV = ("LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", TEST_HOOKS_ENV)
 
 CHILD_OVERHEAD_BYTES = 512 << 20
+JOB_MEMORY_FACTOR = 2  # measured tensor memory -> the child's memory limit after a benchmark
 START_TIMEOUT_S = 120.0  # a fresh interpreter importing torch on a busy machine
 LOAD_TIMEOUT_S = 300.0  # loading a large exported program
 DEFAULT_STEP_TIMEOUT_S = 120.0
 MIN_STEP_TIMEOUT_S = 10.0
+CPU_SLACK_S = 30.0
 
 # Kinds of ProgramFault.
 CRASHED = "crashed"
@@ -129,6 +133,8 @@ class ProgramChild:
         }
         ready = self.request(hello, timeout_s=START_TIMEOUT_S)
         self.confinement = str(ready.get("confinement", ""))[:200]
+        base = ready.get("data_base")
+        self.data_base = base if type(base) is int and base >= 0 else 0
         log.info("program child %d started (%s)", self.pid, self.confinement)
 
     def request(
@@ -137,9 +143,12 @@ class ProgramChild:
         """Send a message, wait for the answer; ProgramFault for a dead, hung or failing child
         (it is killed then)."""
         if self.proc.poll() is None:
+            # A backstop behind the wall-clock timeout below (which stops a hung child): CPU
+            # for the whole timeout on every thread, plus slack (a limit of just that was
+            # seen to fire early on a busy host).
             threads = self.limits.threads or torch.get_num_threads()
             try:
-                set_cpu_limit(self.pid, timeout_s * max(1, threads))
+                set_cpu_limit(self.pid, CPU_SLACK_S + 2 * timeout_s * max(1, threads))
             except (OSError, ValueError):
                 pass  # it is exiting
         try:
@@ -180,6 +189,15 @@ class ProgramChild:
             code = self.proc.returncode
         self.sock.close()
         return ProgramFault(f"the job's program {describe_exit(code)}", CRASHED)
+
+    def lower_memory_limit(self, memory_bytes: int) -> None:
+        """Lower the child's memory limit (RLIMIT_DATA) to its start-up use + `memory_bytes`,
+        from outside (it cannot change its own limits); never raises it."""
+        limit = self.data_base + memory_bytes
+        with contextlib.suppress(OSError, ValueError):  # it is exiting
+            _, hard = resource.prlimit(self.pid, resource.RLIMIT_DATA)
+            if hard == resource.RLIM_INFINITY or limit < hard:
+                resource.prlimit(self.pid, resource.RLIMIT_DATA, (limit, limit))
 
     def cpu_seconds(self) -> float:
         """The child's CPU time (user + system), the last figure read once it is gone."""
@@ -235,9 +253,10 @@ class ConfinedProgram:
     ) -> None:
         init = read_initial_state(initial_state, require_params=False)
         self.device = torch.device(limits.device)
-        if limits.memory_bytes is not None:  # room for the program's own bytes, loaded there
-            extra = 4 * (len(program) + len(initial_state))
-            limits = replace(limits, memory_bytes=limits.memory_bytes + extra)
+        # room for the program's own bytes, loaded there
+        self._program_room = 4 * (len(program) + len(initial_state))
+        if limits.memory_bytes is not None:
+            limits = replace(limits, memory_bytes=limits.memory_bytes + self._program_room)
         self.limits = limits
         self.timeout_s = DEFAULT_STEP_TIMEOUT_S
         self.aliases = dict(init.aliases)
@@ -353,6 +372,23 @@ class ConfinedProgram:
     @property
     def pid(self) -> int | None:
         return self._child.pid if self._child is not None and self._child.alive else None
+
+    def limit_memory(self, memory_bytes: int) -> None:
+        """Tighten the memory limit to `memory_bytes` beyond start-up (plus room for the
+        program's own bytes), for this child and the ones after it; a looser figure than the
+        current one changes nothing."""
+        total = memory_bytes + self._program_room
+        with self._lock:
+            if self.limits.memory_bytes is not None and total >= self.limits.memory_bytes:
+                return
+            self.limits = replace(self.limits, memory_bytes=total)
+            if self._child is not None and self._child.alive:
+                self._child.lower_memory_limit(total)
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """The current limit beyond the child's start-up use."""
+        return self.limits.memory_bytes
 
     def cpu_seconds(self) -> float:
         """CPU time of every child this program ran in (for the slowdown's compute clock)."""
@@ -535,6 +571,21 @@ def child_memory_budget(device: common_pb2.Device, memory_limit_bytes: int | Non
     return budget + CHILD_OVERHEAD_BYTES
 
 
+def job_memory_budget(points: Sequence[Point], max_batch: int) -> int | None:
+    """Memory a program child needs for a job after its benchmark (CPU devices): twice the
+    tensor memory the benchmark measured (or its memory line reaches) at the largest batch the
+    node will be given, plus CHILD_OVERHEAD_BYTES; None without a usable measurement."""
+    fits = [p for p in fitting(points) if p.peak_memory_bytes > 0]
+    if not fits or max_batch < 1:
+        return None
+    peak = max(p.peak_memory_bytes for p in fits)
+    line = linear_fit([p.batch_size for p in fits], [p.peak_memory_bytes for p in fits])
+    if line is not None:
+        intercept, slope = line
+        peak = max(peak, int(intercept + slope * max_batch))
+    return JOB_MEMORY_FACTOR * peak + CHILD_OVERHEAD_BYTES
+
+
 class ProgramHosts:
     """The agent's confined programs: loads them with the agent's limits, sums their CPU time
     (the slowdown's compute clock), stops them all at shutdown."""
@@ -551,12 +602,31 @@ class ProgramHosts:
         self.memory_budget = memory_budget
         self.fault_file = fault_file
         self._programs: list[ConfinedProgram] = []
+        self._job_budgets: dict[str, int] = {}
         self._cpu_of_closed = 0.0
         self._lock = threading.Lock()
 
-    def load(self, program: bytes, initial_state: bytes) -> ConfinedProgram:
+    def limit_job_memory(
+        self, job_id: str, budget: int | None, loaded: ConfinedProgram | None = None
+    ) -> None:
+        """After a job's benchmark: its programs' memory limit, never above the device's, for
+        `loaded` and every later load of the job (CPU devices; on a GPU the batch lives in
+        device memory and the benchmark does not measure the child's host memory)."""
+        if budget is None or not job_id or not self.device.startswith("cpu"):
+            return
+        if self.memory_budget is not None:
+            budget = min(budget, self.memory_budget)
+        with self._lock:
+            self._job_budgets[job_id] = budget
+        if loaded is not None:
+            loaded.limit_memory(budget)
+        log.info("job %s: its program's memory limit is now %d MiB", job_id, budget >> 20)
+
+    def load(self, program: bytes, initial_state: bytes, job_id: str = "") -> ConfinedProgram:
+        with self._lock:
+            budget = self._job_budgets.get(job_id, self.memory_budget)
         limits = ChildLimits(
-            memory_bytes=self.memory_budget,
+            memory_bytes=budget,
             threads=self.threads,
             device=self.device,
             fault_file=self.fault_file,

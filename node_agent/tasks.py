@@ -88,7 +88,12 @@ from node_agent.benchmark import (
 )
 from node_agent.cache import BlobCache, CacheError
 from node_agent.connection import CoordinatorConnection, Expired, Stopped, describe, is_transient
-from node_agent.program_host import ChildMemoryMeter, ProgramFault, ProgramHosts
+from node_agent.program_host import (
+    ChildMemoryMeter,
+    ProgramFault,
+    ProgramHosts,
+    job_memory_budget,
+)
 from node_agent.reference_model import reference_step_factory
 from node_agent.slowdown import SlowdownController
 
@@ -440,6 +445,9 @@ async def run_benchmark_task(ctx: TaskContext) -> None:
         bandwidth=bandwidth,
         job_id=task.job_id,
     )
+    if program is not None and task.job_id:
+        budget = job_memory_budget(points, result.max_batch_size)
+        ctx.programs.limit_job_memory(task.job_id, budget, loaded[0] if kept else None)
     await ctx.call(
         "ReportBenchmark",
         lambda: agent_pb2.ReportBenchmarkRequest(

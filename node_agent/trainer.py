@@ -111,7 +111,9 @@ async def _load_job(ctx: TaskContext, task: agent_pb2.Task) -> LoadedJob:
     state_path = await ctx.fetch_blob(task.initial_state)
 
     def load() -> LoadedJob:
-        prog = ctx.programs.load(program_path.read_bytes(), state_path.read_bytes())
+        prog = ctx.programs.load(
+            program_path.read_bytes(), state_path.read_bytes(), job_id=task.job_id
+        )
         dataset = ShardedDataset(inputs=list(task.spec.inputs), targets=list(task.spec.targets))
         params = prog.get_parameters()
         expected = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}

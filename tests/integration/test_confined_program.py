@@ -26,6 +26,7 @@ from node_agent.program_host import (
     ChildLimits,
     ConfinedProgram,
     ProgramFault,
+    ProgramHosts,
     ProgramMemoryError,
 )
 from tests.fixtures import write_mlp_job
@@ -154,3 +155,44 @@ def test_a_crash_or_a_hang_is_a_fault_and_the_next_call_works(
         assert prog.restarts == 2
     finally:
         prog.close()
+
+
+def test_the_job_benchmark_tightens_the_memory_limit_of_this_child_and_the_next(
+    job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fault = tmp_path / "fault"
+    prog = confined(job, memory=1 << 30, fault_file=fault)
+    big = 400 << 20
+    try:
+        first = prog.loss(*batch())
+        assert prog.probe(what="alloc", bytes=big) == "allowed"
+        prog.limit_memory(64 << 20)  # what a job benchmark allows this job (tiny MLP)
+        assert "allocate" in prog.probe(what="alloc", bytes=big)
+        assert prog.loss(*batch()) == first  # the job itself still fits
+        prog.limit_memory(512 << 20)  # a looser figure never loosens it
+        assert "allocate" in prog.probe(what="alloc", bytes=big)
+        fault.write_text("crash")
+        with pytest.raises(ProgramFault, match="segmentation fault"):
+            prog.loss(*batch())
+        assert prog.loss(*batch()) == first
+        assert prog.restarts == 1
+        assert "allocate" in prog.probe(what="alloc", bytes=big)  # the new child: the same limit
+    finally:
+        prog.close()
+
+
+def test_the_agent_keeps_each_jobs_memory_limit_for_its_later_loads(job: PackedJob) -> None:
+    hosts = ProgramHosts("cpu", threads=1, memory_budget=1 << 30)
+    try:
+        loaded = hosts.load(job.program, job.initial_state, job_id="a")
+        loose = loaded.memory_limit_bytes
+        assert loose is not None and loose > 1 << 30
+        hosts.limit_job_memory("a", 64 << 20, loaded)
+        tight = loaded.memory_limit_bytes
+        assert tight is not None and tight < 128 << 20
+        assert hosts.load(job.program, job.initial_state, job_id="a").memory_limit_bytes == tight
+        assert hosts.load(job.program, job.initial_state, job_id="b").memory_limit_bytes == loose
+        hosts.limit_job_memory("b", 4 << 30)  # never above the device's figure
+        assert hosts.load(job.program, job.initial_state, job_id="b").memory_limit_bytes == loose
+    finally:
+        hosts.close_all()
