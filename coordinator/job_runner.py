@@ -79,7 +79,8 @@ from coordinator.param_server import ParameterServer
 from coordinator.store import FailedPreconditionError
 from coordinator.throughput import MIN_SLACK, ThroughputEstimator
 from epochmesh.errors import ProgramError
-from epochmesh.program import TrainableProgram, read_initial_state
+from epochmesh.program import read_initial_state
+from epochmesh.program_inspection import inspect_program_async
 from epochmesh.tensors import encode_bundle, to_safetensors
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2
@@ -418,23 +419,19 @@ class JobRunner:
 
         They come from the initial state's metadata (written by packaging; the program was
         checked against them at submission), which spares a restarted coordinator the first
-        torch.export load (about two seconds); the program is loaded only for a state
-        without that metadata."""
+        torch.export load (about two seconds). A state without that metadata (a client other
+        than the CLI) has its program loaded for the names, in a confined child process
+        (epochmesh.program_inspection), never in this process."""
         state_bytes = await self.ctx.blobs.read_bytes(self.job.initial_state.sha256)
-        try:
-            init = await asyncio.to_thread(read_initial_state, state_bytes)
-            if init.param_names is not None:
-                return list(init.param_names), dict(init.state), dict(init.aliases)
-        except ProgramError:
-            pass
+        init = await asyncio.to_thread(read_initial_state, state_bytes, require_params=False)
+        if init.param_names is not None:
+            return list(init.param_names), dict(init.state), dict(init.aliases)
         program = await self.ctx.blobs.read_bytes(self.job.program.sha256)
-
-        def load() -> tuple[list[str], dict[str, torch.Tensor]]:
-            prog = TrainableProgram.from_bytes(program, state_bytes, "cpu")
-            return prog.param_names, prog.state_dict()
-
-        names, state_dict = await asyncio.to_thread(load)
-        return names, state_dict, {}
+        inspection = await inspect_program_async(program, state_bytes)
+        if not inspection.ok or not inspection.param_names:
+            reason = inspection.reason or "it lists no parameters"
+            raise ProgramError(f"the job's program could not be loaded again: {reason}")
+        return list(inspection.param_names), dict(init.state), dict(init.aliases)
 
     def _new_ledger(self, epoch: int) -> EpochLedger:
         block = self.job.shards[0].count if self.job.shards else None

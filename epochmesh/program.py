@@ -20,17 +20,22 @@ packaging records them in the initial state's metadata and `from_bytes` ties the
 
 Donor safety. torch.export.load trusts its input: it falls back to full unpickling for some
 payloads, loads native AOTInductor code when present, evaluates guard code with `exec`, parses
-symbolic shapes with sympy (which `eval`s: a crafted expression runs arbitrary Python at load
-time), imports modules named in pytree specs, and resolves graph targets by attribute lookup on
-`torch`. `validate_program_archive` therefore accepts only the layout torch.export.save writes
-for one training graph: stored (uncompressed) entries; no pickled or custom objects, native code
-or extra files; empty sample inputs; graph targets limited to ATen operators without file
-arguments, a few arithmetic helpers, and no_grad/autocast regions whose subgraphs are checked
-the same way; identifier-like names; guard and symbolic expressions restricted to a small
-arithmetic grammar over allow-listed names; declared weight sizes bounded by the archive size.
-Packaging runs the same check, so a model that would be refused fails on the submitter's
-machine with an ExportError. (Runtime resource limits, e.g. a graph that allocates huge
-tensors, are the agent's business: run programs in a process with memory limits.)
+symbolic shapes with sympy (which `eval`s and computes exactly: a crafted expression runs
+arbitrary Python, or `9**9**9**9` for ever, at load time), imports modules named in pytree
+specs, and resolves graph targets by attribute lookup on `torch`; and an ATen kernel trusts some
+of its inputs (a sparse tensor built without its invariant checks writes out of bounds).
+`validate_program_archive` therefore accepts only the layout torch.export.save writes for one
+training graph: stored (uncompressed) entries; no pickled or custom objects, native code or
+extra files; empty sample inputs; graph targets limited to the reviewed ATen operators of
+`epochmesh.op_allowlist` (core ATen and what torch.export emits for ordinary layers, less
+sparse, nested and quantized tensors, raw storage and stride access and file operators), a few
+arithmetic helpers on sizes, and no_grad/autocast regions whose subgraphs are checked the same
+way; strided tensors of plain dtypes only; identifier-like names; guards and symbolic shapes
+limited to the arithmetic torch.export writes for a dynamic batch size (no powers, bounded
+constants, length and nesting); declared weight sizes bounded by the archive size. Packaging
+runs the same check, so a model that would be refused fails on the submitter's machine with an
+ExportError. (Runtime resource limits, e.g. a graph that allocates huge tensors, are the
+agent's business: run programs in a process with memory limits.)
 """
 
 from __future__ import annotations
@@ -40,13 +45,14 @@ import io
 import json
 import re
 import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from epochmesh.errors import CodecError, ProgramError
+from epochmesh.op_allowlist import ALLOWED_ATEN_OPS
 from epochmesh.tensors import from_safetensors, safetensors_metadata, to_safetensors
 
 WRAPPER_PREFIX = "model."
@@ -78,10 +84,13 @@ _FIXED_FILES = {
 _WEIGHT_FILE = re.compile(r"^data/weights/(weight_[0-9]+)$")
 _CONSTANT_FILE = re.compile(r"^data/constants/(tensor_[0-9]+)$")
 
+# Python operators on symbolic sizes. No `pow`: export emits it only for a power of the batch
+# size, whose shape expression (Pow, FloatPow) is refused anyway, and a crafted power node runs
+# for ever.
 _OPERATOR_TARGETS = {
     f"_operator.{n}"
     for n in (
-        "getitem add sub mul truediv floordiv mod pow neg pos abs eq ne lt le gt ge "
+        "getitem add sub mul truediv floordiv mod neg pos abs eq ne lt le gt ge "
         "and_ or_ xor not_ invert"
     ).split()
 }
@@ -106,23 +115,41 @@ _HOP_TARGETS = {
     "torch.ops.higher_order.wrap_with_set_grad_enabled",
     "torch.ops.higher_order.wrap_with_autocast",
 }
-# ATen operators a donor must not run even though they are ATen: they touch files.
+# Only to say why an operator off the list is refused (the list alone decides).
 _ATEN_FILE_ARG = re.compile(r"file|path", re.IGNORECASE)
+_ALLOW_LIST_REFUSAL = (
+    "not on epochmesh's operator allow-list: sparse, nested and quantized tensors, raw "
+    "storage/stride access and file operators are refused"
+)
 
-# Names sympy may see in symbolic expressions (torch.utils._sympy.functions and basic sympy).
-_SYMPY_NAMES = {
-    "Symbol", "Integer", "Float", "Rational", "Max", "Min", "Abs", "floor", "ceiling",
-    "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "true", "false", "oo",
-    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt",
-    "FloorToInt", "CeilDiv", "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv",
-    "IntTrueDiv", "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt",
-    "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "Mul", "Add", "Pow",
+# Tensor layouts and dtypes as the archive numbers them (torch._export.serde.schema Layout and
+# ScalarType): strided tensors only; every dtype but UNKNOWN (quantized dtypes have no number).
+_STRIDED = 7
+_LAYOUTS = {0: "Unknown", 1: "SparseCoo", 2: "SparseCsr", 3: "SparseCsc", 4: "SparseBsr",
+            5: "SparseBsc", 6: "_mkldnn", 7: "Strided"}  # fmt: skip
+_DTYPES = frozenset(range(1, 14)) | frozenset(range(28, 36))
+
+# Symbolic shape expressions (sympy.sympify evaluates them exactly) and guards (exec'd when the
+# module runs): the arithmetic torch.export writes for a dynamic batch size, e.g.
+# "Mul(Integer(4), Symbol('s33', positive=True, integer=True))" or
+# "L['args'][0].size()[0] == L['args'][1].size()[0]". No powers or shifts (exact big-number
+# arithmetic), integers within int64 (sizes, strides and offsets are), bounded length and depth.
+_SYM_FUNCS = {
+    "Symbol", "Integer", "Add", "Mul", "Max", "Min", "FloorDiv", "CeilDiv", "Mod", "PythonMod",
+    "IntTrueDiv", "ToFloat", "FloatTrueDiv", "Eq", "Ne", "StrictLessThan", "LessThan",
+    "StrictGreaterThan", "GreaterThan", "And", "Or", "Not",
 }  # fmt: skip
+_SYM_NAMES = {"true", "false"}
+_POW_NAMES = {"Pow", "PowByNatural", "FloatPow"}
+_POW_REFUSAL = "powers are refused (**, Pow, PowByNatural, FloatPow)"
 _SYMBOL_KEYWORDS = {"positive", "integer", "real", "nonnegative", "finite", "negative"}
 _GUARD_METHODS = {"size", "stride", "storage_offset", "dim", "numel"}
 _GUARD_FUNCS = {"Max", "Min", "Abs", "FloorDiv", "Mod", "PythonMod", "CeilDiv", "IntTrueDiv"}
+_MAX_EXPR_CHARS = 1000
+_MAX_EXPR_DEPTH = 20
+_MAX_INT = 2**63  # |constant| below it: a size, stride or offset is an int64
 
-_BIN_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
+_BIN_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)
 _UNARY_OPS = (ast.USub, ast.UAdd, ast.Not)
 _CMP_OPS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
@@ -191,7 +218,10 @@ def validate_program_archive(program: bytes | bytearray | memoryview) -> None:
             if allowed_paths:
                 raise ProgramError(f"program archive lacks {rel!r}")
             continue
-        declared += _check_payload_config(rel, read_json(rel), allowed_paths, prefix)
+        cfg = read_json(rel)
+        declared += _check_payload_config(rel, cfg, allowed_paths, prefix)
+        for fqn, meta in cfg["config"].items():
+            _check_tensor_meta(f"{rel}: tensor {fqn!r}", meta["tensor_meta"])
     # torch.export.load allocates zeros for empty weight records of any declared size: bound it.
     if declared * 8 > 16 * len(data) + (1 << 20):
         raise ProgramError(
@@ -266,7 +296,8 @@ def _check_model(model: Any) -> None:
 
 
 def _check_graph(graph: Any, subgraphs: set[int], depth: int) -> None:
-    """Every node's target, recursively into the subgraphs of allowed higher-order ops."""
+    """Every node's target and enum arguments, recursively into the subgraphs of allowed
+    higher-order ops, then the graph's tensors."""
     if not isinstance(graph, dict):
         raise ProgramError("models/model.json: missing graph")
     if depth > 8:
@@ -280,7 +311,10 @@ def _check_graph(graph: Any, subgraphs: set[int], depth: int) -> None:
         _check_target(target)
         for inp in node.get("inputs") or []:
             arg = inp.get("arg") if isinstance(inp, dict) else None
-            if isinstance(arg, dict) and "as_graph" in arg:
+            if not isinstance(arg, dict):
+                continue
+            _check_enum_arg(arg, f"operator {target.removeprefix('torch.ops.')}")
+            if "as_graph" in arg:
                 sub = arg["as_graph"]
                 if target not in _HOP_TARGETS or not isinstance(sub, dict):
                     raise ProgramError(
@@ -291,6 +325,44 @@ def _check_graph(graph: Any, subgraphs: set[int], depth: int) -> None:
                     raise ProgramError(f"invalid subgraph name {name!r}")
                 subgraphs.add(id(sub))
                 _check_graph(sub.get("graph"), subgraphs, depth + 1)
+    values = graph.get("tensor_values") or {}
+    if not isinstance(values, dict):
+        raise ProgramError("models/model.json: tensor_values must be an object")
+    for name, meta in values.items():
+        _check_tensor_meta(f"tensor {_excerpt(name)}", meta)
+
+
+def _check_tensor_meta(what: str, meta: Any) -> None:
+    """A tensor the archive describes: strided, of a plain dtype."""
+    if not isinstance(meta, dict):
+        raise ProgramError(f"{what}: malformed tensor metadata")
+    _check_layout(meta.get("layout"), f"{what} has")
+    _check_dtype(meta.get("dtype"), f"{what} has")
+
+
+def _check_enum_arg(arg: Mapping[str, Any], who: str) -> None:
+    """A layout or dtype passed to an operator (layout=, dtype= of a factory or a copy)."""
+    if "as_layout" in arg:
+        _check_layout(arg["as_layout"], f"{who} is given")
+    if "as_scalar_type" in arg:
+        _check_dtype(arg["as_scalar_type"], f"{who} is given")
+
+
+def _check_layout(layout: Any, prefix: str) -> None:
+    if type(layout) is not int or layout != _STRIDED:
+        name = _LAYOUTS.get(layout, repr(layout)) if type(layout) is int else repr(layout)
+        raise ProgramError(
+            f"{prefix} layout {name} (only strided tensors are accepted: sparse, mkldnn and "
+            "other layouts are refused)"
+        )
+
+
+def _check_dtype(dtype: Any, prefix: str) -> None:
+    if type(dtype) is not int or dtype not in _DTYPES:
+        raise ProgramError(
+            f"{prefix} dtype {dtype!r}, not a plain dtype (quantized and unknown dtypes are "
+            "refused)"
+        )
 
 
 def _check_signature(sig: Any) -> None:
@@ -319,9 +391,10 @@ def _strings_match(obj: Any, pattern: re.Pattern[str], what: str) -> None:
 
 
 def _walk(obj: Any, subgraphs: set[int]) -> None:
-    """Checks every symbolic expression anywhere in the JSON, and that the only nested graphs
-    are the checked subgraphs of allowed higher-order ops."""
+    """Checks every symbolic expression, layout and dtype anywhere in the JSON, and that the
+    only nested graphs are the checked subgraphs of allowed higher-order ops."""
     if isinstance(obj, dict):
+        _check_enum_arg(obj, "the program")
         for k, v in obj.items():
             if k == "expr_str":
                 if not isinstance(v, str):
@@ -350,16 +423,20 @@ def _check_target(target: Any) -> None:
     m = _ATEN_TARGET.match(target)
     if not m:
         raise ProgramError(
-            f"the program calls {target}; agents only run ATen operators (avoid custom ops, "
-            "torch.cond and other control-flow operators in the model)"
+            f"the program calls {_excerpt(target)}; agents only run ATen operators (avoid custom "
+            "ops, torch.cond and other control-flow operators in the model)"
         )
+    op = f"aten.{m.group(1)}.{m.group(2)}"
+    if op in ALLOWED_ATEN_OPS:
+        return
     try:
-        op = getattr(getattr(torch.ops.aten, m.group(1)), m.group(2))
-        args = [a.name for a in op._schema.arguments]
+        schema = getattr(getattr(torch.ops.aten, m.group(1)), m.group(2))._schema
+        why = _ALLOW_LIST_REFUSAL
+        if any(_ATEN_FILE_ARG.search(a.name) for a in schema.arguments):
+            why = "it accesses files"
     except (AttributeError, RuntimeError):
-        raise ProgramError(f"the program calls unknown operator {target}") from None
-    if any(_ATEN_FILE_ARG.search(a) for a in args):
-        raise ProgramError(f"the program calls {target}, which accesses files")
+        why = "unknown operator"
+    raise ProgramError(f"operator {op} is not allowed ({why})")
 
 
 def _check_treespec(spec: Any) -> None:
@@ -398,64 +475,106 @@ def _check_treespec(spec: Any) -> None:
     node(tree)
 
 
+def _excerpt(text: Any, limit: int = 80) -> str:
+    """`text` quoted on one line, cut to about `limit` characters."""
+    text = str(text)
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 def _parse(expr: str, what: str) -> ast.expr:
-    if len(expr) > 10_000:
-        raise ProgramError(f"{what} is too long")
+    if len(expr) > _MAX_EXPR_CHARS:
+        raise _refusal(what, expr, f"longer than {_MAX_EXPR_CHARS} characters")
     try:
         return ast.parse(expr, mode="eval").body
-    except SyntaxError:
-        raise ProgramError(f"{what} is not an expression: {expr[:200]!r}") from None
+    except (SyntaxError, ValueError):  # ValueError: null bytes
+        raise _refusal(what, expr, "not a Python expression") from None
+
+
+def _refusal(what: str, expr: str, why: str) -> ProgramError:
+    return ProgramError(f"unsupported {what} {_excerpt(expr)}: {why}")
+
+
+def _constant_problem(value: Any) -> str | None:
+    """Why a literal may not appear in an expression, or None."""
+    if type(value) not in (int, float, bool):
+        return f"constant {_excerpt(value, 20)} is not a number"
+    if type(value) is int and abs(value) >= _MAX_INT:
+        return "integer constants are limited to the int64 range"
+    return None
 
 
 def _check_sym_expr(expr: str) -> None:
-    """Symbolic shape expressions reach sympy.sympify (an eval): a small grammar only."""
+    """A symbolic shape expression (sympy.sympify evaluates it): the arithmetic torch.export
+    writes for a dynamic batch size only."""
+    what = "symbolic expression"
 
-    def check(n: ast.AST) -> None:
+    def check(n: ast.AST, depth: int) -> None:
+        if depth > _MAX_EXPR_DEPTH:
+            raise _refusal(what, expr, f"nested deeper than {_MAX_EXPR_DEPTH} levels")
         if isinstance(n, ast.Constant):
-            if type(n.value) not in (int, float, bool):
-                raise ProgramError(f"unsupported constant in symbolic expression {expr!r}")
+            if problem := _constant_problem(n.value):
+                raise _refusal(what, expr, problem)
         elif isinstance(n, ast.Name):
-            if not (_SYMBOL.match(n.id) or n.id in _SYMPY_NAMES):
-                raise ProgramError(f"unsupported name {n.id!r} in symbolic expression")
+            if not (_SYMBOL.match(n.id) or n.id in _SYM_NAMES):
+                raise _refusal(what, expr, f"unknown name {n.id!r}")
+        elif isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow):
+            raise _refusal(what, expr, _POW_REFUSAL)
         elif isinstance(n, ast.BinOp) and isinstance(n.op, _BIN_OPS):
-            check(n.left)
-            check(n.right)
+            check(n.left, depth + 1)
+            check(n.right, depth + 1)
         elif isinstance(n, ast.UnaryOp) and isinstance(n.op, _UNARY_OPS):
-            check(n.operand)
+            check(n.operand, depth + 1)
         elif isinstance(n, ast.Compare) and all(isinstance(o, _CMP_OPS) for o in n.ops):
             for c in [n.left, *n.comparators]:
-                check(c)
+                check(c, depth + 1)
         elif isinstance(n, ast.BoolOp):
             for v in n.values:
-                check(v)
+                check(v, depth + 1)
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
-            if n.func.id not in _SYMPY_NAMES:
-                raise ProgramError(f"unsupported function {n.func.id!r} in symbolic expression")
-            args: Iterable[ast.AST] = n.args
-            if n.func.id == "Symbol":
-                if not (
-                    len(n.args) == 1
-                    and isinstance(n.args[0], ast.Constant)
-                    and isinstance(n.args[0].value, str)
-                    and _SYMBOL.match(n.args[0].value)
-                ):
-                    raise ProgramError(f"unsupported Symbol(...) in {expr!r}")
-                args = ()
-            for a in args:
-                check(a)
-            for kw in n.keywords:
-                if kw.arg not in _SYMBOL_KEYWORDS or not (
-                    isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, bool)
-                ):
-                    raise ProgramError(f"unsupported keyword in symbolic expression {expr!r}")
+            name = n.func.id
+            if name in _POW_NAMES:
+                raise _refusal(what, expr, _POW_REFUSAL)
+            if name not in _SYM_FUNCS:
+                raise _refusal(what, expr, f"unknown function {name!r}")
+            if name == "Symbol":
+                check_symbol(n)
+                return
+            if n.keywords:
+                raise _refusal(what, expr, f"{name}() takes no keywords")
+            if name == "Integer" and not (len(n.args) == 1 and is_int(n.args[0])):
+                raise _refusal(what, expr, "Integer() takes one integer")
+            for a in n.args:
+                check(a, depth + 1)
         else:
-            raise ProgramError(f"unsupported symbolic expression {expr[:200]!r}")
+            raise _refusal(
+                what, expr, "only the arithmetic torch.export writes for a batch size is accepted"
+            )
 
-    check(_parse(expr, "symbolic expression"))
+    def is_int(n: ast.AST) -> bool:
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            n = n.operand
+        return isinstance(n, ast.Constant) and type(n.value) is int
+
+    def check_symbol(n: ast.Call) -> None:
+        if not (
+            len(n.args) == 1
+            and isinstance(n.args[0], ast.Constant)
+            and isinstance(n.args[0].value, str)
+            and _SYMBOL.match(n.args[0].value)
+        ):
+            raise _refusal(what, expr, "unsupported Symbol(...)")
+        for kw in n.keywords:
+            if kw.arg not in _SYMBOL_KEYWORDS or not (
+                isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, bool)
+            ):
+                raise _refusal(what, expr, "unsupported keyword of Symbol(...)")
+
+    check(_parse(expr, what), 0)
 
 
 def _check_guard(guard: str) -> None:
-    """Guards are exec'd when the module is built: arithmetic over input sizes only."""
+    """A guard (exec'd when the module runs): arithmetic over input sizes only."""
+    what = "guard"
 
     def is_input_ref(n: ast.AST) -> bool:
         # L['args'][0] / L['x'] / L['args'][0][1] ...
@@ -463,53 +582,63 @@ def _check_guard(guard: str) -> None:
             return n.id == "L"
         if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant):
             v = n.slice.value
-            ok = (isinstance(v, int) and not isinstance(v, bool)) or (
+            ok = (isinstance(v, int) and not isinstance(v, bool) and abs(v) < _MAX_INT) or (
                 isinstance(v, str) and _IDENT.match(v) is not None
             )
             return ok and is_input_ref(n.value)
         return False
 
-    def check(n: ast.AST) -> None:
+    def unsupported() -> ProgramError:
+        return _refusal(what, guard, "only comparisons of input sizes are accepted")
+
+    def check(n: ast.AST, depth: int) -> None:
+        if depth > _MAX_EXPR_DEPTH:
+            raise _refusal(what, guard, f"nested deeper than {_MAX_EXPR_DEPTH} levels")
         if isinstance(n, ast.Constant):
-            if type(n.value) not in (int, float, bool):
-                raise ProgramError(f"unsupported constant in guard {guard!r}")
+            if problem := _constant_problem(n.value):
+                raise _refusal(what, guard, problem)
         elif isinstance(n, ast.Subscript):
             # <input>.size()[i]
             if not (
                 isinstance(n.slice, ast.Constant)
                 and type(n.slice.value) is int
+                and abs(n.slice.value) < _MAX_INT
                 and isinstance(n.value, ast.Call)
             ):
-                raise ProgramError(f"unsupported guard {guard[:200]!r}")
-            check(n.value)
+                raise unsupported()
+            check(n.value, depth + 1)
         elif isinstance(n, ast.Call):
             f = n.func
             if isinstance(f, ast.Attribute) and f.attr in _GUARD_METHODS and is_input_ref(f.value):
                 for a in n.args:
-                    if not (isinstance(a, ast.Constant) and type(a.value) is int):
-                        raise ProgramError(f"unsupported guard {guard[:200]!r}")
+                    if not (
+                        isinstance(a, ast.Constant) and type(a.value) is int and abs(a.value) < 64
+                    ):
+                        raise unsupported()
             elif isinstance(f, ast.Name) and f.id in _GUARD_FUNCS:
                 for a in n.args:
-                    check(a)
+                    check(a, depth + 1)
             else:
-                raise ProgramError(f"unsupported guard {guard[:200]!r}")
+                raise unsupported()
             if n.keywords:
-                raise ProgramError(f"unsupported guard {guard[:200]!r}")
+                raise unsupported()
+        elif isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow):
+            raise _refusal(what, guard, _POW_REFUSAL)
         elif isinstance(n, ast.BinOp) and isinstance(n.op, _BIN_OPS):
-            check(n.left)
-            check(n.right)
+            check(n.left, depth + 1)
+            check(n.right, depth + 1)
         elif isinstance(n, ast.UnaryOp) and isinstance(n.op, _UNARY_OPS):
-            check(n.operand)
+            check(n.operand, depth + 1)
         elif isinstance(n, ast.Compare) and all(isinstance(o, _CMP_OPS) for o in n.ops):
             for c in [n.left, *n.comparators]:
-                check(c)
+                check(c, depth + 1)
         elif isinstance(n, ast.BoolOp):
             for v in n.values:
-                check(v)
+                check(v, depth + 1)
         else:
-            raise ProgramError(f"unsupported guard {guard[:200]!r}")
+            raise unsupported()
 
-    check(_parse(guard, "guard"))
+    check(_parse(guard, what), 0)
 
 
 # ---------------------------------------------------------------------------------------------
