@@ -303,7 +303,7 @@ def child_env(passed: Sequence[str] = _PASSED_ENV) -> dict[str, str]:
     env["PATH"] = "/usr/bin:/bin"
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "1"
     return env
 
 

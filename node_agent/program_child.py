@@ -26,6 +26,7 @@ that step crash, hang or allocate without bound.
 
 from __future__ import annotations
 
+import glob
 import importlib
 import logging
 import math
@@ -286,8 +287,6 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=int(args[0]))
     hello, _ = read_message(sock)
     threads = hello.get("threads")
-    if type(threads) is int and threads > 0:
-        torch.set_num_threads(threads)
     device = str(hello.get("device", "cpu"))
     if device.startswith("cuda"):
         torch.zeros(1, device=device)  # the driver's files are opened before confinement
@@ -304,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
             memory_bytes=base + budget if budget else None,
             open_files=int(hello.get("open_files", 64)),
             read_paths=runtime_read_paths(),
+            device_paths=tuple(glob.glob("/dev/nvidia*")) if device.startswith("cuda") else (),
         )
     )
+    if type(threads) is int and threads > 0:
+        torch.set_num_threads(threads)  # after confinement: its pool starts under Landlock
     ready = {"ok": True, "confinement": report.describe(), "pid": os.getpid(), "data_base": base}
     send_message(sock, ready)
     serve(sock, ProgramRunner())

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import psutil
 import torch
@@ -65,6 +65,7 @@ LOAD_TIMEOUT_S = 300.0  # loading a large exported program
 DEFAULT_STEP_TIMEOUT_S = 120.0
 MIN_STEP_TIMEOUT_S = 10.0
 CPU_SLACK_S = 30.0
+MAX_LOG_LINE_CHARS = 500
 
 # Kinds of ProgramFault.
 CRASHED = "crashed"
@@ -109,12 +110,18 @@ class ProgramChild:
         env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
         env["PATH"] = "/usr/bin:/bin"
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # numpy's BLAS pool would start with `import torch`, before confinement: a thread that
+        # Landlock (before ABI 8) would not cover. torch's own pool starts after it.
+        env["OPENBLAS_NUM_THREADS"] = "1"
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "node_agent.program_child", str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
+                # a pipe, not the agent's stderr: the child may not write files (a log file
+                # would refuse its lines), and its lines reach the agent's log this way
+                stderr=subprocess.PIPE,
                 env=env,
                 cwd="/",
                 close_fds=True,
@@ -123,6 +130,9 @@ class ProgramChild:
             child.close()
         self.sock = parent
         self.pid = self.proc.pid
+        threading.Thread(
+            target=_log_lines, args=(self.proc.stderr, self.pid), daemon=True, name="child-log"
+        ).start()
         self._cpu = 0.0
         self.confinement = ""
         hello = {
@@ -240,6 +250,17 @@ class ProgramChild:
         except subprocess.TimeoutExpired:
             pass
         self.kill()
+
+
+def _log_lines(stream: IO[bytes] | None, pid: int) -> None:
+    """Forward a program child's stderr to the agent's log, line by line, until it closes."""
+    if stream is None:
+        return
+    with contextlib.suppress(OSError, ValueError), stream:
+        for line in stream:
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                log.warning("program child %d: %s", pid, text[:MAX_LOG_LINE_CHARS])
 
 
 class ConfinedProgram:

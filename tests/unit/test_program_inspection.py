@@ -239,4 +239,5 @@ def test_the_child_gets_no_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
         "PYTHONDONTWRITEBYTECODE",
         "OMP_NUM_THREADS",
         "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
     }
