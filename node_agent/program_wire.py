@@ -10,6 +10,7 @@ child sends: `read_message` bounds sizes and the caller checks every field it us
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -193,8 +194,13 @@ class Region:
 
     @classmethod
     def create(cls, name: str, size: int) -> Region:
-        fd = os.memfd_create(f"epochmesh-{name}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"epochmesh-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, max(size, 1))
+        # Sealed at its size: a child that shrank it would make the agent's next access to
+        # the mapping a SIGBUS (a dead agent).
+        fcntl.fcntl(
+            fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        )
         return cls(fd, max(size, 1))
 
     @classmethod

@@ -23,13 +23,16 @@ from epochmesh.spec import load_spec
 from node_agent.program_host import (
     CRASHED,
     HUNG,
+    REFUSED,
     ChildLimits,
     ConfinedProgram,
     ProgramFault,
     ProgramHosts,
     ProgramMemoryError,
+    load_confined,
 )
 from tests.fixtures import write_mlp_job
+from tests.fixtures.hostile_programs import sparse_program
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -198,3 +201,10 @@ def test_the_agent_keeps_each_jobs_memory_limit_for_its_later_loads(job: PackedJ
         assert hosts.load(job.program, job.initial_state, job_id="b").memory_limit_bytes == loose
     finally:
         hosts.close_all()
+
+
+def test_a_program_off_the_allow_list_is_refused_by_the_agent_before_it_runs() -> None:
+    program, state = sparse_program()  # as a stored job from a client that skipped the checks
+    with pytest.raises(ProgramFault, match=r"refused on this node: .*aten\.\w*sparse") as e:
+        load_confined(program, state, ChildLimits(256 << 20, threads=1))
+    assert e.value.kind == REFUSED

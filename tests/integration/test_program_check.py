@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import re
 import time
 from collections.abc import AsyncIterator
@@ -14,21 +13,18 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
-import torch.nn.functional as F
 
 from coordinator.engine import Engine
 from coordinator.server import Coordinator
 from epochmesh.limits import MAX_CHUNK_BYTES
-from epochmesh.packaging import LossWrapper, PackedJob, build_job
+from epochmesh.packaging import PackedJob, build_job
 from epochmesh.program import TrainableProgram, read_initial_state
 from epochmesh.program_inspection import TEST_FAULT_ENV
 from epochmesh.spec import load_spec
 from epochmesh.tensors import to_safetensors
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
 from tests.fixtures import write_mlp_job
-from tests.fixtures.hostile import SPARSE_OUT_OF_RANGE
-from tests.fixtures.hostile_programs import HUGE_POWER, with_shape_expression
+from tests.fixtures.hostile_programs import HUGE_POWER, sparse_program, with_shape_expression
 from tests.procs import aio_channel_for, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(90)
@@ -192,21 +188,6 @@ async def test_a_program_that_crashes_its_inspection_is_refused(
         assert [j.job_id for j in listed] == [job.job_id]
 
 
-def sparse_program() -> bytes:
-    """The hostile sparse model exported as packaging exports it, without the archive check (a
-    submitter who skips the CLI). Exporting traces with fake tensors: the model never runs."""
-    namespace: dict = {}
-    exec(compile(SPARSE_OUT_OF_RANGE, "model.py", "exec"), namespace)  # defines Net only
-    wrapper = LossWrapper(namespace["make_model"](), F.cross_entropy, 1)
-    example = (torch.randn(4, 16), torch.randint(0, 4, (4,)))
-    batch = torch.export.Dim("batch", min=1)
-    ep = torch.export.export(wrapper, example, dynamic_shapes=(({0: batch}, {0: batch}),))
-    ep.example_inputs = None
-    buf = io.BytesIO()
-    torch.export.save(ep, buf)
-    return buf.getvalue()
-
-
 async def test_a_sparse_program_is_refused_naming_its_operator(
     tmp_path: Path, packed: PackedJob
 ) -> None:
@@ -215,7 +196,7 @@ async def test_a_sparse_program_is_refused_naming_its_operator(
         aio_channel_for(coord.address) as channel,
     ):
         jobs = job_pb2_grpc.JobServiceStub(channel)
-        request = await submit_request(jobs, packed, sparse_program())
+        request = await submit_request(jobs, packed, sparse_program()[0])
         details = await refusal(jobs.SubmitJob(request, timeout=60))
         assert re.fullmatch(
             r"program refused: operator "
