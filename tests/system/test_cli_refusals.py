@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import write_mlp_job
-from tests.fixtures.hostile import SPARSE_OUT_OF_RANGE, write_model
+from tests.fixtures.hostile import CRASH_WHEN_RUN, SPARSE_OUT_OF_RANGE, write_model
 from tests.procs import start_coordinator
 from tests.system.test_cli_support import Cli
 
@@ -56,3 +56,21 @@ def test_submit_refuses_a_sparse_model_naming_its_operator(cli: Cli, tmp_path: P
     stats = cli.run("stats", "--output", "json")
     assert stats.code == 0, stats.stderr
     assert json.loads(stats.stdout)["blobs"] == 0
+
+
+def test_submit_says_in_one_line_that_the_model_crashed_python(cli: Cli, tmp_path: Path) -> None:
+    job = write_mlp_job(tmp_path / "job")
+    write_model(tmp_path / "job", CRASH_WHEN_RUN)
+
+    result = cli.run("submit", str(job), timeout=150)
+
+    assert result.code == 2, (result.code, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    assert re.fullmatch(
+        r"error: running the model and loss on a batch of \d+ samples crashed the Python "
+        r"process \(segmentation fault\)",
+        errors[0],
+    ), errors[0]
+    assert cli.run("status", "--output", "json").json()["jobs"] == []
