@@ -45,7 +45,7 @@ import io
 import json
 import re
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -855,20 +855,7 @@ class TrainableProgram:
         self._assign(state, self.state_names, "state")
 
     def _assign(self, values: Mapping[str, torch.Tensor], names: list[str], what: str) -> None:
-        if set(values) != set(names):
-            missing = [n for n in names if n not in values]
-            extra = [n for n in values if n not in set(names)]
-            raise ValueError(f"{what}: missing {missing[:5]}, unexpected {extra[:5]}")
-        for k in names:
-            dst, src = self._tensors[k], values[k]
-            if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
-                raise ValueError(
-                    f"{what}: {k!r} is {src.dtype} {list(src.shape)}, the program expects "
-                    f"{dst.dtype} {list(dst.shape)}"
-                )
-        with torch.no_grad():
-            for k in names:
-                self._tensors[k].copy_(values[k])
+        assign_tensors(self._tensors, values, names, what)
 
     # -- compute ---------------------------------------------------------------------------
 
@@ -924,6 +911,34 @@ class TrainableProgram:
             with torch.no_grad():
                 for k, v in saved.items():
                     self._tensors[k].copy_(v)
+
+
+def assign_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    values: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    what: str,
+    skip: Iterable[str] = (),
+) -> None:
+    """Copy `values` (exactly `names`, each of the same shape and dtype) into `tensors`, except
+    the names in `skip` (tied weights, which share the tensor of another name); ValueError
+    naming what differs, before anything is copied."""
+    if set(values) != set(names):
+        missing = [n for n in names if n not in values]
+        extra = [n for n in values if n not in set(names)]
+        raise ValueError(f"{what}: missing {missing[:5]}, unexpected {extra[:5]}")
+    for k in names:
+        dst, src = tensors[k], values[k]
+        if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+            raise ValueError(
+                f"{what}: {k!r} is {src.dtype} {list(src.shape)}, the program expects "
+                f"{dst.dtype} {list(dst.shape)}"
+            )
+    skipped = set(skip)
+    with torch.no_grad():
+        for k in names:
+            if k not in skipped:
+                tensors[k].copy_(values[k])
 
 
 def _aliases(meta: Mapping[str, str], state: Mapping[str, torch.Tensor]) -> dict[str, str]:

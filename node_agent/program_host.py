@@ -40,6 +40,7 @@ from epochmesh.errors import ProgramError
 from epochmesh.program import (
     ALIASES_METADATA_KEY,
     PARAMS_METADATA_KEY,
+    assign_tensors,
     read_initial_state,
 )
 from epochmesh.tensors import to_safetensors
@@ -453,21 +454,7 @@ class ConfinedProgram:
         return to_safetensors(self.state_dict(), metadata=meta)
 
     def _assign(self, values: Mapping[str, torch.Tensor], names: list[str], what: str) -> None:
-        if set(values) != set(names):
-            missing = [n for n in names if n not in values]
-            extra = [n for n in values if n not in set(names)]
-            raise ValueError(f"{what}: missing {missing[:5]}, unexpected {extra[:5]}")
-        for k in names:
-            dst, src = self._tensors[k], values[k]
-            if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
-                raise ValueError(
-                    f"{what}: {k!r} is {src.dtype} {list(src.shape)}, the program expects "
-                    f"{dst.dtype} {list(dst.shape)}"
-                )
-        with torch.no_grad():
-            for k in names:
-                if k not in self.aliases:
-                    self._tensors[k].copy_(values[k])
+        assign_tensors(self._tensors, values, names, what, skip=self.aliases)
 
     # -- compute --------------------------------------------------------------------------------
 

@@ -22,24 +22,13 @@ from typing import Any
 
 import torch
 
+from epochmesh.tensors import DTYPES  # a program's state and batches: by their wire names
+
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_FDS = 8
 ALIGN = 64
 _HEADER = struct.Struct(">I")
 
-# dtypes a program's state and batches may use, by their wire names.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
