@@ -183,9 +183,23 @@ def _steal(t: Any) -> float:
     return float(getattr(t, "steal", 0.0))
 
 
+def _tree_cpu_seconds(p: psutil.Process) -> float:
+    """CPU seconds of a process and its descendants, alive or reaped (an agent's program
+    children compute its steps)."""
+    t = p.cpu_times()
+    total = t.user + t.system + t.children_user + t.children_system
+    for child in p.children(recursive=True):
+        try:
+            c = child.cpu_times()
+        except psutil.Error:
+            continue  # gone: its time moves to its parent's children_* once reaped
+        total += c.user + c.system
+    return total
+
+
 class CpuSampler:
     """Samples, every `period` seconds, the machine's busy CPU seconds and those of the tracked
-    processes (and of this process with its finished children), so that the CPU used in any
+    processes with their children (and of this process with its finished children), so that the CPU used in any
     past window can be read off by interpolation."""
 
     def __init__(self, pids: dict[str, int], period: float = 0.2) -> None:
@@ -199,8 +213,7 @@ class CpuSampler:
         own: dict[str, float] = {}
         for name, p in self.procs.items():
             try:
-                t = p.cpu_times()
-                own[name] = t.user + t.system
+                own[name] = _tree_cpu_seconds(p)
             except psutil.Error:
                 own[name] = self.samples[-1][2].get(name, 0.0) if self.samples else 0.0
         t = os.times()
