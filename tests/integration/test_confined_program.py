@@ -208,3 +208,16 @@ def test_a_program_off_the_allow_list_is_refused_by_the_agent_before_it_runs() -
     with pytest.raises(ProgramFault, match=r"refused on this node: .*aten\.\w*sparse") as e:
         load_confined(program, state, ChildLimits(256 << 20, threads=1))
     assert e.value.kind == REFUSED
+
+
+def test_the_childs_cpu_time_counts_even_tiny_steps(job: PackedJob) -> None:
+    # The slowdown emulation multiplies this figure: /proc's 10 ms ticks would read 0 for
+    # steps of a sample or two, and the emulated straggler would not slow down.
+    prog = confined(job)
+    try:
+        before = prog.cpu_seconds()
+        for _ in range(5):
+            prog.loss(*batch(1))
+        assert 0.0 < prog.cpu_seconds() - before < 5.0
+    finally:
+        prog.close()
