@@ -1,9 +1,10 @@
 """The program child: runs one job's exported program for the agent, confined.
 
-Started by node_agent.program_host as ``python -m node_agent.program_child FD`` with a fresh
-interpreter (never forked from the agent, so it never holds the node's key, certificate or
-tokens) and a minimal environment; FD is its end of a socket pair to the agent, its only
-channel (node_agent.program_wire). It imports what it needs, confines itself
+Forked by the program zygote (node_agent.program_zygote: a fresh interpreter with a minimal
+environment that has imported torch) and running `run` there; or, when no zygote can serve,
+started by node_agent.program_host as ``python -m node_agent.program_child FD``. Never forked
+from the agent, so it never holds the node's key, certificate or tokens. Its end of a socket
+pair to the agent is its only channel (node_agent.program_wire). It confines itself
 (epochmesh.confine: resource limits, Landlock, seccomp), answers "ready", then serves:
 
 - ``load``: the program and initial state (memfds), the state region (memfd + layout): checks
@@ -231,7 +232,7 @@ def serve(sock: socket.socket, runner: ProgramRunner) -> None:
         except WireError:
             return  # the agent went away
         op = msg.get("op")
-        started = time.process_time()
+        started = _cpu_clocks()
         try:
             if op == "load":
                 out = runner.load(msg, fds)
@@ -255,8 +256,21 @@ def serve(sock: socket.socket, runner: ProgramRunner) -> None:
             if fatal:
                 return
             continue
-        out.update(ok=True, cpu=time.process_time() - started)
+        out.update(ok=True, cpu=_cpu_since(started))
         send_message(sock, out)
+
+
+def _cpu_clocks() -> tuple[float, float]:
+    return time.process_time(), time.thread_time()
+
+
+def _cpu_since(started: tuple[float, float]) -> float:
+    """CPU seconds since `started` (_cpu_clocks): the process's (every thread), but at least
+    this thread's. Once the agent has set RLIMIT_CPU, the kernel reads the process's clock from
+    its group timer, which advances at scheduler ticks: a step of a sample or two reads 0 there,
+    while the thread's own clock is exact."""
+    process, thread = _cpu_clocks()
+    return max(process - started[0], thread - started[1])
 
 
 def _first(e: BaseException) -> str:
@@ -266,9 +280,9 @@ def _first(e: BaseException) -> str:
     return ""
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when the agent dies (kill -9 included): a busy program must not
-    outlive it."""
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (kill -9 included): a busy program must not
+    outlive the agent (the zygote dies with the agent)."""
     import ctypes
     import signal
 
@@ -277,23 +291,28 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.WARNING, format="program child: %(message)s")
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # the agent died before the line above
+def preload() -> None:
+    """Import what loading a program needs while files may still be opened: torch.export.load's
+    modules, whose import touches a cache folder (torch._dynamo) that confinement would refuse.
+    Runs no torch op (no thread pool starts) and touches no GPU."""
+    for name in ("torch._export.serde.serialize", "torch.export.pt2_archive"):
+        importlib.import_module(name)
+
+
+def run(fd: int, parent: int) -> int:
+    """A child's life on its socket `fd` to the agent, in a fresh interpreter (main) or in a
+    process just forked from the zygote (node_agent.program_zygote), whose pid is `parent`:
+    die with the parent, confine, answer "ready", serve until the agent is done."""
+    die_with_parent()
+    if os.getppid() != parent:  # the parent died before the line above
         return 1
-    sock = socket.socket(fileno=int(args[0]))
+    sock = socket.socket(fileno=fd)
     hello, _ = read_message(sock)
     threads = hello.get("threads")
     device = str(hello.get("device", "cpu"))
     if device.startswith("cuda"):
         torch.zeros(1, device=device)  # the driver's files are opened before confinement
-    # torch.export.load's modules, imported while files are still open: their import touches
-    # a cache folder (torch._dynamo), which confinement would refuse.
-    for name in ("torch._export.serde.serialize", "torch.export.pt2_archive"):
-        importlib.import_module(name)
+    preload()  # already done in the zygote
 
     memory = hello.get("memory_bytes")
     budget = memory if type(memory) is int and memory > 0 else None
@@ -312,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     send_message(sock, ready)
     serve(sock, ProgramRunner())
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="program child: %(message)s")
+    return run(int(args[0]), parent=os.getppid())
 
 
 if __name__ == "__main__":
