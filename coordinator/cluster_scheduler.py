@@ -1,0 +1,591 @@
+"""The cluster scheduler: which nodes serve which job (pure logic: no clock, no I/O).
+
+`schedule(now_ms, jobs, nodes, holdings, tenants)` returns a `Plan`: every live job's nodes
+and the reason for what it got, and the nodes that change hands with the reason for each
+move. The engine runs a pass when a job arrives or ends, a node joins or leaves, and at round
+boundaries; job runners only use the nodes the plan gives them.
+
+Policy:
+
+- Tiers `high` > `normal` > `low` are served in that order: a tier takes nodes from lower tiers
+  (free nodes first), never the other way round.
+- Within a tier, weighted max-min fairness between tenants by progressive filling, counted in
+  *effective throughput*: a node is worth `rate(node, job) / mean rate of the job over the
+  cluster` node-equivalents to a job (its own job benchmark where one exists, else its
+  reference benchmark scaled by the job's median measured/reference ratio). The tenant with
+  the least value per weight takes the next node; among its jobs the one holding the least
+  (then the oldest). Each job takes the node where its comparative advantage is largest
+  (its normalized rate over the best normalized rate any other wanting job of the tier has
+  there), so a node much faster for job A than for job B tends to go to A (Gavel).
+  Ties between tenants go to the one with the least decayed usage per weight (`TenantUsage`,
+  Slurm's fair-share half-life).
+- Gang start: a job holds either at least `min_nodes` nodes or none. A job left below it is
+  taken out of the tier (the newest first) and the tier is filled again without it.
+- Hysteresis: a node a job got recently (`Holding.protected_until_ms`) stays with it while the
+  job lives, unless a higher tier needs it. The engine sets the protection so that a node
+  does not move more than once per few rounds and pays back its job benchmark.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_HALF_LIFE_S = 3600.0
+# A node's effective rate never counts as less than this (a node with no measurement at all
+# still counts as a little, so that filling makes progress).
+MIN_EFFECTIVE = 1e-3
+# Usage steers only the nodes that do not divide evenly: a tenant's usage share above (below)
+# its fair share adds (takes off) up to half a node to its value while filling. The gain sets
+# how small a deviation already tips the balance (the long-run error is about
+# 1 / (USAGE_GAIN x nodes) of the usage).
+MAX_USAGE_OFFSET = 0.5
+USAGE_GAIN = 10.0
+
+
+class Tier(enum.IntEnum):
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+PRIORITIES: dict[str, Tier] = {t.label: t for t in Tier}
+
+
+def parse_priority(name: str) -> Tier:
+    """The tier a priority name stands for; ValueError naming the accepted ones."""
+    tier = PRIORITIES.get(name.strip().lower()) if isinstance(name, str) else None
+    if tier is None:
+        accepted = ", ".join(t.label for t in sorted(Tier, reverse=True))
+        raise ValueError(f"unknown priority {name!r}: use one of {accepted}")
+    return tier
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    job_id: str
+    tenant: str
+    tier: Tier
+    min_nodes: int
+    max_nodes: int
+    submitted_ms: int
+
+
+@dataclass(frozen=True)
+class NodeOffer:
+    node_id: str
+    reference_rate: float  # samples/s of the reference benchmark (0: unknown)
+    job_rates: Mapping[str, float] = field(default_factory=dict)  # job_id -> measured samples/s
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A node's current job, and until when it stays there against moves within its tier."""
+
+    job_id: str
+    protected_until_ms: int = 0
+
+
+@dataclass
+class JobPlan:
+    job_id: str
+    nodes: list[str]
+    fair_share: float  # node-equivalents of weighted max-min between its tier's tenants
+    value: float  # node-equivalents its nodes are worth to it
+    wanted: int  # max_nodes
+    waiting: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Move:
+    node_id: str
+    from_job: str  # "" for a node that was free
+    to_job: str  # "" for a node left free
+    reason: str
+
+
+@dataclass
+class Plan:
+    jobs: dict[str, JobPlan]
+    moves: list[Move]
+
+    def owners(self) -> dict[str, str]:
+        return {n: p.job_id for p in self.jobs.values() for n in p.nodes}
+
+    def check(self, jobs: Sequence[JobRequest], nodes: Sequence[NodeOffer]) -> None:
+        """AssertionError unless the plan keeps the scheduler's invariants."""
+        offered = {n.node_id for n in nodes}
+        seen: set[str] = set()
+        by_id = {j.job_id: j for j in jobs}
+        assert set(self.jobs) == set(by_id), "a plan covers exactly the live jobs"
+        for p in self.jobs.values():
+            job = by_id[p.job_id]
+            assert not seen & set(p.nodes), f"a node given twice: {seen & set(p.nodes)}"
+            seen |= set(p.nodes)
+            assert set(p.nodes) <= offered, f"{p.job_id} got nodes nobody offered"
+            assert len(p.nodes) <= job.max_nodes, f"{p.job_id} above max_nodes"
+            assert p.waiting == (not p.nodes), f"{p.job_id}: waiting means no nodes"
+            assert not p.nodes or len(p.nodes) >= job.min_nodes, f"{p.job_id} below min_nodes"
+
+
+class TenantUsage:
+    """Each tenant's decayed usage in node-equivalent seconds (half-life `half_life_s`)."""
+
+    def __init__(self, half_life_s: float = DEFAULT_HALF_LIFE_S) -> None:
+        if not half_life_s > 0:
+            raise ValueError(f"the usage half-life must be positive, got {half_life_s}")
+        self.half_life_s = half_life_s
+        self._usage: dict[str, tuple[float, int]] = {}  # tenant -> (usage, at_ms)
+
+    def _decayed(self, value: float, at_ms: int, now_ms: int) -> float:
+        return value * 0.5 ** (max(0, now_ms - at_ms) / 1000 / self.half_life_s)
+
+    def add(self, tenant: str, node_seconds: float, now_ms: int) -> None:
+        if node_seconds < 0 or not math.isfinite(node_seconds):
+            raise ValueError(f"usage must be a finite non-negative figure, got {node_seconds}")
+        value, at = self._usage.get(tenant, (0.0, now_ms))
+        self._usage[tenant] = (self._decayed(value, at, now_ms) + node_seconds, max(at, now_ms))
+
+    def usage(self, tenant: str, now_ms: int) -> float:
+        value, at = self._usage.get(tenant, (0.0, now_ms))
+        return self._decayed(value, at, now_ms)
+
+    def snapshot(self, now_ms: int) -> dict[str, float]:
+        return {t: self.usage(t, now_ms) for t in self._usage}
+
+    def to_state(self) -> dict[str, object]:
+        return {
+            "half_life_s": self.half_life_s,
+            "usage": {t: [v, at] for t, (v, at) in self._usage.items()},
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, object]) -> TenantUsage:
+        out = cls(float(state["half_life_s"]))  # type: ignore[arg-type]
+        usage = state.get("usage", {})
+        assert isinstance(usage, Mapping)
+        for tenant, (value, at) in usage.items():
+            out._usage[str(tenant)] = (float(value), int(at))
+        return out
+
+
+@dataclass(frozen=True)
+class Tenants:
+    """Operators' weights (default 1) and the decayed usage of a pass."""
+
+    weights: Mapping[str, float] = field(default_factory=dict)
+    usage: Mapping[str, float] = field(default_factory=dict)
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+
+def check_weight(weight: float) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise ValueError(f"a tenant's weight must be a number, got {weight!r}")
+    if not math.isfinite(weight) or weight <= 0:
+        raise ValueError(f"a tenant's weight must be a positive number, got {weight}")
+    return float(weight)
+
+
+# -- effective throughput ---------------------------------------------------------------------
+
+
+def effective_rates(
+    jobs: Sequence[JobRequest], nodes: Sequence[NodeOffer]
+) -> dict[tuple[str, str], float]:
+    """(node_id, job_id) -> node-equivalents: the node's rate for the job over the job's mean
+    rate across all nodes (measured for the job where it was benchmarked, else the reference
+    rate times the job's median measured/reference ratio)."""
+    out: dict[tuple[str, str], float] = {}
+    for job in jobs:
+        ratios = [
+            n.job_rates[job.job_id] / n.reference_rate
+            for n in nodes
+            if n.job_rates.get(job.job_id, 0) > 0 and n.reference_rate > 0
+        ]
+        scale = statistics.median(ratios) if ratios else 1.0
+        est = {}
+        for n in nodes:
+            measured = n.job_rates.get(job.job_id, 0.0)
+            est[n.node_id] = measured if measured > 0 else max(0.0, n.reference_rate) * scale
+        positive = [v for v in est.values() if v > 0]
+        mean = statistics.fmean(positive) if positive else 0.0
+        for node_id, v in est.items():
+            out[(node_id, job.job_id)] = max(MIN_EFFECTIVE, v / mean) if mean > 0 else 1.0
+    return out
+
+
+def water_fill(
+    demands: Mapping[str, float], weights: Mapping[str, float], capacity: float
+) -> dict[str, float]:
+    """Weighted max-min shares of `capacity` for `demands` (each share <= its demand)."""
+    shares = {k: 0.0 for k in demands}
+    active = {k for k, d in demands.items() if d > 0}
+    left = capacity
+    while active and left > 1e-12:
+        total_w = sum(weights[k] for k in active)
+        level = left / total_w
+        capped = {k for k in active if demands[k] - shares[k] <= level * weights[k]}
+        if not capped:
+            for k in active:
+                shares[k] += level * weights[k]
+            break
+        for k in capped:
+            left -= demands[k] - shares[k]
+            shares[k] = demands[k]
+        active -= capped
+    return shares
+
+
+# -- the pass -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tier:
+    """What progressive filling of one tier works with."""
+
+    rates: Mapping[tuple[str, str], float]
+    tenants: Tenants
+    offsets: Mapping[str, float]  # tenant -> node-equivalents added to its value (usage)
+    available: list[str]  # nodes not taken by higher tiers
+    pinned: Mapping[str, str]  # node -> job of this tier that keeps it (hysteresis)
+    cost: Mapping[str, int]  # node -> how reluctantly it is taken (see _move_cost)
+    held: Mapping[str, str]  # node -> job holding it now
+
+    def fill(self, jobs: Sequence[JobRequest]) -> dict[str, list[str]]:
+        """job_id -> nodes: the pinned nodes of live jobs, then progressive filling."""
+        assigned: dict[str, list[str]] = {j.job_id: [] for j in jobs}
+        tenant_value: dict[str, float] = {j.tenant: self.offsets.get(j.tenant, 0.0) for j in jobs}
+        job_value: dict[str, float] = {j.job_id: 0.0 for j in jobs}
+        by_id = {j.job_id: j for j in jobs}
+
+        def give(node_id: str, job: JobRequest) -> None:
+            assigned[job.job_id].append(node_id)
+            rate = self.rates[(node_id, job.job_id)]
+            job_value[job.job_id] += rate
+            tenant_value[job.tenant] += rate
+
+        for node_id, job_id in self.pinned.items():
+            job = by_id.get(job_id)
+            if job is not None and len(assigned[job_id]) < job.max_nodes:
+                give(node_id, job)
+        free = [n for n in self.available if n not in self.pinned or self.pinned[n] not in by_id]
+        wanting = [j for j in jobs if len(assigned[j.job_id]) < j.max_nodes]
+        top2 = self._top2(free, wanting)
+        while free and wanting:
+            needy = [j for j in wanting if len(assigned[j.job_id]) < j.min_nodes]
+            if needy:  # admitted jobs get their min_nodes first (their sum fits)
+                job = needy[0]
+                node = max(free, key=lambda n: self._preference(n, job.job_id, top2))
+                free.remove(node)
+                give(node, job)
+                if len(assigned[job.job_id]) >= job.max_nodes:
+                    wanting.remove(job)
+                    top2 = self._top2(free, wanting)
+                continue
+            tenant = min(
+                {j.tenant for j in wanting},
+                key=lambda t: (
+                    tenant_value[t] / self.tenants.weight(t),
+                    self.tenants.usage.get(t, 0.0) / self.tenants.weight(t),
+                    t,
+                ),
+            )
+            job = min(
+                (j for j in wanting if j.tenant == tenant),
+                key=lambda j: (job_value[j.job_id], j.submitted_ms, j.job_id),
+            )
+            node = max(free, key=lambda n: self._preference(n, job.job_id, top2))
+            free.remove(node)
+            give(node, job)
+            if len(assigned[job.job_id]) >= job.max_nodes:
+                wanting.remove(job)
+                top2 = self._top2(free, wanting)
+        return assigned
+
+    def _top2(
+        self, free: Sequence[str], wanting: Sequence[JobRequest]
+    ) -> dict[str, tuple[tuple[float, str], tuple[float, str]]]:
+        """node -> the two best (normalized rate, job) among the wanting jobs."""
+        out = {}
+        for n in free:
+            ranked = sorted(((self.rates[(n, j.job_id)], j.job_id) for j in wanting), reverse=True)
+            ranked += [(0.0, "")] * 2
+            out[n] = (ranked[0], ranked[1])
+        return out
+
+    def _preference(
+        self, node_id: str, job_id: str, top2: Mapping[str, tuple[tuple[float, str], ...]]
+    ) -> tuple[bool, int, float, str]:
+        """A job takes the nodes it holds first, then the cheapest to take, then the one where
+        its comparative advantage over the other wanting jobs is largest."""
+        mine = self.rates[(node_id, job_id)]
+        first, second = top2[node_id]
+        other = second[0] if first[1] == job_id else first[0]
+        advantage = mine / other if other > 0 else math.inf
+        return (self.held.get(node_id) == job_id, -self.cost[node_id], advantage, node_id)
+
+
+def usage_offsets(
+    jobs: Sequence[JobRequest], tenants: Tenants, fair: Mapping[str, float], capacity: int
+) -> dict[str, float]:
+    """Tenant -> node-equivalents added to its value while filling: how far its share of the
+    tier's recent usage is above (+) or below (-) its share of the tier's fair shares, in
+    nodes times USAGE_GAIN, clamped to MAX_USAGE_OFFSET. So the nodes that do not divide
+    evenly go to the tenant that has had less than its share lately, and weights hold in the
+    long run."""
+    share: dict[str, float] = {}
+    for j in jobs:
+        share[j.tenant] = share.get(j.tenant, 0.0) + fair.get(j.job_id, 0.0)
+    used = {t: max(0.0, tenants.usage.get(t, 0.0)) for t in share}
+    total_share, total_used = sum(share.values()), sum(used.values())
+    if total_share <= 0 or total_used <= 0:
+        return {t: 0.0 for t in share}
+    return {
+        t: max(
+            -MAX_USAGE_OFFSET,
+            min(
+                MAX_USAGE_OFFSET,
+                (used[t] / total_used - share[t] / total_share) * capacity * USAGE_GAIN,
+            ),
+        )
+        for t in share
+    }
+
+
+def schedule(
+    now_ms: int,
+    jobs: Iterable[JobRequest],
+    nodes: Iterable[NodeOffer],
+    holdings: Mapping[str, Holding],
+    tenants: Tenants,
+) -> Plan:
+    """One scheduling pass (see the module docstring)."""
+    jobs = sorted(jobs, key=lambda j: (j.submitted_ms, j.job_id))
+    nodes = sorted(nodes, key=lambda n: n.node_id)
+    by_id = {j.job_id: j for j in jobs}
+    node_ids = [n.node_id for n in nodes]
+    offered = set(node_ids)
+    rates = effective_rates(jobs, nodes)
+    # Only holdings of live jobs on offered nodes count.
+    held = {n: h for n, h in holdings.items() if n in offered and h.job_id in by_id}
+    owner: dict[str, str] = {}
+    waiting_reason: dict[str, str] = {}
+    fair: dict[str, float] = {}
+    for tier in sorted(Tier, reverse=True):
+        tier_jobs = [j for j in jobs if j.tier == tier]
+        if not tier_jobs:
+            continue
+        available = [n for n in node_ids if n not in owner]
+        tier_fair = _fair_shares(tier_jobs, len(available), tenants)
+        fair.update(tier_fair)
+        pinned: dict[str, str] = {}
+        for n in available:
+            h = held.get(n)
+            if (
+                h is not None
+                and by_id[h.job_id].tier == tier
+                and h.protected_until_ms > now_ms
+                and sum(1 for x in pinned.values() if x == h.job_id) < by_id[h.job_id].max_nodes
+            ):
+                pinned[n] = h.job_id
+        work = _Tier(
+            rates=rates,
+            tenants=tenants,
+            offsets=usage_offsets(tier_jobs, tenants, tier_fair, len(available)),
+            available=available,
+            pinned=pinned,
+            cost={n: _move_cost(held.get(n), by_id, tier, now_ms) for n in available},
+            held={n: h.job_id for n, h in held.items()},
+        )
+        candidates = []
+        for job in tier_jobs:
+            if job.min_nodes > len(node_ids):
+                waiting_reason[job.job_id] = (
+                    f"waits: min_nodes {job.min_nodes} exceeds the {len(node_ids)} eligible "
+                    "node(s) in the cluster"
+                )
+            else:
+                candidates.append(job)
+        active = _admit(candidates, work, held, len(node_ids), waiting_reason)
+        assigned = _keep_held(work.fill(active), work.held, rates)
+        for job_id, mine in assigned.items():
+            for n in mine:
+                owner[n] = job_id
+    plans: dict[str, JobPlan] = {}
+    for job in jobs:
+        mine = [n for n in node_ids if owner.get(n) == job.job_id]
+        value = sum(rates[(n, job.job_id)] for n in mine)
+        if mine:
+            reason = (
+                f"runs on {len(mine)} node(s), worth {value:.1f} node-equivalents; fair share "
+                f"{fair[job.job_id]:.1f}"
+                + (" (its max_nodes)" if len(mine) == job.max_nodes else "")
+            )
+        else:
+            reason = waiting_reason.get(job.job_id, "waits: no node is free")
+        plans[job.job_id] = JobPlan(
+            job_id=job.job_id,
+            nodes=mine,
+            fair_share=fair.get(job.job_id, 0.0),
+            value=value,
+            wanted=job.max_nodes,
+            waiting=not mine,
+            reason=reason,
+        )
+    moves = _moves(held, owner, node_ids, by_id, plans)
+    return Plan(jobs=plans, moves=moves)
+
+
+def _move_cost(
+    holding: Holding | None, by_id: Mapping[str, JobRequest], tier: Tier, now_ms: int
+) -> int:
+    """How reluctantly a tier takes a node: free first, then unprotected nodes of its own or
+    a lower tier, then protected nodes of lower tiers."""
+    if holding is None:
+        return 0
+    if by_id[holding.job_id].tier < tier and holding.protected_until_ms > now_ms:
+        return 2
+    return 1
+
+
+def _fair_shares(jobs: Sequence[JobRequest], capacity: int, tenants: Tenants) -> dict[str, float]:
+    """Each job's weighted max-min share (node-equivalents) of `capacity` nodes: between
+    tenants by weight, then equally between a tenant's jobs."""
+    demand: dict[str, float] = {}
+    for j in jobs:
+        demand[j.tenant] = demand.get(j.tenant, 0.0) + j.max_nodes
+    weights = {t: tenants.weight(t) for t in demand}
+    by_tenant = water_fill(demand, weights, float(capacity))
+    out: dict[str, float] = {}
+    for tenant, share in by_tenant.items():
+        mine = [j for j in jobs if j.tenant == tenant]
+        split = water_fill(
+            {j.job_id: float(j.max_nodes) for j in mine}, {j.job_id: 1.0 for j in mine}, share
+        )
+        out.update(split)
+    return out
+
+
+def _keep_held(
+    assigned: Mapping[str, list[str]],
+    held: Mapping[str, str],
+    rates: Mapping[tuple[str, str], float],
+) -> dict[str, list[str]]:
+    """The same number of nodes per job as `assigned`, but each job keeps the nodes it holds
+    now where it can: filling in another order may hand out the same counts with nodes
+    swapped, and a swap would cost both jobs a job benchmark for nothing."""
+    pool = {n for nodes in assigned.values() for n in nodes}
+    out: dict[str, list[str]] = {}
+    for job_id, nodes in assigned.items():
+        keep = sorted(n for n in pool if held.get(n) == job_id)[: len(nodes)]
+        out[job_id] = keep
+        pool -= set(keep)
+    for job_id, nodes in assigned.items():
+        want = len(nodes) - len(out[job_id])
+        if want <= 0:
+            continue
+        # the nodes filling chose for it first, then the fastest for it
+        choice = [n for n in nodes if n in pool]
+        choice += sorted(pool - set(choice), key=lambda n: (-rates[(n, job_id)], n))
+        out[job_id] += choice[:want]
+        pool -= set(choice[:want])
+    return out
+
+
+def _admit(
+    candidates: Sequence[JobRequest],
+    work: _Tier,
+    held: Mapping[str, Holding],
+    cluster_size: int,
+    waiting_reason: dict[str, str],
+) -> list[JobRequest]:
+    """Gang admission: the jobs of a tier that run, each with at least its min_nodes (or the
+    nodes pinned to it, if more) reserved. Jobs that hold nodes now come first, then waiting
+    ones; within each group the tenant with the least reserved per weight goes next, its
+    oldest job first. A job that does not fit waits (a smaller one behind it may still fit)."""
+    pinned_count: dict[str, int] = {}
+    for job_id in work.pinned.values():
+        pinned_count[job_id] = pinned_count.get(job_id, 0) + 1
+    holding_now = {h.job_id for h in held.values()}
+    capacity = len(work.available)
+    higher = cluster_size - capacity
+    admitted: list[JobRequest] = []
+    reserved = 0
+    per_tenant: dict[str, float] = {}
+    for group in (
+        [j for j in candidates if j.job_id in holding_now],
+        [j for j in candidates if j.job_id not in holding_now],
+    ):
+        group = list(group)
+        while group:
+            tenant = min(
+                {j.tenant for j in group},
+                key=lambda t: (
+                    (per_tenant.get(t, 0.0) + work.offsets.get(t, 0.0)) / work.tenants.weight(t),
+                    work.tenants.usage.get(t, 0.0) / work.tenants.weight(t),
+                    t,
+                ),
+            )
+            job = next(j for j in group if j.tenant == tenant)  # oldest: candidates are sorted
+            group.remove(job)
+            need = max(job.min_nodes, pinned_count.get(job.job_id, 0))
+            if reserved + need <= capacity:
+                admitted.append(job)
+                reserved += need
+                per_tenant[tenant] = per_tenant.get(tenant, 0.0) + need
+                continue
+            parts = [f"waits: needs {job.min_nodes} node(s) together (min_nodes)"]
+            if higher:
+                parts.append(f"{higher} of the {cluster_size} eligible held by higher priorities")
+            parts.append(
+                f"{reserved} of the {capacity} left for priority {job.tier.label} reserved by "
+                "the min_nodes of its running and older jobs"
+            )
+            waiting_reason[job.job_id] = "; ".join(parts)
+    return admitted
+
+
+def _moves(
+    held: Mapping[str, Holding],
+    owner: Mapping[str, str],
+    node_ids: Sequence[str],
+    by_id: Mapping[str, JobRequest],
+    plans: Mapping[str, JobPlan],
+) -> list[Move]:
+    moves = []
+    for n in node_ids:
+        before = held[n].job_id if n in held else ""
+        after = owner.get(n, "")
+        if before == after:
+            continue
+        if not before:
+            reason = f"free node given to {after}"
+        elif not after:
+            reason = f"{before} " + (
+                "waits (" + plans[before].reason.removeprefix("waits: ") + ")"
+                if plans[before].waiting
+                else "needs fewer nodes"
+            )
+        elif by_id[after].tier > by_id[before].tier:
+            reason = f"preempted for {after} (priority {by_id[after].tier.label})"
+        elif by_id[after].tier < by_id[before].tier:
+            reason = f"{before} needs fewer nodes"
+        elif plans[before].waiting:
+            reason = f"{before} waits ({plans[before].reason.removeprefix('waits: ')})"
+        else:
+            reason = (
+                f"fair share: to tenant {by_id[after].tenant!r} ({after} has a fair share of "
+                f"{plans[after].fair_share:.1f} node-equivalents)"
+            )
+        moves.append(Move(node_id=n, from_job=before, to_job=after, reason=reason))
+    return moves
