@@ -68,6 +68,11 @@ def parse_priority(name: str) -> Tier:
     return tier
 
 
+def tier_of(priority: str) -> Tier:
+    """A job spec's tier ("" is a job from before priorities: normal)."""
+    return parse_priority(priority) if priority else Tier.NORMAL
+
+
 @dataclass(frozen=True)
 class JobRequest:
     job_id: str

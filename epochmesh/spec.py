@@ -46,6 +46,7 @@ A job.toml, with every field and its default (``-`` = required)::
     min_nodes = 1                  # >= 1
     max_nodes = 8                  # >= min_nodes
     checkpoint_every = 20          # >= 1, rounds
+    priority = "normal"            # high | normal | low (the cluster scheduler's tiers)
 
 In the proto, fields that do not apply (betas with sgd, outer_lr with sync, ...) stay zero or
 empty; `inner_steps` is 1 in sync mode; `inner_optimizer` equals `optimizer` with local_sgd.
@@ -69,6 +70,9 @@ from epochmesh.v1 import common_pb2
 LOSSES = ("cross_entropy", "mse", "custom")
 OPTIMIZERS = ("sgd", "adamw")
 AGGREGATIONS = ("ps", "ring")
+# The cluster scheduler's tiers, highest first (coordinator.cluster_scheduler.Tier).
+PRIORITIES = ("high", "normal", "low")
+DEFAULT_PRIORITY = "normal"
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")
 SYNC_MODES = ("sync", "local_sgd")
 OUTER_OPTIMIZERS = ("nesterov",)
@@ -141,6 +145,7 @@ _SECTIONS: dict[str, dict[str, _Field]] = {
         "min_nodes": _Field("int", default=1, lo=1, hi=MAX_NODES),
         "max_nodes": _Field("int", default=8, lo=1, hi=MAX_NODES),
         "checkpoint_every": _Field("int", default=20, lo=1, hi=MAX_CHECKPOINT_EVERY),
+        "priority": _Field("str", default=DEFAULT_PRIORITY, choices=PRIORITIES),
     },
 }
 
@@ -527,6 +532,7 @@ def _build_spec(values: dict[str, dict[str, Any]], where: _Locator) -> common_pb
         min_nodes=cluster["min_nodes"],
         max_nodes=cluster["max_nodes"],
         checkpoint_every=cluster["checkpoint_every"],
+        priority=cluster["priority"],
     )
     if optimizer == "sgd":
         spec.momentum = train["momentum"]
@@ -663,6 +669,8 @@ def validate_job_spec(spec: common_pb2.JobSpec) -> None:
             "every node needs at least one sample per round"
         )
     rng("checkpoint_every", spec.checkpoint_every, 1, MAX_CHECKPOINT_EVERY)
+    if spec.priority and spec.priority not in PRIORITIES:  # empty: a job from before priorities
+        raise err(f"priority must be one of {', '.join(PRIORITIES)} (got {spec.priority!r})")
 
 
 def spec_to_dict(spec: common_pb2.JobSpec) -> dict[str, Any]:
@@ -703,5 +711,6 @@ def spec_to_dict(spec: common_pb2.JobSpec) -> dict[str, Any]:
             "min_nodes": spec.min_nodes,
             "max_nodes": spec.max_nodes,
             "checkpoint_every": spec.checkpoint_every,
+            "priority": spec.priority or DEFAULT_PRIORITY,
         },
     }

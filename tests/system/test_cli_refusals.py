@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures import write_mlp_job
+from tests.fixtures import dump_toml, write_mlp_job
 from tests.fixtures.hostile import CRASH_WHEN_RUN, SPARSE_OUT_OF_RANGE, write_model
 from tests.procs import start_coordinator
 from tests.system.test_cli_support import Cli
@@ -74,3 +75,21 @@ def test_submit_says_in_one_line_that_the_model_crashed_python(cli: Cli, tmp_pat
         errors[0],
     ), errors[0]
     assert cli.run("status", "--output", "json").json()["jobs"] == []
+
+
+def test_submit_refuses_an_unknown_priority_and_stores_nothing(cli: Cli, tmp_path: Path) -> None:
+    job = write_mlp_job(tmp_path / "job")
+    doc = tomllib.loads(job.read_text())
+    doc.setdefault("cluster", {})["priority"] = "urgent"
+    job.write_text(dump_toml(doc))
+
+    result = cli.run("submit", str(job), timeout=60)
+
+    assert result.code == 2, (result.code, result.stderr)
+    assert result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    assert "[cluster].priority must be one of high, normal, low (got 'urgent')" in errors[0]
+    status = cli.run("status", "--output", "json")
+    assert status.code == 0, status.stderr
+    assert status.json()["jobs"] == []

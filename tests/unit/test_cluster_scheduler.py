@@ -20,8 +20,10 @@ from coordinator.cluster_scheduler import (
     effective_rates,
     parse_priority,
     schedule,
+    tier_of,
     water_fill,
 )
+from epochmesh.spec import PRIORITIES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,6 +56,9 @@ def test_priorities_parse_and_unknown_ones_are_refused_by_name() -> None:
     assert parse_priority("low") is Tier.LOW
     with pytest.raises(ValueError, match="unknown priority 'urgent': use one of high, normal, low"):
         parse_priority("urgent")
+    assert tier_of("") is Tier.NORMAL and tier_of("low") is Tier.LOW
+    # job.toml's names are the tiers' (epochmesh.spec cannot import the coordinator)
+    assert PRIORITIES == tuple(t.label for t in sorted(Tier, reverse=True))
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "2", True])

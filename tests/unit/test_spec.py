@@ -197,6 +197,13 @@ def test_cluster_ranges() -> None:
     assert "aggregation must be one of ps, ring" in error(
         EXAMPLE.replace('aggregation = "ps"', 'aggregation = "allreduce"')
     )
+    with_priority = EXAMPLE.replace('aggregation = "ps"', 'aggregation = "ps"\npriority = "{}"')
+    assert "[cluster].priority must be one of high, normal, low (got 'urgent')" in error(
+        with_priority.format("urgent")
+    )
+    assert "did you mean 'high'?" in error(with_priority.format("hgh"))
+    assert parse(with_priority.format("high")).priority == "high"
+    assert parse(EXAMPLE).priority == "normal"
     assert "checkpoint_every must be >= 1" in error(
         EXAMPLE.replace("checkpoint_every = 20", "checkpoint_every = 0")
     )
@@ -259,6 +266,7 @@ def test_spec_to_dict_lists_what_applies() -> None:
         "min_nodes": 1,
         "max_nodes": 8,
         "checkpoint_every": 20,
+        "priority": "normal",
     }
     adamw = parse(
         EXAMPLE.replace('optimizer = "sgd"', 'optimizer = "adamw"').replace("momentum = 0.0\n", "")
@@ -292,6 +300,7 @@ def test_spec_to_dict_lists_what_applies() -> None:
         ("sync", "async", "sync must be one of"),
         ("inner_steps", 5, "inner_steps must be 1"),
         ("micro_batch", -3, "micro_batch must be >= 0"),
+        ("priority", "urgent", "priority must be one of high, normal, low"),
     ],
 )
 def test_validate_job_spec_rejects(field: str, value: object, needle: str) -> None:
