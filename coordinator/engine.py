@@ -3,8 +3,8 @@
 `Engine` implements `coordinator.engine_api.TrainingEngine`. It owns one `JobRunner` per live
 job (coordinator/job_runner.py holds the round logic; `RingJobRunner` in
 coordinator/ring_runner.py for aggregation = "ring"), a task queue per node (NextTask long
-polls on it), and the node -> job claims: a node works for at most one job at a time, jobs
-take free nodes in submission order.
+polls on it), and the node -> job claims: a node works for at most one job at a time; which
+job may claim which node is the cluster scheduler's decision (coordinator/cluster_scheduler.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,15 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from coordinator.allocator import segments, split_batch
+from coordinator.cluster_scheduler import (
+    Holding,
+    JobRequest,
+    NodeOffer,
+    Plan,
+    Tenants,
+    schedule,
+    tier_of,
+)
 from coordinator.engine_api import CoordinatorContext, Ctx
 from coordinator.job_runner import TERMINAL, JobRunner
 from coordinator.ring_runner import RingJobRunner
@@ -83,6 +92,7 @@ class Engine:
         self.queues: dict[str, deque[tuple[agent_pb2.Task, JobRunner]]] = {}
         self.queue_events: dict[str, asyncio.Event] = {}
         self.claims: dict[str, str] = {}  # node_id -> job_id
+        self.claimed_ms: dict[str, int] = {}  # node_id -> when its job claimed it
         self.task_owner: dict[str, tuple[str, str]] = {}  # task_id -> (node_id, job_id)
         # Heartbeat times loaded from the store after a restart are old: nobody is judged
         # silent for a gap that began before this engine started.
@@ -147,29 +157,58 @@ class Engine:
         until = self.silent_until_ms(node_id)
         return until is None or now_ms() > until
 
-    def claimable_nodes(self, job_id: str) -> list[str]:
-        """Eligible nodes that are free or already this job's (older jobs claim first)."""
-        older_waiting = [
-            r.job_id
-            for r in self.runners.values()
-            if r.job_id != job_id
-            and not r.terminal
-            and r.job.created_ms < self.runners[job_id].job.created_ms
-            and len(r.nodes) < min(r.spec.max_nodes, r.spec.global_batch)
+    def scheduling_plan(self) -> Plan:
+        """A pass of the cluster scheduler over the live jobs, the eligible nodes and who
+        holds them now (coordinator/cluster_scheduler.py)."""
+        now = now_ms()
+        live = [r for r in self.runners.values() if not r.terminal]
+        jobs = [
+            JobRequest(
+                job_id=r.job_id,
+                tenant=r.job.owner,
+                tier=tier_of(r.spec.priority),
+                min_nodes=r.spec.min_nodes,
+                max_nodes=max(r.spec.min_nodes, min(r.spec.max_nodes, r.spec.global_batch)),
+                submitted_ms=r.job.created_ms,
+            )
+            for r in live
         ]
-        out = []
-        for info in self.ctx.registry.eligible_nodes():
-            owner = self.claims.get(info.node_id)
-            if owner == job_id or (owner is None and not older_waiting):
-                out.append(info.node_id)
-        return out
+        nodes = [
+            NodeOffer(
+                node_id=info.node_id,
+                reference_rate=info.benchmark.samples_per_second,
+                job_rates={
+                    r.job_id: r.bench[info.node_id].samples_per_second
+                    for r in live
+                    if info.node_id in r.bench
+                },
+            )
+            for info in self.ctx.registry.eligible_nodes()
+        ]
+        hold_ms = int(self.ctx.config.scheduler_hold_s * 1000)
+        holdings = {
+            n: Holding(job_id, self.claimed_ms.get(n, 0) + hold_ms)
+            for n, job_id in self.claims.items()
+        }
+        return schedule(now, jobs, nodes, holdings, Tenants())
+
+    def claimable_nodes(self, job_id: str) -> list[str]:
+        """The nodes the scheduler gives the job that no other job holds now (a node it takes
+        from another job becomes claimable once that job let it go at its round boundary)."""
+        mine = self.scheduling_plan().jobs.get(job_id)
+        if mine is None:
+            return []
+        return [n for n in mine.nodes if self.claims.get(n) in (None, job_id)]
 
     def claim(self, node_id: str, job_id: str) -> None:
+        if self.claims.get(node_id) != job_id:
+            self.claimed_ms[node_id] = now_ms()
         self.claims[node_id] = job_id
 
     def release(self, node_id: str, job_id: str) -> bool:
         if self.claims.get(node_id) == job_id:
             del self.claims[node_id]
+            self.claimed_ms.pop(node_id, None)
             self.queues.pop(node_id, None)
             self._wake_all()
             return True
@@ -199,6 +238,7 @@ class Engine:
     async def on_node_offline(self, node_id: str) -> None:
         self.queues.pop(node_id, None)
         self.claims.pop(node_id, None)
+        self.claimed_ms.pop(node_id, None)
         # Every runner hears it, not only the claimant: a runner may have released the node
         # already (its lease lapsed a moment before the sweeper said so) and must still forget
         # its benchmark, so that the node is benchmarked again when it comes back.
