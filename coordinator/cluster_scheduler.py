@@ -44,6 +44,12 @@ MIN_EFFECTIVE = 1e-3
 # 1 / (USAGE_GAIN x nodes) of the usage).
 MAX_USAGE_OFFSET = 0.5
 USAGE_GAIN = 10.0
+# A node a job holds counts this much faster for it when it picks nodes: another node must be
+# clearly better to be worth a move (and a job benchmark there).
+STICKINESS = 1.5
+# Least attained service within a tenant: jobs that have had less than this many
+# node-equivalent seconds go first, then each doubling is a class of its own.
+SERVICE_QUANTUM_S = 600.0
 
 
 class Tier(enum.IntEnum):
@@ -81,6 +87,7 @@ class JobRequest:
     min_nodes: int
     max_nodes: int
     submitted_ms: int
+    attained_s: float = 0.0  # node-equivalent seconds of service so far
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class NodeOffer:
     node_id: str
     reference_rate: float  # samples/s of the reference benchmark (0: unknown)
     job_rates: Mapping[str, float] = field(default_factory=dict)  # job_id -> measured samples/s
+    kind: str = ""  # device model: nodes of a kind are assumed alike for a job
 
 
 @dataclass(frozen=True)
@@ -208,20 +216,26 @@ def effective_rates(
     jobs: Sequence[JobRequest], nodes: Sequence[NodeOffer]
 ) -> dict[tuple[str, str], float]:
     """(node_id, job_id) -> node-equivalents: the node's rate for the job over the job's mean
-    rate across all nodes (measured for the job where it was benchmarked, else the reference
-    rate times the job's median measured/reference ratio)."""
+    rate across all nodes. The rate is the node's own job benchmark where there is one, else
+    its reference rate times the job's median measured/reference ratio on nodes of the same
+    kind (device model), else on all nodes, else 1."""
     out: dict[tuple[str, str], float] = {}
     for job in jobs:
-        ratios = [
-            n.job_rates[job.job_id] / n.reference_rate
-            for n in nodes
-            if n.job_rates.get(job.job_id, 0) > 0 and n.reference_rate > 0
-        ]
-        scale = statistics.median(ratios) if ratios else 1.0
+        ratios: dict[str, list[float]] = {}
+        for n in nodes:
+            measured = n.job_rates.get(job.job_id, 0.0)
+            if measured > 0 and n.reference_rate > 0:
+                ratios.setdefault(n.kind, []).append(measured / n.reference_rate)
+        overall = [r for rs in ratios.values() for r in rs]
+        scale_all = statistics.median(overall) if overall else 1.0
+        scale = {kind: statistics.median(rs) for kind, rs in ratios.items() if kind}
         est = {}
         for n in nodes:
             measured = n.job_rates.get(job.job_id, 0.0)
-            est[n.node_id] = measured if measured > 0 else max(0.0, n.reference_rate) * scale
+            if measured > 0:
+                est[n.node_id] = measured
+            else:
+                est[n.node_id] = max(0.0, n.reference_rate) * scale.get(n.kind, scale_all)
         positive = [v for v in est.values() if v > 0]
         mean = statistics.fmean(positive) if positive else 0.0
         for node_id, v in est.items():
@@ -290,26 +304,31 @@ class _Tier:
             needy = [j for j in wanting if len(assigned[j.job_id]) < j.min_nodes]
             if needy:  # admitted jobs get their min_nodes first (their sum fits)
                 job = needy[0]
-                node = max(free, key=lambda n: self._preference(n, job.job_id, top2))
-                free.remove(node)
-                give(node, job)
-                if len(assigned[job.job_id]) >= job.max_nodes:
-                    wanting.remove(job)
-                    top2 = self._top2(free, wanting)
-                continue
-            tenant = min(
-                {j.tenant for j in wanting},
-                key=lambda t: (
-                    tenant_value[t] / self.tenants.weight(t),
-                    self.tenants.usage.get(t, 0.0) / self.tenants.weight(t),
-                    t,
-                ),
-            )
-            job = min(
-                (j for j in wanting if j.tenant == tenant),
-                key=lambda j: (job_value[j.job_id], j.submitted_ms, j.job_id),
-            )
-            node = max(free, key=lambda n: self._preference(n, job.job_id, top2))
+            else:
+                tenant = min(
+                    {j.tenant for j in wanting},
+                    key=lambda t: (
+                        tenant_value[t] / self.tenants.weight(t),
+                        self.tenants.usage.get(t, 0.0) / self.tenants.weight(t),
+                        t,
+                    ),
+                )
+                # Within a tenant: least attained service first (Tiresias), equal shares
+                # between jobs of the same service class.
+                job = min(
+                    (j for j in wanting if j.tenant == tenant),
+                    key=lambda j: (
+                        service_class(j.attained_s),
+                        job_value[j.job_id],
+                        j.submitted_ms,
+                        j.job_id,
+                    ),
+                )
+            # Nodes are scarce while the jobs still wanting could use more than are free:
+            # then a node goes where its comparative advantage is largest; else each job
+            # takes the nodes fastest for it.
+            scarce = len(free) < sum(j.max_nodes - len(assigned[j.job_id]) for j in wanting)
+            node = max(free, key=lambda n: self._preference(n, job.job_id, top2, scarce))
             free.remove(node)
             give(node, job)
             if len(assigned[job.job_id]) >= job.max_nodes:
@@ -329,15 +348,35 @@ class _Tier:
         return out
 
     def _preference(
-        self, node_id: str, job_id: str, top2: Mapping[str, tuple[tuple[float, str], ...]]
-    ) -> tuple[bool, int, float, str]:
-        """A job takes the nodes it holds first, then the cheapest to take, then the one where
-        its comparative advantage over the other wanting jobs is largest."""
+        self,
+        node_id: str,
+        job_id: str,
+        top2: Mapping[str, tuple[tuple[float, str], ...]],
+        scarce: bool,
+    ) -> tuple[int, float, float, str]:
+        """The cheapest node to take first (its own nodes and free ones before other jobs'),
+        then the best score: the job's comparative advantage over the other wanting jobs
+        while nodes are scarce, else its own speed there; a node the job holds scores
+        STICKINESS times higher (a move costs a job benchmark)."""
         mine = self.rates[(node_id, job_id)]
-        first, second = top2[node_id]
-        other = second[0] if first[1] == job_id else first[0]
-        advantage = mine / other if other > 0 else math.inf
-        return (self.held.get(node_id) == job_id, -self.cost[node_id], advantage, node_id)
+        own = self.held.get(node_id) == job_id
+        if scarce:
+            first, second = top2[node_id]
+            other = second[0] if first[1] == job_id else first[0]
+            score = mine / other if other > 0 else mine
+        else:
+            score = mine
+        if own:
+            score *= STICKINESS
+        return (0 if own else -self.cost[node_id], score, mine, node_id)
+
+
+def service_class(attained_s: float) -> int:
+    """A job's least-attained-service class: 0 below SERVICE_QUANTUM_S node-equivalent
+    seconds, then one more per doubling."""
+    if attained_s < SERVICE_QUANTUM_S:
+        return 0
+    return 1 + int(math.log2(attained_s / SERVICE_QUANTUM_S))
 
 
 def usage_offsets(
@@ -541,7 +580,10 @@ def _admit(
                     t,
                 ),
             )
-            job = next(j for j in group if j.tenant == tenant)  # oldest: candidates are sorted
+            job = min(  # least attained service class, then the oldest (candidates are sorted)
+                (j for j in group if j.tenant == tenant),
+                key=lambda j: service_class(j.attained_s),
+            )
             group.remove(job)
             need = max(job.min_nodes, pinned_count.get(job.job_id, 0))
             if reserved + need <= capacity:

@@ -1,7 +1,7 @@
 """A seeded multi-tenant trace run through the REAL cluster scheduler against a simulated round
 clock, compared with first-come-first-served and an equal split. Prints one JSON line.
 
-    .venv/bin/python scripts/bench_scheduler.py [--seed 0] [--nodes 200] [--jobs 40]
+    .venv/bin/python scripts/bench_scheduler.py [--seeds 0,1,2] [--nodes 200] [--jobs 40]
                                                 [--tenants 3] [--round-s 10] [--bench-s 5]
 
 Model (simulated time, nothing sleeps):
@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -140,6 +140,7 @@ class Trace:
     measured: dict[tuple[str, str], float]  # (node, job) -> what a benchmark would report
     node_eq: dict[tuple[str, str], float]  # (node, job) -> rate / the job's mean rate
     weights: dict[str, float]
+    kind: dict[str, str]  # node -> its device model (node type)
 
 
 def make_trace(cfg: Config) -> Trace:
@@ -202,6 +203,7 @@ def make_trace(cfg: Config) -> Trace:
         measured=measured,
         node_eq=node_eq,
         weights=weights,
+        kind={nid: f"type-{int(t)}" for nid, t in zip(node_ids, node_type, strict=True)},
     )
 
 
@@ -229,6 +231,7 @@ class Ours:
         self.trace = trace
         self.protected_until: dict[str, int] = {}  # node -> ms, set when it moved
         self.usage = TenantUsage(cfg.half_life_s)
+        self.attained: dict[str, float] = {}  # job -> node-equivalent seconds so far
         self.tenants = {j.job_id: j.tenant for j in trace.jobs}
         self.pass_ms: list[float] = []
 
@@ -241,12 +244,13 @@ class Ours:
     ) -> dict[str, str]:
         now_ms = round(now_s * 1000)
         live_ids = {j.job_id for j in live}
-        jobs = [j.request() for j in live]
+        jobs = [replace(j.request(), attained_s=self.attained.get(j.job_id, 0.0)) for j in live]
         nodes = [
             NodeOffer(
                 nid,
                 self.trace.reference[nid],
                 {j: r for j, r in known.get(nid, {}).items() if j in live_ids},
+                kind=self.trace.kind[nid],
             )
             for nid in self.trace.node_ids
         ]
@@ -263,6 +267,9 @@ class Ours:
         for p in plan.jobs.values():
             if p.value > 0:
                 self.usage.add(self.tenants[p.job_id], p.value * self.cfg.round_s, now_ms)
+                self.attained[p.job_id] = (
+                    self.attained.get(p.job_id, 0.0) + p.value * self.cfg.round_s
+                )
         return owners
 
 
@@ -574,6 +581,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     d = Config()
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--seeds",
+        type=lambda v: [int(x) for x in v.split(",") if x.strip()],
+        default=[0, 1, 2],
+        help="comma-separated seeds (default 0,1,2): medians and worst cases over them; "
+        "--seeds '' runs --seed alone with every figure",
+    )
     p.add_argument("--nodes", type=int, default=d.nodes)
     p.add_argument("--jobs", type=int, default=d.jobs)
     p.add_argument("--tenants", type=int, default=d.tenants)
@@ -605,18 +619,76 @@ def main() -> None:
         max_bench_overhead=a.max_bench_overhead,
         window_rounds=a.window_rounds,
     )
-    out, _, _ = run_all(cfg)
-    for name, fig in out["per_policy"].items():  # type: ignore[attr-defined]
-        log.info(
-            "%s: avg JCT %.0f s, makespan %.0f s, jain %s, high-priority wait %s, %d node moves",
-            name,
-            fig["avg_jct_s"],
-            fig["makespan_s"],
-            fig["jain_index"],
-            fig["high_priority_wait_rounds"],
-            fig["node_moves"],
-        )
-    print(json.dumps(out))
+    seeds = a.seeds if a.seeds else [a.seed]
+    outs = []
+    for seed in seeds:
+        out, _, _ = run_all(replace(cfg, seed=seed))
+        for name, fig in out["per_policy"].items():  # type: ignore[attr-defined]
+            log.info(
+                "seed %d, %s: avg JCT %.0f s, makespan %.0f s, jain %s, high-priority wait %s, "
+                "%d node moves",
+                seed,
+                name,
+                fig["avg_jct_s"],
+                fig["makespan_s"],
+                fig["jain_index"],
+                fig["high_priority_wait_rounds"],
+                fig["node_moves"],
+            )
+        outs.append(out)
+    print(json.dumps(combine(outs) if len(outs) > 1 else outs[0]))
+
+
+def combine(outs: Sequence[Mapping[str, object]]) -> dict[str, object]:
+    """Several seeds' figures in one line: the median speedups, the worst Jain index and
+    high-priority wait, whether the goals hold on those, and each seed's headline figures."""
+    speedups = [float(o["jct_speedup_vs_fifo"]) for o in outs]  # type: ignore[arg-type]
+    jains = [o["jain_index"] for o in outs if o["jain_index"] is not None]
+    waits = [o["high_priority_wait_rounds"] for o in outs]
+    speedup = statistics.median(speedups)
+    jain_worst = min(jains) if jains else None  # type: ignore[type-var]
+    wait_worst = None if None in waits else max(waits)  # type: ignore[type-var]
+    keys = (
+        "seed",
+        "avg_jct_s",
+        "makespan_s",
+        "jct_speedup_vs_fifo",
+        "jct_speedup_vs_equal",
+        "jain_index",
+        "high_priority_wait_rounds",
+        "goals_met",
+    )
+    first = outs[0]
+    return _rounded(  # type: ignore[return-value]
+        {
+            **{k: first[k] for k in ("nodes", "jobs", "tenants", "tenant_weights", "round_s")},
+            "seeds": [o["seed"] for o in outs],
+            "jct_speedup_vs_fifo": speedup,
+            "jct_speedup_vs_fifo_range": [min(speedups), max(speedups)],
+            "jct_speedup_vs_equal": statistics.median(
+                float(o["jct_speedup_vs_equal"])
+                for o in outs  # type: ignore[arg-type]
+            ),
+            "jain_index": jain_worst,
+            "high_priority_wait_rounds": wait_worst,
+            "goals_met": {
+                "jct_speedup_vs_fifo": speedup >= GOAL_JCT_SPEEDUP,
+                "jain_index": jain_worst is not None and jain_worst >= GOAL_JAIN,
+                "high_priority_wait_rounds": wait_worst is not None
+                and wait_worst <= GOAL_HIGH_WAIT_ROUNDS,
+            },
+            "per_seed": [
+                {
+                    **{k: o[k] for k in keys},
+                    "node_moves": {
+                        name: fig["node_moves"]  # type: ignore[index]
+                        for name, fig in o["per_policy"].items()  # type: ignore[attr-defined]
+                    },
+                }
+                for o in outs
+            ],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -325,3 +325,47 @@ def test_a_high_priority_job_runs_at_the_first_pass_after_it_arrives() -> None:
     plan2 = schedule(1, [*lows, high], cluster, holdings_of(plan, 10**9), Tenants())
     assert len(plan2.jobs["h"].nodes) == 6
     assert all(plan2.jobs[j.job_id].waiting for j in lows)
+
+
+def test_a_node_not_benchmarked_on_a_job_is_estimated_from_nodes_of_its_kind() -> None:
+    offers = [
+        NodeOffer("a1", 100.0, {"j": 300.0}, kind="A"),
+        NodeOffer("b1", 100.0, {"j": 100.0}, kind="B"),
+        NodeOffer("a2", 100.0, kind="A"),  # 100 x 3.0 (kind A's ratio), not x median 2.0
+        NodeOffer("c1", 100.0, kind="C"),  # no node of its kind measured: x median(3, 1) = 2
+    ]
+    rates = effective_rates([job("j")], offers)
+    mean = (300 + 100 + 300 + 200) / 4
+    assert rates[("a2", "j")] == pytest.approx(300 / mean)
+    assert rates[("c1", "j")] == pytest.approx(200 / mean)
+
+
+def test_a_job_alone_takes_its_fastest_nodes_and_moves_to_a_much_faster_free_one() -> None:
+    offers = [NodeOffer("n0", 1.0, {"a": 10.0}), NodeOffer("n1", 1.0, {"a": 1.0})]
+    a = job("a", max_nodes=1)
+    assert schedule(0, [a], offers, {}, Tenants()).jobs["a"].nodes == ["n0"]
+    # It holds the slow node (its hold has passed): the free one is 10x faster, worth a move.
+    plan = schedule(100, [a], offers, {"n1": Holding("a", 0)}, Tenants())
+    assert plan.jobs["a"].nodes == ["n0"]
+    # ... but not for a node barely faster (a move costs a job benchmark).
+    close = [NodeOffer("n0", 1.0, {"a": 1.2}), NodeOffer("n1", 1.0, {"a": 1.0})]
+    assert schedule(100, [a], close, {"n1": Holding("a", 0)}, Tenants()).jobs["a"].nodes == ["n1"]
+
+
+def test_with_nodes_to_spare_each_job_takes_the_nodes_fastest_for_it() -> None:
+    rates = {"n0": (1.0, 0.6), "n1": (1.0, 0.6), "n2": (0.33, 1.0), "n3": (0.33, 1.0)}
+    rates |= {"n4": (0.6, 0.33), "n5": (0.6, 0.33)}
+    offers = [NodeOffer(n, 1.0, {"a": ra, "b": rb}) for n, (ra, rb) in rates.items()]
+    a, b = job("a", "alice", max_nodes=2, at=1), job("b", "bob", max_nodes=2, at=2)
+    plan = schedule(0, [a, b], offers, {}, Tenants())
+    assert sorted(plan.jobs["a"].nodes) == ["n0", "n1"]
+    assert sorted(plan.jobs["b"].nodes) == ["n2", "n3"]
+
+
+def test_within_a_tenant_the_job_with_the_least_service_goes_first() -> None:
+    cluster = nodes(4)
+    old = JobRequest("old", "t", Tier.NORMAL, 1, 4, 0, attained_s=50_000.0)
+    new = JobRequest("new", "t", Tier.NORMAL, 1, 4, 10, attained_s=0.0)
+    plan = schedule(0, [old, new], cluster, {}, Tenants())
+    # the old job keeps its min_nodes (it is admitted too), the new one gets the rest
+    assert len(plan.jobs["new"].nodes) == 3 and len(plan.jobs["old"].nodes) == 1
