@@ -10,9 +10,11 @@ Every RPC of AgentService, JobService and SchedulerService goes through `Authori
 
 The caller's `Principal` is then available to the handler and everything it calls (the engine
 included) through `current_principal()` (a contextvar set for the handler's task). Ownership
-helpers used by the services: `require_self(node_id)` (a node acts only as itself) and
-`require_job_access(job)` (a submitter sees only its own jobs). With ``--insecure`` there is
-no certificate and no check: `current_principal()` is None and the helpers allow everything.
+helpers used by the services: `require_self(node_id)` (a node acts only as itself),
+`require_job_access(job)` (a submitter sees only its own jobs) and
+`require_priority_change(job, priority)` (a submitter may lower its own job's priority, never
+raise it). With ``--insecure`` there is no certificate and no check: `current_principal()` is
+None and the helpers allow everything.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 from cryptography import x509
 
+from coordinator.cluster_scheduler import tier_of
 from coordinator.store import PermissionDeniedError, UnauthenticatedError
 from epochmesh.identity import (
     AUTH_CERT_KEY,
@@ -42,6 +45,7 @@ from epochmesh.identity import (
     principal_of,
     verify_call_signature,
 )
+from epochmesh.spec import DEFAULT_PRIORITY
 from epochmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -91,6 +95,8 @@ POLICY: dict[str, frozenset[str]] = {
             "DownloadResult",
             "GetRounds",
             "GetJobEvents",
+            "GetQueue",
+            "SetJobPriority",
         )
     },
     # Cluster views a submitter may read (its own job's allocation only).
@@ -100,7 +106,17 @@ POLICY: dict[str, frozenset[str]] = {
     },
     **{
         f"{_SCHED}/{m}": OPERATOR
-        for m in ("ListJobs", "GetJob", "WatchEvents", "Cordon", "Uncordon", "Drain", "Revoke")
+        for m in (
+            "ListJobs",
+            "GetJob",
+            "WatchEvents",
+            "Cordon",
+            "Uncordon",
+            "Drain",
+            "Revoke",
+            "GetQueue",
+            "SetTenantWeight",
+        )
     },
 }
 
@@ -147,6 +163,21 @@ def require_job_access(job: common_pb2.Job) -> None:
         return
     if job.owner != principal.id:
         raise PermissionDeniedError(f"job {job.job_id} belongs to another submitter")
+
+
+def require_priority_change(job: common_pb2.Job, priority: str) -> None:
+    """PERMISSION_DENIED when a submitter reaches for another submitter's job, or would raise
+    its own job's priority tier (only operators raise; ``priority`` must be a known tier)."""
+    require_job_access(job)
+    principal = _PRINCIPAL.get()
+    if principal is None or principal.role != ROLE_SUBMITTER:
+        return
+    before = job.spec.priority or DEFAULT_PRIORITY
+    if tier_of(priority) > tier_of(before):
+        raise PermissionDeniedError(
+            f"only an operator may raise a job's priority ({before} -> {priority} for job "
+            f"{job.job_id}); its owner may only lower it"
+        )
 
 
 @dataclass(frozen=True)

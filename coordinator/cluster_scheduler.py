@@ -39,10 +39,10 @@ DEFAULT_HALF_LIFE_S = 3600.0
 # still counts as a little, so that filling makes progress).
 MIN_EFFECTIVE = 1e-3
 # Usage steers only the nodes that do not divide evenly: a tenant's usage share above (below)
-# its fair share adds (takes off) up to half a node to its value while filling. The gain sets
+# its fair share adds (takes off) up to 0.4 of a node to its value (less than half: two tenants' offsets together never outweigh a whole node) while filling. The gain sets
 # how small a deviation already tips the balance (the long-run error is about
 # 1 / (USAGE_GAIN x nodes) of the usage).
-MAX_USAGE_OFFSET = 0.5
+MAX_USAGE_OFFSET = 0.4
 USAGE_GAIN = 10.0
 # A node a job holds counts this much faster for it when it picks nodes: another node must be
 # clearly better to be worth a move (and a job benchmark there).

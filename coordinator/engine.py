@@ -17,18 +17,11 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from coordinator.allocator import segments, split_batch
-from coordinator.cluster_scheduler import (
-    Holding,
-    JobRequest,
-    NodeOffer,
-    Plan,
-    Tenants,
-    schedule,
-    tier_of,
-)
+from coordinator.cluster_scheduler import JobPlan, Plan
 from coordinator.engine_api import CoordinatorContext, Ctx
 from coordinator.job_runner import TERMINAL, JobRunner
 from coordinator.ring_runner import RingJobRunner
+from coordinator.scheduling import ClusterScheduling
 from coordinator.store import (
     AbortedError,
     FailedPreconditionError,
@@ -39,7 +32,7 @@ from coordinator.store import (
 from epochmesh.errors import CodecError, SpecError
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.program_inspection import InspectionLimits, ProgramInspector, Verdict
-from epochmesh.spec import validate_job_spec
+from epochmesh.spec import DEFAULT_PRIORITY, PRIORITIES, validate_job_spec
 from epochmesh.tensors import DTYPES, BundleAssembler, iter_chunks
 from epochmesh.tensors import _safetensors_header as safetensors_header
 from epochmesh.timeutil import now_ms
@@ -92,7 +85,11 @@ class Engine:
         self.queues: dict[str, deque[tuple[agent_pb2.Task, JobRunner]]] = {}
         self.queue_events: dict[str, asyncio.Event] = {}
         self.claims: dict[str, str] = {}  # node_id -> job_id
-        self.claimed_ms: dict[str, int] = {}  # node_id -> when its job claimed it
+        # Which job may claim which node: the cluster scheduler (its state between passes).
+        self.scheduling = ClusterScheduling(ctx.store, ctx.config.scheduler_hold_s)
+        # node_id -> (the job that let it go, the job the scheduler gave it to, why)
+        self._left_by: dict[str, tuple[str, str, str]] = {}
+        self._scheduler_events: list[tuple[str, str, str, str]] = []
         self.task_owner: dict[str, tuple[str, str]] = {}  # task_id -> (node_id, job_id)
         # Heartbeat times loaded from the store after a restart are old: nobody is judged
         # silent for a gap that began before this engine started.
@@ -111,6 +108,7 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.scheduling.load()
         live = (JS.JOB_STATE_QUEUED, JS.JOB_STATE_RUNNING, JS.JOB_STATE_PAUSED)
         jobs = await self.ctx.store.list_jobs(states=live)
         for job in sorted(jobs, key=lambda j: j.created_ms):
@@ -160,55 +158,114 @@ class Engine:
     def scheduling_plan(self) -> Plan:
         """A pass of the cluster scheduler over the live jobs, the eligible nodes and who
         holds them now (coordinator/cluster_scheduler.py)."""
-        now = now_ms()
-        live = [r for r in self.runners.values() if not r.terminal]
-        jobs = [
-            JobRequest(
-                job_id=r.job_id,
-                tenant=r.job.owner,
-                tier=tier_of(r.spec.priority),
-                min_nodes=r.spec.min_nodes,
-                max_nodes=max(r.spec.min_nodes, min(r.spec.max_nodes, r.spec.global_batch)),
-                submitted_ms=r.job.created_ms,
-            )
-            for r in live
-        ]
-        nodes = [
-            NodeOffer(
-                node_id=info.node_id,
-                reference_rate=info.benchmark.samples_per_second,
-                job_rates={
-                    r.job_id: r.bench[info.node_id].samples_per_second
-                    for r in live
-                    if info.node_id in r.bench
-                },
-            )
-            for info in self.ctx.registry.eligible_nodes()
-        ]
-        hold_ms = int(self.ctx.config.scheduler_hold_s * 1000)
-        holdings = {
-            n: Holding(job_id, self.claimed_ms.get(n, 0) + hold_ms)
-            for n, job_id in self.claims.items()
-        }
-        return schedule(now, jobs, nodes, holdings, Tenants())
+        return self.scheduling.plan(
+            now_ms(), self.runners.values(), self.ctx.registry.eligible_nodes(), self.claims
+        )
 
-    def claimable_nodes(self, job_id: str) -> list[str]:
+    async def nodes_for(self, job_id: str) -> list[str]:
         """The nodes the scheduler gives the job that no other job holds now (a node it takes
-        from another job becomes claimable once that job let it go at its round boundary)."""
-        mine = self.scheduling_plan().jobs.get(job_id)
+        from another job becomes claimable once that job let it go at its round boundary).
+        Says in events which nodes it takes from the job, and which changed hands."""
+        plan = self.scheduling_plan()
+        await self._flush_scheduler_events()
+        preempted = self.scheduling.preemption(job_id, self.claims)
+        if preempted is not None:
+            await self.ctx.events.append(
+                "job.preempted",
+                job_id=job_id,
+                message=(
+                    f"{len(preempted.nodes)} node(s) leave at this round boundary: "
+                    f"{preempted.reason}"
+                ),
+                attrs={"nodes": ",".join(preempted.nodes)},
+            )
+        live = [r.job_id for r in self.runners.values() if not r.terminal]
+        await self.scheduling.save_if_due(now_ms(), live)
+        mine = plan.jobs.get(job_id)
         if mine is None:
             return []
         return [n for n in mine.nodes if self.claims.get(n) in (None, job_id)]
 
+    async def _flush_scheduler_events(self) -> None:
+        events, self._scheduler_events = self._scheduler_events, []
+        for node_id, before, after, reason in events:
+            await self.ctx.events.append(
+                "node.reassigned",
+                node_id=node_id,
+                job_id=after,
+                message=f"node {node_id} moves from job {before} to job {after}: {reason}",
+                attrs={"from_job": before, "to_job": after},
+            )
+
     def claim(self, node_id: str, job_id: str) -> None:
         if self.claims.get(node_id) != job_id:
-            self.claimed_ms[node_id] = now_ms()
+            self.scheduling.claimed(node_id, now_ms())
+            left = self._left_by.pop(node_id, None)
+            if left is not None and left[1] == job_id:
+                self._scheduler_events.append((node_id, left[0], job_id, left[2]))
         self.claims[node_id] = job_id
+
+    def wait_reason(self, job_id: str) -> str:
+        """Why the scheduler's last pass gave the job no node ("" if it gave it some)."""
+        plan = self.scheduling.last_plan
+        mine = plan.jobs.get(job_id) if plan is not None else None
+        return mine.reason if mine is not None and mine.waiting else ""
+
+    async def set_tenant_weight(self, tenant: str, weight: float) -> float:
+        try:
+            weight = await self.scheduling.set_weight(tenant, weight)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from e
+        await self.ctx.events.append(
+            "tenant.weight", message=f"tenant {tenant} weighs {weight:g}", attrs={"tenant": tenant}
+        )
+        self._wake_all()
+        return weight
+
+    async def set_job_priority(self, job_id: str, priority: str) -> common_pb2.Job:
+        """Change a live job's priority tier (persisted with its spec)."""
+        if priority not in PRIORITIES:
+            raise InvalidArgumentError(
+                f"unknown priority {priority!r}: use one of {', '.join(PRIORITIES)}"
+            )
+        job = await self._job(job_id)
+        if job.state in TERMINAL:
+            name = JS.Name(job.state).removeprefix("JOB_STATE_")
+            raise FailedPreconditionError(f"job {job_id} already ended ({name})")
+        runner = self.runners.get(job_id)
+        target = runner.job if runner is not None else job
+        before = target.spec.priority or DEFAULT_PRIORITY
+        target.spec.priority = priority
+        if runner is not None:
+            runner.spec.priority = priority
+        await self.ctx.store.update_job(target)
+        if before != priority:
+            await self.ctx.events.append(
+                "job.priority",
+                job_id=job_id,
+                message=f"priority {before} -> {priority}",
+                attrs={"from": before, "to": priority},
+            )
+        self._wake_all()
+        return target
+
+    def queue(self) -> list[tuple[common_pb2.Job, JobPlan]]:
+        """Every live job with what the scheduler gives it now, in submission order."""
+        plan = self.scheduling_plan()
+        out = []
+        for r in sorted(self.runners.values(), key=lambda r: (r.job.created_ms, r.job_id)):
+            p = plan.jobs.get(r.job_id)
+            if p is not None:
+                out.append((r.job, p))
+        return out
 
     def release(self, node_id: str, job_id: str) -> bool:
         if self.claims.get(node_id) == job_id:
             del self.claims[node_id]
-            self.claimed_ms.pop(node_id, None)
+            self.scheduling.released(node_id)
+            move = self.scheduling.move_from(node_id, job_id)
+            if move is not None:  # the scheduler gave it to another job: say so once claimed
+                self._left_by[node_id] = (job_id, move.to_job, move.reason)
             self.queues.pop(node_id, None)
             self._wake_all()
             return True
@@ -238,7 +295,8 @@ class Engine:
     async def on_node_offline(self, node_id: str) -> None:
         self.queues.pop(node_id, None)
         self.claims.pop(node_id, None)
-        self.claimed_ms.pop(node_id, None)
+        self.scheduling.released(node_id)
+        self._left_by.pop(node_id, None)
         # Every runner hears it, not only the claimant: a runner may have released the node
         # already (its lease lapsed a moment before the sweeper said so) and must still forget
         # its benchmark, so that the node is benchmarked again when it comes back.

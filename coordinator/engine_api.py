@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -34,6 +34,7 @@ from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
     from coordinator.blobs import BlobStore
+    from coordinator.cluster_scheduler import JobPlan
     from coordinator.config import CoordinatorConfig
     from coordinator.events import EventLog
     from coordinator.nodes import NodeRegistry
@@ -53,6 +54,15 @@ class CoordinatorContext:
     registry: NodeRegistry
     events: EventLog
     shutdown: asyncio.Event
+
+
+class SchedulerState(Protocol):
+    """What the services read of the engine's cluster scheduler."""
+
+    @property
+    def weights(self) -> Mapping[str, float]:
+        """Operator-set tenant weights (a tenant not listed weighs 1)."""
+        ...
 
 
 @runtime_checkable
@@ -117,10 +127,33 @@ class TrainingEngine(Protocol):
         self, req: scheduler_pb2.PreviewAllocationRequest, ctx: Ctx
     ) -> common_pb2.Allocation: ...
 
+    # -- the cluster scheduler (permissions are the services' to check) -----------------------
+    @property
+    def scheduling(self) -> SchedulerState: ...
+
+    def queue(self) -> list[tuple[common_pb2.Job, JobPlan]]:
+        """Every live job with what the scheduler gives it now, in submission order."""
+        ...
+
+    async def set_tenant_weight(self, tenant: str, weight: float) -> float:
+        """Persists a tenant's weight; InvalidArgumentError unless it is a positive finite
+        number (or for an empty tenant)."""
+        ...
+
+    async def set_job_priority(self, job_id: str, priority: str) -> common_pb2.Job:
+        """Persists a live job's priority; InvalidArgumentError (unknown priority),
+        NotFoundError, FailedPreconditionError (the job ended)."""
+        ...
+
 
 EngineFactory = Callable[[CoordinatorContext], TrainingEngine]
 
 NOT_AVAILABLE = "training engine not available"
+
+
+@dataclass
+class _NoScheduling:
+    weights: dict[str, float]
 
 
 class NullEngine:
@@ -129,6 +162,7 @@ class NullEngine:
 
     def __init__(self, context: CoordinatorContext) -> None:
         self._context = context
+        self.scheduling = _NoScheduling({})
 
     async def start(self) -> None:
         return None
@@ -203,4 +237,13 @@ class NullEngine:
     async def preview_allocation(
         self, req: scheduler_pb2.PreviewAllocationRequest, ctx: Ctx
     ) -> common_pb2.Allocation:
+        raise UnimplementedError(NOT_AVAILABLE)
+
+    def queue(self) -> list[tuple[common_pb2.Job, JobPlan]]:
+        raise UnimplementedError(NOT_AVAILABLE)
+
+    async def set_tenant_weight(self, tenant: str, weight: float) -> float:
+        raise UnimplementedError(NOT_AVAILABLE)
+
+    async def set_job_priority(self, job_id: str, priority: str) -> common_pb2.Job:
         raise UnimplementedError(NOT_AVAILABLE)

@@ -520,7 +520,7 @@ class JobRunner:
             self._wake.clear()
             await self._handle_departures()
             max_nodes = min(self.spec.max_nodes, self.spec.global_batch)
-            candidates = self.engine.claimable_nodes(self.job_id)
+            candidates = await self.engine.nodes_for(self.job_id)
             candidates = [n for n in candidates if self._usable(n)]
             # Nodes already in the job first, then the fastest by reference benchmark.
             current = [n for n in self.nodes if n in candidates]
@@ -556,7 +556,9 @@ class JobRunner:
             elif len(chosen) < self.spec.min_nodes:
                 await self._set_state(
                     JS.JOB_STATE_PAUSED,
-                    f"waiting for nodes: {len(chosen)} usable, min_nodes is {self.spec.min_nodes}",
+                    self.engine.wait_reason(self.job_id)
+                    or f"waiting for nodes: {len(chosen)} usable, min_nodes is "
+                    f"{self.spec.min_nodes}",
                 )
             elif self.job.state == JS.JOB_STATE_QUEUED:
                 self.job.message = f"benchmarking {len(chosen) - len(ready)} node(s)"
@@ -1459,6 +1461,10 @@ class JobRunner:
             await self.ctx.events.append(
                 f"job.{name}", job_id=self.job_id, message=message or f"job is {name}"
             )
+            if previous == JS.JOB_STATE_PAUSED and state == JS.JOB_STATE_RUNNING:
+                await self.ctx.events.append(
+                    "job.resumed", job_id=self.job_id, message="enough nodes again: it resumes"
+                )
         await self.notify()
 
     async def _finish(self) -> None:

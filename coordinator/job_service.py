@@ -1,6 +1,9 @@
 """JobService: submitters -> coordinator (blob uploads, job queries, job events).
 
-SubmitJob, WatchJob, CancelJob, DownloadResult and GetRounds go to the training engine.
+SubmitJob, WatchJob, CancelJob, DownloadResult and GetRounds go to the training engine, and
+so do GetQueue and SetJobPriority (the cluster scheduler's), once the caller's rights are
+checked here: a submitter sees the queue entries of its own jobs only (plus how many others
+there are) and may lower its own job's priority, never raise it.
 
 UploadBlob protocol: the first message is the header (sha256 lowercase hex, size, offset); the
 others are chunks of at most 1 MiB whose offsets follow each other from the header's offset.
@@ -19,10 +22,11 @@ others are chunks of at most 1 MiB whose offsets follow each other from the head
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Collection
+from typing import TYPE_CHECKING
 
 import grpc
 
-from coordinator.auth import owner_filter, require_job_access
+from coordinator.auth import owner_filter, require_job_access, require_priority_change
 from coordinator.blobs import BlobStore, Upload, require_sha256
 from coordinator.engine_api import TrainingEngine
 from coordinator.store import (
@@ -32,7 +36,11 @@ from coordinator.store import (
     is_job_id,
     require_job_id,
 )
-from epochmesh.v1 import common_pb2, job_pb2
+from epochmesh.spec import DEFAULT_PRIORITY, PRIORITIES
+from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
+
+if TYPE_CHECKING:
+    from coordinator.cluster_scheduler import JobPlan
 
 Ctx = grpc.aio.ServicerContext
 
@@ -68,6 +76,51 @@ async def list_jobs(store: Store, states: Collection[int], limit: int) -> list[c
     """Jobs the caller may see (a submitter: only its own)."""
     return await store.list_jobs(
         states=check_job_states(states), owner=owner_filter(), limit=clamp_limit(limit)
+    )
+
+
+def check_priority(priority: str) -> str:
+    if priority not in PRIORITIES:
+        raise InvalidArgumentError(
+            f"unknown priority {priority[:32]!r}: use one of {', '.join(PRIORITIES)}"
+        )
+    return priority
+
+
+def queue_entry(job: common_pb2.Job, plan: JobPlan) -> scheduler_pb2.QueueEntry:
+    return scheduler_pb2.QueueEntry(
+        job_id=job.job_id,
+        name=job.name,
+        tenant=job.owner,
+        priority=job.spec.priority or DEFAULT_PRIORITY,
+        state=job.state,
+        fair_share=plan.fair_share,
+        value=plan.value,
+        nodes_held=len(plan.nodes),
+        node_ids=plan.nodes,
+        nodes_wanted=plan.wanted,
+        min_nodes=job.spec.min_nodes,
+        waiting=plan.waiting,
+        reason=plan.reason,
+        submitted_ms=job.created_ms,
+    )
+
+
+def get_queue(engine: TrainingEngine) -> scheduler_pb2.GetQueueResponse:
+    """The scheduler's queue as the caller may see it: a submitter gets its own jobs, its own
+    weight and the count of the other live jobs; operators everything."""
+    queue = engine.queue()
+    weights = dict(engine.scheduling.weights)
+    owner = owner_filter()
+    if owner is None:
+        return scheduler_pb2.GetQueueResponse(
+            jobs=[queue_entry(job, plan) for job, plan in queue], tenant_weights=weights
+        )
+    mine = [queue_entry(job, plan) for job, plan in queue if job.owner == owner]
+    return scheduler_pb2.GetQueueResponse(
+        jobs=mine,
+        tenant_weights={owner: weights[owner]} if owner in weights else {},
+        other_jobs=len(queue) - len(mine),
     )
 
 
@@ -161,3 +214,14 @@ class JobService:
             req.since_id, job_id=req.job_id, limit=clamp_limit(req.limit)
         )
         return job_pb2.GetJobEventsResponse(events=events)
+
+    async def GetQueue(
+        self, req: scheduler_pb2.GetQueueRequest, ctx: Ctx
+    ) -> scheduler_pb2.GetQueueResponse:
+        return get_queue(self._engine)
+
+    async def SetJobPriority(self, req: job_pb2.SetJobPriorityRequest, ctx: Ctx) -> common_pb2.Job:
+        check_priority(req.priority)
+        job = await get_job(self._store, req.job_id)
+        require_priority_change(job, req.priority)
+        return await self._engine.set_job_priority(job.job_id, req.priority)

@@ -52,6 +52,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -174,6 +184,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "keeping one started (about 300 MB of memory) after the first submission",
     )
     parser.add_argument(
+        "--scheduler-hold",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a node a job just claimed stays with it this long against moves to jobs of the "
+        "same priority (higher priorities may still take it; default 30)",
+    )
+    parser.add_argument(
         "--split",
         choices=("throughput", "equal"),
         default="throughput",
@@ -199,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         program_check_memory_bytes=args.program_check_memory,
         program_check_concurrency=args.program_check_concurrency,
         program_check_spare=args.program_check_spare,
+        scheduler_hold_s=args.scheduler_hold,
     )
 
 

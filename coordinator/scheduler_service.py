@@ -1,7 +1,7 @@
 """SchedulerService: operators -> coordinator (nodes, jobs, events, cordon/drain, stats).
 
-GetAllocation and PreviewAllocation go to the training engine. Node arguments accept a node id
-or a unique node name.
+GetAllocation, PreviewAllocation, GetQueue and SetTenantWeight go to the training engine. Node
+arguments accept a node id or a unique node name.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from coordinator.auth import Authorizer, owner_filter, require_job_access
 from coordinator.blobs import BlobStore
 from coordinator.engine_api import TrainingEngine
 from coordinator.events import EventLog
-from coordinator.job_service import get_job, list_jobs
+from coordinator.job_service import get_job, get_queue, list_jobs
 from coordinator.nodes import NodeRegistry, is_node_id, state_name
 from coordinator.store import (
     CoordinatorError,
@@ -169,6 +169,18 @@ class SchedulerService:
                 except CoordinatorError:
                     pass
         return scheduler_pb2.RevokeResponse(principal=principal, already_revoked=not added)
+
+    async def GetQueue(
+        self, req: scheduler_pb2.GetQueueRequest, ctx: Ctx
+    ) -> scheduler_pb2.GetQueueResponse:
+        return get_queue(self._engine)
+
+    async def SetTenantWeight(
+        self, req: scheduler_pb2.SetTenantWeightRequest, ctx: Ctx
+    ) -> scheduler_pb2.SetTenantWeightResponse:
+        check_text(req.tenant, "tenant", max_len=128, required=True)
+        weight = await self._engine.set_tenant_weight(req.tenant, req.weight)
+        return scheduler_pb2.SetTenantWeightResponse(tenant=req.tenant, weight=weight)
 
     async def ClusterStats(
         self, req: scheduler_pb2.ClusterStatsRequest, ctx: Ctx

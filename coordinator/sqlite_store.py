@@ -149,6 +149,20 @@ MIGRATIONS: tuple[Migration, ...] = (
             )""",
         ),
     ),
+    Migration(
+        5,
+        "cluster scheduler: tenants' weights and the scheduler's own state",
+        (
+            """CREATE TABLE tenant_weights (
+                tenant TEXT PRIMARY KEY,
+                weight REAL NOT NULL
+            )""",
+            """CREATE TABLE scheduler_state (
+                key TEXT PRIMARY KEY,
+                value BLOB NOT NULL
+            )""",
+        ),
+    ),
 )
 
 LATEST_SCHEMA_VERSION = MIGRATIONS[-1].version
@@ -731,6 +745,32 @@ class SqliteStore(Store):
 
     async def list_revocations(self) -> list[str]:
         return [str(r[0]) for r in await self._fetchall("SELECT principal FROM revocations")]
+
+    # -- cluster scheduler ----------------------------------------------------------------------
+
+    async def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        async with self._write() as db:
+            await db.execute(
+                "INSERT INTO tenant_weights (tenant, weight) VALUES (?, ?)"
+                " ON CONFLICT (tenant) DO UPDATE SET weight = excluded.weight",
+                (tenant, float(weight)),
+            )
+
+    async def list_tenant_weights(self) -> dict[str, float]:
+        rows = await self._fetchall("SELECT tenant, weight FROM tenant_weights")
+        return {str(r[0]): float(r[1]) for r in rows}
+
+    async def put_scheduler_state(self, key: str, value: bytes) -> None:
+        async with self._write() as db:
+            await db.execute(
+                "INSERT INTO scheduler_state (key, value) VALUES (?, ?)"
+                " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (key, bytes(value)),
+            )
+
+    async def get_scheduler_state(self, key: str) -> bytes | None:
+        row = await self._fetchone("SELECT value FROM scheduler_state WHERE key = ?", (key,))
+        return None if row is None else bytes(row[0])
 
 
 async def _current_version(db: aiosqlite.Connection) -> int:

@@ -382,3 +382,19 @@ class Store(ABC):
     @abstractmethod
     async def list_revocations(self) -> list[str]:
         """Every revoked principal id."""
+
+    # -- cluster scheduler ----------------------------------------------------------------------
+
+    @abstractmethod
+    async def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """An operator's weight for a tenant (replaces the one before)."""
+
+    @abstractmethod
+    async def list_tenant_weights(self) -> dict[str, float]:
+        """tenant -> weight, for the tenants an operator gave one (others weigh 1)."""
+
+    @abstractmethod
+    async def put_scheduler_state(self, key: str, value: bytes) -> None: ...
+
+    @abstractmethod
+    async def get_scheduler_state(self, key: str) -> bytes | None: ...

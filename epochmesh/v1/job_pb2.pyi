@@ -1,4 +1,5 @@
 from epochmesh.v1 import common_pb2 as _common_pb2
+from epochmesh.v1 import scheduler_pb2 as _scheduler_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -158,3 +159,11 @@ class GetJobEventsResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[_common_pb2.Event]
     def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.Event, _Mapping]]] = ...) -> None: ...
+
+class SetJobPriorityRequest(_message.Message):
+    __slots__ = ("job_id", "priority")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    priority: str
+    def __init__(self, job_id: _Optional[str] = ..., priority: _Optional[str] = ...) -> None: ...

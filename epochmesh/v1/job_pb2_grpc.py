@@ -5,6 +5,7 @@ import warnings
 
 from epochmesh.v1 import common_pb2 as epochmesh_dot_v1_dot_common__pb2
 from epochmesh.v1 import job_pb2 as epochmesh_dot_v1_dot_job__pb2
+from epochmesh.v1 import scheduler_pb2 as epochmesh_dot_v1_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -85,6 +86,16 @@ class JobServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_job__pb2.GetJobEventsRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_job__pb2.GetJobEventsResponse.FromString,
                 _registered_method=True)
+        self.GetQueue = channel.unary_unary(
+                '/epochmesh.v1.JobService/GetQueue',
+                request_serializer=epochmesh_dot_v1_dot_scheduler__pb2.GetQueueRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.GetQueueResponse.FromString,
+                _registered_method=True)
+        self.SetJobPriority = channel.unary_unary(
+                '/epochmesh.v1.JobService/SetJobPriority',
+                request_serializer=epochmesh_dot_v1_dot_job__pb2.SetJobPriorityRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_common__pb2.Job.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -156,6 +167,22 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetQueue(self, request, context):
+        """The cluster scheduler's queue (SchedulerService.GetQueue); a submitter sees its own jobs
+        and how many other live jobs there are.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetJobPriority(self, request, context):
+        """Change a live job's priority tier ("high" | "normal" | "low"). Its owner may lower it;
+        only an operator may raise it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +235,16 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.GetJobEvents,
                     request_deserializer=epochmesh_dot_v1_dot_job__pb2.GetJobEventsRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_job__pb2.GetJobEventsResponse.SerializeToString,
+            ),
+            'GetQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQueue,
+                    request_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.GetQueueRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_scheduler__pb2.GetQueueResponse.SerializeToString,
+            ),
+            'SetJobPriority': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetJobPriority,
+                    request_deserializer=epochmesh_dot_v1_dot_job__pb2.SetJobPriorityRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_common__pb2.Job.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -480,6 +517,60 @@ class JobService:
             '/epochmesh.v1.JobService/GetJobEvents',
             epochmesh_dot_v1_dot_job__pb2.GetJobEventsRequest.SerializeToString,
             epochmesh_dot_v1_dot_job__pb2.GetJobEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.JobService/GetQueue',
+            epochmesh_dot_v1_dot_scheduler__pb2.GetQueueRequest.SerializeToString,
+            epochmesh_dot_v1_dot_scheduler__pb2.GetQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetJobPriority(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.JobService/SetJobPriority',
+            epochmesh_dot_v1_dot_job__pb2.SetJobPriorityRequest.SerializeToString,
+            epochmesh_dot_v1_dot_common__pb2.Job.FromString,
             options,
             channel_credentials,
             insecure,

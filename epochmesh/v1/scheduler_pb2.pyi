@@ -134,3 +134,72 @@ class RevokeResponse(_message.Message):
     principal: str
     already_revoked: bool
     def __init__(self, principal: _Optional[str] = ..., already_revoked: _Optional[bool] = ...) -> None: ...
+
+class GetQueueRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class QueueEntry(_message.Message):
+    __slots__ = ("job_id", "name", "tenant", "priority", "state", "fair_share", "value", "nodes_held", "node_ids", "nodes_wanted", "min_nodes", "waiting", "reason", "submitted_ms")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NODES_HELD_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NODES_WANTED_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    name: str
+    tenant: str
+    priority: str
+    state: _common_pb2.JobState
+    fair_share: float
+    value: float
+    nodes_held: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    nodes_wanted: int
+    min_nodes: int
+    waiting: bool
+    reason: str
+    submitted_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., fair_share: _Optional[float] = ..., value: _Optional[float] = ..., nodes_held: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., nodes_wanted: _Optional[int] = ..., min_nodes: _Optional[int] = ..., waiting: _Optional[bool] = ..., reason: _Optional[str] = ..., submitted_ms: _Optional[int] = ...) -> None: ...
+
+class GetQueueResponse(_message.Message):
+    __slots__ = ("jobs", "tenant_weights", "other_jobs")
+    class TenantWeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[QueueEntry]
+    tenant_weights: _containers.ScalarMap[str, float]
+    other_jobs: int
+    def __init__(self, jobs: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., tenant_weights: _Optional[_Mapping[str, float]] = ..., other_jobs: _Optional[int] = ...) -> None: ...
+
+class SetTenantWeightRequest(_message.Message):
+    __slots__ = ("tenant", "weight")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class SetTenantWeightResponse(_message.Message):
+    __slots__ = ("tenant", "weight")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...

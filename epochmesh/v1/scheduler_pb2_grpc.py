@@ -95,6 +95,16 @@ class SchedulerServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_scheduler__pb2.RevokeRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.RevokeResponse.FromString,
                 _registered_method=True)
+        self.GetQueue = channel.unary_unary(
+                '/epochmesh.v1.SchedulerService/GetQueue',
+                request_serializer=epochmesh_dot_v1_dot_scheduler__pb2.GetQueueRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.GetQueueResponse.FromString,
+                _registered_method=True)
+        self.SetTenantWeight = channel.unary_unary(
+                '/epochmesh.v1.SchedulerService/SetTenantWeight',
+                request_serializer=epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -174,6 +184,21 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetQueue(self, request, context):
+        """Every live job (queued, running, paused) with what the cluster scheduler gives it now, in
+        submission order, and the tenants' weights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetTenantWeight(self, request, context):
+        """A tenant's weight in the fair share between tenants (a tenant without one weighs 1).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +261,16 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.Revoke,
                     request_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.RevokeRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_scheduler__pb2.RevokeResponse.SerializeToString,
+            ),
+            'GetQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQueue,
+                    request_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.GetQueueRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_scheduler__pb2.GetQueueResponse.SerializeToString,
+            ),
+            'SetTenantWeight': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTenantWeight,
+                    request_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,6 +597,60 @@ class SchedulerService:
             '/epochmesh.v1.SchedulerService/Revoke',
             epochmesh_dot_v1_dot_scheduler__pb2.RevokeRequest.SerializeToString,
             epochmesh_dot_v1_dot_scheduler__pb2.RevokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.SchedulerService/GetQueue',
+            epochmesh_dot_v1_dot_scheduler__pb2.GetQueueRequest.SerializeToString,
+            epochmesh_dot_v1_dot_scheduler__pb2.GetQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTenantWeight(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.SchedulerService/SetTenantWeight',
+            epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightRequest.SerializeToString,
+            epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,8 @@ EXPECTED: dict[str, tuple[set[str], str | S]] = {
     "JobService/DownloadResult": (ANY_USER, S.UNIMPLEMENTED),
     "JobService/GetRounds": (ANY_USER, S.UNIMPLEMENTED),
     "JobService/GetJobEvents": (ANY_USER, S.INVALID_ARGUMENT),
+    "JobService/GetQueue": (ANY_USER, S.UNIMPLEMENTED),
+    "JobService/SetJobPriority": (ANY_USER, S.INVALID_ARGUMENT),
     "SchedulerService/ListNodes": (ANY_USER, OK),
     "SchedulerService/GetNode": (ANY_USER, S.INVALID_ARGUMENT),
     "SchedulerService/ListJobs": ({OPERATOR}, OK),
@@ -84,6 +86,8 @@ EXPECTED: dict[str, tuple[set[str], str | S]] = {
     "SchedulerService/Drain": ({OPERATOR}, S.INVALID_ARGUMENT),
     "SchedulerService/ClusterStats": (ANY_USER, OK),
     "SchedulerService/Revoke": ({OPERATOR}, S.INVALID_ARGUMENT),
+    "SchedulerService/GetQueue": ({OPERATOR}, S.UNIMPLEMENTED),
+    "SchedulerService/SetTenantWeight": ({OPERATOR}, S.INVALID_ARGUMENT),
 }
 
 

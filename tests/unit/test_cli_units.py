@@ -17,6 +17,7 @@ from client.commands.output import (
     parse_node_states,
     to_dict,
 )
+from client.commands.queue import TenantRow, parse_priority, queue_rows, tenant_rows
 from client.commands.watch import WatchState, plain_line, render_screen
 from client.config import DEFAULT_COORDINATOR, config_path, resolve_coordinator
 from client.render import (
@@ -37,7 +38,7 @@ from client.render import (
 from client.rpc import CliError, ExitCode, exit_code_for
 from client.upload import blob_ref, upload_requests
 from epochmesh.limits import MAX_CHUNK_BYTES
-from epochmesh.v1 import common_pb2, job_pb2
+from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
 
 # -- address resolution ------------------------------------------------------------------
 
@@ -365,3 +366,29 @@ def test_watch_eta_fallback_from_observed_progress() -> None:
     state.apply(upd2, now=110.0)
     remaining = 4000 - 11 * 64
     assert state.eta_seconds(now=110.0) == pytest.approx(remaining / 64)
+
+
+def test_priority_parsing_normalizes_and_suggests() -> None:
+    assert parse_priority(" High ") == "high"
+    with pytest.raises(CliError) as info:
+        parse_priority("lwo")
+    assert info.value.code == ExitCode.USAGE
+    assert "did you mean low?" in info.value.hint and "high, normal, low" in info.value.hint
+
+
+def test_tenant_rows_join_weights_and_live_jobs() -> None:
+    reply = scheduler_pb2.GetQueueResponse(
+        jobs=[
+            scheduler_pb2.QueueEntry(job_id="j-1", tenant="u-a", nodes_held=2, fair_share=1.5),
+            scheduler_pb2.QueueEntry(job_id="j-2", tenant="u-a", nodes_held=1, fair_share=0.5),
+            scheduler_pb2.QueueEntry(job_id="j-3", tenant="u-b", waiting=True),
+        ],
+        tenant_weights={"u-a": 3.0, "u-idle": 0.5},
+    )
+    assert tenant_rows(reply) == [
+        TenantRow("u-a", 3.0, True, 2, 3, 2.0),
+        TenantRow("u-b", 1.0, False, 1, 0, 0.0),
+        TenantRow("u-idle", 0.5, True, 0, 0, 0.0),
+    ]
+    (row,) = queue_rows(reply.jobs[:1])
+    assert row == ["j-1", "-", "u-a", "normal", "unspecified", "1.50", "2/0", "-"]

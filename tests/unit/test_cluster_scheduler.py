@@ -369,3 +369,11 @@ def test_within_a_tenant_the_job_with_the_least_service_goes_first() -> None:
     plan = schedule(0, [old, new], cluster, {}, Tenants())
     # the old job keeps its min_nodes (it is admitted too), the new one gets the rest
     assert len(plan.jobs["new"].nodes) == 3 and len(plan.jobs["old"].nodes) == 1
+
+
+def test_a_new_tenant_gets_half_however_much_the_first_one_used() -> None:
+    cluster = [NodeOffer(f"n{i}", 1000.0, {"a": 100.0}) for i in range(4)]
+    a, b = job("a", "alice", at=0), job("b", "bob", at=10)
+    held = {f"n{i}": Holding("a") for i in range(4)}
+    plan = schedule(10**6, [a, b], cluster, held, Tenants(usage={"alice": 1e6}))
+    assert len(plan.jobs["a"].nodes) == 2 and len(plan.jobs["b"].nodes) == 2

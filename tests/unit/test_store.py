@@ -355,3 +355,24 @@ async def test_a_write_cancelled_at_any_moment_leaves_the_store_writable(
                 await task
             event = await store.append_event("test.after", message=f"after {yields} yields")
             assert event.id > 0
+
+
+async def test_tenant_weights_and_scheduler_state_persist(tmp_path: Path) -> None:
+    path = tmp_path / "weights.db"
+    store = await SqliteStore.open(path)
+    try:
+        assert await store.list_tenant_weights() == {}
+        await store.set_tenant_weight("alice", 2.0)
+        await store.set_tenant_weight("bob", 0.5)
+        await store.set_tenant_weight("alice", 3.0)
+        await store.put_scheduler_state("usage", b"{}")
+        await store.put_scheduler_state("usage", b'{"a": 1}')
+    finally:
+        await store.close()
+    again = await SqliteStore.open(path)
+    try:
+        assert await again.list_tenant_weights() == {"alice": 3.0, "bob": 0.5}
+        assert await again.get_scheduler_state("usage") == b'{"a": 1}'
+        assert await again.get_scheduler_state("nothing") is None
+    finally:
+        await again.close()

@@ -1,0 +1,199 @@
+"""The engine's side of the cluster scheduler: its inputs kept between passes and persisted.
+
+`ClusterScheduling` turns the live runners, the registry's eligible nodes and the node claims
+into a `coordinator.cluster_scheduler.schedule` pass, and keeps what a pass needs from the
+past: when each node was claimed (its hold), each tenant's decayed usage and each job's
+attained service (both accounted from the value of the nodes the last plan gave each job, for
+the time since), and the operators' tenant weights. Weights persist at once; usage and
+attained service every SAVE_EVERY_S (after a restart a little of either may be forgotten).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.cluster_scheduler import (
+    Holding,
+    JobRequest,
+    Move,
+    NodeOffer,
+    Plan,
+    Tenants,
+    TenantUsage,
+    check_weight,
+    schedule,
+    tier_of,
+)
+from coordinator.store import Store
+from epochmesh.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+SAVE_EVERY_S = 10.0
+STATE_KEY = "usage"
+
+
+class ScheduledJob(Protocol):
+    """What the scheduler reads of a job runner."""
+
+    job_id: str
+    job: common_pb2.Job
+    spec: common_pb2.JobSpec
+    bench: dict[str, common_pb2.BenchmarkResult]
+
+    @property
+    def terminal(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Preemption:
+    job_id: str
+    nodes: tuple[str, ...]
+    reason: str
+
+
+def node_kind(info: common_pb2.NodeInfo) -> str:
+    """The device model a node computes on ("cuda:NVIDIA H100 80GB HBM3", "cpu:2")."""
+    if not info.devices:
+        return ""
+    d = info.devices[0]
+    return f"{d.kind}:{d.name or d.cores}"
+
+
+class ClusterScheduling:
+    def __init__(self, store: Store, hold_s: float) -> None:
+        self.store = store
+        self.hold_ms = int(hold_s * 1000)
+        self.weights: dict[str, float] = {}
+        self.usage = TenantUsage()
+        self.attained: dict[str, float] = {}  # job -> node-equivalent seconds of service
+        self.claimed_ms: dict[str, int] = {}  # node -> when its job claimed it
+        self.last_plan: Plan | None = None
+        self._tenant_of: dict[str, str] = {}
+        self._accounted_ms: int | None = None
+        self._saved_ms = 0
+        self._announced: dict[str, tuple[str, ...]] = {}  # job -> nodes announced preempted
+
+    async def load(self) -> None:
+        self.weights = await self.store.list_tenant_weights()
+        raw = await self.store.get_scheduler_state(STATE_KEY)
+        if raw is None:
+            return
+        try:
+            state = json.loads(raw)
+            self.usage = TenantUsage.from_state(state["usage"])
+            self.attained = {str(k): float(v) for k, v in state["attained"].items()}
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("scheduler state unreadable (%s): usage starts afresh", e)
+
+    async def save_if_due(self, now_ms: int, live_jobs: Iterable[str]) -> None:
+        if now_ms - self._saved_ms < SAVE_EVERY_S * 1000:
+            return
+        self._saved_ms = now_ms
+        live = set(live_jobs)
+        self.attained = {j: v for j, v in self.attained.items() if j in live}
+        state = {"usage": self.usage.to_state(), "attained": self.attained}
+        await self.store.put_scheduler_state(STATE_KEY, json.dumps(state).encode())
+
+    async def set_weight(self, tenant: str, weight: float) -> float:
+        """ValueError for a weight that is not a positive number."""
+        if not tenant:
+            raise ValueError("name the tenant (the principal id that submits its jobs)")
+        weight = check_weight(weight)
+        await self.store.set_tenant_weight(tenant, weight)
+        self.weights[tenant] = weight
+        return weight
+
+    # -- claims ---------------------------------------------------------------------------------
+
+    def claimed(self, node_id: str, now_ms: int) -> None:
+        self.claimed_ms[node_id] = now_ms
+
+    def released(self, node_id: str) -> None:
+        self.claimed_ms.pop(node_id, None)
+
+    # -- a pass ---------------------------------------------------------------------------------
+
+    def _account(self, now_ms: int) -> None:
+        """Usage and attained service since the last pass, from the last plan's values."""
+        if self._accounted_ms is not None and self.last_plan is not None:
+            dt = max(0, now_ms - self._accounted_ms) / 1000
+            for p in self.last_plan.jobs.values():
+                if p.value > 0 and dt > 0:
+                    self.attained[p.job_id] = self.attained.get(p.job_id, 0.0) + p.value * dt
+                    tenant = self._tenant_of.get(p.job_id)
+                    if tenant is not None:
+                        self.usage.add(tenant, p.value * dt, now_ms)
+        self._accounted_ms = now_ms
+
+    def plan(
+        self,
+        now_ms: int,
+        runners: Iterable[ScheduledJob],
+        eligible: Iterable[common_pb2.NodeInfo],
+        claims: Mapping[str, str],
+    ) -> Plan:
+        self._account(now_ms)
+        live = [r for r in runners if not r.terminal]
+        jobs = []
+        for r in live:
+            spec = r.spec
+            self._tenant_of[r.job_id] = r.job.owner
+            jobs.append(
+                JobRequest(
+                    job_id=r.job_id,
+                    tenant=r.job.owner,
+                    tier=tier_of(spec.priority),
+                    min_nodes=spec.min_nodes,
+                    max_nodes=max(spec.min_nodes, min(spec.max_nodes, spec.global_batch)),
+                    submitted_ms=r.job.created_ms,
+                    attained_s=self.attained.get(r.job_id, 0.0),
+                )
+            )
+        nodes = [
+            NodeOffer(
+                node_id=info.node_id,
+                reference_rate=info.benchmark.samples_per_second,
+                job_rates={
+                    r.job_id: r.bench[info.node_id].samples_per_second
+                    for r in live
+                    if info.node_id in r.bench
+                },
+                kind=node_kind(info),
+            )
+            for info in eligible
+        ]
+        holdings = {
+            n: Holding(job_id, self.claimed_ms.get(n, 0) + self.hold_ms)
+            for n, job_id in claims.items()
+        }
+        tenants = Tenants(self.weights, self.usage.snapshot(now_ms))
+        self.last_plan = schedule(now_ms, jobs, nodes, holdings, tenants)
+        return self.last_plan
+
+    def preemption(self, job_id: str, claims: Mapping[str, str]) -> Preemption | None:
+        """The nodes the last plan takes from `job_id` for other jobs (once per change)."""
+        plan = self.last_plan
+        if plan is None:
+            return None
+        moves = [m for m in plan.moves if m.from_job == job_id and m.to_job]
+        nodes = tuple(sorted(m.node_id for m in moves if claims.get(m.node_id) == job_id))
+        if not nodes or self._announced.get(job_id) == nodes:
+            return None
+        self._announced[job_id] = nodes
+        reasons = sorted({m.reason for m in moves if m.node_id in nodes})
+        return Preemption(job_id, nodes, "; ".join(reasons))
+
+    def move_from(self, node_id: str, job_id: str) -> Move | None:
+        """The last plan's move of `node_id` away from `job_id` to another job, if any."""
+        plan = self.last_plan
+        if plan is None:
+            return None
+        for m in plan.moves:
+            if m.node_id == node_id and m.from_job == job_id and m.to_job:
+                return m
+        return None
