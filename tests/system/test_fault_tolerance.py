@@ -429,7 +429,7 @@ def test_agent_kill9_pauses_the_job_a_new_agent_joins_and_it_rejoins_with_its_ca
     # Two nodes < min_nodes 3: PAUSED, and an event says why.
     cluster.wait_state(job_id, JS.JOB_STATE_PAUSED, timeout=10)
     paused = events_of(cluster.events(job_id), "job.paused")
-    assert paused and "min_nodes is 3" in paused[-1].message, paused
+    assert paused and "min_nodes 3" in paused[-1].message, paused
     paused_round = max(r.round for r in cluster.rounds(job_id))
 
     # A new agent joins: it is benchmarked, the job runs again, it trains from its next round.
