@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -433,15 +434,17 @@ def schedule(
         tier_fair = _fair_shares(tier_jobs, len(available), tenants)
         fair.update(tier_fair)
         pinned: dict[str, str] = {}
+        pinned_count: Counter[str] = Counter()
         for n in available:
             h = held.get(n)
             if (
                 h is not None
                 and by_id[h.job_id].tier == tier
                 and h.protected_until_ms > now_ms
-                and sum(1 for x in pinned.values() if x == h.job_id) < by_id[h.job_id].max_nodes
+                and pinned_count[h.job_id] < by_id[h.job_id].max_nodes
             ):
                 pinned[n] = h.job_id
+                pinned_count[h.job_id] += 1
         work = _Tier(
             rates=rates,
             tenants=tenants,
@@ -460,7 +463,7 @@ def schedule(
                 )
             else:
                 candidates.append(job)
-        active = _admit(candidates, work, held, len(node_ids), waiting_reason)
+        active = _admit(candidates, work, len(node_ids), waiting_reason)
         assigned = _keep_held(work.fill(active), work.held, rates)
         for job_id, mine in assigned.items():
             for n in mine:
@@ -549,7 +552,6 @@ def _keep_held(
 def _admit(
     candidates: Sequence[JobRequest],
     work: _Tier,
-    held: Mapping[str, Holding],
     cluster_size: int,
     waiting_reason: dict[str, str],
 ) -> list[JobRequest]:
@@ -557,10 +559,8 @@ def _admit(
     nodes pinned to it, if more) reserved. Jobs that hold nodes now come first, then waiting
     ones; within each group the tenant with the least reserved per weight goes next, its
     oldest job first. A job that does not fit waits (a smaller one behind it may still fit)."""
-    pinned_count: dict[str, int] = {}
-    for job_id in work.pinned.values():
-        pinned_count[job_id] = pinned_count.get(job_id, 0) + 1
-    holding_now = {h.job_id for h in held.values()}
+    pinned_count = Counter(work.pinned.values())
+    holding_now = set(work.held.values())
     capacity = len(work.available)
     higher = cluster_size - capacity
     admitted: list[JobRequest] = []

@@ -124,6 +124,7 @@ class Engine:
         cls = RingJobRunner if job.spec.aggregation == "ring" else JobRunner
         runner = cls(self, job)
         self.runners[job.job_id] = runner
+        self.scheduling.invalidate()
         runner.start()
         return runner
 
@@ -235,9 +236,8 @@ class Engine:
         runner = self.runners.get(job_id)
         target = runner.job if runner is not None else job
         before = target.spec.priority or DEFAULT_PRIORITY
-        target.spec.priority = priority
-        if runner is not None:
-            runner.spec.priority = priority
+        target.spec.priority = priority  # the runner's spec is its job's
+        self.scheduling.invalidate()
         await self.ctx.store.update_job(target)
         if before != priority:
             await self.ctx.events.append(
@@ -285,6 +285,7 @@ class Engine:
                 del self.task_owner[task_id]
 
     async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
+        self.scheduling.invalidate()  # a node's speed (for a job, or its reference)
         if result.job_id:
             runner = self.runners.get(result.job_id)
             if runner is not None:

@@ -34,6 +34,10 @@ from epochmesh.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 SAVE_EVERY_S = 10.0
+# A pass is reused until something it reads changes (a claim, a release, a job starting or
+# ending, a benchmark, a weight, a priority: `invalidate`) or it is this old (node states the engine is not told
+# of, holds running out). Every runner asks for the plan at each of its rounds.
+MAX_PLAN_AGE_MS = 1000
 STATE_KEY = "usage"
 
 
@@ -77,6 +81,8 @@ class ClusterScheduling:
         self._accounted_ms: int | None = None
         self._saved_ms = 0
         self._announced: dict[str, tuple[str, ...]] = {}  # job -> nodes announced preempted
+        self._planned_ms = 0
+        self._stale = True
 
     async def load(self) -> None:
         self.weights = await self.store.list_tenant_weights()
@@ -106,15 +112,22 @@ class ClusterScheduling:
         weight = check_weight(weight)
         await self.store.set_tenant_weight(tenant, weight)
         self.weights[tenant] = weight
+        self.invalidate()
         return weight
 
     # -- claims ---------------------------------------------------------------------------------
 
     def claimed(self, node_id: str, now_ms: int) -> None:
         self.claimed_ms[node_id] = now_ms
+        self.invalidate()
 
     def released(self, node_id: str) -> None:
         self.claimed_ms.pop(node_id, None)
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """The next `plan` call runs a new pass."""
+        self._stale = True
 
     # -- a pass ---------------------------------------------------------------------------------
 
@@ -137,8 +150,16 @@ class ClusterScheduling:
         eligible: Iterable[common_pb2.NodeInfo],
         claims: Mapping[str, str],
     ) -> Plan:
-        self._account(now_ms)
+        """The last pass while nothing it reads has changed (see MAX_PLAN_AGE_MS), else a
+        new one."""
         live = [r for r in runners if not r.terminal]
+        fresh = now_ms - self._planned_ms < MAX_PLAN_AGE_MS
+        plan = self.last_plan
+        if plan is not None and not self._stale and fresh and len(plan.jobs) == len(live):
+            return plan  # (a job that ended leaves the plan at once)
+        self._stale = False
+        self._planned_ms = now_ms
+        self._account(now_ms)
         jobs = []
         for r in live:
             spec = r.spec

@@ -275,18 +275,21 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _spawn_child(env: dict[str, str]) -> tuple[ChildProcess, socket.socket, IO[bytes]]:
-    """A program child as a fresh interpreter (when no zygote serves): its process, the
-    agent's end of its socket pair, its stderr."""
+def _start_interpreter(
+    module: str, env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """``python -m MODULE FD`` with `env` as its whole environment, in "/", no descriptor of
+    the agent's but its end of a socket pair (FD) and a pipe for its stderr: a pipe, not the
+    agent's stderr, since a confined child may not write files (a log file would refuse its
+    lines), and its lines reach the agent's log this way. Returns the process and the agent's
+    end of the socket pair."""
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "node_agent.program_child", str(child.fileno())],
+            [sys.executable, "-m", module, str(child.fileno())],
             pass_fds=(child.fileno(),),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            # a pipe, not the agent's stderr: the child may not write files (a log file
-            # would refuse its lines), and its lines reach the agent's log this way
             stderr=subprocess.PIPE,
             env=env,
             cwd="/",
@@ -297,6 +300,13 @@ def _spawn_child(env: dict[str, str]) -> tuple[ChildProcess, socket.socket, IO[b
         raise
     finally:
         child.close()
+    return proc, parent
+
+
+def _spawn_child(env: dict[str, str]) -> tuple[ChildProcess, socket.socket, IO[bytes]]:
+    """A program child as a fresh interpreter (when no zygote serves): its process, the
+    agent's end of its socket pair, its stderr."""
+    proc, parent = _start_interpreter("node_agent.program_child", env)
     assert proc.stderr is not None
     return proc, parent, proc.stderr
 
@@ -501,24 +511,11 @@ class ZygoteClient:
                 self._proc.kill()
 
     def _run(self, env: dict[str, str], ready: Future[int]) -> None:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", ZYGOTE_MODULE, str(child.fileno())],
-                pass_fds=(child.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                env=env,
-                cwd="/",
-                close_fds=True,
-            )
+            proc, parent = _start_interpreter(ZYGOTE_MODULE, env)
         except OSError as e:
-            parent.close()
             ready.set_exception(ZygoteError(str(e)))
             return
-        finally:
-            child.close()
         self._proc, self._sock = proc, parent
         threading.Thread(
             target=_log_lines,
