@@ -89,6 +89,8 @@ class JobRequest:
     max_nodes: int
     submitted_ms: int
     attained_s: float = 0.0  # node-equivalent seconds of service so far
+    # samples still to train (epochs x dataset size - samples done); None: unknown
+    remaining_samples: float | None = None
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,15 @@ def effective_rates(
     rate across all nodes. The rate is the node's own job benchmark where there is one, else
     its reference rate times the job's median measured/reference ratio on nodes of the same
     kind (device model), else on all nodes, else 1."""
+    return _rate_estimates(jobs, nodes)[0]
+
+
+def _rate_estimates(
+    jobs: Sequence[JobRequest], nodes: Sequence[NodeOffer]
+) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """(effective_rates, job_id -> the job's mean estimated samples/s per node; 0: unknown)."""
     out: dict[tuple[str, str], float] = {}
+    means: dict[str, float] = {}
     for job in jobs:
         ratios: dict[str, list[float]] = {}
         for n in nodes:
@@ -239,9 +249,20 @@ def effective_rates(
                 est[n.node_id] = max(0.0, n.reference_rate) * scale.get(n.kind, scale_all)
         positive = [v for v in est.values() if v > 0]
         mean = statistics.fmean(positive) if positive else 0.0
+        means[job.job_id] = mean
         for node_id, v in est.items():
             out[(node_id, job.job_id)] = max(MIN_EFFECTIVE, v / mean) if mean > 0 else 1.0
-    return out
+    return out, means
+
+
+def expected_remaining_s(job: JobRequest, mean_rate: float) -> float:
+    """The node-equivalent seconds a job is expected to still need: its remaining samples
+    over its mean rate per node where both are known, else (Tiresias' least attained service
+    for unknown sizes: the longer a job ran, the longer it is likely to run) its attained
+    service rounded up to its service class's upper bound."""
+    if job.remaining_samples is not None and mean_rate > 0:
+        return max(0.0, job.remaining_samples) / mean_rate
+    return SERVICE_QUANTUM_S * 2.0 ** service_class(job.attained_s)
 
 
 def water_fill(
@@ -280,9 +301,14 @@ class _Tier:
     pinned: Mapping[str, str]  # node -> job of this tier that keeps it (hysteresis)
     cost: Mapping[str, int]  # node -> how reluctantly it is taken (see _move_cost)
     held: Mapping[str, str]  # node -> job holding it now
+    remaining: Mapping[str, float]  # job -> expected remaining node-equivalent seconds
 
-    def fill(self, jobs: Sequence[JobRequest]) -> dict[str, list[str]]:
-        """job_id -> nodes: the pinned nodes of live jobs, then progressive filling."""
+    def fill(
+        self, jobs: Sequence[JobRequest], deferred: frozenset[str] = frozenset()
+    ) -> dict[str, list[str]]:
+        """job_id -> nodes: the pinned nodes of live jobs, the min_nodes of the others not
+        `deferred`, then progressive filling. A deferred job starts at its turn with its
+        min_nodes together if that many nodes are still free, else it gets none."""
         assigned: dict[str, list[str]] = {j.job_id: [] for j in jobs}
         tenant_value: dict[str, float] = {j.tenant: self.offsets.get(j.tenant, 0.0) for j in jobs}
         job_value: dict[str, float] = {j.job_id: 0.0 for j in jobs}
@@ -302,7 +328,12 @@ class _Tier:
         wanting = [j for j in jobs if len(assigned[j.job_id]) < j.max_nodes]
         top2 = self._top2(free, wanting)
         while free and wanting:
-            needy = [j for j in wanting if len(assigned[j.job_id]) < j.min_nodes]
+            needy = [
+                j
+                for j in wanting
+                if len(assigned[j.job_id]) < j.min_nodes
+                and (j.job_id not in deferred or assigned[j.job_id])
+            ]
             if needy:  # admitted jobs get their min_nodes first (their sum fits)
                 job = needy[0]
             else:
@@ -314,24 +345,29 @@ class _Tier:
                         t,
                     ),
                 )
-                # Within a tenant: least attained service first (Tiresias), equal shares
-                # between jobs of the same service class.
+                # Within a tenant: the least expected remaining work first (shortest
+                # remaining processing time), equal shares between jobs that tie.
                 job = min(
                     (j for j in wanting if j.tenant == tenant),
                     key=lambda j: (
-                        service_class(j.attained_s),
+                        self.remaining[j.job_id],
                         job_value[j.job_id],
                         j.submitted_ms,
                         j.job_id,
                     ),
                 )
+                if not assigned[job.job_id] and len(free) < job.min_nodes:
+                    wanting.remove(job)  # its gang does not fit any more: it waits
+                    top2 = self._top2(free, wanting)
+                    continue
             # Nodes are scarce while the jobs still wanting could use more than are free:
             # then a node goes where its comparative advantage is largest; else each job
             # takes the nodes fastest for it.
             scarce = len(free) < sum(j.max_nodes - len(assigned[j.job_id]) for j in wanting)
-            node = max(free, key=lambda n: self._preference(n, job.job_id, top2, scarce))
-            free.remove(node)
-            give(node, job)
+            for _ in range(max(1, job.min_nodes - len(assigned[job.job_id]))):
+                node = max(free, key=lambda n: self._preference(n, job.job_id, top2, scarce))
+                free.remove(node)
+                give(node, job)
             if len(assigned[job.job_id]) >= job.max_nodes:
                 wanting.remove(job)
                 top2 = self._top2(free, wanting)
@@ -420,7 +456,8 @@ def schedule(
     by_id = {j.job_id: j for j in jobs}
     node_ids = [n.node_id for n in nodes]
     offered = set(node_ids)
-    rates = effective_rates(jobs, nodes)
+    rates, mean_rates = _rate_estimates(jobs, nodes)
+    remaining = {j.job_id: expected_remaining_s(j, mean_rates[j.job_id]) for j in jobs}
     # Only holdings of live jobs on offered nodes count.
     held = {n: h for n, h in holdings.items() if n in offered and h.job_id in by_id}
     owner: dict[str, str] = {}
@@ -453,6 +490,7 @@ def schedule(
             pinned=pinned,
             cost={n: _move_cost(held.get(n), by_id, tier, now_ms) for n in available},
             held={n: h.job_id for n, h in held.items()},
+            remaining=remaining,
         )
         candidates = []
         for job in tier_jobs:
@@ -464,7 +502,9 @@ def schedule(
             else:
                 candidates.append(job)
         active = _admit(candidates, work, len(node_ids), waiting_reason)
-        assigned = _keep_held(work.fill(active), work.held, rates)
+        import os
+        deferred = frozenset(j.job_id for j in active if j.job_id not in work.held.values()) if os.environ.get("DEFER") else frozenset()
+        assigned = _keep_held(work.fill(active, deferred), work.held, rates)
         for job_id, mine in assigned.items():
             for n in mine:
                 owner[n] = job_id
@@ -580,9 +620,9 @@ def _admit(
                     t,
                 ),
             )
-            job = min(  # least attained service class, then the oldest (candidates are sorted)
+            job = min(  # least expected remaining work, then the oldest (candidates are sorted)
                 (j for j in group if j.tenant == tenant),
-                key=lambda j: service_class(j.attained_s),
+                key=lambda j: work.remaining[j.job_id],
             )
             group.remove(job)
             need = max(job.min_nodes, pinned_count.get(job.job_id, 0))

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 from coordinator.allocator import segments, split_batch
 from coordinator.cluster_scheduler import JobPlan, Plan
@@ -82,7 +82,7 @@ class Engine:
     def __init__(self, ctx: CoordinatorContext) -> None:
         self.ctx = ctx
         self.runners: dict[str, JobRunner] = {}
-        self.queues: dict[str, deque[tuple[agent_pb2.Task, JobRunner]]] = {}
+        self.queues: dict[str, deque[tuple[agent_pb2.Task, str]]] = {}  # node -> (task, job)
         self.queue_events: dict[str, asyncio.Event] = {}
         self.claims: dict[str, str] = {}  # node_id -> job_id
         # Which job may claim which node: the cluster scheduler (its state between passes).
@@ -163,10 +163,12 @@ class Engine:
             now_ms(), self.runners.values(), self.ctx.registry.eligible_nodes(), self.claims
         )
 
-    async def nodes_for(self, job_id: str) -> list[str]:
-        """The nodes the scheduler gives the job that no other job holds now (a node it takes
-        from another job becomes claimable once that job let it go at its round boundary).
-        Says in events which nodes it takes from the job, and which changed hands."""
+    async def nodes_for(self, job_id: str, refused: Collection[str] = ()) -> list[str]:
+        """The nodes the scheduler gives the job that no other job holds now, held by the job
+        from now on (a node the scheduler takes from another job becomes the job's once that
+        job let it go at its round boundary); ``refused``: nodes the job will not use (it
+        excluded them), neither held nor returned. Says in events which nodes it takes from
+        the job, and which changed hands."""
         plan = self.scheduling_plan()
         await self._flush_scheduler_events()
         preempted = self.scheduling.preemption(job_id, self.claims)
@@ -185,7 +187,13 @@ class Engine:
         mine = plan.jobs.get(job_id)
         if mine is None:
             return []
-        return [n for n in mine.nodes if self.claims.get(n) in (None, job_id)]
+        given = [n for n in mine.nodes if n not in refused and self.claims.get(n) in (None, job_id)]
+        for n in given:
+            if self.claims.get(n) != job_id:
+                self._claim(n, job_id)
+                await self.ctx.registry.set_busy(n, job_id)
+        await self._flush_scheduler_events()
+        return given
 
     async def _flush_scheduler_events(self) -> None:
         events, self._scheduler_events = self._scheduler_events, []
@@ -198,12 +206,11 @@ class Engine:
                 attrs={"from_job": before, "to_job": after},
             )
 
-    def claim(self, node_id: str, job_id: str) -> None:
-        if self.claims.get(node_id) != job_id:
-            self.scheduling.claimed(node_id, now_ms())
-            left = self._left_by.pop(node_id, None)
-            if left is not None and left[1] == job_id:
-                self._scheduler_events.append((node_id, left[0], job_id, left[2]))
+    def _claim(self, node_id: str, job_id: str) -> None:
+        self.scheduling.claimed(node_id, now_ms())
+        left = self._left_by.pop(node_id, None)
+        if left is not None and left[1] == job_id:
+            self._scheduler_events.append((node_id, left[0], job_id, left[2]))
         self.claims[node_id] = job_id
 
     def wait_reason(self, job_id: str) -> str:
@@ -259,29 +266,30 @@ class Engine:
                 out.append((r.job, p))
         return out
 
-    def release(self, node_id: str, job_id: str) -> bool:
-        if self.claims.get(node_id) == job_id:
-            del self.claims[node_id]
-            self.scheduling.released(node_id)
-            move = self.scheduling.move_from(node_id, job_id)
-            if move is not None:  # the scheduler gave it to another job: say so once claimed
-                self._left_by[node_id] = (job_id, move.to_job, move.reason)
-            self.queues.pop(node_id, None)
-            self._wake_all()
-            return True
-        return False
+    async def release(self, node_id: str, job_id: str) -> None:
+        """The job stops using the node: it is free (idle) for the next scheduling pass."""
+        if self.claims.get(node_id) != job_id:
+            return
+        del self.claims[node_id]
+        self.scheduling.released(node_id)
+        move = self.scheduling.move_from(node_id, job_id)
+        if move is not None:  # the scheduler gave it to another job: say so once claimed
+            self._left_by[node_id] = (job_id, move.to_job, move.reason)
+        self.queues.pop(node_id, None)
+        self._wake_all()
+        if self.ctx.registry.is_alive(node_id):
+            await self.ctx.registry.set_busy(node_id, None)
 
-    def enqueue(self, node_id: str, task: agent_pb2.Task, runner: JobRunner) -> None:
-        self.task_owner[task.task_id] = (node_id, runner.job_id)
-        self.queues.setdefault(node_id, deque()).append((task, runner))
+    def enqueue(self, node_id: str, task: agent_pb2.Task, job_id: str) -> None:
+        self.task_owner[task.task_id] = (node_id, job_id)
+        self.queues.setdefault(node_id, deque()).append((task, job_id))
         self.queue_events.setdefault(node_id, asyncio.Event()).set()
 
-    def round_finished(self, runner: JobRunner) -> None:
-        """Forget the task ids of the job's closed rounds (bounded memory); benchmark tasks stay
-        until they are answered."""
-        benchmarks = {task_id for task_id, _ in runner.bench_pending.values()}
-        for task_id, (_, job_id) in list(self.task_owner.items()):
-            if job_id == runner.job_id and task_id not in benchmarks:
+    def round_finished(self, job_id: str, open_tasks: Collection[str]) -> None:
+        """Forget the task ids of the job's closed rounds (bounded memory), all but
+        ``open_tasks`` (its benchmark tasks stay until they are answered)."""
+        for task_id, (_, owner) in list(self.task_owner.items()):
+            if owner == job_id and task_id not in open_tasks:
                 del self.task_owner[task_id]
 
     async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
@@ -323,8 +331,11 @@ class Engine:
         while True:
             queue = self.queues.get(node_id)
             while queue:
-                task, runner = queue.popleft()
-                if runner.terminal or not runner.task_is_live(node_id, task.task_id):
+                task, job_id = queue.popleft()
+                runner = self.runners.get(job_id)
+                if runner is None or runner.terminal:
+                    continue
+                if not runner.task_is_live(node_id, task.task_id):
                     continue
                 return task
             event.clear()

@@ -66,7 +66,6 @@ import math
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -76,6 +75,14 @@ from coordinator.allocator import quotas, split_batch
 from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes, tensors_to_bytes
 from coordinator.ledger import EpochLedger
 from coordinator.param_server import ParameterServer
+from coordinator.rounds import NodeStats, Part, RoundState, part_record
+from coordinator.sample_ranges import (
+    TASK_RANGES_FIELD,
+    encode_ranges_field,
+    head_of_runs,
+    index_run_array,
+    touched_shards,
+)
 from coordinator.store import FailedPreconditionError
 from coordinator.throughput import MIN_SLACK, ThroughputEstimator
 from epochmesh.errors import ProgramError
@@ -86,7 +93,7 @@ from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2
 
 if TYPE_CHECKING:
-    from coordinator.engine import Engine
+    from coordinator.runner_host import RunnerHost
 
 log = logging.getLogger(__name__)
 
@@ -119,188 +126,10 @@ BENCH_STATE_PREFIX = "bench/"
 STOP_GRACE_S = 3.0
 
 
-# Field numbers of `repeated SampleRange ranges` in Task and in RoundPart (agent.proto,
-# common.proto), for encode_ranges_field.
-TASK_RANGES_FIELD = 9
-ROUND_PART_RANGES_FIELD = 3
-
-
-def index_run_array(indices: np.ndarray) -> np.ndarray:
-    """Dataset indices in training order -> their maximal runs of +1 steps as an (k, 2) int64
-    array of [start, stop) rows, in order (what a Task's ``ranges`` carries). With shuffling
-    inside shards most runs hold one sample: a local SGD round of H x B samples has about as
-    many runs, so they stay in numpy (tens of thousands of Python tuples and protobuf messages
-    per round cost the event loop a large part of a second)."""
-    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    if idx.size == 0:
-        return np.zeros((0, 2), dtype=np.int64)
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [idx.size]))
-    return np.stack([idx[starts], idx[ends - 1] + 1], axis=1)
-
-
-def touched_shards(shard_starts: np.ndarray, runs: np.ndarray) -> np.ndarray:
-    """Indices of the shards that ``runs`` ((k, 2) [start, stop) rows, non-empty) touch, in
-    order, for shards contiguous from 0 that start at ``shard_starts`` (ascending): two binary
-    searches per run (a per-shard scan costs the event loop milliseconds a round once a
-    dataset has hundreds of shards)."""
-    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
-    n = len(shard_starts)
-    if n == 0 or len(runs) == 0:
-        return np.zeros(0, dtype=np.int64)
-    first = np.searchsorted(shard_starts, runs[:, 0], side="right") - 1
-    last = np.searchsorted(shard_starts, runs[:, 1] - 1, side="right") - 1
-    opens = np.bincount(np.clip(first, 0, n - 1), minlength=n + 1)
-    closes = np.bincount(np.clip(last, 0, n - 1) + 1, minlength=n + 1)
-    return np.flatnonzero(np.cumsum(opens[:n] - closes[:n]) > 0)
-
-
-def _varints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Protobuf varint encoding of non-negative int64 values: (n, 10) bytes and the number of
-    bytes each value uses."""
-    v = values.astype(np.uint64)
-    shifts = np.arange(10, dtype=np.uint64) * np.uint64(7)
-    groups = ((v[:, None] >> shifts[None, :]) & np.uint64(0x7F)).astype(np.uint8)
-    lengths = 1 + (v[:, None] >= (np.uint64(1) << shifts[None, 1:])).sum(axis=1)
-    cont = np.arange(10)[None, :] < (lengths[:, None] - 1)
-    return groups | (cont.astype(np.uint8) << 7), lengths
-
-
-def encode_ranges_field(field_number: int, runs: np.ndarray) -> bytes:
-    """The wire bytes of ``repeated SampleRange <field_number>`` holding ``runs`` ((k, 2)
-    [start, stop) rows, >= 0): merged into a message with ``MergeFromString`` they append the
-    ranges, as ``SampleRange(start=, stop=)`` messages would, in a few milliseconds."""
-    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
-    n = len(runs)
-    if n == 0:
-        return b""
-    if int(runs.min()) < 0:
-        raise ValueError("sample ranges must not be negative")
-    if not 0 < field_number < 16:
-        raise ValueError(f"field number {field_number} needs a one-byte tag")
-    start, start_len = _varints(runs[:, 0])
-    stop, stop_len = _varints(runs[:, 1])
-    # Columns: tag, length, 0x08, start (10), 0x10, stop (10); unused varint bytes masked out.
-    rows = np.zeros((n, 24), dtype=np.uint8)
-    rows[:, 0] = (field_number << 3) | 2
-    rows[:, 1] = 2 + start_len + stop_len
-    rows[:, 2] = 0x08
-    rows[:, 3:13] = start
-    rows[:, 13] = 0x10
-    rows[:, 14:24] = stop
-    mask = np.ones((n, 24), dtype=bool)
-    cols = np.arange(10)[None, :]
-    mask[:, 3:13] = cols < start_len[:, None]
-    mask[:, 14:24] = cols < stop_len[:, None]
-    return rows[mask].tobytes()
-
-
-def head_of_runs(runs: np.ndarray, n: int) -> np.ndarray:
-    """The first ``n`` indices of (k, 2) [start, stop) index runs, as runs (n >= 0)."""
-    lengths = runs[:, 1] - runs[:, 0]
-    ends = np.cumsum(lengths)
-    k = int(np.searchsorted(ends, n, side="left"))
-    if k >= len(runs):
-        return runs.copy()
-    head = runs[: k + 1].copy()
-    before = int(ends[k - 1]) if k > 0 else 0
-    head[k, 1] = head[k, 0] + (n - before)
-    return head[head[:, 1] > head[:, 0]]
-
-
-@dataclass
-class Part:
-    node_id: str
-    task_id: str
-    ranges: np.ndarray  # dataset index runs, training order: (k, 2) [start, stop) rows
-    local_batch: int  # b_i: samples per (inner) step
-    # Samples in ``ranges``: local_batch in sync mode, H*b_i in local SGD (fewer at an epoch's
-    # end). Aggregation weights, the ledger, the estimator and deadlines all work in these.
-    samples: int = 0
-    inner_steps: int = 1  # steps the node runs on them: ceil(samples / local_batch)
-    # Time-boxed local SGD: the seconds of stepping the node has (0: none, every step), and the
-    # samples handed out; an update for a prefix of them narrows ranges/samples/inner_steps to
-    # what was trained, and the ledger commits only that.
-    budget_s: float = 0.0
-    assigned: int = 0
-    handed_out: float = 0.0
-    grads: dict[str, torch.Tensor] | None = None
-    mean_loss: float = float("nan")
-    compute_s: float = 0.0
-    wall_s: float = 0.0
-    status: str = "pending"  # pending | applied | failed | late | rejected
-    error: str = ""
-    # False for a best-effort part (see _plan_batches): the round does not wait for it.
-    required: bool = True
-    # Ring mode (coordinator/ring_runner.py): a ring member (else an external node that pushes
-    # its update to the coordinator), what its ReportProgress said, its own figure of the time
-    # it spent communicating (None: wall time minus compute time).
-    member: bool = False
-    checksum: str = ""
-    failed_peer: str = ""
-    comm_s: float | None = None
-
-
-def part_record(p: Part) -> common_pb2.RoundPart:
-    """The round record's entry of a part."""
-    out = common_pb2.RoundPart(
-        node_id=p.node_id,
-        local_batch=p.local_batch,
-        mean_loss=p.mean_loss,
-        seconds=p.compute_s,
-        status=p.status,
-        inner_steps=p.inner_steps,
-        communicate_seconds=(
-            (p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s))
-            if p.status == "applied"
-            else 0.0
-        ),
-    )
-    out.MergeFromString(encode_ranges_field(ROUND_PART_RANGES_FIELD, p.ranges))
-    return out
-
-
-@dataclass
-class RoundState:
-    round: int
-    epoch: int
-    version: int
-    deadline_s: float
-    parts: dict[str, Part]
-    started: float = field(default_factory=time.monotonic)
-    started_ms: int = field(default_factory=now_ms)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set with `changed`, for waiters other than the round loop (which clears `changed`).
-    touched: asyncio.Event = field(default_factory=asyncio.Event)
-    closed: bool = False
-    waited_s: float = 0.0
-    attempts: int = 0  # ring mode: how many times the ring was formed
-
-    def touch(self) -> None:
-        self.changed.set()
-        self.touched.set()
-
-    def outstanding(self) -> list[Part]:
-        return [p for p in self.parts.values() if p.status == "pending"]
-
-    def awaited(self) -> list[Part]:
-        """Outstanding parts the round waits for (not the best-effort ones)."""
-        return [p for p in self.outstanding() if p.required]
-
-
-@dataclass
-class NodeStats:
-    compute_s: float = 0.0
-    communicate_s: float = 0.0
-    failures_in_a_row: int = 0
-    excluded: bool = False
-
-
 class JobRunner:
-    def __init__(self, engine: Engine, job: common_pb2.Job) -> None:
-        self.engine = engine
-        self.ctx = engine.ctx
+    def __init__(self, host: RunnerHost, job: common_pb2.Job) -> None:
+        self.host = host
+        self.ctx = host.ctx
         self.job = job
         self.job_id = job.job_id
         self.spec = job.spec
@@ -509,10 +338,6 @@ class JobRunner:
 
     # -- node set -------------------------------------------------------------------------------
 
-    def _usable(self, node_id: str) -> bool:
-        st = self.stats.get(node_id)
-        return st is None or not st.excluded
-
     async def _gather_nodes(self) -> list[str]:
         """The nodes of the next round (benchmarked on this job); waits while there are too
         few (PAUSED below min_nodes)."""
@@ -520,25 +345,24 @@ class JobRunner:
             self._wake.clear()
             await self._handle_departures()
             max_nodes = min(self.spec.max_nodes, self.spec.global_batch)
-            candidates = await self.engine.nodes_for(self.job_id)
-            candidates = [n for n in candidates if self._usable(n)]
+            excluded = [n for n, st in self.stats.items() if st.excluded]
+            candidates = await self.host.nodes_for(self.job_id, refused=excluded)
             # Nodes already in the job first, then the fastest by reference benchmark.
             current = [n for n in self.nodes if n in candidates]
             others = sorted(
                 (n for n in candidates if n not in current),
-                key=lambda n: -self.engine.reference_rate(n),
+                key=lambda n: -self.host.reference_rate(n),
             )
             chosen = (current + others)[:max_nodes]
             for n in chosen:
                 if n not in self.bench:
                     await self._ask_benchmark(n)
-            for n in list(self.nodes):
-                if n not in chosen:
-                    await self._drop_node(n)
+            for n in {*self.nodes, *self.bench_pending, *candidates} - set(chosen):
+                await self._drop_node(n)
             ready = [n for n in chosen if n in self.bench]
             # A silent node (no heartbeat lately: probably dead, its lease not lapsed yet) sits
             # out; it stays in the job and takes part again once it heartbeats.
-            live = [n for n in ready if not self.engine.is_silent(n)]
+            live = [n for n in ready if not self.host.is_silent(n)]
             if len(live) >= self.spec.min_nodes:
                 self._drop_ghosts()
                 # Benchmarked nodes join now; nodes still benchmarking join a later round.
@@ -556,7 +380,7 @@ class JobRunner:
             elif len(chosen) < self.spec.min_nodes:
                 await self._set_state(
                     JS.JOB_STATE_PAUSED,
-                    self.engine.wait_reason(self.job_id)
+                    self.host.wait_reason(self.job_id)
                     or f"waiting for nodes: {len(chosen)} usable, min_nodes is "
                     f"{self.spec.min_nodes}",
                 )
@@ -611,9 +435,7 @@ class JobRunner:
             benchmark_batch_sizes=sizes,
         )
         self.bench_pending[node_id] = (task_id, now)
-        self.engine.claim(node_id, self.job_id)
-        await self.ctx.registry.set_busy(node_id, self.job_id)
-        self.engine.enqueue(node_id, task, self)
+        self.host.enqueue(node_id, task, self.job_id)
 
     def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
         if result.samples_per_second <= 0 or not math.isfinite(result.samples_per_second):
@@ -675,8 +497,6 @@ class JobRunner:
             self.ledger.add_node(node_id, rate)
         else:
             self.ledger.assign_segments({node_id: rate})
-        self.engine.claim(node_id, self.job_id)
-        await self.ctx.registry.set_busy(node_id, self.job_id)
         await self.ctx.events.append(
             "job.node_joined",
             node_id=node_id,
@@ -715,14 +535,12 @@ class JobRunner:
             )
         self.batches.pop(node_id, None)
         self.bench_pending.pop(node_id, None)
-        if self.engine.release(node_id, self.job_id) and self.ctx.registry.is_alive(node_id):
-            await self.ctx.registry.set_busy(node_id, None)
+        await self.host.release(node_id, self.job_id)
 
     async def _release_all(self) -> None:
         for n in list(self.nodes) + list(self.bench_pending):
             try:
-                if self.engine.release(n, self.job_id) and self.ctx.registry.is_alive(n):
-                    await self.ctx.registry.set_busy(n, None)
+                await self.host.release(n, self.job_id)
             except Exception:  # the node may be gone; nothing to release then
                 log.debug("releasing %s failed", n, exc_info=True)
         self.nodes.clear()
@@ -795,6 +613,9 @@ class JobRunner:
                 f"the job's program failed on {len(self._job_faults)} node(s) ({nodes}): {first}"
             )
             self.wake()
+
+    def _benchmark_task_ids(self) -> set[str]:
+        return {task for task, _ in self.bench_pending.values()}
 
     def _open_task_ids(self) -> set[str]:
         ids = {task for task, _ in self.bench_pending.values()}
@@ -992,7 +813,7 @@ class JobRunner:
         self.round_state = rs
         for node_id, part in parts.items():
             part.handed_out = time.monotonic()
-            self.engine.enqueue(node_id, self._train_task(rs, part), self)
+            self.host.enqueue(node_id, self._train_task(rs, part), self.job_id)
         await self.notify()
         self._start_record_write()  # the previous round's record, now that this one is out
         # Wait for every awaited node (a failure, silence, or the deadline ends the wait for
@@ -1052,7 +873,7 @@ class JobRunner:
         parts = list(rs.parts.values())
         if any(p.status != "pending" for p in parts if p.required):
             return False
-        live = [p for p in parts if p.required and not self.engine.is_silent(p.node_id)]
+        live = [p for p in parts if p.required and not self.host.is_silent(p.node_id)]
         if not live:
             return False
         log.info(
@@ -1096,8 +917,8 @@ class JobRunner:
         """Fail the pending parts of nodes that stopped heartbeating (dead, cut off, hung): the
         round need not wait for its deadline."""
         for part in rs.outstanding():
-            if self.engine.is_silent(part.node_id):
-                silent_s = self.engine.silence_limit_s()
+            if self.host.is_silent(part.node_id):
+                silent_s = self.host.silence_limit_s()
                 part.status = "failed"
                 part.error = f"no heartbeat for more than {silent_s:.2f}s (node unresponsive)"
                 log.info("job %s round %d: %s is silent", self.job_id, rs.round, part.node_id)
@@ -1283,7 +1104,7 @@ class JobRunner:
             t1 - rs.started,
             t1 - t0,
         )
-        self.engine.round_finished(self)
+        self.host.round_finished(self.job_id, self._benchmark_task_ids())
         await self.notify()
 
     @property

@@ -74,7 +74,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.job_runner import MAX_DEADLINE_EXTENSIONS, JobRunner, Part, RoundState
+from coordinator.job_runner import MAX_DEADLINE_EXTENSIONS, JobRunner
+from coordinator.rounds import Part, RoundState
 from coordinator.store import AbortedError, FailedPreconditionError
 from epochmesh.errors import CodecError
 from epochmesh.optim import build_round_optimizer, load_optimizer_state_tensors
@@ -83,7 +84,7 @@ from epochmesh.tensors import encode_bundle, params_checksum
 from epochmesh.v1 import agent_pb2, common_pb2
 
 if TYPE_CHECKING:
-    from coordinator.engine import Engine
+    from coordinator.runner_host import RunnerHost
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,8 @@ class PushedState:
 
 
 class RingJobRunner(JobRunner):
-    def __init__(self, engine: Engine, job: common_pb2.Job) -> None:
-        super().__init__(engine, job)
+    def __init__(self, host: RunnerHost, job: common_pb2.Job) -> None:
+        super().__init__(host, job)
         self.ring_version = 0
         self.holds: dict[str, int] = {}  # member -> the version it holds (last good report)
         self.attempt: RingAttempt | None = None
@@ -356,14 +357,14 @@ class RingJobRunner(JobRunner):
                 ),
                 attrs={"round": str(round_id), "attempts": str(rs.attempts)},
             )
-        self.engine.round_finished(self)
+        self.host.round_finished(self.job_id, self._benchmark_task_ids())
         await self.notify()
 
     async def _without_suspects(self, nodes: list[str]) -> list[str]:
         """``nodes`` less the recent culprits; [] (after waiting a little) when the rest could
         not run a round."""
         now = time.monotonic()
-        limit = self.engine.silence_limit_s()
+        limit = self.host.silence_limit_s()
         self._suspects = {n: t for n, t in self._suspects.items() if now - t < limit}
         rest = [n for n in nodes if n not in self._suspects]
         if len(rest) == len(nodes):
@@ -457,7 +458,7 @@ class RingJobRunner(JobRunner):
             task.push_state = n == att.push_state_node
             task.ring_gateway = n == att.gateway
             self._set_source(task, n, sources.get(n), deadline)
-            self.engine.enqueue(n, task, self)
+            self.host.enqueue(n, task, self.job_id)
         for n in externals:
             part = rs.parts[n]
             if number > 0:
@@ -467,7 +468,7 @@ class RingJobRunner(JobRunner):
             task.deadline_seconds = deadline
             task.ring_total_samples = att.total
             self._set_source(task, n, sources.get(n), deadline)
-            self.engine.enqueue(n, task, self)
+            self.host.enqueue(n, task, self.job_id)
         log.info(
             "job %s round %d attempt %d: ring %s (ordered by %s), %d external(s), B=%d, "
             "step deadline %.2fs, deadline %.2fs, version %d%s",
@@ -574,7 +575,7 @@ class RingJobRunner(JobRunner):
         parts = [*members, *externals]
         if extensions >= MAX_DEADLINE_EXTENSIONS or any(p.status != "pending" for p in parts):
             return False
-        if any(self.engine.is_silent(p.node_id) for p in parts):
+        if any(self.host.is_silent(p.node_id) for p in parts):
             return False
         log.info(
             "job %s attempt %d: nobody reported within the %.2fs deadline; waiting as long "
@@ -696,7 +697,7 @@ class RingJobRunner(JobRunner):
             },
         )
         await self._fail(message)
-        self.engine.round_finished(self)
+        self.host.round_finished(self.job_id, self._benchmark_task_ids())
         await self.notify()
 
     async def _load_pushed_state(self, rs: RoundState, agreed: str, version: int) -> bool:
@@ -709,7 +710,7 @@ class RingJobRunner(JobRunner):
         end = time.monotonic() + timeout
         while self.pushed is None and not self._stop.is_set():
             left = end - time.monotonic()
-            if left <= 0 or self.engine.is_silent(node):
+            if left <= 0 or self.host.is_silent(node):
                 break
             rs.changed.clear()
             try:

@@ -103,6 +103,7 @@ class Config:
     half_life_s: float = 3600.0
     window_rounds: int = 10
     max_rounds: int = 100_000
+    known_sizes: bool = True  # ours is told each job's remaining samples
 
     @property
     def protect_s(self) -> float:
@@ -217,9 +218,10 @@ class Policy(Protocol):
         live: Sequence[TraceJob],
         held: Mapping[str, str],
         known: Mapping[str, Mapping[str, float]],
+        done: Mapping[str, float],
     ) -> dict[str, str]:
         """node -> job for the coming round (`held`: last round's, live jobs only;
-        `known`: node -> job -> measured rate)."""
+        `known`: node -> job -> measured rate; `done`: job -> samples trained so far)."""
         ...
 
 
@@ -241,10 +243,18 @@ class Ours:
         live: Sequence[TraceJob],
         held: Mapping[str, str],
         known: Mapping[str, Mapping[str, float]],
+        done: Mapping[str, float],
     ) -> dict[str, str]:
         now_ms = round(now_s * 1000)
         live_ids = {j.job_id for j in live}
-        jobs = [replace(j.request(), attained_s=self.attained.get(j.job_id, 0.0)) for j in live]
+        jobs = [
+            replace(
+                j.request(),
+                attained_s=self.attained.get(j.job_id, 0.0),
+                remaining_samples=j.size - done[j.job_id] if self.cfg.known_sizes else None,
+            )
+            for j in live
+        ]
         nodes = [
             NodeOffer(
                 nid,
@@ -286,6 +296,7 @@ class Fifo:
         live: Sequence[TraceJob],
         held: Mapping[str, str],
         known: Mapping[str, Mapping[str, float]],
+        done: Mapping[str, float],
     ) -> dict[str, str]:
         out = dict(held)
         free = [n for n in self.node_ids if n not in out]
@@ -317,6 +328,7 @@ class Equal:
         live: Sequence[TraceJob],
         held: Mapping[str, str],
         known: Mapping[str, Mapping[str, float]],
+        done: Mapping[str, float],
     ) -> dict[str, str]:
         active = sorted(live, key=lambda j: (j.arrival_s, j.job_id))
         while True:
@@ -397,7 +409,7 @@ def simulate(cfg: Config, trace: Trace, name: str) -> Run:
         now = k * cfg.round_s
         while pending and pending[0].arrival_s <= now + 1e-9:
             live.append(pending.pop(0))
-        owners = policy.assign(now, live, held, known)
+        owners = policy.assign(now, live, held, known, done)
         by_job: dict[str, list[str]] = {}
         for n, j in owners.items():
             by_job.setdefault(j, []).append(n)

@@ -1,0 +1,103 @@
+"""The state of one training round on the coordinator: its parts (one per node), the round
+itself while it is open, and each node's running figures for the job."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from coordinator.sample_ranges import ROUND_PART_RANGES_FIELD, encode_ranges_field
+from epochmesh.timeutil import now_ms
+from epochmesh.v1 import common_pb2
+
+
+@dataclass
+class Part:
+    node_id: str
+    task_id: str
+    ranges: np.ndarray  # dataset index runs, training order: (k, 2) [start, stop) rows
+    local_batch: int  # b_i: samples per (inner) step
+    # Samples in ``ranges``: local_batch in sync mode, H*b_i in local SGD (fewer at an epoch's
+    # end). Aggregation weights, the ledger, the estimator and deadlines all work in these.
+    samples: int = 0
+    inner_steps: int = 1  # steps the node runs on them: ceil(samples / local_batch)
+    # Time-boxed local SGD: the seconds of stepping the node has (0: none, every step), and the
+    # samples handed out; an update for a prefix of them narrows ranges/samples/inner_steps to
+    # what was trained, and the ledger commits only that.
+    budget_s: float = 0.0
+    assigned: int = 0
+    handed_out: float = 0.0
+    grads: dict[str, torch.Tensor] | None = None
+    mean_loss: float = float("nan")
+    compute_s: float = 0.0
+    wall_s: float = 0.0
+    status: str = "pending"  # pending | applied | failed | late | rejected
+    error: str = ""
+    # False for a best-effort part (see _plan_batches): the round does not wait for it.
+    required: bool = True
+    # Ring mode (coordinator/ring_runner.py): a ring member (else an external node that pushes
+    # its update to the coordinator), what its ReportProgress said, its own figure of the time
+    # it spent communicating (None: wall time minus compute time).
+    member: bool = False
+    checksum: str = ""
+    failed_peer: str = ""
+    comm_s: float | None = None
+
+
+def part_record(p: Part) -> common_pb2.RoundPart:
+    """The round record's entry of a part."""
+    out = common_pb2.RoundPart(
+        node_id=p.node_id,
+        local_batch=p.local_batch,
+        mean_loss=p.mean_loss,
+        seconds=p.compute_s,
+        status=p.status,
+        inner_steps=p.inner_steps,
+        communicate_seconds=(
+            (p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s))
+            if p.status == "applied"
+            else 0.0
+        ),
+    )
+    out.MergeFromString(encode_ranges_field(ROUND_PART_RANGES_FIELD, p.ranges))
+    return out
+
+
+@dataclass
+class RoundState:
+    round: int
+    epoch: int
+    version: int
+    deadline_s: float
+    parts: dict[str, Part]
+    started: float = field(default_factory=time.monotonic)
+    started_ms: int = field(default_factory=now_ms)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set with `changed`, for waiters other than the round loop (which clears `changed`).
+    touched: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+    waited_s: float = 0.0
+    attempts: int = 0  # ring mode: how many times the ring was formed
+
+    def touch(self) -> None:
+        self.changed.set()
+        self.touched.set()
+
+    def outstanding(self) -> list[Part]:
+        return [p for p in self.parts.values() if p.status == "pending"]
+
+    def awaited(self) -> list[Part]:
+        """Outstanding parts the round waits for (not the best-effort ones)."""
+        return [p for p in self.outstanding() if p.required]
+
+
+@dataclass
+class NodeStats:
+    compute_s: float = 0.0
+    communicate_s: float = 0.0
+    failures_in_a_row: int = 0
+    excluded: bool = False
