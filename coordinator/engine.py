@@ -374,7 +374,7 @@ class Engine:
         h = first.header
         self.ctx.registry.check_lease(h.node_id, h.lease_id)
         late_runner = self.runners.get(h.job_id)
-        if late_runner is not None and late_runner.note_late_update(
+        if late_runner is not None and late_runner.planner.note_late_update(
             h.node_id, h.task_id, h.num_samples, h.compute_seconds
         ):
             return agent_pb2.PushUpdateResponse(
@@ -621,7 +621,7 @@ class Engine:
                 update.allocation.CopyFrom(runner.allocation())
             # The store is read only when it holds something new for this watcher (a running
             # job knows its newest stored round; the event log its newest committed event).
-            stored = runner.stored_round if runner is not None else None
+            stored = runner.writer.stored_round if runner is not None else None
             if stored is None or stored > since_round:
                 rounds = await self.ctx.store.list_rounds(req.job_id, since_round=since_round)
                 update.rounds.extend(rounds)

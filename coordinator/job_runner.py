@@ -71,20 +71,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from coordinator.allocator import quotas, split_batch
-from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes, tensors_to_bytes
+from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes
 from coordinator.ledger import EpochLedger
 from coordinator.param_server import ParameterServer
+from coordinator.round_planner import RoundPlanner
+from coordinator.round_writer import RoundWriter
 from coordinator.rounds import NodeStats, Part, RoundState, part_record
 from coordinator.sample_ranges import (
     TASK_RANGES_FIELD,
     encode_ranges_field,
     head_of_runs,
-    index_run_array,
     touched_shards,
 )
 from coordinator.store import FailedPreconditionError
-from coordinator.throughput import MIN_SLACK, ThroughputEstimator
 from epochmesh.errors import ProgramError
 from epochmesh.program import read_initial_state
 from epochmesh.program_inspection import inspect_program_async
@@ -107,10 +106,6 @@ MAX_CONSECUTIVE_FAILURES = 3
 JOB_FAULT_NODES = 2
 # A round whose deadline passes before any node delivered waits at most this many times longer.
 MAX_DEADLINE_EXTENSIONS = 2
-# Time-boxed local SGD rounds (parameter server): each node gets a time box and ranges for
-# this much more than the steps the box is sized for; a node faster than its estimate runs more
-# steps in the box, a slower one fewer, and nobody waits for the others (see _plan_parts).
-TIME_BOX_EXTRA_STEPS = 0.25
 # A round's apply (aggregation, optimizer step, encoding the new parameters) that takes less
 # than this runs on the event loop: handing it to a worker thread and back costs 1-3 ms on a
 # busy host (measured: most of the time between a small model's last update and the next
@@ -127,6 +122,11 @@ STOP_GRACE_S = 3.0
 
 
 class JobRunner:
+    # Round records and checkpoints are written while the next round runs (see RoundWriter).
+    WRITES_IN_BACKGROUND = True
+    # Local SGD rounds may be time-boxed (see RoundPlanner.time_boxed).
+    TIME_BOXING = True
+
     def __init__(self, host: RunnerHost, job: common_pb2.Job) -> None:
         self.host = host
         self.ctx = host.ctx
@@ -136,11 +136,11 @@ class JobRunner:
         self.changed = asyncio.Condition()
         self.round_state: RoundState | None = None
         self.nodes: list[str] = []  # this job's node set, in join order
-        self.bench: dict[str, common_pb2.BenchmarkResult] = {}
         self.bench_pending: dict[str, tuple[str, float]] = {}  # node -> (task_id, asked at)
         self.stats: dict[str, NodeStats] = {}
-        self.batches: dict[str, int] = {}
-        self.estimator = ThroughputEstimator()
+        self.planner = RoundPlanner(
+            job.job_id, job.spec, split=self.ctx.config.split, time_boxing=self.TIME_BOXING
+        )
         self.ps: ParameterServer
         self.ledger: EpochLedger
         self.state_names: list[str] = []
@@ -155,21 +155,14 @@ class JobRunner:
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
-        self._checkpoint_task: asyncio.Task[None] | None = None  # see _checkpoint_soon
-        self._record_task: asyncio.Task[None] | None = None  # see _close_round
-        # The newest round whose record is in the store (None: not known, e.g. after a restart).
-        self.stored_round: int | None = None
+        self.writer = RoundWriter(
+            self.ctx, job, background=self.WRITES_IN_BACKGROUND, on_stored=self.notify
+        )
         # The runner is done: its job's last records and events (the terminal state, the nodes'
         # release) are stored, so a watcher that stops now has seen everything.
         self.ended = False
-        self._record_to_write: tuple[common_pb2.RoundRecord, RoundState, list[Part]] | None = None
-        self._overhead_s = 0.0
         self._apply_s: float | None = None  # the last round's apply took (see INLINE_APPLY_MAX_S)
         self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
-        # Late parts of recent rounds (task -> node, samples): an update that still comes tells
-        # how fast the node really was; such figures wait here for the next round's planning.
-        self._late: dict[str, tuple[str, int, int]] = {}  # task -> (node, samples, steps)
-        self._late_figures: list[tuple[str, int, int, float]] = []
         # Job faults reported since the last applied round (node -> reason), and the verdict
         # that ends the job once enough nodes agree (see JOB_FAULT_NODES).
         self._job_faults: dict[str, str] = {}
@@ -206,6 +199,11 @@ class JobRunner:
             self.changed.notify_all()
 
     @property
+    def bench(self) -> dict[str, common_pb2.BenchmarkResult]:
+        """The nodes' benchmarks on this job's program (the planner's)."""
+        return self.planner.bench
+
+    @property
     def terminal(self) -> bool:
         return self.job.state in TERMINAL
 
@@ -230,11 +228,11 @@ class JobRunner:
             await self._fail(f"coordinator error: {type(exc).__name__}: {exc}")
         finally:
             try:
-                await self._records_written()
+                await self.writer.written()
             except Exception:
                 log.exception("job %s: a round record could not be written", self.job_id)
             try:
-                await self._checkpoint_written()
+                await self.writer.checkpoint_written()
             except Exception:
                 log.exception("job %s: the last checkpoint could not be written", self.job_id)
             await self._release_all()
@@ -370,7 +368,7 @@ class JobRunner:
                 for n in joined:
                     await self._join(n)
                 if joined:
-                    self._rerate_unobserved()
+                    self.planner.rerate_unobserved(self.nodes)
                 usable = [n for n in self.nodes if n in live]
                 why = self._cannot_run(usable)
                 if not why:
@@ -386,7 +384,7 @@ class JobRunner:
                 )
             elif self.job.state == JS.JOB_STATE_QUEUED:
                 self.job.message = f"benchmarking {len(chosen) - len(ready)} node(s)"
-            self._start_record_write()  # no round goes out now: write the last one's record
+            self.writer.start()  # no round goes out now: write the last one's record
             try:
                 timeout = min(1.0, self.ctx.registry.heartbeat_interval_s)
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
@@ -446,49 +444,8 @@ class JobRunner:
         asyncio.get_running_loop().create_task(self._save_benchmarks())
         self.wake()
 
-    def _bench_rate(self, node_id: str, expected_batch: int) -> float:
-        """Samples/s at the benchmarked batch size closest to what the node will compute in one
-        pass (its batch, or the job's micro_batch when that is smaller)."""
-        if self.spec.micro_batch > 0:
-            expected_batch = min(expected_batch, self.spec.micro_batch)
-        result = self.bench[node_id]
-        fits = [p for p in result.points if not p.out_of_memory and p.samples_per_second > 0]
-        if not fits:
-            return result.samples_per_second
-        best = min(fits, key=lambda p: abs(math.log(p.batch_size / max(1, expected_batch))))
-        return best.samples_per_second
-
-    def _bench_points(self, node_id: str) -> list[tuple[int, float]]:
-        """(batch size, samples/s) of the node's job benchmark: the shape of its step time."""
-        result = self.bench[node_id]
-        return [
-            (p.batch_size, p.samples_per_second)
-            for p in result.points
-            if not p.out_of_memory and p.samples_per_second > 0
-        ]
-
-    def _max_batch(self, node_id: str) -> int:
-        result = self.bench.get(node_id)
-        cap = result.max_batch_size if result is not None else 0
-        if cap > 0 and 0 < self.spec.micro_batch <= cap:
-            # One micro-batch fits the node's memory: it accumulates a local batch of any size.
-            return self.spec.global_batch
-        return cap if cap > 0 else self.spec.global_batch
-
     async def _join(self, node_id: str) -> None:
-        # The batch the node will get, roughly: the global batch over the node set it is
-        # expected to share it with (at least min_nodes; more as nodes join).
-        peers = max(len(self.nodes) + 1, self.spec.min_nodes)
-        expected = max(1, self.spec.global_batch // min(peers, max(1, self.spec.max_nodes)))
-        rate = self._bench_rate(node_id, expected)
-        result = self.bench[node_id]
-        comm = 0.0
-        if result.bandwidth_bytes_per_second > 0:
-            comm = 2 * self.ps.num_bytes() / result.bandwidth_bytes_per_second
-        comm += result.rtt_ms / 1000.0
-        self.estimator.add_node(
-            node_id, rate, comm, step_points=self._bench_points(node_id), rated_batch=expected
-        )
+        rate = self.planner.add_node(node_id, len(self.nodes) + 1, self.ps.num_bytes())
         self.stats.setdefault(node_id, NodeStats())
         self.nodes.append(node_id)
         if node_id in self.ledger.nodes:
@@ -505,26 +462,10 @@ class JobRunner:
             attrs={"samples_per_second": f"{rate:.3f}"},
         )
 
-    def _rerate_unobserved(self) -> None:
-        """Nodes not yet observed in a round are rated at the batch they will get now that the
-        node set grew (rates depend on the batch: per-step costs weigh more in small ones), so
-        that equal nodes that joined one by one get equal shares."""
-        expected = max(1, self.spec.global_batch // max(1, len(self.nodes)))
-        for n in self.nodes:
-            if n in self.estimator and n in self.bench and self.estimator.observations(n) == 0:
-                comm = self.estimator.comm_estimate(n)
-                self.estimator.add_node(
-                    n,
-                    self._bench_rate(n, expected),
-                    comm,
-                    step_points=self._bench_points(n),
-                    rated_batch=expected,
-                )
-
     async def _drop_node(self, node_id: str, reason: str = "") -> None:
         if node_id in self.nodes:
             self.nodes.remove(node_id)
-            self.estimator.remove_node(node_id)
+            self.planner.remove_node(node_id)
             if node_id in self.ledger.nodes:
                 self.ledger.fail_node(node_id)
             await self.ctx.events.append(
@@ -533,7 +474,7 @@ class JobRunner:
                 job_id=self.job_id,
                 message=reason or "node left the job; its unconsumed samples were reassigned",
             )
-        self.batches.pop(node_id, None)
+        self.planner.batches.pop(node_id, None)
         self.bench_pending.pop(node_id, None)
         await self.host.release(node_id, self.job_id)
 
@@ -641,160 +582,12 @@ class JobRunner:
 
     # -- rounds ---------------------------------------------------------------------------------
 
-    def _plan_batches(self, nodes: list[str]) -> tuple[dict[str, int], set[str], dict[str, float]]:
-        """b_i of each node, the best-effort nodes, and the nodes' time boxes for H steps
-        (local SGD only, see :meth:`_plan_local_sgd_batches`; else empty).
-
-        b_i is in proportion to each node's planning rate (largest remainder).
-        Best-effort nodes are those whose proportional share is below one sample: split_batch
-        still gives them one (so that they stay measured and get their share back when they
-        speed up), but a single sample takes them longer than the round takes the others: the
-        deadline is not sized for them and the round does not wait for them (if late, their
-        sample returns to pending).
-
-        (Per-node fixed costs per round, ``split_batch(fixed_s=...)``, are not used: on a
-        shared host the measured time outside compute is mostly waiting for a core behind the
-        other nodes, not a cost of the node's own, and planning with it moved samples from fast
-        nodes to slow ones.) Local SGD rounds are planned on each node's per-step time instead
-        (:meth:`_plan_local_sgd_batches`), fitted from compute seconds the agents time
-        themselves, unless the coordinator runs with ``--split equal``."""
-        rates = self.estimator.planning_rates(nodes)
-        caps = {n: self._max_batch(n) for n in nodes}
-        batch = min(self.spec.global_batch, sum(caps.values()))
-        if self.ctx.config.split == "equal":
-            rates = dict.fromkeys(rates, 1.0)
-        elif self.inner_steps > 1:
-            return self._plan_local_sgd_batches(nodes, batch, caps)
-        fluid = quotas(batch, rates, caps)
-        slow = {n for n in nodes if fluid[n] < 1}
-        batches = split_batch(batch, rates, caps)
-        return batches, (slow if len(slow) < len(nodes) else set()), {}
-
-    def _plan_local_sgd_batches(
-        self, nodes: list[str], batch: int, caps: dict[str, int]
-    ) -> tuple[dict[str, int], set[str], dict[str, float]]:
-        """Local SGD: b_i from each node's per-step time ``a_i + b * c_i`` (see
-        coordinator/throughput.py), so that every node's H inner steps take the same time
-        (min_time rounding: the slowest finisher sets the round's pace).
-
-        Best-effort nodes: those whose equal-time share is below one sample AND whose round
-        (per-round communication + H steps of their b_i) would take more than MIN_SLACK times
-        the longest round of the others: waiting for a node that is slow per step costs
-        nothing when the round is dominated by time both spend anyway (transfers, RTTs)."""
-        h = self.inner_steps
-        models = self.estimator.step_models(nodes, batch=batch / max(1, len(nodes)))
-        rates = {n: m.rate for n, m in models.items()}
-        fixed = {n: m.fixed_s for n, m in models.items()}
-        batches = split_batch(batch, rates, caps, rounding="min_time", fixed_s=fixed)
-        fluid = quotas(batch, rates, caps, fixed_s=fixed)
-
-        def round_s(n: str) -> float:
-            return self.estimator.comm_estimate(n) + h * models[n].step_seconds(batches[n])
-
-        full = [round_s(n) for n in nodes if fluid[n] >= 1]
-        limit = MIN_SLACK * max(full) if full else math.inf
-        slow = {n for n in nodes if fluid[n] < 1 and round_s(n) > limit}
-        slow = slow if len(slow) < len(nodes) else set()
-        # Rounds whose compute is shorter than their communication are not boxed: waiting for
-        # a slower node costs little there, and a box of a few milliseconds (a small model) is
-        # at the mercy of timer and scheduling noise (measured: first rounds of one step).
-        awaited = [n for n in nodes if n not in slow] or nodes
-        compute = max(h * models[n].step_seconds(batches[n]) for n in awaited)
-        if compute < max(self.estimator.comm_estimate(n) for n in awaited):
-            return batches, slow, {}
-        # The time box: every awaited node's planned round ends at the same moment, the latest
-        # of their planned ends; a node's box is that minus its own communication. (Planned
-        # on the planning rates: a node not yet observed is known by its job benchmark, which
-        # times the device's fastest steps; its discount makes up for that.)
-        end = max(round_s(n) for n in awaited)
-        boxes = {n: max(end - self.estimator.comm_estimate(n), 1e-3) for n in nodes}
-        return batches, slow, boxes
-
-    @property
-    def time_boxed(self) -> bool:
-        """Whether local SGD rounds are time-boxed: on the parameter server (a ring member's
-        weight in the all-reduce is fixed before it steps), with the throughput split."""
-        return self.inner_steps > 1 and self.ctx.config.split != "equal"
-
-    @property
-    def inner_steps(self) -> int:
-        """H: inner steps per round (local SGD), 1 in sync mode."""
-        return max(1, self.spec.inner_steps) if self.spec.sync == "local_sgd" else 1
-
     def _plan_parts(self, nodes: list[str]) -> tuple[int, dict[str, Part], float]:
-        """Plan the next round: b_i per node (throughput-weighted, sum = global batch), H*b_i
-        samples per node from the ledger (fewer at an epoch's end), and the deadline, sized
-        in samples from the estimates. Returns (round number, parts by node, deadline)."""
-        self._observe_late_figures()
-        self.ledger.rebalance(self.estimator.rates(nodes))
-        batches, best_effort, planned_boxes = self._plan_batches(nodes)
-        h = self.inner_steps
-        steps = dict.fromkeys(batches, h)
-        boxes: dict[str, float] = {}
-        if self.time_boxed and planned_boxes:
-            # Time-boxed: ranges for more steps than planned (a node faster than its estimate
-            # goes on stepping); the deadline is sized on the planned steps. The rounds left in
-            # the epoch are sized alike (no short tail round paying a whole round's
-            # communication for a few steps), and the epoch's last round is not boxed: it
-            # trains all that is left, so a slower-than-planned box leaves no tail behind.
-            per_step = sum(batches.values())
-            left = max(1, round(self.ledger.pending_count / (h * per_step)))
-            if left > 1:
-                scale = self.ledger.pending_count / (left * h * per_step)
-                h = max(1, round(h * scale))
-                boxes = {n: t * h / self.inner_steps for n, t in planned_boxes.items()}
-                # A node not yet observed is planned at a discount of its benchmark: should the
-                # benchmark be right, its box holds that many times more steps than planned;
-                # its ranges cover them (a node that runs out of ranges before its box ends
-                # idles until the round closes).
-                steps = {
-                    n: math.ceil(
-                        h
-                        * (1 + TIME_BOX_EXTRA_STEPS)
-                        * self.estimator.estimate(n)
-                        / self.estimator.planning_rate(n)
-                    )
-                    if n in boxes
-                    else h
-                    for n in batches
-                }
-            else:
-                h = steps_left = -(-self.ledger.pending_count // per_step) + 1
-                steps = dict.fromkeys(batches, steps_left)
+        """Plan the next round on ``nodes`` (see RoundPlanner.plan): (round number, parts by
+        node, deadline)."""
         round_id = self.next_round
         self.next_round += 1
-        if boxes:
-            log.info(
-                "job %s round %d: time boxes %s for about %d steps of b_i %s",
-                self.job_id,
-                round_id,
-                {n: round(t, 3) for n, t in boxes.items()},
-                h,
-                batches,
-            )
-        plan = self.ledger.plan_round(round_id, {n: steps[n] * b for n, b in batches.items()})
-        sizes = {n: sum(b - a for a, b in rs) for n, rs in plan.items()}
-        planned = {n: min(c, h * batches[n]) for n, c in sizes.items()}
-        awaited = {n: b for n, b in planned.items() if n not in best_effort} or planned
-        deadline = self.estimator.deadline(awaited, self._overhead_s)
-        parts: dict[str, Part] = {}
-        for node_id, positions in plan.items():
-            samples = sizes[node_id]
-            # Sync: the node's batch is what the ledger gave. Local SGD: b_i per inner step,
-            # the agent runs ceil(samples / b_i) steps (the last one possibly smaller).
-            local_batch = samples if self.inner_steps == 1 else max(1, batches[node_id])
-            parts[node_id] = Part(
-                node_id=node_id,
-                task_id="t-" + uuid.uuid4().hex[:12],
-                ranges=index_run_array(self.ledger.positions_to_indices(positions)),
-                local_batch=local_batch,
-                samples=samples,
-                inner_steps=-(-samples // local_batch),
-                required=node_id in awaited,
-                budget_s=boxes.get(node_id, 0.0),
-                assigned=samples,
-            )
-        self.batches = {n: p.local_batch for n, p in parts.items()}
+        parts, deadline = self.planner.plan(round_id, nodes, self.ledger)
         return round_id, parts, deadline
 
     async def _run_round(self, nodes: list[str]) -> None:
@@ -815,7 +608,7 @@ class JobRunner:
             part.handed_out = time.monotonic()
             self.host.enqueue(node_id, self._train_task(rs, part), self.job_id)
         await self.notify()
-        self._start_record_write()  # the previous round's record, now that this one is out
+        self.writer.start()  # the previous round's record, now that this one is out
         # Wait for every awaited node (a failure, silence, or the deadline ends the wait for
         # it). Silence is checked a few times per heartbeat interval (not on every wake-up:
         # O(parts) per check).
@@ -847,14 +640,13 @@ class JobRunner:
         waited = time.monotonic() - rs.started
         rs.waited_s = waited
         for part in rs.outstanding():
-            self._late[part.task_id] = (part.node_id, part.samples, part.inner_steps)
             part.status = "late"
             part.error = (
                 f"missed the {rs.deadline_s:.2f}s deadline"
                 if part.required
                 else f"best effort (a share below one sample): not done after {waited:.2f}s"
             )
-            self.estimator.observe_late(part.node_id, part.samples, waited)
+            self.planner.mark_late(part, waited)
         if self._stop.is_set():
             self.ledger.abort_round(round_id)
             self.round_state = None
@@ -887,32 +679,6 @@ class JobRunner:
         )
         return True
 
-    def note_late_update(
-        self, node_id: str, task_id: str, num_samples: int, compute_s: float
-    ) -> bool:
-        """An update of a part that was late (the round closed without it): its gradient is of
-        no use, but its compute time measures the node (a best-effort node that became fast
-        again gets its share back this way). Returns whether ``task_id`` was such a part."""
-        entry = self._late.get(task_id)
-        if entry is None or entry[0] != node_id:
-            return False
-        del self._late[task_id]
-        if num_samples == entry[1] > 0 and math.isfinite(compute_s) and compute_s > 0:
-            self._late_figures.append((node_id, num_samples, entry[2], compute_s))
-        return True
-
-    def _observe_late_figures(self) -> None:
-        figures, self._late_figures = self._late_figures, []
-        for node_id, samples, steps, compute_s in figures:
-            if node_id in self.estimator:
-                self.estimator.observe(node_id, samples, compute_s)
-                if self.inner_steps > 1:
-                    self.estimator.observe_steps(node_id, samples, steps, compute_s)
-        # Remember the late parts of the last few rounds only.
-        excess = len(self._late) - 4 * max(1, len(self.nodes))
-        for task_id in list(self._late)[: max(0, excess)]:
-            del self._late[task_id]
-
     def _fail_silent(self, rs: RoundState) -> None:
         """Fail the pending parts of nodes that stopped heartbeating (dead, cut off, hung): the
         round need not wait for its deadline."""
@@ -940,7 +706,7 @@ class JobRunner:
             local_batch=part.local_batch,
             params_version=rs.version,
             deadline_seconds=rs.deadline_s,
-            inner_steps=max(self.inner_steps, part.inner_steps),
+            inner_steps=max(self.planner.inner_steps, part.inner_steps),
             compute_budget_seconds=part.budget_s,
         )
         task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, part.ranges))
@@ -1015,23 +781,7 @@ class JobRunner:
                 st.compute_s += p.compute_s
                 comm = p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s)
                 st.communicate_s += comm
-                if p.node_id not in self.estimator:
-                    continue
-                if p.compute_s > 0 and math.isfinite(p.compute_s):
-                    self.estimator.observe(p.node_id, p.samples, p.compute_s, comm)
-                    if self.inner_steps > 1:
-                        self.estimator.observe_steps(
-                            p.node_id, p.samples, p.inner_steps, p.compute_s
-                        )
-                else:  # a figure the estimator cannot use: keep the gradient, skip the rate
-                    log.warning(
-                        "job %s round %d: %s reported %r compute seconds; rate not updated",
-                        self.job_id,
-                        rs.round,
-                        p.node_id,
-                        p.compute_s,
-                    )
-                    self.estimator.observe(p.node_id, 0, 0.0, comm)
+        self.planner.observe(rs)
         samples = sum(p.samples for p in received)
         loss = sum(p.mean_loss * p.samples for p in received) / samples if samples else float("nan")
         record = common_pb2.RoundRecord(
@@ -1052,7 +802,8 @@ class JobRunner:
         if samples:
             job.last_loss = loss
         job.epoch = self.ledger.epoch
-        job.eta_seconds = self._eta(time.monotonic() - rs.started)
+        left = self.spec.epochs * job.num_samples - job.samples_done
+        job.eta_seconds = self.planner.eta(left, self.nodes, time.monotonic() - rs.started)
         job.updated_ms = now_ms()
         self.round_state = None
         # Parts the round waited for and did without (a best-effort part that is late is the
@@ -1078,20 +829,15 @@ class JobRunner:
                     p.error,
                 )
         checkpoint = bool(received) and self._want_checkpoint(rs)
-        if self._defers_records:
-            # Written in the background while the next round runs: the record of round r - 1
-            # is in the store before round r + 1 is handed out (see `_restore` for the
-            # parameter versions this bounds), and a checkpoint after every record it covers.
-            await self._records_written()
-            self._record_to_write = (record, rs, dropped)  # started once the next round is out
-        else:
-            await self._write_round(None, record, rs, dropped)
+        # In the background: the record of round r - 1 is in the store before round r + 1 is
+        # handed out (see `_restore` for the parameter versions this bounds).
+        await self.writer.add(record, rs, dropped)
         if self.ledger.complete:
             await self._next_epoch()
         elif checkpoint:
             await self._checkpoint_soon(last_round=rs.round)
         t1 = time.monotonic()
-        self._overhead_s = 0.5 * self._overhead_s + 0.5 * (t1 - t0)
+        self.planner.overhead_s = 0.5 * self.planner.overhead_s + 0.5 * (t1 - t0)
         log.info(
             "job %s round %d closed: %d of %d parts applied, %.0f samples/s; last update "
             "%.3fs after the hand-out, round %.3fs, apply+record %.3fs",
@@ -1106,86 +852,6 @@ class JobRunner:
         )
         self.host.round_finished(self.job_id, self._benchmark_task_ids())
         await self.notify()
-
-    @property
-    def _defers_records(self) -> bool:
-        """Whether round records and checkpoints are written in the background (parameter-
-        server mode; a runner that overrides ``_checkpoint``, the ring's, writes both in
-        line)."""
-        return type(self)._checkpoint is JobRunner._checkpoint
-
-    async def _write_round(
-        self,
-        previous: asyncio.Task[None] | None,
-        record: common_pb2.RoundRecord,
-        rs: RoundState,
-        dropped: list[Part],
-    ) -> None:
-        """Store a closed round's record with the job as it is now (and an event for the
-        parts it did without), after the record before it. GetRounds and WatchJob show only
-        stored records (a round a reader saw survives a crash), so watchers hear of it now."""
-        if previous is not None:
-            await previous
-        async with self.ctx.store.transaction():
-            await self.ctx.store.add_round(record)
-            await self.ctx.store.update_job(self.job)
-            if dropped:
-                await self._record_dropped(rs, dropped)
-        self.stored_round = record.round
-        if self._defers_records:  # else _close_round notifies
-            await self.notify()
-
-    def _start_record_write(self) -> None:
-        """Start writing the last closed round's record in the background, if not yet (the
-        round loop does so right after handing out the next round, so that the write does not
-        delay the hand-out)."""
-        if self._record_to_write is None:
-            return
-        record, rs, dropped = self._record_to_write
-        self._record_to_write = None
-        self._record_task = asyncio.create_task(
-            self._write_round(self._record_task, record, rs, dropped),
-            name=f"record-{self.job_id}-{rs.round}",
-        )
-
-    async def _records_written(self) -> None:
-        """Wait until every closed round's record is in the store (each background write
-        waits for the one before, so the latest one done means all are done)."""
-        self._start_record_write()
-        task = self._record_task
-        if task is not None:
-            await task
-
-    async def _record_dropped(self, rs: RoundState, dropped: list[Part]) -> None:
-        """One event per round that closed without some of its parts (their samples are
-        pending again): who, why, the deadline and how long the round waited."""
-        samples = sum(p.samples for p in dropped)
-        what = "; ".join(f"{p.node_id} {p.status} ({p.error})" for p in dropped)
-        await self.ctx.events.append(
-            "round.incomplete",
-            job_id=self.job_id,
-            message=(
-                f"round {rs.round} closed after {rs.waited_s:.2f}s without {what}; "
-                f"their {samples} samples are pending again in epoch {rs.epoch + 1}"
-            ),
-            attrs={
-                "round": str(rs.round),
-                "epoch": str(rs.epoch),
-                "deadline_s": f"{rs.deadline_s:.3f}",
-                "waited_s": f"{rs.waited_s:.3f}",
-                "late": ",".join(p.node_id for p in dropped if p.status == "late"),
-                "failed": ",".join(p.node_id for p in dropped if p.status != "late"),
-                "samples": str(samples),
-            },
-        )
-
-    def _eta(self, round_s: float) -> float:
-        left = self.spec.epochs * self.job.num_samples - self.job.samples_done
-        rate = sum(self.estimator.rates(self.nodes).values()) if self.nodes else 0.0
-        if rate <= 0:
-            return 0.0
-        per_round = self.spec.global_batch * self.inner_steps
-        return max(0.0, left / min(rate, per_round / max(round_s, 1e-6)))
 
     async def _next_epoch(self) -> None:
         done = self.ledger.epoch
@@ -1209,31 +875,19 @@ class JobRunner:
 
     async def _checkpoint(self, last_round: int) -> None:
         """Write a checkpoint of the state now (after any still being written) and wait."""
-        await self._checkpoint_written()
-        await self._write_checkpoint(*self._checkpoint_state(last_round))
+        await self.writer.checkpoint(*self._checkpoint_state(last_round))
 
     async def _checkpoint_soon(self, last_round: int) -> None:
         """A checkpoint of the state now, written in the background while the next round runs
         (parameter-server mode): the state is copied first, so later rounds cannot change what
         is written; checkpoints are written in order, each after the one before. A crash
         before it is written loses the rounds since the previous one, as between any two
-        checkpoints. A runner that overrides ``_checkpoint`` (ring mode checkpoints a state a
-        member pushes) writes it in line."""
-        if not self._defers_records:
+        checkpoints. A runner that writes in line (ring mode checkpoints a state a member
+        pushes) writes it now."""
+        if not self.writer.background:
             await self._checkpoint(last_round)
             return
-        await self._checkpoint_written()
-        state = self._checkpoint_state(last_round)
-        self._checkpoint_task = asyncio.create_task(
-            self._write_checkpoint(*state), name=f"checkpoint-{self.job_id}-{last_round}"
-        )
-
-    async def _checkpoint_written(self) -> None:
-        """Wait for the checkpoint being written in the background, if any (its error, e.g. a
-        full disk, is raised here)."""
-        task, self._checkpoint_task = self._checkpoint_task, None
-        if task is not None:
-            await task
+        await self.writer.checkpoint_soon(*self._checkpoint_state(last_round))
 
     def _checkpoint_state(
         self, last_round: int
@@ -1251,25 +905,12 @@ class JobRunner:
         )
         return tensors, manifest
 
-    async def _write_checkpoint(
-        self, tensors: dict[str, torch.Tensor], manifest: CheckpointManifest
-    ) -> None:
-        # A checkpoint never lands before the records of the rounds it covers (after a restart
-        # from it, every round it holds has its record).
-        await self._records_written()
-        data = await asyncio.to_thread(tensors_to_bytes, tensors)
-        ref = await self.ctx.blobs.put_bytes(data)
-        manifest.tensors_sha256 = ref.sha256
-        async with self.ctx.store.transaction():
-            await self.ctx.store.save_checkpoint(self.job_id, manifest.round, manifest.to_bytes())
-            await self.ctx.store.update_job(self.job)
-
     async def _set_state(self, state: int, message: str) -> None:
         if self.job.state == state and self.job.message == message:
             return
         # Whoever sees the new state (PAUSED, a terminal one) finds every closed round stored.
         try:
-            await self._records_written()
+            await self.writer.written()
         except Exception:
             log.exception("job %s: a round record could not be written", self.job_id)
         previous = self.job.state
@@ -1458,7 +1099,7 @@ class JobRunner:
         rs = self.round_state
         if rs is not None:
             out.round_deadline_seconds = rs.deadline_s
-        total = sum(self.batches.values()) or 1
+        total = sum(self.planner.batches.values()) or 1
         for n in self.nodes:
             info = self.ctx.registry.get(n)
             bench = self.bench.get(n)
@@ -1467,14 +1108,16 @@ class JobRunner:
             na = common_pb2.NodeAllocation(
                 node_id=n,
                 name=info.name if info is not None else "",
-                samples_per_second=self.estimator.estimate(n) if n in self.estimator else 0.0,
-                share=self.batches.get(n, 0) / total,
-                local_batch=self.batches.get(n, 0),
-                max_batch=self._max_batch(n),
+                samples_per_second=self.planner.estimator.estimate(n)
+                if n in self.planner.estimator
+                else 0.0,
+                share=self.planner.batches.get(n, 0) / total,
+                local_batch=self.planner.batches.get(n, 0),
+                max_batch=self.planner.max_batch(n),
                 remaining=self.ledger.remaining(n),
                 compute_seconds=st.compute_s,
                 communicate_seconds=st.communicate_s,
-                inner_steps=self.inner_steps,
+                inner_steps=self.planner.inner_steps,
             )
             if seg is not None:
                 na.segment.start, na.segment.stop = seg

@@ -139,6 +139,11 @@ class PushedState:
 
 
 class RingJobRunner(JobRunner):
+    # Records and checkpoints (of a state a member pushes) are written in line.
+    WRITES_IN_BACKGROUND = False
+    # No time boxes: the members' weights in the all-reduce are fixed before they step.
+    TIME_BOXING = False
+
     def __init__(self, host: RunnerHost, job: common_pb2.Job) -> None:
         super().__init__(host, job)
         self.ring_version = 0
@@ -229,7 +234,7 @@ class RingJobRunner(JobRunner):
         )
         log.warning("job %s: %s: rolling back to the last checkpoint", self.job_id, reason)
         await self._restore()
-        rates = self.estimator.rates([n for n in self.nodes if n in self.estimator])
+        rates = self.planner.estimator.rates([n for n in self.nodes if n in self.planner.estimator])
         for n in self.nodes:
             if n in self.ledger.nodes or n not in rates:
                 continue
@@ -840,12 +845,6 @@ class RingJobRunner(JobRunner):
                         part.samples,
                     )
         rs.touch()
-
-    @property
-    def time_boxed(self) -> bool:
-        """No time boxes in ring rounds: the members' weights in the all-reduce are fixed
-        before they step."""
-        return False
 
     def expected_samples(self, node_id: str, task_id: str) -> int | None:
         rs = self.round_state
