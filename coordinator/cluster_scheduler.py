@@ -13,17 +13,25 @@ Policy:
   *effective throughput*: a node is worth `rate(node, job) / mean rate of the job over the
   cluster` node-equivalents to a job (its own job benchmark where one exists, else its
   reference benchmark scaled by the job's median measured/reference ratio). The tenant with
-  the least value per weight takes the next node; among its jobs the one holding the least
-  (then the oldest). Each job takes the node where its comparative advantage is largest
-  (its normalized rate over the best normalized rate any other wanting job of the tier has
-  there), so a node much faster for job A than for job B tends to go to A (Gavel).
+  the least value per weight takes the next node; among its jobs the one expected to finish
+  soonest (shortest remaining work: `remaining_samples` over the job's mean rate where the
+  engine knows it, else least attained service, Tiresias), then the one holding the least.
+  Each job takes the node where its comparative advantage is largest (its normalized rate
+  over the best normalized rate any other wanting job of the tier has there), so a node much
+  faster for job A than for job B tends to go to A (Gavel).
   Ties between tenants go to the one with the least decayed usage per weight (`TenantUsage`,
   Slurm's fair-share half-life).
-- Gang start: a job holds either at least `min_nodes` nodes or none. A job left below it is
-  taken out of the tier (the newest first) and the tier is filled again without it.
+- Gang start: a job holds either at least `min_nodes` nodes or none. A job with no node
+  starts at its turn with its min_nodes together if that many are still free, else it waits.
+  Jobs holding protected nodes keep at least their min_nodes (as many as fit).
+- Exchange: after filling, two jobs (of any tiers) swap nodes where both run faster and the
+  product of their speed-ups is at least EXCHANGE_GAIN; node counts do not change, so no job
+  loses and fairness holds (comparative advantage, as Gavel's throughput-maximizing
+  placement).
 - Hysteresis: a node a job got recently (`Holding.protected_until_ms`) stays with it while the
   job lives, unless a higher tier needs it. The engine sets the protection so that a node
-  does not move more than once per few rounds and pays back its job benchmark.
+  does not move more than once per few rounds and pays back its job benchmark. A node a job
+  holds counts STICKINESS times faster for it when it picks nodes.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import enum
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_HALF_LIFE_S = 3600.0
@@ -48,6 +56,9 @@ USAGE_GAIN = 10.0
 # A node a job holds counts this much faster for it when it picks nodes: another node must be
 # clearly better to be worth a move (and a job benchmark there).
 STICKINESS = 1.5
+# Two jobs swap nodes when both run faster and the product of their speed-ups is at least
+# this: a swap costs each a job benchmark, so a small gain is not worth it.
+EXCHANGE_GAIN = 1.5
 # Least attained service within a tenant: jobs that have had less than this many
 # node-equivalent seconds go first, then each doubling is a class of its own.
 SERVICE_QUANTUM_S = 600.0
@@ -304,15 +315,17 @@ class _Tier:
     remaining: Mapping[str, float]  # job -> expected remaining node-equivalent seconds
 
     def fill(
-        self, jobs: Sequence[JobRequest], deferred: frozenset[str] = frozenset()
-    ) -> dict[str, list[str]]:
-        """job_id -> nodes: the pinned nodes of live jobs, the min_nodes of the others not
-        `deferred`, then progressive filling. A deferred job starts at its turn with its
-        min_nodes together if that many nodes are still free, else it gets none."""
+        self, jobs: Sequence[JobRequest], started: Collection[str]
+    ) -> tuple[dict[str, list[str]], dict[str, int]]:
+        """(job_id -> nodes, job_id -> the nodes free at its turn for each job whose gang did
+        not fit). The pinned nodes of the `started` jobs and their min_nodes come first; then
+        progressive filling, where a job with no node yet starts with its min_nodes together
+        at its turn if that many are free, else it waits."""
         assigned: dict[str, list[str]] = {j.job_id: [] for j in jobs}
         tenant_value: dict[str, float] = {j.tenant: self.offsets.get(j.tenant, 0.0) for j in jobs}
         job_value: dict[str, float] = {j.job_id: 0.0 for j in jobs}
         by_id = {j.job_id: j for j in jobs}
+        did_not_fit: dict[str, int] = {}
 
         def give(node_id: str, job: JobRequest) -> None:
             assigned[job.job_id].append(node_id)
@@ -320,21 +333,17 @@ class _Tier:
             job_value[job.job_id] += rate
             tenant_value[job.tenant] += rate
 
-        for node_id, job_id in self.pinned.items():
-            job = by_id.get(job_id)
-            if job is not None and len(assigned[job_id]) < job.max_nodes:
-                give(node_id, job)
-        free = [n for n in self.available if n not in self.pinned or self.pinned[n] not in by_id]
+        pinned = {n: j for n, j in self.pinned.items() if j in by_id and j in started}
+        for node_id, job_id in pinned.items():
+            give(node_id, by_id[job_id])
+        free = [n for n in self.available if n not in pinned]
         wanting = [j for j in jobs if len(assigned[j.job_id]) < j.max_nodes]
         top2 = self._top2(free, wanting)
         while free and wanting:
             needy = [
-                j
-                for j in wanting
-                if len(assigned[j.job_id]) < j.min_nodes
-                and (j.job_id not in deferred or assigned[j.job_id])
+                j for j in wanting if j.job_id in started and len(assigned[j.job_id]) < j.min_nodes
             ]
-            if needy:  # admitted jobs get their min_nodes first (their sum fits)
+            if needy:  # started jobs keep their min_nodes first (their sum fits)
                 job = needy[0]
             else:
                 tenant = min(
@@ -357,7 +366,8 @@ class _Tier:
                     ),
                 )
                 if not assigned[job.job_id] and len(free) < job.min_nodes:
-                    wanting.remove(job)  # its gang does not fit any more: it waits
+                    did_not_fit[job.job_id] = len(free)  # gang start: all or nothing
+                    wanting.remove(job)
                     top2 = self._top2(free, wanting)
                     continue
             # Nodes are scarce while the jobs still wanting could use more than are free:
@@ -371,7 +381,7 @@ class _Tier:
             if len(assigned[job.job_id]) >= job.max_nodes:
                 wanting.remove(job)
                 top2 = self._top2(free, wanting)
-        return assigned
+        return assigned, did_not_fit
 
     def _top2(
         self, free: Sequence[str], wanting: Sequence[JobRequest]
@@ -501,13 +511,22 @@ def schedule(
                 )
             else:
                 candidates.append(job)
-        active = _admit(candidates, work, len(node_ids), waiting_reason)
-        import os
-        deferred = frozenset(j.job_id for j in active if j.job_id not in work.held.values()) if os.environ.get("DEFER") else frozenset()
-        assigned = _keep_held(work.fill(active, deferred), work.held, rates)
+        started = _started(candidates, work)
+        filled, did_not_fit = work.fill(candidates, started)
+        assigned = _keep_held(filled, work.held, rates)
         for job_id, mine in assigned.items():
             for n in mine:
                 owner[n] = job_id
+        for job in candidates:
+            if not assigned[job.job_id]:
+                waiting_reason[job.job_id] = _waiting_reason(
+                    job, did_not_fit.get(job.job_id, 0), len(available), len(node_ids)
+                )
+    # Hysteresis: a node protected for the job it stays with is not exchanged.
+    fixed = {
+        n for n, h in held.items() if owner.get(n) == h.job_id and h.protected_until_ms > now_ms
+    }
+    exchanged = _exchange(owner, rates, fixed)
     plans: dict[str, JobPlan] = {}
     for job in jobs:
         mine = [n for n in node_ids if owner.get(n) == job.job_id]
@@ -529,8 +548,40 @@ def schedule(
             waiting=not mine,
             reason=reason,
         )
-    moves = _moves(held, owner, node_ids, by_id, plans)
+    moves = _moves(held, owner, node_ids, by_id, plans, exchanged)
     return Plan(jobs=plans, moves=moves)
+
+
+def _exchange(
+    owner: dict[str, str], rates: Mapping[tuple[str, str], float], fixed: Collection[str]
+) -> dict[str, tuple[str, str]]:
+    """Swap nodes between pairs of jobs (of any tiers) while both jobs gain and together by
+    at least EXCHANGE_GAIN (the product of their speed-ups): each job keeps its node count,
+    so no tier, tenant or job loses, and a node goes where its comparative advantage is
+    (Gavel). `owner` is updated in place; returns node -> (its other node, the job it came
+    from) for each node swapped. Nodes in `fixed` stay."""
+    by_job: dict[str, list[str]] = {}
+    for n, j in sorted(owner.items()):
+        if n not in fixed:
+            by_job.setdefault(j, []).append(n)
+    job_ids = sorted(by_job)
+    swapped: dict[str, tuple[str, str]] = {}
+    for i, a in enumerate(job_ids):
+        for b in job_ids[i + 1 :]:
+            while by_job[a] and by_job[b]:
+                # The product of the gains is (x's worth to b over to a) x (y's worth to a
+                # over to b): the best pair is the best x and the best y on their own.
+                x = max(by_job[a], key=lambda n: (rates[(n, b)] / rates[(n, a)], n))
+                y = max(by_job[b], key=lambda n: (rates[(n, a)] / rates[(n, b)], n))
+                gain_a = rates[(y, a)] / rates[(x, a)]
+                gain_b = rates[(x, b)] / rates[(y, b)]
+                if gain_a < 1 or gain_b < 1 or gain_a * gain_b < EXCHANGE_GAIN:
+                    break
+                owner[x], owner[y] = b, a
+                swapped[x], swapped[y] = (y, a), (x, b)
+                by_job[a].remove(x)  # a node moves at most once a pass
+                by_job[b].remove(y)
+    return swapped
 
 
 def _move_cost(
@@ -589,57 +640,50 @@ def _keep_held(
     return out
 
 
-def _admit(
-    candidates: Sequence[JobRequest],
-    work: _Tier,
-    cluster_size: int,
-    waiting_reason: dict[str, str],
-) -> list[JobRequest]:
-    """Gang admission: the jobs of a tier that run, each with at least its min_nodes (or the
-    nodes pinned to it, if more) reserved. Jobs that hold nodes now come first, then waiting
-    ones; within each group the tenant with the least reserved per weight goes next, its
-    oldest job first. A job that does not fit waits (a smaller one behind it may still fit)."""
+def _started(candidates: Sequence[JobRequest], work: _Tier) -> set[str]:
+    """The jobs of a tier that keep running whatever else the tier wants: those holding
+    pinned (protected) nodes, each with at least its min_nodes (or its pinned nodes, if more)
+    reserved, as long as their sum fits. The tenant with the least reserved per weight goes
+    next, its job with the least expected remaining work first. A job left out competes for
+    nodes like a waiting one (and its pinned nodes are free)."""
     pinned_count = Counter(work.pinned.values())
-    holding_now = set(work.held.values())
+    group = [j for j in candidates if pinned_count[j.job_id]]
     capacity = len(work.available)
-    higher = cluster_size - capacity
-    admitted: list[JobRequest] = []
+    started: set[str] = set()
     reserved = 0
     per_tenant: dict[str, float] = {}
-    for group in (
-        [j for j in candidates if j.job_id in holding_now],
-        [j for j in candidates if j.job_id not in holding_now],
-    ):
-        group = list(group)
-        while group:
-            tenant = min(
-                {j.tenant for j in group},
-                key=lambda t: (
-                    (per_tenant.get(t, 0.0) + work.offsets.get(t, 0.0)) / work.tenants.weight(t),
-                    work.tenants.usage.get(t, 0.0) / work.tenants.weight(t),
-                    t,
-                ),
-            )
-            job = min(  # least expected remaining work, then the oldest (candidates are sorted)
-                (j for j in group if j.tenant == tenant),
-                key=lambda j: work.remaining[j.job_id],
-            )
-            group.remove(job)
-            need = max(job.min_nodes, pinned_count.get(job.job_id, 0))
-            if reserved + need <= capacity:
-                admitted.append(job)
-                reserved += need
-                per_tenant[tenant] = per_tenant.get(tenant, 0.0) + need
-                continue
-            parts = [f"waits: needs {job.min_nodes} node(s) together (min_nodes)"]
-            if higher:
-                parts.append(f"{higher} of the {cluster_size} eligible held by higher priorities")
-            parts.append(
-                f"{reserved} of the {capacity} left for priority {job.tier.label} reserved by "
-                "the min_nodes of its running and older jobs"
-            )
-            waiting_reason[job.job_id] = "; ".join(parts)
-    return admitted
+    while group:
+        tenant = min(
+            {j.tenant for j in group},
+            key=lambda t: (
+                (per_tenant.get(t, 0.0) + work.offsets.get(t, 0.0)) / work.tenants.weight(t),
+                work.tenants.usage.get(t, 0.0) / work.tenants.weight(t),
+                t,
+            ),
+        )
+        job = min(  # candidates are sorted: the oldest first among equals
+            (j for j in group if j.tenant == tenant), key=lambda j: work.remaining[j.job_id]
+        )
+        group.remove(job)
+        need = max(job.min_nodes, pinned_count[job.job_id])
+        if reserved + need <= capacity:
+            started.add(job.job_id)
+            reserved += need
+            per_tenant[tenant] = per_tenant.get(tenant, 0.0) + need
+    return started
+
+
+def _waiting_reason(job: JobRequest, free: int, capacity: int, cluster_size: int) -> str:
+    """Why a job that could fit in the cluster got no node in this pass."""
+    parts = [f"waits: needs {job.min_nodes} node(s) together (min_nodes)"]
+    higher = cluster_size - capacity
+    if higher:
+        parts.append(f"{higher} of the {cluster_size} eligible held by higher priorities")
+    parts.append(
+        f"{free} of the {capacity} left for priority {job.tier.label} free at its turn (jobs "
+        "expected to finish sooner and other tenants' fair shares go first)"
+    )
+    return "; ".join(parts)
 
 
 def _moves(
@@ -648,6 +692,7 @@ def _moves(
     node_ids: Sequence[str],
     by_id: Mapping[str, JobRequest],
     plans: Mapping[str, JobPlan],
+    exchanged: Mapping[str, tuple[str, str]],
 ) -> list[Move]:
     moves = []
     for n in node_ids:
@@ -655,7 +700,13 @@ def _moves(
         after = owner.get(n, "")
         if before == after:
             continue
-        if not before:
+        if n in exchanged:
+            other, other_job = exchanged[n]
+            reason = (
+                f"swapped with {other}, which goes to {other_job}: both jobs run faster "
+                "(comparative advantage)"
+            )
+        elif not before:
             reason = f"free node given to {after}"
         elif not after:
             reason = f"{before} " + (

@@ -34,6 +34,12 @@ from epochmesh.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 SAVE_EVERY_S = 10.0
+# Hysteresis: a node a job claimed stays with it (against moves within its tier) for at least
+# HOLD_ROUNDS of the job's rounds, and long enough that its job benchmark costs at most
+# MAX_BENCH_OVERHEAD of its time with the job; never less than MIN_HOLD_S.
+HOLD_ROUNDS = 3
+MAX_BENCH_OVERHEAD = 0.2
+MIN_HOLD_S = 1.0
 # A pass is reused until something it reads changes (a claim, a release, a job starting or
 # ending, a benchmark, a weight, a priority: `invalidate`) or it is this old (node states the engine is not told
 # of, holds running out). Every runner asks for the plan at each of its rounds.
@@ -52,6 +58,20 @@ class ScheduledJob(Protocol):
     @property
     def terminal(self) -> bool: ...
 
+    def round_seconds(self) -> float:
+        """How long the job's rounds take lately (0: none yet)."""
+        ...
+
+    def bench_seconds(self, node_id: str) -> float:
+        """How long the node's job benchmark took (so far, while it runs; 0: none)."""
+        ...
+
+
+def hold_seconds(round_s: float, bench_s: float) -> float:
+    """How long a job keeps a node it claimed, against moves within its tier: HOLD_ROUNDS of
+    its rounds of ``round_s``, and long enough to pay back a job benchmark of ``bench_s``."""
+    return max(MIN_HOLD_S, HOLD_ROUNDS * round_s, bench_s / MAX_BENCH_OVERHEAD)
+
 
 @dataclass(frozen=True)
 class Preemption:
@@ -69,9 +89,10 @@ def node_kind(info: common_pb2.NodeInfo) -> str:
 
 
 class ClusterScheduling:
-    def __init__(self, store: Store, hold_s: float) -> None:
+    def __init__(self, store: Store, hold_s: float | None) -> None:
+        """``hold_s``: a fixed hold for every claim, or None to derive it (`hold_seconds`)."""
         self.store = store
-        self.hold_ms = int(hold_s * 1000)
+        self.hold_s = hold_s
         self.weights: dict[str, float] = {}
         self.usage = TenantUsage()
         self.attained: dict[str, float] = {}  # job -> node-equivalent seconds of service
@@ -173,6 +194,9 @@ class ClusterScheduling:
                     max_nodes=max(spec.min_nodes, min(spec.max_nodes, spec.global_batch)),
                     submitted_ms=r.job.created_ms,
                     attained_s=self.attained.get(r.job_id, 0.0),
+                    remaining_samples=float(
+                        max(0, spec.epochs * r.job.num_samples - r.job.samples_done)
+                    ),
                 )
             )
         nodes = [
@@ -188,13 +212,21 @@ class ClusterScheduling:
             )
             for info in eligible
         ]
+        by_id = {r.job_id: r for r in live}
         holdings = {
-            n: Holding(job_id, self.claimed_ms.get(n, 0) + self.hold_ms)
+            n: Holding(job_id, self.claimed_ms.get(n, 0) + self._hold_ms(by_id.get(job_id), n))
             for n, job_id in claims.items()
         }
         tenants = Tenants(self.weights, self.usage.snapshot(now_ms))
         self.last_plan = schedule(now_ms, jobs, nodes, holdings, tenants)
         return self.last_plan
+
+    def _hold_ms(self, runner: ScheduledJob | None, node_id: str) -> int:
+        if self.hold_s is not None:
+            return int(self.hold_s * 1000)
+        if runner is None:
+            return 0
+        return int(1000 * hold_seconds(runner.round_seconds(), runner.bench_seconds(node_id)))
 
     def preemption(self, job_id: str, claims: Mapping[str, str]) -> Preemption | None:
         """The nodes the last plan takes from `job_id` for other jobs (once per change)."""

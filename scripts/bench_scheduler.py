@@ -21,8 +21,11 @@ Model (simulated time, nothing sleeps):
 
 Policies (same trace, same simulator):
 - ours: `coordinator.cluster_scheduler.schedule` with holdings carried over (a moved node is
-  protected for max(``--protect-rounds`` rounds, bench_s / ``--max-bench-overhead``)) and
-  decayed tenant usage fed with each job's value x round_s;
+  protected for max(``--protect-rounds`` rounds, bench_s / ``--max-bench-overhead``)),
+  decayed tenant usage and attained service fed with each job's value x round_s, and each
+  job's remaining samples (its size minus what it trained: what the engine knows from the
+  job's epochs x dataset size; ``--unknown-sizes`` leaves them out, the scheduler then ranks
+  a tenant's jobs by least attained service);
 - fifo (today's engine, `Engine.claimable_nodes`): in submission order a job takes the free
   nodes it can use up to max_nodes, starting only with min_nodes free; an older job below its
   max_nodes blocks younger ones; no priorities, no preemption, a node stays until its job ends;
@@ -103,7 +106,7 @@ class Config:
     half_life_s: float = 3600.0
     window_rounds: int = 10
     max_rounds: int = 100_000
-    known_sizes: bool = True  # ours is told each job's remaining samples
+    known_sizes: bool = True  # ours is told each job's remaining samples (else: LAS)
 
     @property
     def protect_s(self) -> float:
@@ -562,6 +565,7 @@ def run_all(cfg: Config) -> tuple[dict[str, object], dict[str, Run], Trace]:
         "tenant_weights": trace.weights,
         "round_s": cfg.round_s,
         "bench_s": cfg.bench_s,
+        "known_sizes": cfg.known_sizes,
         "protect_s": cfg.protect_s,
         "jobs_by_priority": {
             t.label: sum(j.tier == t for j in trace.jobs) for t in sorted(Tier, reverse=True)
@@ -610,6 +614,11 @@ def main() -> None:
     p.add_argument("--protect-rounds", type=int, default=d.protect_rounds)
     p.add_argument("--max-bench-overhead", type=float, default=d.max_bench_overhead)
     p.add_argument("--window-rounds", type=int, default=d.window_rounds)
+    p.add_argument(
+        "--unknown-sizes",
+        action="store_true",
+        help="do not tell the scheduler the jobs' remaining samples",
+    )
     a = p.parse_args()
     if not 0 <= a.bench_s <= a.round_s:
         p.error("--bench-s must be between 0 and --round-s")
@@ -630,6 +639,7 @@ def main() -> None:
         protect_rounds=a.protect_rounds,
         max_bench_overhead=a.max_bench_overhead,
         window_rounds=a.window_rounds,
+        known_sizes=not a.unknown_sizes,
     )
     seeds = a.seeds if a.seeds else [a.seed]
     outs = []
@@ -673,7 +683,10 @@ def combine(outs: Sequence[Mapping[str, object]]) -> dict[str, object]:
     first = outs[0]
     return _rounded(  # type: ignore[return-value]
         {
-            **{k: first[k] for k in ("nodes", "jobs", "tenants", "tenant_weights", "round_s")},
+            **{
+                k: first[k]
+                for k in ("nodes", "jobs", "tenants", "tenant_weights", "round_s", "known_sizes")
+            },
             "seeds": [o["seed"] for o in outs],
             "jct_speedup_vs_fifo": speedup,
             "jct_speedup_vs_fifo_range": [min(speedups), max(speedups)],

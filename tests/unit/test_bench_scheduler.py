@@ -114,9 +114,9 @@ def test_fifo_blocks_younger_jobs_behind_an_older_one_below_its_max(bench: Modul
     old = bench.TraceJob("a", "t0", Tier.NORMAL, 0, 1, 8, 0.0, 1.0)
     young = bench.TraceJob("b", "t0", Tier.HIGH, 0, 1, 1, 1.0, 1.0)
     fifo = bench.Fifo(trace)
-    out = fifo.assign(0.0, [old, young], {}, {})
+    out = fifo.assign(0.0, [old, young], {}, {}, {})
     assert sorted(out.values()) == ["a"] * 4  # the older job takes every node, no priority
-    eq = bench.Equal(trace).assign(0.0, [old, young], {}, {})
+    eq = bench.Equal(trace).assign(0.0, [old, young], {}, {}, {})
     assert sorted(eq.values()) == ["a", "a", "a", "b"]  # b capped at max_nodes 1
 
 
@@ -129,3 +129,26 @@ def test_jain_index() -> None:
     assert windows == 2 and value == pytest.approx(1.0)  # weighted: 2/1 == 4/2
     uncontended = [{"t0": (10, 10, 2.0), "t1": (10, 5, 4.0)}] * 4
     assert bench.windowed_jain(uncontended, {"t0": 1.0, "t1": 2.0}, 2) == (None, 0)
+
+
+def test_ours_is_told_the_remaining_samples_unless_sizes_are_unknown(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[float | None] = []
+    real = bench.schedule
+
+    def spying(now_ms: int, jobs: list, *args: object) -> Plan:  # type: ignore[type-arg]
+        seen.extend(j.remaining_samples for j in jobs)
+        return real(now_ms, jobs, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench, "schedule", spying)
+    cfg = small(bench)
+    trace = bench.make_trace(cfg)
+    sizes = {j.size for j in trace.jobs}
+    run = bench.simulate(cfg, trace, "ours")
+    assert seen and all(r is not None and 0 < r <= max(sizes) for r in seen)
+    assert sizes & set(seen), "a job's first pass sees its whole size"
+    seen.clear()
+    unknown = bench.simulate(bench.replace(cfg, known_sizes=False), trace, "ours")
+    assert seen and all(r is None for r in seen)
+    assert set(unknown.finish_s) == set(run.finish_s) == {j.job_id for j in trace.jobs}

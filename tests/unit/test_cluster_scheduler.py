@@ -170,7 +170,8 @@ def test_gang_start_reserves_min_nodes_together_and_a_job_that_does_not_fit_wait
     assert len(plan2.jobs["r"].nodes) == 4 and plan2.jobs["big"].waiting
     assert plan2.jobs["big"].reason == (
         "waits: needs 3 node(s) together (min_nodes); 2 of the 4 left for priority normal "
-        "reserved by the min_nodes of its running and older jobs"
+        "free at its turn (jobs expected to finish sooner and other tenants' fair shares go "
+        "first)"
     )
     huge = job("huge", "carol", min_nodes=5, at=3)
     plan3 = schedule(0, [a, big, huge], cluster, {}, Tenants())
@@ -367,8 +368,55 @@ def test_within_a_tenant_the_job_with_the_least_service_goes_first() -> None:
     old = JobRequest("old", "t", Tier.NORMAL, 1, 4, 0, attained_s=50_000.0)
     new = JobRequest("new", "t", Tier.NORMAL, 1, 4, 10, attained_s=0.0)
     plan = schedule(0, [old, new], cluster, {}, Tenants())
-    # the old job keeps its min_nodes (it is admitted too), the new one gets the rest
-    assert len(plan.jobs["new"].nodes) == 3 and len(plan.jobs["old"].nodes) == 1
+    # sizes unknown: the new job is expected to finish sooner and takes what it can use
+    assert len(plan.jobs["new"].nodes) == 4 and plan.jobs["old"].waiting
+    assert "jobs expected to finish sooner" in plan.jobs["old"].reason
+    # ... but a protected node keeps the old job running at its min_nodes
+    held = {"n00": Holding("old", 10**6)}
+    plan = schedule(0, [old, new], cluster, held, Tenants())
+    assert plan.jobs["old"].nodes == ["n00"] and len(plan.jobs["new"].nodes) == 3
+
+
+def test_within_a_tenant_the_job_with_the_least_remaining_work_goes_first() -> None:
+    cluster = nodes(6)  # 10 samples/s each
+    long = JobRequest("long", "t", Tier.NORMAL, 2, 4, 0, remaining_samples=10_000.0)
+    short = JobRequest("short", "t", Tier.NORMAL, 2, 4, 10, remaining_samples=500.0)
+    other = JobRequest("other", "u", Tier.NORMAL, 1, 8, 20, remaining_samples=1e9)
+    plan = schedule(0, [long, short, other], cluster, {}, Tenants())
+    plan.check([long, short, other], cluster)
+    # the tenants split 3/3 (fairness first); t's 3 go to its shorter job, and the longer
+    # one's gang of 2 does not fit in what is left
+    assert len(plan.jobs["short"].nodes) == 3 and len(plan.jobs["other"].nodes) == 3
+    assert plan.jobs["long"].waiting
+    # remaining work counts in node-equivalent seconds: samples over the job's mean rate
+    fast = [NodeOffer(n.node_id, 10.0, {"long": 1000.0, "short": 10.0}) for n in cluster]
+    plan = schedule(0, [long, short], fast, {}, Tenants())
+    assert len(plan.jobs["long"].nodes) == 4 and len(plan.jobs["short"].nodes) == 2
+
+
+def test_jobs_swap_nodes_when_both_run_faster() -> None:
+    # a holds n0, n1 (3x faster for b); b holds n2, n3 (3x faster for a)
+    offers = [
+        NodeOffer("n0", 10.0, {"a": 10.0, "b": 30.0}),
+        NodeOffer("n1", 10.0, {"a": 10.0, "b": 30.0}),
+        NodeOffer("n2", 10.0, {"a": 30.0, "b": 10.0}),
+        NodeOffer("n3", 10.0, {"a": 30.0, "b": 10.0}),
+    ]
+    a, b = job("a", "alice", max_nodes=2, at=1), job("b", "bob", max_nodes=2, at=2)
+    held = {"n0": Holding("a"), "n1": Holding("a"), "n2": Holding("b"), "n3": Holding("b")}
+    plan = schedule(0, [a, b], offers, held, Tenants())
+    plan.check([a, b], offers)
+    assert sorted(plan.jobs["a"].nodes) == ["n2", "n3"]
+    assert sorted(plan.jobs["b"].nodes) == ["n0", "n1"]
+    assert len(plan.moves) == 4 and all("both jobs run faster" in m.reason for m in plan.moves)
+    # protected nodes stay (hysteresis); no swap where one job would lose (b: 10 for 30)
+    protected = {n: Holding(h.job_id, 10**6) for n, h in held.items()}
+    assert not schedule(0, [a, b], offers, protected, Tenants()).moves
+    lopsided = [
+        NodeOffer(o.node_id, 10.0, {"a": o.job_rates["a"], "b": 40.0 - o.job_rates["b"]})
+        for o in offers
+    ]
+    assert not schedule(0, [a, b], lopsided, held, Tenants()).moves
 
 
 def test_a_new_tenant_gets_half_however_much_the_first_one_used() -> None:
