@@ -51,14 +51,14 @@ class CoordinatorConfig:
     program_check_concurrency: int = DEFAULT_CONCURRENCY
     program_check_spare: bool = True
     # Cluster scheduler: a node a job just claimed stays with it this long against moves within
-    # its priority tier (a higher tier may still take it): several rounds, and enough to pay
-    # back its job benchmark.
-    scheduler_hold_s: float = 30.0
+    # its priority tier (a higher tier may still take it). None: derived per job and node from
+    # the job's round time and the node's job benchmark (coordinator/scheduling.hold_seconds).
+    scheduler_hold_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
-        if not self.scheduler_hold_s >= 0:
+        if self.scheduler_hold_s is not None and not self.scheduler_hold_s >= 0:
             raise ValueError("the scheduler's hold time must be >= 0")
         if self.lease_ttl_s is not None and self.lease_ttl_s <= self.heartbeat_interval_s:
             raise ValueError(

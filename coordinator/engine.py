@@ -3,8 +3,10 @@
 `Engine` implements `coordinator.engine_api.TrainingEngine`. It owns one `JobRunner` per live
 job (coordinator/job_runner.py holds the round logic; `RingJobRunner` in
 coordinator/ring_runner.py for aggregation = "ring"), a task queue per node (NextTask long
-polls on it), and the node -> job claims: a node works for at most one job at a time; which
-job may claim which node is the cluster scheduler's decision (coordinator/cluster_scheduler.py).
+polls on it), and the node -> job claims: a node works for at most one job at a time. Which
+job holds which node is the cluster scheduler's decision (coordinator/cluster_scheduler.py):
+a runner gets its nodes from `nodes_for` and only hands back the ones it stops using. The
+runners see the engine as a `coordinator.runner_host.RunnerHost`.
 """
 
 from __future__ import annotations

@@ -1,60 +1,9 @@
 """One job's life on the coordinator: node set, benchmarks, rounds, checkpoints, the result.
 
-This is the parameter-server runner; `coordinator.ring_runner.RingJobRunner` runs ring jobs
-with the same node set, planning, ledger, records and checkpoints.
-
-The runner is a single asyncio task per job; every change to the job's ledger, estimator and
-parameter server happens on it, so none of them needs a lock. RPC handlers (PushUpdate,
-ReportProgress, node events) only drop results into the open `RoundState` and wake it.
-
-A round:
-  1. node set: eligible nodes claimed for this job (at most max_nodes, at most global_batch),
-     each benchmarked on the job's own program first; fewer than min_nodes -> PAUSED;
-  2. plan: b_i from the throughput estimates (largest remainder, capped by each node's max
-     batch), slices from the epoch ledger, a deadline from the estimates; in local SGD every
-     node runs the same H inner steps of b_i samples, so it gets H*b_i samples (fewer at an
-     epoch's end), b_i is planned on each node's per-step time (fixed + per-sample part, see
-     coordinator/throughput.py) so that the H steps take every node the same time, and the
-     estimates and deadline work in samples. On the parameter server local SGD rounds are
-     time-boxed (``time_boxed``): each node gets a box (the latest planned end of the round's
-     awaited nodes minus its own communication) and ranges for 1.25 times the steps the box
-     is sized for; it steps until the box runs out and pushes the prefix it trained, so a node
-     faster than its estimate trains more and nobody waits for a slower one. The rounds left in
-     an epoch are sized alike, and an epoch's last round is not boxed (it trains what is left,
-     so no short tail round follows a box that ended early); nor is a round that computes for
-     less time than it communicates (millisecond boxes are timer noise, and waiting is cheap). A part's sample ranges (tens of
-     thousands of index runs in a big local SGD round) stay in numpy and reach the Task and the
-     round record as encoded wire bytes, which keeps the event loop free;
-  3. wait until every node has pushed its gradient or failed, the deadline passes, or a node
-     falls silent (no heartbeat for SILENCE_HEARTBEATS intervals: killed, cut off, hung); a
-     deadline that passes before any node delivered is extended (at most twice): the estimates
-     were wrong for everyone, e.g. in a first round;
-  4. apply: sample-weighted mean of the received gradients (local SGD: pseudo-gradients,
-     start - end of the inner steps), one step of the round optimizer (the spec's, or local
-     SGD's outer Nesterov SGD); slices of applied nodes commit (a time-boxed part: the prefix
-     it trained, the rest back to the head of its node's segment), the others return to
-     pending in the same epoch. Updates arrive compressed with the spec's codec (exactly that
-     one for every floating tensor, else INVALID_ARGUMENT and a strike);
-  5. record the round in one store transaction, written in the background while the next
-     round runs (records in order; a checkpoint only after the records it covers); every K
-     rounds and at an epoch's end a checkpoint: its state is copied at once and written in
-     the background too (checkpoints in order; a ring job writes its records and
-     checkpoints in line).
-
-Faults:
-  - a node whose lease ends (expiry, Leave, or a re-registration of the same id after a
-    restart) leaves the job at the next round boundary: its segment returns to the others, and
-    its job benchmark is forgotten, so that a returning agent is benchmarked again and joins
-    with a fresh share;
-  - a silent node (see 3.) sits out the following rounds until it heartbeats again or its
-    lease lapses;
-  - fewer than min_nodes usable nodes: the job is PAUSED (an event says why) until enough
-    come back;
-  - after a coordinator restart the job resumes from its last checkpoint: parameters,
-    optimizer state and the ledger as they were then; later rounds are marked rolled back (their
-    samples are pending again), round numbers continue after the highest one ever recorded, and
-    the parameter version jumps past every version ever handed out, so that no agent mistakes
-    the parameters it holds from before the restart for the restored ones.
+The runner is one asyncio task per job that orchestrates its parts (a RoundPlanner, the
+ParameterServer, a RoundWriter); every change to the job's ledger, estimator and parameter
+server happens on that task, so none of them needs a lock. RPC handlers only drop results into
+the open `RoundState` and wake it. The round protocol and the fault rules: docs/job-rounds.md.
 """
 
 from __future__ import annotations
@@ -137,6 +86,8 @@ class JobRunner:
         self.round_state: RoundState | None = None
         self.nodes: list[str] = []  # this job's node set, in join order
         self.bench_pending: dict[str, tuple[str, float]] = {}  # node -> (task_id, asked at)
+        self._bench_took: dict[str, float] = {}  # node -> seconds its job benchmark took
+        self._round_s = 0.0  # recent rounds' duration (smoothed), for the scheduler's holds
         self.stats: dict[str, NodeStats] = {}
         self.planner = RoundPlanner(
             job.job_id, job.spec, split=self.ctx.config.split, time_boxing=self.TIME_BOXING
@@ -202,6 +153,17 @@ class JobRunner:
     def bench(self) -> dict[str, common_pb2.BenchmarkResult]:
         """The nodes' benchmarks on this job's program (the planner's)."""
         return self.planner.bench
+
+    def round_seconds(self) -> float:
+        """How long the job's rounds take lately (0 before the first one closed)."""
+        return self._round_s
+
+    def bench_seconds(self, node_id: str) -> float:
+        """How long the node's job benchmark took, or has taken so far (0: none asked)."""
+        pending = self.bench_pending.get(node_id)
+        if pending is not None:
+            return time.monotonic() - pending[1]
+        return self._bench_took.get(node_id, 0.0)
 
     @property
     def terminal(self) -> bool:
@@ -439,7 +401,9 @@ class JobRunner:
         if result.samples_per_second <= 0 or not math.isfinite(result.samples_per_second):
             self._note_failure(node_id, "benchmark reported no throughput")
             return
-        self.bench_pending.pop(node_id, None)
+        asked = self.bench_pending.pop(node_id, None)
+        if asked is not None:
+            self._bench_took[node_id] = time.monotonic() - asked[1]
         self.bench[node_id] = result
         asyncio.get_running_loop().create_task(self._save_benchmarks())
         self.wake()
@@ -837,6 +801,8 @@ class JobRunner:
         elif checkpoint:
             await self._checkpoint_soon(last_round=rs.round)
         t1 = time.monotonic()
+        took = t1 - rs.started
+        self._round_s = took if self._round_s == 0 else 0.5 * self._round_s + 0.5 * took
         self.planner.overhead_s = 0.5 * self.planner.overhead_s + 0.5 * (t1 - t0)
         log.info(
             "job %s round %d closed: %d of %d parts applied, %.0f samples/s; last update "

@@ -186,10 +186,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scheduler-hold",
         type=_non_negative_float,
-        default=30.0,
+        default=None,
         metavar="SECONDS",
         help="a node a job just claimed stays with it this long against moves to jobs of the "
-        "same priority (higher priorities may still take it; default 30)",
+        "same priority (higher priorities may still take it); default: derived for each job "
+        "and node, 3 of the job's rounds or 5 times the node's job benchmark, whichever is "
+        "longer",
     )
     parser.add_argument(
         "--split",

@@ -1,64 +1,7 @@
-"""Ring rounds (aggregation = "ring") on the coordinator.
-
-`RingJobRunner` is a `JobRunner` whose rounds aggregate between the agents instead of on the
-parameter server. Node set, benchmarks, b_i (and local SGD's H), the epoch ledger, deadlines
-from the throughput estimates, round records and checkpoints are the parameter-server
-runner's; what differs, per round:
-
-1. Members and externals. A node that advertised a PeerService address is a ring *member*; a
-   node without one (``--no-peer``: behind NAT) is *external*: it computes as in PS mode and
-   pushes its update to the coordinator, which sums the externals' updates (scaled by b_j / B)
-   and serves that sum to the round's *gateway* member (PullParameters(external_round)), who
-   adds it to its buffer before the all-reduce. A ring job needs at least one member (PAUSED
-   otherwise, saying why).
-2. The ring. Order from `epochmesh.ring.ring_order` over the measured agent -> agent links:
-   every member probes the other members of its ring (PeerService Ping: round trip and
-   bandwidth, repeated every few minutes) and reports them with its round
-   (ReportProgressRequest.peer_links); each link is costed `link_cost_s` (round trip plus a
-   1 MiB chunk's transfer) and the ring avoids the costliest. Until the members' links are
-   known (the first round of a job, a newcomer) each node's figures towards the coordinator
-   stand in (RTT and bandwidth from the job benchmark: nodes that see the coordinator alike
-   sit next to each other). Per-step deadline from `step_deadline_s` on the slowest member's bandwidth (a
-   default of 100 Mbit/s when a node measured none). B = sum of b_i over the attempt's members
-   and externals (Task.ring_total_samples). The attempt's deadline is the compute deadline
-   plus one state transfer plus 2(n-1) step deadlines (a backstop: failures are normally
-   reported by the members, or seen as silence, long before).
-3. Versions. All members start the round from version v (Task.params_version). The
-   coordinator tracks which version each member holds (that of its last successful ring
-   report); a node that does not hold v is told a member that does (state_source_*:
-   TransferState), or, when no live member does (the first round, after a restart), fetches v
-   from the coordinator, whose ParameterServer holds the initial state or the last checkpoint.
-   If neither exists (every holder died and the coordinator's state is older), the job rolls
-   back to its last checkpoint, exactly as after a coordinator restart.
-4. Outcome of an attempt. Success: every member reported success with params_version v+1 and
-   every external's update was in. All checksums equal -> the round commits (members and
-   externals), version v+1; any mismatch -> event "job.diverged" naming nodes and checksums,
-   and the job FAILS (never trains on divergent replicas). Failure (a member or external
-   failed, fell silent or offline, was named by a peer in failed_peer_node_id, missed the
-   deadline, or sent something invalid): the culprits leave the round (their slices return to
-   pending when the round closes: exactly once) and the round is retried on the survivors
-   with attempt+1 (same round number, same ranges, B recomputed; members go back to v from
-   their own snapshot, updates are reused), at most MAX_ATTEMPTS times; then the round is
-   aborted (all slices pending) and a new one planned. Event "round.retried" says who failed
-   and why. The retry starts as soon as a culprit is known (the survivors may be stuck in the
-   ring waiting for it); with only unexplained failure reports, the other members get a short
-   grace to report first. Culprits sit out the next rounds for one silence limit (a dead one
-   is found silent by then; a live one comes back). A deadline that passes with nobody having
-   reported, failed or fallen silent is extended (as in PS mode: the estimates were wrong).
-5. Checkpoints. Every checkpoint_every rounds, at an epoch's end, at the end of the job and
-   in rounds with a single member (the only holder of the new state), the rank-0 member of the
-   round gets push_state: it pushes its state after the step (UpdateHeader
-   kind "checkpoint", "param/<n>" + "optim/<key>/<n>" tensors). The coordinator checks the
-   version and that its parameters hash to the checksum the members agreed on, loads it into
-   its ParameterServer (version v+1) and writes the checkpoint as in PS mode; the job's result
-   comes from it. If the state does not arrive, the next round asks again; the job cannot end
-   without it (it rolls back to the last checkpoint instead, which keeps exactly-once).
-6. Restarts. Members produce version v+1 before the coordinator records the round, and key
-   ring attempts by (job, round, attempt), refusing old ones. So a restarted coordinator jumps
-   the version one further than PS mode does (past the in-flight round's v+1) and numbers
-   rounds past a persisted mark (written every ROUND_MARK_STEP rounds, ahead of use) instead
-   of after the last recorded round. Nobody holds the restored version: every member fetches
-   it (parameters and optimizer state) from the coordinator.
+"""Ring rounds (aggregation = "ring") on the coordinator: `RingJobRunner` is a `JobRunner`
+whose rounds aggregate between the agents instead of on the parameter server. The protocol
+(members and externals, ring order, versions, retries, checkpoints pushed by a member,
+restarts): docs/ring-rounds.md.
 """
 
 from __future__ import annotations
