@@ -208,6 +208,10 @@ class Engine:
                 attrs={"from_job": before, "to_job": after},
             )
 
+    def planned_nodes(self, job_id: str) -> list[str]:
+        mine = self.scheduling_plan().jobs.get(job_id)
+        return list(mine.nodes) if mine is not None else []
+
     def _claim(self, node_id: str, job_id: str) -> None:
         self.scheduling.claimed(node_id, now_ms())
         left = self._left_by.pop(node_id, None)

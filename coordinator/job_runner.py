@@ -85,6 +85,9 @@ class JobRunner:
         self.changed = asyncio.Condition()
         self.round_state: RoundState | None = None
         self.nodes: list[str] = []  # this job's node set, in join order
+        # Every node the scheduler gave the job and the job has not let go of yet (the node
+        # set, nodes benchmarking, benchmarked ones waiting to join).
+        self.held: set[str] = set()
         self.bench_pending: dict[str, tuple[str, float]] = {}  # node -> (task_id, asked at)
         self._bench_took: dict[str, float] = {}  # node -> seconds its job benchmark took
         self._round_s = 0.0  # recent rounds' duration (smoothed), for the scheduler's holds
@@ -307,6 +310,7 @@ class JobRunner:
             max_nodes = min(self.spec.max_nodes, self.spec.global_batch)
             excluded = [n for n, st in self.stats.items() if st.excluded]
             candidates = await self.host.nodes_for(self.job_id, refused=excluded)
+            self.held.update(candidates)
             # Nodes already in the job first, then the fastest by reference benchmark.
             current = [n for n in self.nodes if n in candidates]
             others = sorted(
@@ -317,7 +321,9 @@ class JobRunner:
             for n in chosen:
                 if n not in self.bench:
                     await self._ask_benchmark(n)
-            for n in {*self.nodes, *self.bench_pending, *candidates} - set(chosen):
+            # Nodes the scheduler no longer gives the job leave at this round boundary (also
+            # one that was benchmarked and never joined: its hold would outlive the job).
+            for n in {*self.nodes, *self.bench_pending, *self.held} - set(chosen):
                 await self._drop_node(n)
             ready = [n for n in chosen if n in self.bench]
             # A silent node (no heartbeat lately: probably dead, its lease not lapsed yet) sits
@@ -440,15 +446,17 @@ class JobRunner:
             )
         self.planner.batches.pop(node_id, None)
         self.bench_pending.pop(node_id, None)
+        self.held.discard(node_id)
         await self.host.release(node_id, self.job_id)
 
     async def _release_all(self) -> None:
-        for n in list(self.nodes) + list(self.bench_pending):
+        for n in dict.fromkeys([*self.nodes, *self.bench_pending, *self.held]):
             try:
                 await self.host.release(n, self.job_id)
             except Exception:  # the node may be gone; nothing to release then
                 log.debug("releasing %s failed", n, exc_info=True)
         self.nodes.clear()
+        self.held.clear()
 
     def on_node_offline(self, node_id: str) -> None:
         """The node's lease ended (lapsed, Leave, or the same id registered again after a

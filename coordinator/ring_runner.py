@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from coordinator.job_runner import MAX_DEADLINE_EXTENSIONS, JobRunner
-from coordinator.rounds import Part, RoundState
+from coordinator.rounds import NodeStats, Part, RoundState
 from coordinator.store import AbortedError, FailedPreconditionError
 from epochmesh.errors import CodecError
 from epochmesh.optim import build_round_optimizer, load_optimizer_state_tensors
@@ -104,6 +104,8 @@ class RingJobRunner(JobRunner):
         self._state_grants: dict[tuple[str, str], float] = {}
         # Measured agent -> agent links: (reporter, peer) -> (rtt_s, bandwidth bytes/s).
         self.links: dict[tuple[str, str], tuple[float, float]] = {}
+        # The last round ran on nodes the scheduler had given away, to keep the state first.
+        self._kept_state_round = False
 
     # -- versions and state ---------------------------------------------------------------------
 
@@ -185,6 +187,45 @@ class RingJobRunner(JobRunner):
                 self.ledger.add_node(n, rates[n])
             else:
                 self.ledger.assign_segments({n: rates[n]})
+
+    async def _gather_nodes(self) -> list[str]:
+        """As in PS mode; but when the scheduler takes every live member that holds the ring's
+        version away from the job while the coordinator holds an older one, those nodes run
+        one more round first (at most one in a row), whose rank-0 member pushes the state: it
+        is checkpointed before they leave (else it would leave with them)."""
+        keep = [] if self._kept_state_round else self._nodes_keeping_state()
+        self._kept_state_round = bool(keep)
+        if keep:
+            self._state_overdue = True  # push_state in this round
+            log.info(
+                "job %s: the scheduler takes the holders of version %d away; one more round "
+                "on %s to keep the state first",
+                self.job_id,
+                self.ring_version,
+                ",".join(keep),
+            )
+            return keep
+        return await super()._gather_nodes()
+
+    def _nodes_keeping_state(self) -> list[str]:
+        """The job's live nodes, when the scheduler's plan keeps none of the members that hold
+        the ring's newest state and the coordinator's copy is older; else []."""
+        if not self.state_stale or self.ledger.complete:
+            return []
+        live = [
+            n
+            for n in self.nodes
+            if not self.stats.get(n, NodeStats()).excluded
+            and self.ctx.registry.is_alive(n)
+            and not self.host.is_silent(n)
+        ]
+        holders = [
+            n for n in live if self._peer_address(n) and self.holds.get(n) == self.ring_version
+        ]
+        if not holders or len(live) < max(1, self.spec.min_nodes):
+            return []
+        kept = set(self.host.planned_nodes(self.job_id))
+        return [] if kept & set(holders) else live
 
     def _peer_address(self, node_id: str) -> str:
         info = self.ctx.registry.get(node_id)

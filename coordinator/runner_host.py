@@ -23,6 +23,11 @@ class RunnerHost(Protocol):
         ``refused``, which the job will not use, are neither held nor returned)."""
         ...
 
+    def planned_nodes(self, job_id: str) -> list[str]:
+        """The nodes the scheduler's current plan gives the job (held by it or not), without
+        taking any."""
+        ...
+
     async def release(self, node_id: str, job_id: str) -> None:
         """The job stops using the node (it is free for the scheduler's next pass)."""
         ...
