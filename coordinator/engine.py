@@ -1,8 +1,8 @@
 """The training engine: jobs, task hand-out, the parameter server's RPCs.
 
 `Engine` implements `coordinator.engine_api.TrainingEngine`. It owns one `JobRunner` per live
-job (coordinator/job_runner.py holds the round logic; `RingJobRunner` in
-coordinator/ring_runner.py for aggregation = "ring"), a task queue per node (NextTask long
+job (coordinator/job_runner.py, with the round strategy of coordinator/ps_rounds.py or, for
+aggregation = "ring", coordinator/ring_rounds.py), a task queue per node (NextTask long
 polls on it), and the node -> job claims: a node works for at most one job at a time. Which
 job holds which node is the cluster scheduler's decision (coordinator/cluster_scheduler.py):
 a runner gets its nodes from `nodes_for` and only hands back the ones it stops using. The
@@ -22,7 +22,8 @@ from coordinator.allocator import segments, split_batch
 from coordinator.cluster_scheduler import JobPlan, Plan
 from coordinator.engine_api import CoordinatorContext, Ctx
 from coordinator.job_runner import TERMINAL, JobRunner
-from coordinator.ring_runner import RingJobRunner
+from coordinator.ps_rounds import ParameterServerRounds
+from coordinator.ring_rounds import RingRounds
 from coordinator.scheduling import ClusterScheduling
 from coordinator.store import (
     AbortedError,
@@ -123,8 +124,8 @@ class Engine:
         await self.program_inspector.close()
 
     def _start_runner(self, job: common_pb2.Job) -> JobRunner:
-        cls = RingJobRunner if job.spec.aggregation == "ring" else JobRunner
-        runner = cls(self, job)
+        aggregation = RingRounds if job.spec.aggregation == "ring" else ParameterServerRounds
+        runner = JobRunner(self, job, aggregation)
         self.runners[job.job_id] = runner
         self.scheduling.invalidate()
         runner.start()
@@ -390,7 +391,7 @@ class Engine:
         runner = self._runner_for_task(h.node_id, h.task_id, h.job_id)
         if h.kind == KIND_CHECKPOINT:
             return await self._push_checkpoint(runner, h, request_iterator)
-        expected_samples = runner.expected_samples(h.node_id, h.task_id)
+        expected_samples = runner.rounds.expected_samples(h.node_id, h.task_id)
         if expected_samples is None or not runner.task_is_live(h.node_id, h.task_id):
             return agent_pb2.PushUpdateResponse(
                 accepted=False, reason="the round is closed (the update came after its deadline)"
@@ -444,7 +445,7 @@ class Engine:
     ) -> agent_pb2.PushUpdateResponse:
         """A ring member's state after a round (parameters and optimizer state), asked for
         with Task.push_state: the coordinator checkpoints it and serves it to joiners."""
-        if not runner.wants_checkpoint(h.node_id, h.task_id):
+        if not runner.rounds.wants_checkpoint(h.node_id, h.task_id):
             return agent_pb2.PushUpdateResponse(
                 accepted=False, reason="no checkpoint of this task is expected (any more)"
             )
@@ -466,7 +467,7 @@ class Engine:
                 )
                 raise AbortedError(error)
             tensors = await asyncio.to_thread(assembler.finish)
-            reason = await runner.submit_checkpoint(h, tensors)
+            reason = await runner.rounds.submit_checkpoint(h, tensors)
         except CodecError as exc:
             raise InvalidArgumentError(f"checkpoint refused: {exc}") from None
         return agent_pb2.PushUpdateResponse(accepted=not reason, reason=reason)
@@ -479,7 +480,7 @@ class Engine:
             raise NotFoundError(f"no running job {req.job_id!r}")
         if self.claims.get(req.node_id) != req.job_id:
             raise FailedPreconditionError(f"node {req.node_id} does not work for {req.job_id}")
-        version, header, data = await runner.parameters_payload(req)
+        version, header, data = await runner.rounds.parameters_payload(req)
         yield agent_pb2.PullParametersResponse(
             header=agent_pb2.ParametersHeader(job_id=req.job_id, version=version, bundle=header)
         )
@@ -490,9 +491,7 @@ class Engine:
         runner = self.runners.get(job_id)
         if runner is None:
             return f"job {job_id!r} is not running"
-        if not isinstance(runner, RingJobRunner):
-            return f"job {job_id!r} does not transfer state between agents"
-        return runner.authorize_state_transfer(source, requester)
+        return runner.rounds.authorize_state_transfer(source, requester)
 
     async def report_progress(
         self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
@@ -504,7 +503,7 @@ class Engine:
         if runner is not None:
             if req.failed:
                 log.info("node %s reports task %s failed: %s", req.node_id, req.task_id, req.error)
-            runner.on_report(req)
+            runner.rounds.on_report(req)
         return agent_pb2.ReportProgressResponse()
 
     # -- JobService -----------------------------------------------------------------------------

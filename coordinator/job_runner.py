@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +41,7 @@ from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2
 
 if TYPE_CHECKING:
+    from coordinator.aggregation import Aggregation
     from coordinator.runner_host import RunnerHost
 
 log = logging.getLogger(__name__)
@@ -53,16 +54,6 @@ MAX_CONSECUTIVE_FAILURES = 3
 # values) once this many distinct nodes report such a fault since its last applied round (or
 # every node it has, when it has fewer): one node alone cannot end another tenant's job.
 JOB_FAULT_NODES = 2
-# A round whose deadline passes before any node delivered waits at most this many times longer.
-MAX_DEADLINE_EXTENSIONS = 2
-# A round's apply (aggregation, optimizer step, encoding the new parameters) that takes less
-# than this runs on the event loop: handing it to a worker thread and back costs 1-3 ms on a
-# busy host (measured: most of the time between a small model's last update and the next
-# round). Longer ones go to a thread, so that the event loop keeps serving. Judged by the
-# last apply; the first one by the parameters' size at APPLY_SECONDS_PER_BYTE, ten times the
-# ~2 ns per byte measured here for SGD with momentum plus encoding (a 77 KB model: 0.18 ms).
-INLINE_APPLY_MAX_S = 0.002
-APPLY_SECONDS_PER_BYTE = 20e-9
 # Benchmark tasks get this long, plus the node's lease, before they are asked again.
 BENCHMARK_TIMEOUT_S = 120.0
 BENCH_STATE_PREFIX = "bench/"
@@ -71,12 +62,14 @@ STOP_GRACE_S = 3.0
 
 
 class JobRunner:
-    # Round records and checkpoints are written while the next round runs (see RoundWriter).
-    WRITES_IN_BACKGROUND = True
-    # Local SGD rounds may be time-boxed (see RoundPlanner.time_boxed).
-    TIME_BOXING = True
-
-    def __init__(self, host: RunnerHost, job: common_pb2.Job) -> None:
+    def __init__(
+        self,
+        host: RunnerHost,
+        job: common_pb2.Job,
+        aggregation: Callable[[JobRunner], Aggregation],
+    ) -> None:
+        """``aggregation`` makes the job's round strategy (coordinator/ps_rounds.py or
+        coordinator/ring_rounds.py) for this runner."""
         self.host = host
         self.ctx = host.ctx
         self.job = job
@@ -84,6 +77,7 @@ class JobRunner:
         self.spec = job.spec
         self.changed = asyncio.Condition()
         self.round_state: RoundState | None = None
+        self.rounds = aggregation(self)
         self.nodes: list[str] = []  # this job's node set, in join order
         # Every node the scheduler gave the job and the job has not let go of yet (the node
         # set, nodes benchmarking, benchmarked ones waiting to join).
@@ -93,7 +87,7 @@ class JobRunner:
         self._round_s = 0.0  # recent rounds' duration (smoothed), for the scheduler's holds
         self.stats: dict[str, NodeStats] = {}
         self.planner = RoundPlanner(
-            job.job_id, job.spec, split=self.ctx.config.split, time_boxing=self.TIME_BOXING
+            job.job_id, job.spec, split=self.ctx.config.split, time_boxing=self.rounds.time_boxing
         )
         self.ps: ParameterServer
         self.ledger: EpochLedger
@@ -110,12 +104,11 @@ class JobRunner:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self.writer = RoundWriter(
-            self.ctx, job, background=self.WRITES_IN_BACKGROUND, on_stored=self.notify
+            self.ctx, job, background=self.rounds.writes_in_background, on_stored=self.notify
         )
         # The runner is done: its job's last records and events (the terminal state, the nodes'
         # release) are stored, so a watcher that stops now has seen everything.
         self.ended = False
-        self._apply_s: float | None = None  # the last round's apply took (see INLINE_APPLY_MAX_S)
         self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
         # Job faults reported since the last applied round (node -> reason), and the verdict
         # that ends the job once enough nodes agree (see JOB_FAULT_NODES).
@@ -169,12 +162,17 @@ class JobRunner:
         return self._bench_took.get(node_id, 0.0)
 
     @property
+    def stopping(self) -> bool:
+        """The runner is asked to stop (the coordinator stops): end the open round."""
+        return self._stop.is_set()
+
+    @property
     def terminal(self) -> bool:
         return self.job.state in TERMINAL
 
     async def _main(self) -> None:
         try:
-            await self._restore()
+            await self.restore()
             while not self._stop.is_set() and not self.terminal:
                 if self._job_fault_verdict:
                     await self._fail_for_program(self._job_fault_verdict)
@@ -185,12 +183,12 @@ class JobRunner:
                 nodes = await self._gather_nodes()
                 if not nodes:
                     continue
-                await self._run_round(nodes)
+                await self.rounds.run_round(nodes)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.exception("job %s failed", self.job_id)
-            await self._fail(f"coordinator error: {type(exc).__name__}: {exc}")
+            await self.fail(f"coordinator error: {type(exc).__name__}: {exc}")
         finally:
             try:
                 await self.writer.written()
@@ -229,7 +227,7 @@ class JobRunner:
         block = self.job.shards[0].count if self.job.shards else None
         return EpochLedger(self.job.num_samples, epoch, self.spec.seed, block_size=block)
 
-    async def _restore(self) -> None:
+    async def restore(self) -> None:
         names, state_dict, self.aliases = await self._load_state()
         self.state_names = list(state_dict)
         skip = set(names) | set(self.aliases)
@@ -286,6 +284,7 @@ class JobRunner:
         for key_node, result in (await self._load_benchmarks()).items():
             self.bench[key_node] = result
         self.params_payload = None
+        await self.rounds.restored(resumed=latest is not None)
 
     async def _load_benchmarks(self) -> dict[str, common_pb2.BenchmarkResult]:
         out: dict[str, common_pb2.BenchmarkResult] = {}
@@ -304,6 +303,9 @@ class JobRunner:
     async def _gather_nodes(self) -> list[str]:
         """The nodes of the next round (benchmarked on this job); waits while there are too
         few (PAUSED below min_nodes)."""
+        held = await self.rounds.hold_over()
+        if held:
+            return held
         while not self._stop.is_set() and not self.terminal and not self._job_fault_verdict:
             self._wake.clear()
             await self._handle_departures()
@@ -338,7 +340,7 @@ class JobRunner:
                 if joined:
                     self.planner.rerate_unobserved(self.nodes)
                 usable = [n for n in self.nodes if n in live]
-                why = self._cannot_run(usable)
+                why = self.rounds.cannot_run(usable)
                 if not why:
                     await self._set_state(JS.JOB_STATE_RUNNING, "")
                     return usable
@@ -359,11 +361,6 @@ class JobRunner:
             except TimeoutError:
                 pass
         return []
-
-    def _cannot_run(self, nodes: list[str]) -> str:
-        """Why a round cannot run on ``nodes`` (enough of them, benchmarked, live): "" if it
-        can. The job is PAUSED with this message meanwhile."""
-        return ""
 
     async def _handle_departures(self) -> None:
         """Nodes whose lease ended since the last round leave the job (see on_node_offline)."""
@@ -405,7 +402,7 @@ class JobRunner:
 
     def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
         if result.samples_per_second <= 0 or not math.isfinite(result.samples_per_second):
-            self._note_failure(node_id, "benchmark reported no throughput")
+            self.note_failure(node_id, "benchmark reported no throughput")
             return
         asked = self.bench_pending.pop(node_id, None)
         if asked is not None:
@@ -474,7 +471,7 @@ class JobRunner:
             )
         self.wake()
 
-    def _note_failure(self, node_id: str, error: str) -> None:
+    def note_failure(self, node_id: str, error: str) -> None:
         st = self.stats.setdefault(node_id, NodeStats())
         st.failures_in_a_row += 1
         if st.failures_in_a_row >= MAX_CONSECUTIVE_FAILURES and not st.excluded:
@@ -498,7 +495,7 @@ class JobRunner:
         if pending is not None and pending[0] == task_id:
             self.bench_pending.pop(node_id, None)
             if not job_fault:
-                self._note_failure(node_id, error)
+                self.note_failure(node_id, error)
             return
         rs = self.round_state
         if rs is not None:
@@ -507,7 +504,7 @@ class JobRunner:
                 part.status = "failed"
                 part.error = error[:500]
                 if not job_fault:
-                    self._note_failure(node_id, error)
+                    self.note_failure(node_id, error)
                 rs.touch()
 
     def on_job_fault(self, node_id: str, task_id: str, error: str) -> None:
@@ -527,7 +524,7 @@ class JobRunner:
             )
             self.wake()
 
-    def _benchmark_task_ids(self) -> set[str]:
+    def benchmark_task_ids(self) -> set[str]:
         return {task for task, _ in self.bench_pending.values()}
 
     def _open_task_ids(self) -> set[str]:
@@ -550,11 +547,11 @@ class JobRunner:
             message=message,
             attrs={f"fault.{n}": why for n, why in sorted(self._job_faults.items())},
         )
-        await self._fail(message)
+        await self.fail(message)
 
     # -- rounds ---------------------------------------------------------------------------------
 
-    def _plan_parts(self, nodes: list[str]) -> tuple[int, dict[str, Part], float]:
+    def plan_parts(self, nodes: list[str]) -> tuple[int, dict[str, Part], float]:
         """Plan the next round on ``nodes`` (see RoundPlanner.plan): (round number, parts by
         node, deadline)."""
         round_id = self.next_round
@@ -562,96 +559,7 @@ class JobRunner:
         parts, deadline = self.planner.plan(round_id, nodes, self.ledger)
         return round_id, parts, deadline
 
-    async def _run_round(self, nodes: list[str]) -> None:
-        if self.ledger.complete:
-            await self._next_epoch()
-            return
-        round_id, parts, deadline = self._plan_parts(nodes)
-        await self._ensure_params_payload()
-        rs = RoundState(
-            round=round_id,
-            epoch=self.ledger.epoch,
-            version=self.version,
-            deadline_s=deadline,
-            parts=parts,
-        )
-        self.round_state = rs
-        for node_id, part in parts.items():
-            part.handed_out = time.monotonic()
-            self.host.enqueue(node_id, self._train_task(rs, part), self.job_id)
-        await self.notify()
-        self.writer.start()  # the previous round's record, now that this one is out
-        # Wait for every awaited node (a failure, silence, or the deadline ends the wait for
-        # it). Silence is checked a few times per heartbeat interval (not on every wake-up:
-        # O(parts) per check).
-        end = rs.started + deadline
-        check_every = max(0.02, self.ctx.registry.heartbeat_interval_s / 4)
-        next_check = rs.started + check_every
-        extensions = 0
-        while rs.awaited():
-            now = time.monotonic()
-            left = end - now
-            if left <= 0 or self._stop.is_set():
-                if self._stop.is_set() or not self._extend_deadline(rs, extensions):
-                    break
-                extensions += 1
-                end += deadline
-                rs.deadline_s += deadline
-                continue
-            if now >= next_check:
-                self._fail_silent(rs)
-                next_check = now + check_every
-                if not rs.awaited():
-                    break
-            rs.changed.clear()
-            try:
-                await asyncio.wait_for(rs.changed.wait(), timeout=min(left, next_check - now))
-            except TimeoutError:
-                continue  # the deadline or a silence check is due: the loop looks again
-        rs.closed = True
-        waited = time.monotonic() - rs.started
-        rs.waited_s = waited
-        for part in rs.outstanding():
-            part.status = "late"
-            part.error = (
-                f"missed the {rs.deadline_s:.2f}s deadline"
-                if part.required
-                else f"best effort (a share below one sample): not done after {waited:.2f}s"
-            )
-            self.planner.mark_late(part, waited)
-        if self._stop.is_set():
-            self.ledger.abort_round(round_id)
-            self.round_state = None
-            return
-        await self._apply_round(rs)
-
-    def _extend_deadline(self, rs: RoundState, extensions: int) -> bool:
-        """At the deadline: whether to wait once more as long. Only when no node of the round
-        has delivered and none failed or fell silent: a deadline that every node misses says
-        that the estimates were wrong (a first round loads programs and data; a benchmark
-        without optimizer steps flatters local SGD's inner steps), not that someone lags, and
-        closing the round would only throw all of its work away. The late figures feed the
-        estimates, so the next deadlines fit."""
-        if extensions >= MAX_DEADLINE_EXTENSIONS:
-            return False
-        parts = list(rs.parts.values())
-        if any(p.status != "pending" for p in parts if p.required):
-            return False
-        live = [p for p in parts if p.required and not self.host.is_silent(p.node_id)]
-        if not live:
-            return False
-        log.info(
-            "job %s round %d: no node delivered within the %.2fs deadline; waiting as long "
-            "again (%d of %d)",
-            self.job_id,
-            rs.round,
-            rs.deadline_s,
-            extensions + 1,
-            MAX_DEADLINE_EXTENSIONS,
-        )
-        return True
-
-    def _fail_silent(self, rs: RoundState) -> None:
+    def fail_silent(self, rs: RoundState) -> None:
         """Fail the pending parts of nodes that stopped heartbeating (dead, cut off, hung): the
         round need not wait for its deadline."""
         for part in rs.outstanding():
@@ -661,7 +569,7 @@ class JobRunner:
                 part.error = f"no heartbeat for more than {silent_s:.2f}s (node unresponsive)"
                 log.info("job %s round %d: %s is silent", self.job_id, rs.round, part.node_id)
 
-    def _train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
+    def train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
         if self._shard_starts is None:
             self._shard_starts = np.array([s.start for s in self.job.shards], dtype=np.int64)
         shards = [self.job.shards[int(i)] for i in touched_shards(self._shard_starts, part.ranges)]
@@ -694,46 +602,7 @@ class JobRunner:
             task.params_data = payload[1]
         return task
 
-    @property
-    def version(self) -> int:
-        """The parameter version the job's rounds start from (the parameter server's)."""
-        return self.ps.version
-
-    async def _apply_round(self, rs: RoundState) -> None:
-        t0 = time.monotonic()
-        received = sorted(
-            (p for p in rs.parts.values() if p.status == "received"), key=lambda p: p.node_id
-        )
-        if received:
-            contributions = [(p.samples, p.grads or {}) for p in received]
-
-            def apply() -> tuple[int, tuple[common_pb2.TensorBundle, bytes], float]:
-                # With the next round's parameter payload (every round needs it: inline in its
-                # tasks, or served by PullParameters).
-                began = time.perf_counter()
-                self.ps.apply(contributions)
-                payload = encode_bundle(self.ps.snapshot())
-                return self.ps.version, payload, time.perf_counter() - began
-
-            if self._apply_s is None:
-                self._apply_s = self.ps.num_bytes() * APPLY_SECONDS_PER_BYTE
-            if self._apply_s <= INLINE_APPLY_MAX_S:
-                version, payload, self._apply_s = apply()
-            else:
-                version, payload, self._apply_s = await asyncio.to_thread(apply)
-            self.params_payload_version, self.params_payload = version, payload
-            for p in received:
-                p.status = "applied"
-                p.grads = None
-        await self._close_round(rs, t0)
-
-    def _want_checkpoint(self, rs: RoundState) -> bool:
-        """Whether the round just applied ends with a checkpoint (every K applied rounds)."""
-        return (
-            self.spec.checkpoint_every > 0 and self.rounds_applied % self.spec.checkpoint_every == 0
-        )
-
-    async def _close_round(self, rs: RoundState, t0: float) -> None:
+    async def close_round(self, rs: RoundState, t0: float) -> None:
         """The round's applied parts are in (parts of status "applied"): commit their slices
         (the others return to pending), update estimates and stats, record the round, and write
         a checkpoint when one is due."""
@@ -763,13 +632,13 @@ class JobRunner:
             started_ms=rs.started_ms,
             finished_ms=now_ms(),
             loss=loss,
-            params_version=self.version,
+            params_version=self.rounds.version,
             parts=[part_record(p) for p in sorted(rs.parts.values(), key=lambda p: p.node_id)],
             attempts=rs.attempts,
         )
         job = self.job
         job.round = self.rounds_applied
-        job.params_version = self.version
+        job.params_version = self.rounds.version
         job.samples_done += samples
         if samples:
             job.last_loss = loss
@@ -800,12 +669,12 @@ class JobRunner:
                     p.status,
                     p.error,
                 )
-        checkpoint = bool(received) and self._want_checkpoint(rs)
+        checkpoint = bool(received) and self.rounds.want_checkpoint(rs)
         # In the background: the record of round r - 1 is in the store before round r + 1 is
-        # handed out (see `_restore` for the parameter versions this bounds).
+        # handed out (see `restore` for the parameter versions this bounds).
         await self.writer.add(record, rs, dropped)
         if self.ledger.complete:
-            await self._next_epoch()
+            await self.next_epoch()
         elif checkpoint:
             await self._checkpoint_soon(last_round=rs.round)
         t1 = time.monotonic()
@@ -824,10 +693,10 @@ class JobRunner:
             t1 - rs.started,
             t1 - t0,
         )
-        self.host.round_finished(self.job_id, self._benchmark_task_ids())
+        self.host.round_finished(self.job_id, self.benchmark_task_ids())
         await self.notify()
 
-    async def _next_epoch(self) -> None:
+    async def next_epoch(self) -> None:
         done = self.ledger.epoch
         await self.ctx.events.append(
             "job.epoch_completed",
@@ -839,7 +708,7 @@ class JobRunner:
         self.job.epoch = self.ledger.epoch
         await self._checkpoint_soon(last_round=self.next_round - 1)
 
-    async def _ensure_params_payload(self) -> None:
+    async def ensure_params_payload(self) -> None:
         if self.params_payload is None or self.params_payload_version != self.ps.version:
             snapshot = self.ps.snapshot()
             self.params_payload = await asyncio.to_thread(encode_bundle, snapshot)
@@ -848,7 +717,10 @@ class JobRunner:
     # -- checkpoints, states, result ------------------------------------------------------------
 
     async def _checkpoint(self, last_round: int) -> None:
-        """Write a checkpoint of the state now (after any still being written) and wait."""
+        """Write a checkpoint of the state now (after any still being written) and wait; none
+        when the parameter server does not hold the job's newest state (see may_checkpoint)."""
+        if not self.rounds.may_checkpoint(last_round):
+            return
         await self.writer.checkpoint(*self._checkpoint_state(last_round))
 
     async def _checkpoint_soon(self, last_round: int) -> None:
@@ -904,6 +776,8 @@ class JobRunner:
         await self.notify()
 
     async def _finish(self) -> None:
+        if not await self.rounds.may_finish():
+            return
         params = self.ps.snapshot()
         # Keyed like make_model().state_dict(): trained parameters (a tied alias gets its
         # parameter's values), buffers as submitted.
@@ -920,7 +794,7 @@ class JobRunner:
             f"final loss {self.job.last_loss:.4f}",
         )
 
-    async def _fail(self, message: str) -> None:
+    async def fail(self, message: str) -> None:
         try:
             await self._set_state(JS.JOB_STATE_FAILED, message)
         except Exception:
@@ -967,8 +841,8 @@ class JobRunner:
         rs.touch()
         return ""
 
-    def on_report(self, req: agent_pb2.ReportProgressRequest) -> None:
-        """ReportProgress of one of this job's tasks (only failures matter in PS mode)."""
+    def on_failure_report(self, req: agent_pb2.ReportProgressRequest) -> None:
+        """ReportProgress of one of this job's tasks that failed (else nothing to do)."""
         if req.failed:
             if req.job_fault:
                 self.on_job_fault(req.node_id, req.task_id, req.error or "failed")
@@ -976,16 +850,12 @@ class JobRunner:
                 req.node_id, req.task_id, req.error or "failed", job_fault=req.job_fault
             )
 
-    async def parameters_payload(
+    async def serve_parameters(
         self, req: agent_pb2.PullParametersRequest
     ) -> tuple[int, common_pb2.TensorBundle, bytes]:
-        """(version, header, payload) for PullParameters: the parameters of the current
-        version (plain names), or with include_optimizer_state the parameter server's state
-        ("param/<name>", "optim/<key>/<name>", as in a checkpoint)."""
-        if req.external_round:
-            raise FailedPreconditionError(
-                "external_round is for ring jobs; this job aggregates on the parameter server"
-            )
+        """(version, header, payload) of the parameter server's state for PullParameters: the
+        parameters of the current version (plain names), or with include_optimizer_state its
+        whole state ("param/<name>", "optim/<key>/<name>", as in a checkpoint)."""
         version = self.ps.version
         if req.version not in (0, version):
             raise FailedPreconditionError(
@@ -998,20 +868,10 @@ class JobRunner:
                 header, data = await asyncio.to_thread(encode_bundle, tensors)
                 self._state_payload = (key, header, data)
             return version, self._state_payload[1], self._state_payload[2]
-        await self._ensure_params_payload()
+        await self.ensure_params_payload()
         assert self.params_payload is not None
         header, data = self.params_payload
         return self.params_payload_version, header, data
-
-    def wants_checkpoint(self, node_id: str, task_id: str) -> bool:
-        """Whether a pushed state (UpdateHeader.kind "checkpoint") of this task is expected."""
-        return False
-
-    async def submit_checkpoint(
-        self, header: agent_pb2.UpdateHeader, tensors: dict[str, torch.Tensor]
-    ) -> str:
-        """Take a pushed state; returns "" or why it was not taken."""
-        return "this job takes no checkpoints from nodes"
 
     def samples_problem(self, node_id: str, task_id: str, num_samples: int) -> str:
         """Why an update's num_samples does not fit the open part of this task ("" if it does):
@@ -1031,7 +891,8 @@ class JobRunner:
             )
         return f"num_samples is {num_samples}, the task assigned {part.samples}"
 
-    def expected_samples(self, node_id: str, task_id: str) -> int | None:
+    def part_samples(self, node_id: str, task_id: str) -> int | None:
+        """The samples of the task's open part (None: not an open part)."""
         rs = self.round_state
         if rs is None:
             return None
@@ -1059,8 +920,12 @@ class JobRunner:
             rs.touch()
 
     def task_is_live(self, node_id: str, task_id: str) -> bool:
+        """Whether the task is one the job still waits for (its benchmark, its open part, or a
+        state it asked the node to push)."""
         pending = self.bench_pending.get(node_id)
         if pending is not None and pending[0] == task_id:
+            return True
+        if self.rounds.wants_checkpoint(node_id, task_id):
             return True
         rs = self.round_state
         if rs is None or rs.closed:

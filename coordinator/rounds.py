@@ -14,6 +14,9 @@ from coordinator.sample_ranges import ROUND_PART_RANGES_FIELD, encode_ranges_fie
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2
 
+# A round whose deadline passes before any node delivered waits at most this many times longer.
+MAX_DEADLINE_EXTENSIONS = 2
+
 
 @dataclass
 class Part:
@@ -39,7 +42,7 @@ class Part:
     error: str = ""
     # False for a best-effort part (see _plan_batches): the round does not wait for it.
     required: bool = True
-    # Ring mode (coordinator/ring_runner.py): a ring member (else an external node that pushes
+    # Ring mode (coordinator/ring_rounds.py): a ring member (else an external node that pushes
     # its update to the coordinator), what its ReportProgress said, its own figure of the time
     # it spent communicating (None: wall time minus compute time).
     member: bool = False

@@ -53,7 +53,11 @@ class ScheduledJob(Protocol):
     job_id: str
     job: common_pb2.Job
     spec: common_pb2.JobSpec
-    bench: dict[str, common_pb2.BenchmarkResult]
+
+    @property
+    def bench(self) -> Mapping[str, common_pb2.BenchmarkResult]:
+        """The nodes' benchmarks on the job's program."""
+        ...
 
     @property
     def terminal(self) -> bool: ...

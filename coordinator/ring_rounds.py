@@ -1,5 +1,5 @@
-"""Ring rounds (aggregation = "ring") on the coordinator: `RingJobRunner` is a `JobRunner`
-whose rounds aggregate between the agents instead of on the parameter server. The protocol
+"""Ring rounds (aggregation = "ring") on the coordinator: `RingRounds` is the round strategy
+of a `JobRunner` whose rounds aggregate between the agents instead of on the parameter server. The protocol
 (members and externals, ring order, versions, retries, checkpoints pushed by a member,
 restarts): docs/ring-rounds.md.
 """
@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.job_runner import MAX_DEADLINE_EXTENSIONS, JobRunner
-from coordinator.rounds import NodeStats, Part, RoundState
+from coordinator.rounds import MAX_DEADLINE_EXTENSIONS, NodeStats, Part, RoundState
 from coordinator.store import AbortedError, FailedPreconditionError
 from epochmesh.errors import CodecError
 from epochmesh.optim import build_round_optimizer, load_optimizer_state_tensors
@@ -27,7 +26,7 @@ from epochmesh.tensors import encode_bundle, params_checksum
 from epochmesh.v1 import agent_pb2, common_pb2
 
 if TYPE_CHECKING:
-    from coordinator.runner_host import RunnerHost
+    from coordinator.job_runner import JobRunner
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +80,14 @@ class PushedState:
     tensors: dict[str, torch.Tensor]
 
 
-class RingJobRunner(JobRunner):
+class RingRounds:
     # Records and checkpoints (of a state a member pushes) are written in line.
-    WRITES_IN_BACKGROUND = False
+    writes_in_background = False
     # No time boxes: the members' weights in the all-reduce are fixed before they step.
-    TIME_BOXING = False
+    time_boxing = False
 
-    def __init__(self, host: RunnerHost, job: common_pb2.Job) -> None:
-        super().__init__(host, job)
+    def __init__(self, runner: JobRunner) -> None:
+        self.runner = runner
         self.ring_version = 0
         self.holds: dict[str, int] = {}  # member -> the version it holds (last good report)
         self.attempt: RingAttempt | None = None
@@ -117,82 +116,82 @@ class RingJobRunner(JobRunner):
     def state_stale(self) -> bool:
         """The ParameterServer holds an older state than the ring's (normal between
         checkpoints: it can then serve neither checkpoints nor version v to a joiner)."""
-        return self.ps.version != self.ring_version
+        return self.runner.ps.version != self.ring_version
 
-    async def _restore(self) -> None:
-        """As in PS mode, and: versions go one further (the round in flight when the
-        coordinator stopped made version newest+1 on its members, unrecorded), and round
-        numbers continue past every one handed out (the persisted mark)."""
-        resumed = await self.ctx.store.latest_checkpoint(self.job_id) is not None
-        await super()._restore()
+    async def restored(self, resumed: bool) -> None:
+        """Versions go one further than in PS mode (the round in flight when the coordinator
+        stopped made version newest+1 on its members, unrecorded), and round numbers continue
+        past every one handed out (the persisted mark)."""
         if resumed:
-            self.ps.version += 1
-            self.job.params_version = self.ps.version
-            await self.ctx.store.update_job(self.job)
-        raw = await self.ctx.store.get_job_state(self.job_id, ROUND_MARK_KEY)
+            self.runner.ps.version += 1
+            self.runner.job.params_version = self.runner.ps.version
+            await self.runner.ctx.store.update_job(self.runner.job)
+        raw = await self.runner.ctx.store.get_job_state(self.runner.job_id, ROUND_MARK_KEY)
         self._round_mark = int(raw.decode()) if raw else 0
-        self.next_round = max(self.next_round, self._round_mark)
-        self.ring_version = self.ps.version
+        self.runner.next_round = max(self.runner.next_round, self._round_mark)
+        self.ring_version = self.runner.ps.version
         self.holds.clear()
 
     async def _mark_round(self, round_id: int) -> None:
         if round_id >= self._round_mark:
             self._round_mark = round_id + ROUND_MARK_STEP
-            await self.ctx.store.put_job_state(
-                self.job_id, ROUND_MARK_KEY, str(self._round_mark).encode()
+            await self.runner.ctx.store.put_job_state(
+                self.runner.job_id, ROUND_MARK_KEY, str(self._round_mark).encode()
             )
 
-    async def _checkpoint(self, last_round: int) -> None:
+    def may_checkpoint(self, last_round: int) -> bool:
         if self.state_stale:
             self._state_overdue = True
             log.warning(
                 "job %s: no checkpoint after round %d: the coordinator holds version %d, the "
                 "ring %d (the state is asked for again next round)",
-                self.job_id,
+                self.runner.job_id,
                 last_round,
-                self.ps.version,
+                self.runner.ps.version,
                 self.ring_version,
             )
-            return
-        await super()._checkpoint(last_round)
+            return False
+        return True
 
-    def _want_checkpoint(self, rs: RoundState) -> bool:
+    def want_checkpoint(self, rs: RoundState) -> bool:
         # The round asked for the state (K rounds, epoch end, or an overdue one) and got it.
         return self._loaded_round == rs.round
 
-    async def _finish(self) -> None:
+    async def may_finish(self) -> bool:
         if self.state_stale:
             await self._rollback(
                 f"the ring's final state (version {self.ring_version}) never reached the "
                 "coordinator"
             )
-            return
-        await super()._finish()
+            return False
+        return True
 
     async def _rollback(self, reason: str) -> None:
         """Back to the last checkpoint, as after a coordinator restart: later rounds are rolled
         back (their samples pending again) and the version jumps past every one handed out."""
-        await self.ctx.events.append(
+        await self.runner.ctx.events.append(
             "job.rolled_back",
-            job_id=self.job_id,
+            job_id=self.runner.job_id,
             message=f"{reason}: resuming from the last checkpoint",
         )
-        log.warning("job %s: %s: rolling back to the last checkpoint", self.job_id, reason)
-        await self._restore()
-        rates = self.planner.estimator.rates([n for n in self.nodes if n in self.planner.estimator])
-        for n in self.nodes:
-            if n in self.ledger.nodes or n not in rates:
+        log.warning("job %s: %s: rolling back to the last checkpoint", self.runner.job_id, reason)
+        await self.runner.restore()
+        rates = self.runner.planner.estimator.rates(
+            [n for n in self.runner.nodes if n in self.runner.planner.estimator]
+        )
+        for n in self.runner.nodes:
+            if n in self.runner.ledger.nodes or n not in rates:
                 continue
-            if self.ledger.nodes:
-                self.ledger.add_node(n, rates[n])
+            if self.runner.ledger.nodes:
+                self.runner.ledger.add_node(n, rates[n])
             else:
-                self.ledger.assign_segments({n: rates[n]})
+                self.runner.ledger.assign_segments({n: rates[n]})
 
-    async def _gather_nodes(self) -> list[str]:
-        """As in PS mode; but when the scheduler takes every live member that holds the ring's
-        version away from the job while the coordinator holds an older one, those nodes run
-        one more round first (at most one in a row), whose rank-0 member pushes the state: it
-        is checkpointed before they leave (else it would leave with them)."""
+    async def hold_over(self) -> list[str]:
+        """When the scheduler takes every live member that holds the ring's version away from
+        the job while the coordinator holds an older one, those nodes run one more round first
+        (at most one in a row), whose rank-0 member pushes the state: it is checkpointed before
+        they leave (else it would leave with them)."""
         keep = [] if self._kept_state_round else self._nodes_keeping_state()
         self._kept_state_round = bool(keep)
         if keep:
@@ -200,38 +199,37 @@ class RingJobRunner(JobRunner):
             log.info(
                 "job %s: the scheduler takes the holders of version %d away; one more round "
                 "on %s to keep the state first",
-                self.job_id,
+                self.runner.job_id,
                 self.ring_version,
                 ",".join(keep),
             )
-            return keep
-        return await super()._gather_nodes()
+        return keep
 
     def _nodes_keeping_state(self) -> list[str]:
         """The job's live nodes, when the scheduler's plan keeps none of the members that hold
         the ring's newest state and the coordinator's copy is older; else []."""
-        if not self.state_stale or self.ledger.complete:
+        if not self.state_stale or self.runner.ledger.complete:
             return []
         live = [
             n
-            for n in self.nodes
-            if not self.stats.get(n, NodeStats()).excluded
-            and self.ctx.registry.is_alive(n)
-            and not self.host.is_silent(n)
+            for n in self.runner.nodes
+            if not self.runner.stats.get(n, NodeStats()).excluded
+            and self.runner.ctx.registry.is_alive(n)
+            and not self.runner.host.is_silent(n)
         ]
         holders = [
             n for n in live if self._peer_address(n) and self.holds.get(n) == self.ring_version
         ]
-        if not holders or len(live) < max(1, self.spec.min_nodes):
+        if not holders or len(live) < max(1, self.runner.spec.min_nodes):
             return []
-        kept = set(self.host.planned_nodes(self.job_id))
+        kept = set(self.runner.host.planned_nodes(self.runner.job_id))
         return [] if kept & set(holders) else live
 
     def _peer_address(self, node_id: str) -> str:
-        info = self.ctx.registry.get(node_id)
+        info = self.runner.ctx.registry.get(node_id)
         return info.peer_address if info is not None else ""
 
-    def _cannot_run(self, nodes: list[str]) -> str:
+    def cannot_run(self, nodes: list[str]) -> str:
         if any(self._peer_address(n) for n in nodes):
             return ""
         return (
@@ -250,28 +248,31 @@ class RingJobRunner(JobRunner):
     # -- measurements -----------------------------------------------------------------------------
 
     def _numel(self) -> int:
-        return sum(p.numel() for p in self.ps.params.values())
+        return sum(p.numel() for p in self.runner.ps.params.values())
 
     def _bandwidth(self, nodes: list[str]) -> float:
         figures = [
-            self.bench[n].bandwidth_bytes_per_second
+            self.runner.bench[n].bandwidth_bytes_per_second
             for n in nodes
-            if n in self.bench and self.bench[n].bandwidth_bytes_per_second > 0
+            if n in self.runner.bench and self.runner.bench[n].bandwidth_bytes_per_second > 0
         ]
         return min(figures) if len(figures) == len(nodes) and figures else DEFAULT_BANDWIDTH
 
     def _rtt_s(self, nodes: list[str]) -> float:
-        return max((self.bench[n].rtt_ms / 1000.0 for n in nodes if n in self.bench), default=0.0)
+        return max(
+            (self.runner.bench[n].rtt_ms / 1000.0 for n in nodes if n in self.runner.bench),
+            default=0.0,
+        )
 
     def _ring_codec(self) -> str:
-        codec = self.spec.compression or "none"
+        codec = self.runner.spec.compression or "none"
         return codec if codec in RING_CODECS else "none"
 
     # -- a round --------------------------------------------------------------------------------
 
-    async def _run_round(self, nodes: list[str]) -> None:
-        if self.ledger.complete:
-            await self._next_epoch()
+    async def run_round(self, nodes: list[str]) -> None:
+        if self.runner.ledger.complete:
+            await self.runner.next_epoch()
             return
         nodes = await self._without_suspects(nodes)
         if not nodes:
@@ -281,33 +282,34 @@ class RingJobRunner(JobRunner):
         if not self._holder(v, members, "") and self.state_stale:
             await self._rollback(f"no live ring member holds version {v}")
             return
-        round_id, parts, compute_deadline = self._plan_parts(nodes)
+        round_id, parts, compute_deadline = self.runner.plan_parts(nodes)
         if not any(self._peer_address(n) for n in parts):
             # The end of an epoch gave the last samples to external nodes only: plan again
             # with the members alone (a ring round needs one).
-            self.ledger.abort_round(round_id)
-            round_id, parts, compute_deadline = self._plan_parts(members)
+            self.runner.ledger.abort_round(round_id)
+            round_id, parts, compute_deadline = self.runner.plan_parts(members)
         await self._mark_round(round_id)
         for p in parts.values():
             p.member = bool(self._peer_address(p.node_id))
             p.required = True
         rs = RoundState(
             round=round_id,
-            epoch=self.ledger.epoch,
+            epoch=self.runner.ledger.epoch,
             version=v,
             deadline_s=compute_deadline,
             parts=parts,
         )
-        self.round_state = rs
+        self.runner.round_state = rs
         self.pushed = None
         push_state = (
             self._state_overdue
-            or self.ledger.pending_count == 0  # the epoch (maybe the job) ends with this round
+            or self.runner.ledger.pending_count
+            == 0  # the epoch (maybe the job) ends with this round
             # A lone member would be the only holder of the new state: keep a copy here.
             or sum(1 for p in parts.values() if p.member) == 1
             or (
-                self.spec.checkpoint_every > 0
-                and (self.rounds_applied + 1) % self.spec.checkpoint_every == 0
+                self.runner.spec.checkpoint_every > 0
+                and (self.runner.rounds_applied + 1) % self.runner.spec.checkpoint_every == 0
             )
         )
         outcome = "failed"
@@ -319,7 +321,7 @@ class RingJobRunner(JobRunner):
             if not self._start_attempt(rs, number, survivors, push_state, compute_deadline):
                 outcome = "no state"
                 break
-            await self.notify()
+            await self.runner.notify()
             outcome = await self._wait_attempt(rs)
             if outcome != "failed":
                 break
@@ -329,40 +331,40 @@ class RingJobRunner(JobRunner):
         if outcome == "ok":
             await self._succeed(rs)
             return
-        self.ledger.abort_round(round_id)
-        self.round_state = None
+        self.runner.ledger.abort_round(round_id)
+        self.runner.round_state = None
         self.attempt = None
         if outcome == "stopped":
             return
         if outcome == "no state":
             await self._rollback(f"no live ring member holds version {v}")
         elif outcome != "diverged":
-            await self.ctx.events.append(
+            await self.runner.ctx.events.append(
                 "round.aborted",
-                job_id=self.job_id,
+                job_id=self.runner.job_id,
                 message=(
                     f"round {round_id} aborted after {rs.attempts} attempt(s) ({outcome}); its "
                     f"samples are pending again in epoch {rs.epoch + 1}"
                 ),
                 attrs={"round": str(round_id), "attempts": str(rs.attempts)},
             )
-        self.host.round_finished(self.job_id, self._benchmark_task_ids())
-        await self.notify()
+        self.runner.host.round_finished(self.runner.job_id, self.runner.benchmark_task_ids())
+        await self.runner.notify()
 
     async def _without_suspects(self, nodes: list[str]) -> list[str]:
         """``nodes`` less the recent culprits; [] (after waiting a little) when the rest could
         not run a round."""
         now = time.monotonic()
-        limit = self.host.silence_limit_s()
+        limit = self.runner.host.silence_limit_s()
         self._suspects = {n: t for n, t in self._suspects.items() if now - t < limit}
         rest = [n for n in nodes if n not in self._suspects]
         if len(rest) == len(nodes):
             return nodes
-        if len(rest) >= max(1, self.spec.min_nodes) and not self._cannot_run(rest):
+        if len(rest) >= max(1, self.runner.spec.min_nodes) and not self.cannot_run(rest):
             return rest
         wait = min(self._suspects.values()) + limit - now
         try:
-            await asyncio.wait_for(self._stop.wait(), timeout=max(0.01, wait))
+            await asyncio.wait_for(self.runner._stop.wait(), timeout=max(0.01, wait))
         except TimeoutError:
             pass
         return []
@@ -379,7 +381,7 @@ class RingJobRunner(JobRunner):
         cannot get the round's version."""
         members = [p.node_id for p in survivors if p.member]
         externals = sorted(p.node_id for p in survivors if not p.member)
-        rates = {n: self.bench[n] for n in members if n in self.bench}
+        rates = {n: self.runner.bench[n] for n in members if n in self.runner.bench}
         measured = self._member_links(members)
         order = ring_order(
             members,
@@ -401,7 +403,7 @@ class RingJobRunner(JobRunner):
             codec=self._ring_codec(),
             floor_s=STEP_DEADLINE_FLOOR_S,
         )
-        transfer = 4.0 * 2 * self.ps.num_bytes() / bandwidth + 2 * rtt
+        transfer = 4.0 * 2 * self.runner.ps.num_bytes() / bandwidth + 2 * rtt
         deadline = compute_deadline + transfer + 2 * (len(order) - 1) * step
         v = rs.version
         sources: dict[str, str] = {}
@@ -432,7 +434,7 @@ class RingJobRunner(JobRunner):
             part.status = "pending"
             part.error = part.checksum = part.failed_peer = ""
             part.handed_out = now
-            task = self._train_task(rs, part)
+            task = self.runner.train_task(rs, part)
             task.deadline_seconds = deadline
             task.ring.CopyFrom(
                 common_pb2.RingAssignment(
@@ -447,21 +449,21 @@ class RingJobRunner(JobRunner):
             task.push_state = n == att.push_state_node
             task.ring_gateway = n == att.gateway
             self._set_source(task, n, sources.get(n), deadline)
-            self.host.enqueue(n, task, self.job_id)
+            self.runner.host.enqueue(n, task, self.runner.job_id)
         for n in externals:
             part = rs.parts[n]
             if number > 0:
                 continue  # its task of the first attempt goes on (or its update is in)
             part.handed_out = now
-            task = self._train_task(rs, part)
+            task = self.runner.train_task(rs, part)
             task.deadline_seconds = deadline
             task.ring_total_samples = att.total
             self._set_source(task, n, sources.get(n), deadline)
-            self.host.enqueue(n, task, self.job_id)
+            self.runner.host.enqueue(n, task, self.runner.job_id)
         log.info(
             "job %s round %d attempt %d: ring %s (ordered by %s), %d external(s), B=%d, "
             "step deadline %.2fs, deadline %.2fs, version %d%s",
-            self.job_id,
+            self.runner.job_id,
             rs.round,
             number,
             ",".join(order),
@@ -492,7 +494,7 @@ class RingJobRunner(JobRunner):
         task may still run), else why not."""
         expires = self._state_grants.get((source, requester))
         if expires is None or expires <= time.monotonic():
-            return f"node {requester} was not sent to {source} for the state of job {self.job_id}"
+            return f"node {requester} was not sent to {source} for the state of job {self.runner.job_id}"
         return None
 
     async def _wait_attempt(self, rs: RoundState) -> str:
@@ -504,17 +506,17 @@ class RingJobRunner(JobRunner):
         end = att.started + att.deadline_s
         grace = max(1.0, att.step_deadline_s)
         first_failure: float | None = None
-        check_every = max(0.02, self.ctx.registry.heartbeat_interval_s / 4)
+        check_every = max(0.02, self.runner.ctx.registry.heartbeat_interval_s / 4)
         next_check = time.monotonic() + check_every
         members = [rs.parts[n] for n in att.order]
         externals = [rs.parts[n] for n in att.externals]
         extensions = 0
         while True:
             now = time.monotonic()
-            if self._stop.is_set():
+            if self.runner.stopping:
                 return "stopped"
             if now >= next_check:
-                self._fail_silent(rs)
+                self.runner.fail_silent(rs)
                 next_check = now + check_every
             failing = any(p.status in (*DEAD, "reported_failed") for p in members) or any(
                 p.status in DEAD for p in externals
@@ -564,12 +566,12 @@ class RingJobRunner(JobRunner):
         parts = [*members, *externals]
         if extensions >= MAX_DEADLINE_EXTENSIONS or any(p.status != "pending" for p in parts):
             return False
-        if any(self.host.is_silent(p.node_id) for p in parts):
+        if any(self.runner.host.is_silent(p.node_id) for p in parts):
             return False
         log.info(
             "job %s attempt %d: nobody reported within the %.2fs deadline; waiting as long "
             "again (%d of %d)",
-            self.job_id,
+            self.runner.job_id,
             att.number,
             att.deadline_s,
             extensions + 1,
@@ -607,7 +609,7 @@ class RingJobRunner(JobRunner):
             p.status = "failed"
             p.error = why[:500]
             self.holds.pop(n, None)
-            self._note_failure(n, why)
+            self.runner.note_failure(n, why)
         survivors = [n for n in att.order if n not in reasons]
         what = "; ".join(f"{n} {why}" for n, why in sorted(reasons.items())) or "no node named"
         if last:
@@ -620,10 +622,10 @@ class RingJobRunner(JobRunner):
                 f"round {rs.round} attempt {att.number + 1} failed ({what}); retrying with "
                 f"{len(survivors)} member(s)"
             )
-        log.info("job %s: %s", self.job_id, message)
-        await self.ctx.events.append(
+        log.info("job %s: %s", self.runner.job_id, message)
+        await self.runner.ctx.events.append(
             "round.retried",
-            job_id=self.job_id,
+            job_id=self.runner.job_id,
             message=message,
             attrs={
                 "round": str(rs.round),
@@ -660,7 +662,7 @@ class RingJobRunner(JobRunner):
         self._state_overdue = bool(att.push_state_node) and not loaded
         self.attempt = None
         self.pushed = None
-        await self._close_round(rs, t0)
+        await self.runner.close_round(rs, t0)
 
     async def _diverged(self, rs: RoundState, checksums: dict[str, str]) -> None:
         groups: dict[str, list[str]] = {}
@@ -671,13 +673,13 @@ class RingJobRunner(JobRunner):
             f"replicas diverged in round {rs.round}: the members' parameter checksums after the "
             f"step differ ({what}); the job stops rather than train on divergent replicas"
         )
-        log.error("job %s: %s", self.job_id, message)
-        self.ledger.abort_round(rs.round)
-        self.round_state = None
+        log.error("job %s: %s", self.runner.job_id, message)
+        self.runner.ledger.abort_round(rs.round)
+        self.runner.round_state = None
         self.attempt = None
-        await self.ctx.events.append(
+        await self.runner.ctx.events.append(
             "job.diverged",
-            job_id=self.job_id,
+            job_id=self.runner.job_id,
             message=message,
             attrs={
                 "round": str(rs.round),
@@ -685,9 +687,9 @@ class RingJobRunner(JobRunner):
                 **{f"checksum.{n}": c for n, c in checksums.items()},
             },
         )
-        await self._fail(message)
-        self.host.round_finished(self.job_id, self._benchmark_task_ids())
-        await self.notify()
+        await self.runner.fail(message)
+        self.runner.host.round_finished(self.runner.job_id, self.runner.benchmark_task_ids())
+        await self.runner.notify()
 
     async def _load_pushed_state(self, rs: RoundState, agreed: str, version: int) -> bool:
         """Wait for the rank-0 member's pushed state and load it into the ParameterServer."""
@@ -695,11 +697,11 @@ class RingJobRunner(JobRunner):
         assert att is not None
         node = att.push_state_node
         bandwidth = self._bandwidth([node])
-        timeout = max(CHECKPOINT_WAIT_MIN_S, 4.0 * 2 * self.ps.num_bytes() / bandwidth)
+        timeout = max(CHECKPOINT_WAIT_MIN_S, 4.0 * 2 * self.runner.ps.num_bytes() / bandwidth)
         end = time.monotonic() + timeout
-        while self.pushed is None and not self._stop.is_set():
+        while self.pushed is None and not self.runner.stopping:
             left = end - time.monotonic()
-            if left <= 0 or self.host.is_silent(node):
+            if left <= 0 or self.runner.host.is_silent(node):
                 break
             rs.changed.clear()
             try:
@@ -710,16 +712,16 @@ class RingJobRunner(JobRunner):
         if pushed is None:
             log.warning(
                 "job %s round %d: %s did not push its state; asking again next round",
-                self.job_id,
+                self.runner.job_id,
                 rs.round,
                 node,
             )
             return False
         if pushed.version != version or pushed.checksum != agreed:
-            await self.ctx.events.append(
+            await self.runner.ctx.events.append(
                 "round.checkpoint_refused",
                 node_id=node,
-                job_id=self.job_id,
+                job_id=self.runner.job_id,
                 message=(
                     f"the state {node} pushed after round {rs.round} (version {pushed.version}, "
                     f"checksum {pushed.checksum[:16]}) is not the agreed one (version {version}, "
@@ -727,7 +729,7 @@ class RingJobRunner(JobRunner):
                 ),
             )
             return False
-        await asyncio.to_thread(self.ps.load_state_tensors, pushed.tensors, version)
+        await asyncio.to_thread(self.runner.ps.load_state_tensors, pushed.tensors, version)
         return True
 
     # -- RPC-side entry points ------------------------------------------------------------------
@@ -761,11 +763,11 @@ class RingJobRunner(JobRunner):
         return min(known, default=math.inf) if len(order) > 1 else math.inf
 
     def on_report(self, req: agent_pb2.ReportProgressRequest) -> None:
-        pending = self.bench_pending.get(req.node_id)
+        pending = self.runner.bench_pending.get(req.node_id)
         if req.failed and pending is not None and pending[0] == req.task_id:
-            super().on_report(req)  # a failed job benchmark
+            self.runner.on_failure_report(req)  # a failed job benchmark
             return
-        rs = self.round_state
+        rs = self.runner.round_state
         att = self.attempt
         if rs is None or rs.closed or att is None:
             return
@@ -778,7 +780,7 @@ class RingJobRunner(JobRunner):
                 link.bandwidth_bytes_per_second,
             )
         if not part.member:
-            super().on_report(req)
+            self.runner.on_failure_report(req)
             return
         if part.status != "pending":
             return
@@ -786,7 +788,7 @@ class RingJobRunner(JobRunner):
             # The task id names the attempt; a success must also say which one it is about.
             log.info(
                 "job %s round %d: %s reported success for attempt %d during attempt %d; ignored",
-                self.job_id,
+                self.runner.job_id,
                 rs.round,
                 req.node_id,
                 req.ring_attempt,
@@ -795,7 +797,7 @@ class RingJobRunner(JobRunner):
             return
         if req.failed:
             if req.job_fault:
-                self.on_job_fault(req.node_id, req.task_id, req.error or "failed")
+                self.runner.on_job_fault(req.node_id, req.task_id, req.error or "failed")
             part.status = "reported_failed"
             part.error = (req.error or "failed")[:500]
             part.failed_peer = req.failed_peer_node_id[:128]
@@ -822,7 +824,7 @@ class RingJobRunner(JobRunner):
                 if req.samples_done != part.samples:
                     log.warning(
                         "job %s round %d: %s reports %d samples, its part has %d",
-                        self.job_id,
+                        self.runner.job_id,
                         rs.round,
                         req.node_id,
                         req.samples_done,
@@ -831,17 +833,14 @@ class RingJobRunner(JobRunner):
         rs.touch()
 
     def expected_samples(self, node_id: str, task_id: str) -> int | None:
-        rs = self.round_state
+        rs = self.runner.round_state
         part = rs.parts.get(node_id) if rs is not None else None
         if part is None or part.member:
             return None  # members all-reduce; only externals push updates here
-        return super().expected_samples(node_id, task_id)
-
-    def task_is_live(self, node_id: str, task_id: str) -> bool:
-        return super().task_is_live(node_id, task_id) or self.wants_checkpoint(node_id, task_id)
+        return self.runner.part_samples(node_id, task_id)
 
     def wants_checkpoint(self, node_id: str, task_id: str) -> bool:
-        rs = self.round_state
+        rs = self.runner.round_state
         att = self.attempt
         if rs is None or att is None or self.pushed is not None:
             return False
@@ -856,7 +855,7 @@ class RingJobRunner(JobRunner):
     async def submit_checkpoint(
         self, header: agent_pb2.UpdateHeader, tensors: dict[str, torch.Tensor]
     ) -> str:
-        rs = self.round_state
+        rs = self.runner.round_state
         if rs is None or not self.wants_checkpoint(header.node_id, header.task_id):
             return "no checkpoint of this task is expected (any more)"
         if header.params_version != rs.version + 1:
@@ -881,7 +880,7 @@ class RingJobRunner(JobRunner):
         """Validate a pushed state against the job's parameters and round optimizer (names,
         dtypes, shapes; the optimizer state must load); returns the parameters and their
         checksum. CodecError otherwise."""
-        expected = self.ps.expected()
+        expected = self.runner.ps.expected()
         params: dict[str, torch.Tensor] = {}
         for name, (dtype, shape) in expected.items():
             t = tensors.get(PARAM_PREFIX + name)
@@ -905,7 +904,7 @@ class RingJobRunner(JobRunner):
         scratch = [torch.nn.Parameter(p.detach().clone()) for p in params.values()]
         try:
             load_optimizer_state_tensors(
-                build_round_optimizer(self.spec, scratch), list(params), optim
+                build_round_optimizer(self.runner.spec, scratch), list(params), optim
             )
         except ValueError as exc:
             raise CodecError(f"optimizer state refused: {exc}") from None
@@ -916,14 +915,14 @@ class RingJobRunner(JobRunner):
     ) -> tuple[int, common_pb2.TensorBundle, bytes]:
         if req.external_round:
             return await self._external_sum(req)
-        return await super().parameters_payload(req)
+        return await self.runner.serve_parameters(req)
 
     async def _external_sum(
         self, req: agent_pb2.PullParametersRequest
     ) -> tuple[int, common_pb2.TensorBundle, bytes]:
         """The gateway's addend: sum over the attempt's externals of (b_j / B) * update_j, in
         parameter order; waits for the externals up to the attempt's deadline."""
-        rs = self.round_state
+        rs = self.runner.round_state
         att = self.attempt
         if rs is None or att is None or rs.round != req.external_round:
             raise FailedPreconditionError(f"round {req.external_round} is not open")
@@ -933,7 +932,7 @@ class RingJobRunner(JobRunner):
             )
         end = att.started + att.deadline_s
         while att.external_sum is None:
-            if self.attempt is not att or self.round_state is not rs or rs.closed:
+            if self.attempt is not att or self.runner.round_state is not rs or rs.closed:
                 raise AbortedError(f"attempt {att.number} of round {rs.round} is over")
             parts = [rs.parts[n] for n in att.externals]
             bad = [p for p in parts if p.status in DEAD]
@@ -961,8 +960,8 @@ class RingJobRunner(JobRunner):
         self, parts: list[Part], total: int
     ) -> tuple[common_pb2.TensorBundle, bytes]:
         out: dict[str, torch.Tensor] = {}
-        for name in self.ps.names:
-            acc = torch.zeros_like(self.ps.params[name], dtype=torch.float32)
+        for name in self.runner.ps.names:
+            acc = torch.zeros_like(self.runner.ps.params[name], dtype=torch.float32)
             for p in sorted(parts, key=lambda p: p.node_id):
                 assert p.grads is not None
                 acc.add_(p.grads[name].to(torch.float32), alpha=p.local_batch / total)
@@ -970,4 +969,4 @@ class RingJobRunner(JobRunner):
         return encode_bundle(out)
 
 
-__all__ = ["MAX_ATTEMPTS", "RingAttempt", "RingJobRunner"]
+__all__ = ["MAX_ATTEMPTS", "RingAttempt", "RingRounds"]
