@@ -29,7 +29,6 @@ from coordinator.rounds import NodeStats, Part, RoundState, part_record
 from coordinator.sample_ranges import (
     TASK_RANGES_FIELD,
     encode_ranges_field,
-    head_of_runs,
     touched_shards,
 )
 from coordinator.store import FailedPreconditionError
@@ -818,28 +817,9 @@ class JobRunner:
     ) -> str:
         """Hand a decoded gradient to the open round; returns "" or why it was not taken."""
         rs = self.round_state
-        if rs is None or rs.closed:
+        if rs is None:
             return "the round is closed (the update came after its deadline)"
-        part = rs.parts.get(node_id)
-        if part is None or part.task_id != task_id:
-            return "the task is not part of the open round"
-        if part.status != "pending":
-            return f"the task is already {part.status}"
-        if num_samples != part.samples:
-            problem = self.samples_problem(node_id, task_id, num_samples)
-            if problem:
-                return problem
-            # A time-boxed part: the node trained the first num_samples of its ranges.
-            part.ranges = head_of_runs(part.ranges, num_samples)
-            part.samples = num_samples
-            part.inner_steps = -(-num_samples // part.local_batch)
-        part.grads = dict(grads)
-        part.mean_loss = mean_loss
-        part.compute_s = compute_s
-        part.wall_s = time.monotonic() - part.handed_out
-        part.status = "received"
-        rs.touch()
-        return ""
+        return rs.take_update(node_id, task_id, num_samples, mean_loss, compute_s, grads)
 
     def on_failure_report(self, req: agent_pb2.ReportProgressRequest) -> None:
         """ReportProgress of one of this job's tasks that failed (else nothing to do)."""
@@ -874,32 +854,16 @@ class JobRunner:
         return self.params_payload_version, header, data
 
     def samples_problem(self, node_id: str, task_id: str, num_samples: int) -> str:
-        """Why an update's num_samples does not fit the open part of this task ("" if it does):
-        all of the part's samples, or (a time-boxed part) a whole number of its inner steps."""
+        """Why an update's num_samples does not fit the task's open part ("" if it does)."""
         rs = self.round_state
-        part = rs.parts.get(node_id) if rs is not None else None
-        if part is None or part.task_id != task_id:
+        if rs is None:
             return "the task is not part of the open round"
-        if num_samples == part.samples:
-            return ""
-        if part.budget_s > 0 and 0 < num_samples < part.samples:
-            if num_samples % part.local_batch == 0:
-                return ""
-            return (
-                f"num_samples is {num_samples}: a time-boxed part trains whole steps of "
-                f"{part.local_batch} samples or all {part.samples}"
-            )
-        return f"num_samples is {num_samples}, the task assigned {part.samples}"
+        return rs.samples_problem(node_id, task_id, num_samples)
 
     def part_samples(self, node_id: str, task_id: str) -> int | None:
         """The samples of the task's open part (None: not an open part)."""
         rs = self.round_state
-        if rs is None:
-            return None
-        part = rs.parts.get(node_id)
-        if part is None or part.task_id != task_id:
-            return None
-        return part.samples
+        return rs.part_samples(node_id, task_id) if rs is not None else None
 
     def reject(self, node_id: str, task_id: str, error: str) -> None:
         """The node's update for its open part was refused (bad input)."""
@@ -910,14 +874,8 @@ class JobRunner:
         self._end_part(node_id, task_id, "failed", error)
 
     def _end_part(self, node_id: str, task_id: str, status: str, error: str) -> None:
-        rs = self.round_state
-        if rs is None:
-            return
-        part = rs.parts.get(node_id)
-        if part is not None and part.task_id == task_id and part.status == "pending":
-            part.status = status
-            part.error = error[:500]
-            rs.touch()
+        if self.round_state is not None:
+            self.round_state.end_part(node_id, task_id, status, error)
 
     def task_is_live(self, node_id: str, task_id: str) -> bool:
         """Whether the task is one the job still waits for (its benchmark, its open part, or a
@@ -928,10 +886,7 @@ class JobRunner:
         if self.rounds.wants_checkpoint(node_id, task_id):
             return True
         rs = self.round_state
-        if rs is None or rs.closed:
-            return False
-        part = rs.parts.get(node_id)
-        return part is not None and part.task_id == task_id and part.status == "pending"
+        return rs is not None and rs.is_open_part(node_id, task_id)
 
     def allocation(self) -> common_pb2.Allocation:
         out = common_pb2.Allocation(job_id=self.job_id, epoch=self.job.epoch, round=self.job.round)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from coordinator.sample_ranges import ROUND_PART_RANGES_FIELD, encode_ranges_field
+from coordinator.sample_ranges import ROUND_PART_RANGES_FIELD, encode_ranges_field, head_of_runs
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2
 
@@ -96,6 +97,80 @@ class RoundState:
     def awaited(self) -> list[Part]:
         """Outstanding parts the round waits for (not the best-effort ones)."""
         return [p for p in self.outstanding() if p.required]
+
+    def _part(self, node_id: str, task_id: str) -> Part | None:
+        part = self.parts.get(node_id)
+        return part if part is not None and part.task_id == task_id else None
+
+    def is_open_part(self, node_id: str, task_id: str) -> bool:
+        """Whether the task is the node's part of this round and still awaited."""
+        part = self._part(node_id, task_id)
+        return not self.closed and part is not None and part.status == "pending"
+
+    def part_samples(self, node_id: str, task_id: str) -> int | None:
+        """The samples the task's part holds now (None: not a part of this round)."""
+        part = self._part(node_id, task_id)
+        return part.samples if part is not None else None
+
+    def samples_problem(self, node_id: str, task_id: str, num_samples: int) -> str:
+        """Why an update of ``num_samples`` does not fit the task's part ("" if it does): all
+        of the part's samples, or (a time-boxed part) a whole number of its inner steps."""
+        part = self._part(node_id, task_id)
+        if part is None:
+            return "the task is not part of the open round"
+        if num_samples == part.samples:
+            return ""
+        if part.budget_s > 0 and 0 < num_samples < part.samples:
+            if num_samples % part.local_batch == 0:
+                return ""
+            return (
+                f"num_samples is {num_samples}: a time-boxed part trains whole steps of "
+                f"{part.local_batch} samples or all {part.samples}"
+            )
+        return f"num_samples is {num_samples}, the task assigned {part.samples}"
+
+    def take_update(
+        self,
+        node_id: str,
+        task_id: str,
+        num_samples: int,
+        mean_loss: float,
+        compute_s: float,
+        grads: Mapping[str, torch.Tensor],
+    ) -> str:
+        """A decoded update of the task's part: the part is "received" (a time-boxed part
+        narrowed to the prefix of its ranges the node trained). Returns "" or why the update
+        was not taken (the part is unchanged then)."""
+        part = self._part(node_id, task_id)
+        if self.closed:
+            return "the round is closed (the update came after its deadline)"
+        if part is None:
+            return "the task is not part of the open round"
+        if part.status != "pending":
+            return f"the task is already {part.status}"
+        if num_samples != part.samples:
+            problem = self.samples_problem(node_id, task_id, num_samples)
+            if problem:
+                return problem
+            part.ranges = head_of_runs(part.ranges, num_samples)
+            part.samples = num_samples
+            part.inner_steps = -(-num_samples // part.local_batch)
+        part.grads = dict(grads)
+        part.mean_loss = mean_loss
+        part.compute_s = compute_s
+        part.wall_s = time.monotonic() - part.handed_out
+        part.status = "received"
+        self.touch()
+        return ""
+
+    def end_part(self, node_id: str, task_id: str, status: str, error: str) -> None:
+        """The task's part ends without an update (``status`` "failed" or "rejected"), if it
+        is still awaited."""
+        part = self._part(node_id, task_id)
+        if part is not None and part.status == "pending":
+            part.status = status
+            part.error = error[:500]
+            self.touch()
 
 
 @dataclass

@@ -21,12 +21,13 @@ Model (simulated time, nothing sleeps):
 
 Policies (same trace, same simulator):
 - ours: `coordinator.cluster_scheduler.schedule` with holdings carried over (a moved node is
-  protected for max(``--protect-rounds`` rounds, bench_s / ``--max-bench-overhead``)),
+  protected as long as the coordinator holds it, `coordinator.scheduling.hold_seconds`: 3
+  rounds, or its job benchmark paid back at 20 % overhead),
   decayed tenant usage and attained service fed with each job's value x round_s, and each
   job's remaining samples (its size minus what it trained: what the engine knows from the
   job's epochs x dataset size; ``--unknown-sizes`` leaves them out, the scheduler then ranks
   a tenant's jobs by least attained service);
-- fifo (today's engine, `Engine.claimable_nodes`): in submission order a job takes the free
+- fifo (the engine before issue 18, `Engine.claimable_nodes`): in submission order a job takes the free
   nodes it can use up to max_nodes, starting only with min_nodes free; an older job below its
   max_nodes blocks younger ones; no priorities, no preemption, a node stays until its job ends;
 - equal: every live job the same number of nodes (max_nodes respected; a job whose share is
@@ -65,6 +66,7 @@ from coordinator.cluster_scheduler import (
     Tier,
     schedule,
 )
+from coordinator.scheduling import hold_seconds
 
 log = logging.getLogger("bench_scheduler")
 
@@ -101,8 +103,6 @@ class Config:
     speed_sigma: float = 0.35
     low_share: float = 0.15
     high_share: float = 0.07
-    protect_rounds: int = 3
-    max_bench_overhead: float = 0.2
     half_life_s: float = 3600.0
     window_rounds: int = 10
     max_rounds: int = 100_000
@@ -110,7 +110,8 @@ class Config:
 
     @property
     def protect_s(self) -> float:
-        return max(self.protect_rounds * self.round_s, self.bench_s / self.max_bench_overhead)
+        """The coordinator's derived hold (coordinator/scheduling.hold_seconds)."""
+        return hold_seconds(self.round_s, self.bench_s)
 
 
 @dataclass(frozen=True)
@@ -611,8 +612,6 @@ def main() -> None:
     p.add_argument("--bench-s", type=float, default=d.bench_s, help="a node's job benchmark")
     p.add_argument("--arrival-s", type=float, default=d.arrival_s)
     p.add_argument("--duration-s", type=float, default=d.duration_s)
-    p.add_argument("--protect-rounds", type=int, default=d.protect_rounds)
-    p.add_argument("--max-bench-overhead", type=float, default=d.max_bench_overhead)
     p.add_argument("--window-rounds", type=int, default=d.window_rounds)
     p.add_argument(
         "--unknown-sizes",
@@ -636,8 +635,6 @@ def main() -> None:
         bench_s=a.bench_s,
         arrival_s=a.arrival_s,
         duration_s=a.duration_s,
-        protect_rounds=a.protect_rounds,
-        max_bench_overhead=a.max_bench_overhead,
         window_rounds=a.window_rounds,
         known_sizes=not a.unknown_sizes,
     )
