@@ -22,6 +22,7 @@ import torch
 
 from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes
 from coordinator.ledger import EpochLedger
+from coordinator.node_set import JobNodeSet
 from coordinator.param_server import ParameterServer
 from coordinator.round_planner import RoundPlanner
 from coordinator.round_writer import RoundWriter
@@ -47,12 +48,6 @@ log = logging.getLogger(__name__)
 
 JS = common_pb2.JobState
 TERMINAL = (JS.JOB_STATE_SUCCEEDED, JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED)
-# A node that fails this many tasks of a job in a row is left out of that job.
-MAX_CONSECUTIVE_FAILURES = 3
-# A job fails for its own fault (its program crashed, hung, hit a limit or computed non-finite
-# values) once this many distinct nodes report such a fault since its last applied round (or
-# every node it has, when it has fewer): one node alone cannot end another tenant's job.
-JOB_FAULT_NODES = 2
 # Benchmark tasks get this long, plus the node's lease, before they are asked again.
 BENCHMARK_TIMEOUT_S = 120.0
 BENCH_STATE_PREFIX = "bench/"
@@ -77,14 +72,8 @@ class JobRunner:
         self.changed = asyncio.Condition()
         self.round_state: RoundState | None = None
         self.rounds = aggregation(self)
-        self.nodes: list[str] = []  # this job's node set, in join order
-        # Every node the scheduler gave the job and the job has not let go of yet (the node
-        # set, nodes benchmarking, benchmarked ones waiting to join).
-        self.held: set[str] = set()
-        self.bench_pending: dict[str, tuple[str, float]] = {}  # node -> (task_id, asked at)
-        self._bench_took: dict[str, float] = {}  # node -> seconds its job benchmark took
+        self.node_set = JobNodeSet()
         self._round_s = 0.0  # recent rounds' duration (smoothed), for the scheduler's holds
-        self.stats: dict[str, NodeStats] = {}
         self.planner = RoundPlanner(
             job.job_id, job.spec, split=self.ctx.config.split, time_boxing=self.rounds.time_boxing
         )
@@ -108,11 +97,6 @@ class JobRunner:
         # The runner is done: its job's last records and events (the terminal state, the nodes'
         # release) are stored, so a watcher that stops now has seen everything.
         self.ended = False
-        self._departed: dict[str, str] = {}  # node -> why its lease ended (handled between rounds)
-        # Job faults reported since the last applied round (node -> reason), and the verdict
-        # that ends the job once enough nodes agree (see JOB_FAULT_NODES).
-        self._job_faults: dict[str, str] = {}
-        self._job_fault_verdict = ""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -155,10 +139,12 @@ class JobRunner:
 
     def bench_seconds(self, node_id: str) -> float:
         """How long the node's job benchmark took, or has taken so far (0: none asked)."""
-        pending = self.bench_pending.get(node_id)
-        if pending is not None:
-            return time.monotonic() - pending[1]
-        return self._bench_took.get(node_id, 0.0)
+        return self.node_set.bench_seconds(node_id, time.monotonic())
+
+    @property
+    def nodes(self) -> list[str]:
+        """The job's node set, in join order."""
+        return self.node_set.members
 
     @property
     def stopping(self) -> bool:
@@ -173,8 +159,8 @@ class JobRunner:
         try:
             await self.restore()
             while not self._stop.is_set() and not self.terminal:
-                if self._job_fault_verdict:
-                    await self._fail_for_program(self._job_fault_verdict)
+                if self.node_set.job_fault_verdict:
+                    await self._fail_for_program(self.node_set.job_fault_verdict)
                     continue
                 if self.job.epoch >= self.spec.epochs:
                     await self._finish()  # SUCCEEDED (terminal), or a ring job rolled back
@@ -305,26 +291,19 @@ class JobRunner:
         held = await self.rounds.hold_over()
         if held:
             return held
-        while not self._stop.is_set() and not self.terminal and not self._job_fault_verdict:
+        nodes = self.node_set
+        while not self._stop.is_set() and not self.terminal and not nodes.job_fault_verdict:
             self._wake.clear()
             await self._handle_departures()
             max_nodes = min(self.spec.max_nodes, self.spec.global_batch)
-            excluded = [n for n, st in self.stats.items() if st.excluded]
-            candidates = await self.host.nodes_for(self.job_id, refused=excluded)
-            self.held.update(candidates)
-            # Nodes already in the job first, then the fastest by reference benchmark.
-            current = [n for n in self.nodes if n in candidates]
-            others = sorted(
-                (n for n in candidates if n not in current),
-                key=lambda n: -self.host.reference_rate(n),
-            )
-            chosen = (current + others)[:max_nodes]
+            given = await self.host.nodes_for(self.job_id, refused=nodes.excluded())
+            chosen = nodes.choose(given, max_nodes, self.host.reference_rate)
             for n in chosen:
                 if n not in self.bench:
                     await self._ask_benchmark(n)
             # Nodes the scheduler no longer gives the job leave at this round boundary (also
             # one that was benchmarked and never joined: its hold would outlive the job).
-            for n in {*self.nodes, *self.bench_pending, *self.held} - set(chosen):
+            for n in nodes.leaving(chosen):
                 await self._drop_node(n)
             ready = [n for n in chosen if n in self.bench]
             # A silent node (no heartbeat lately: probably dead, its lease not lapsed yet) sits
@@ -333,12 +312,12 @@ class JobRunner:
             if len(live) >= self.spec.min_nodes:
                 self._drop_ghosts()
                 # Benchmarked nodes join now; nodes still benchmarking join a later round.
-                joined = [n for n in live if n not in self.nodes]
+                joined = [n for n in live if n not in nodes.members]
                 for n in joined:
                     await self._join(n)
                 if joined:
-                    self.planner.rerate_unobserved(self.nodes)
-                usable = [n for n in self.nodes if n in live]
+                    self.planner.rerate_unobserved(nodes.members)
+                usable = [n for n in nodes.members if n in live]
                 why = self.rounds.cannot_run(usable)
                 if not why:
                     await self._set_state(JS.JOB_STATE_RUNNING, "")
@@ -363,9 +342,9 @@ class JobRunner:
 
     async def _handle_departures(self) -> None:
         """Nodes whose lease ended since the last round leave the job (see on_node_offline)."""
-        if not self._departed:
+        departed = self.node_set.take_departures()
+        if not departed:
             return
-        departed, self._departed = self._departed, {}
         for node_id, reason in departed.items():
             await self._drop_node(node_id, reason)
         await self._save_benchmarks()
@@ -378,10 +357,9 @@ class JobRunner:
                 self.ledger.fail_node(n)
 
     async def _ask_benchmark(self, node_id: str) -> None:
-        pending = self.bench_pending.get(node_id)
         now = time.monotonic()
         timeout = BENCHMARK_TIMEOUT_S + self.ctx.config.lease_ttl
-        if pending is not None and now - pending[1] < timeout:
+        if not self.node_set.benchmark_due(node_id, now, timeout):
             return
         task_id = "t-" + uuid.uuid4().hex[:12]
         b = self.spec.global_batch
@@ -396,24 +374,21 @@ class JobRunner:
             shards=list(self.job.shards),  # prefetches the dataset before the first round
             benchmark_batch_sizes=sizes,
         )
-        self.bench_pending[node_id] = (task_id, now)
+        self.node_set.asked_benchmark(node_id, task_id, now)
         self.host.enqueue(node_id, task, self.job_id)
 
     def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
         if result.samples_per_second <= 0 or not math.isfinite(result.samples_per_second):
             self.note_failure(node_id, "benchmark reported no throughput")
             return
-        asked = self.bench_pending.pop(node_id, None)
-        if asked is not None:
-            self._bench_took[node_id] = time.monotonic() - asked[1]
+        self.node_set.benchmark_answered(node_id, time.monotonic())
         self.bench[node_id] = result
         asyncio.get_running_loop().create_task(self._save_benchmarks())
         self.wake()
 
     async def _join(self, node_id: str) -> None:
         rate = self.planner.add_node(node_id, len(self.nodes) + 1, self.ps.num_bytes())
-        self.stats.setdefault(node_id, NodeStats())
-        self.nodes.append(node_id)
+        self.node_set.join(node_id)
         if node_id in self.ledger.nodes:
             self.ledger.fail_node(node_id)  # a stale segment from before a restart
         if self.ledger.nodes:
@@ -429,8 +404,7 @@ class JobRunner:
         )
 
     async def _drop_node(self, node_id: str, reason: str = "") -> None:
-        if node_id in self.nodes:
-            self.nodes.remove(node_id)
+        if self.node_set.leave(node_id):
             self.planner.remove_node(node_id)
             if node_id in self.ledger.nodes:
                 self.ledger.fail_node(node_id)
@@ -441,18 +415,14 @@ class JobRunner:
                 message=reason or "node left the job; its unconsumed samples were reassigned",
             )
         self.planner.batches.pop(node_id, None)
-        self.bench_pending.pop(node_id, None)
-        self.held.discard(node_id)
         await self.host.release(node_id, self.job_id)
 
     async def _release_all(self) -> None:
-        for n in dict.fromkeys([*self.nodes, *self.bench_pending, *self.held]):
+        for n in self.node_set.release_all():
             try:
                 await self.host.release(n, self.job_id)
             except Exception:  # the node may be gone; nothing to release then
                 log.debug("releasing %s failed", n, exc_info=True)
-        self.nodes.clear()
-        self.held.clear()
 
     def on_node_offline(self, node_id: str) -> None:
         """The node's lease ended (lapsed, Leave, or the same id registered again after a
@@ -462,25 +432,22 @@ class JobRunner:
         if rs is not None and node_id in rs.parts and rs.parts[node_id].status == "pending":
             rs.parts[node_id].status = "failed"
             rs.parts[node_id].error = "node went offline"
-        self.bench_pending.pop(node_id, None)
+        reason = ""
         if node_id in self.nodes or node_id in self.bench:
             self.bench.pop(node_id, None)
-            self._departed[node_id] = (
-                "node went offline (lease ended); its unconsumed samples go to the other nodes"
-            )
+            reason = "node went offline (lease ended); its unconsumed samples go to the other nodes"
+        self.node_set.went_offline(node_id, reason)
         self.wake()
 
     def note_failure(self, node_id: str, error: str) -> None:
-        st = self.stats.setdefault(node_id, NodeStats())
-        st.failures_in_a_row += 1
-        if st.failures_in_a_row >= MAX_CONSECUTIVE_FAILURES and not st.excluded:
-            st.excluded = True
+        failures = self.node_set.note_failure(node_id)
+        if failures:
             asyncio.get_running_loop().create_task(
                 self.ctx.events.append(
                     "job.node_excluded",
                     node_id=node_id,
                     job_id=self.job_id,
-                    message=f"{st.failures_in_a_row} failed tasks in a row; last: {error}",
+                    message=f"{failures} failed tasks in a row; last: {error}",
                 )
             )
         self.wake()
@@ -490,9 +457,7 @@ class JobRunner:
     ) -> None:
         """A task of this job failed on the node; `job_fault`: by the job's own fault (counted
         by `on_job_fault`, not against the node)."""
-        pending = self.bench_pending.get(node_id)
-        if pending is not None and pending[0] == task_id:
-            self.bench_pending.pop(node_id, None)
+        if self.node_set.benchmark_failed(node_id, task_id):
             if not job_fault:
                 self.note_failure(node_id, error)
             return
@@ -508,26 +473,18 @@ class JobRunner:
 
     def on_job_fault(self, node_id: str, task_id: str, error: str) -> None:
         """A node of this job says one of its tasks failed by the job's fault. Once enough
-        distinct nodes say so (JOB_FAULT_NODES, or all the job's nodes when it has fewer) since
-        the last applied round, the job fails with the reason; no node is blamed."""
+        distinct nodes say so since the last applied round (see JobNodeSet.job_fault), the job
+        fails with the reason; no node is blamed."""
         if task_id not in (self._open_task_ids()):
             return  # stale, or not this node's task
-        self._job_faults[node_id] = error[:300]
-        holders = set(self.nodes) | set(self.bench_pending) | set(self._job_faults)
-        needed = max(1, min(JOB_FAULT_NODES, len(holders)))
-        if len(self._job_faults) >= needed and not self._job_fault_verdict:
-            nodes = ", ".join(sorted(self._job_faults))
-            first = next(iter(self._job_faults.values()))
-            self._job_fault_verdict = (
-                f"the job's program failed on {len(self._job_faults)} node(s) ({nodes}): {first}"
-            )
+        if self.node_set.job_fault(node_id, error):
             self.wake()
 
     def benchmark_task_ids(self) -> set[str]:
-        return {task for task, _ in self.bench_pending.values()}
+        return self.node_set.benchmark_task_ids()
 
     def _open_task_ids(self) -> set[str]:
-        ids = {task for task, _ in self.bench_pending.values()}
+        ids = self.node_set.benchmark_task_ids()
         rs = self.round_state
         if rs is not None:
             ids.update(p.task_id for p in rs.parts.values())
@@ -544,7 +501,7 @@ class JobRunner:
             "job.program_failed",
             job_id=self.job_id,
             message=message,
-            attrs={f"fault.{n}": why for n, why in sorted(self._job_faults.items())},
+            attrs={f"fault.{n}": why for n, why in sorted(self.node_set.job_faults.items())},
         )
         await self.fail(message)
 
@@ -610,12 +567,12 @@ class JobRunner:
         )
         if received:
             self.rounds_applied += 1
-            self._job_faults.clear()  # the program works: earlier faults were transient
+            self.node_set.round_applied()
         applied = {p.node_id for p in received}
         consumed = {p.node_id: p.samples for p in received if 0 < p.samples < p.assigned}
         self.ledger.commit_round(rs.round, applied, consumed)
         for p in rs.parts.values():
-            st = self.stats.setdefault(p.node_id, NodeStats())
+            st = self.node_set.stats.setdefault(p.node_id, NodeStats())
             if p.status == "applied":
                 st.failures_in_a_row = 0
                 st.compute_s += p.compute_s
@@ -880,8 +837,7 @@ class JobRunner:
     def task_is_live(self, node_id: str, task_id: str) -> bool:
         """Whether the task is one the job still waits for (its benchmark, its open part, or a
         state it asked the node to push)."""
-        pending = self.bench_pending.get(node_id)
-        if pending is not None and pending[0] == task_id:
+        if self.node_set.is_benchmark_task(node_id, task_id):
             return True
         if self.rounds.wants_checkpoint(node_id, task_id):
             return True
@@ -897,7 +853,7 @@ class JobRunner:
         for n in self.nodes:
             info = self.ctx.registry.get(n)
             bench = self.bench.get(n)
-            st = self.stats.get(n, NodeStats())
+            st = self.node_set.stats.get(n, NodeStats())
             seg = self.ledger.segment_of(n)
             na = common_pb2.NodeAllocation(
                 node_id=n,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.rounds import MAX_DEADLINE_EXTENSIONS, NodeStats, Part, RoundState
+from coordinator.rounds import MAX_DEADLINE_EXTENSIONS, Part, RoundState
 from coordinator.store import AbortedError, FailedPreconditionError
 from epochmesh.errors import CodecError
 from epochmesh.optim import build_round_optimizer, load_optimizer_state_tensors
@@ -213,7 +213,7 @@ class RingRounds:
         live = [
             n
             for n in self.runner.nodes
-            if not self.runner.stats.get(n, NodeStats()).excluded
+            if not self.runner.node_set.is_excluded(n)
             and self.runner.ctx.registry.is_alive(n)
             and not self.runner.host.is_silent(n)
         ]
@@ -763,8 +763,7 @@ class RingRounds:
         return min(known, default=math.inf) if len(order) > 1 else math.inf
 
     def on_report(self, req: agent_pb2.ReportProgressRequest) -> None:
-        pending = self.runner.bench_pending.get(req.node_id)
-        if req.failed and pending is not None and pending[0] == req.task_id:
+        if req.failed and self.runner.node_set.is_benchmark_task(req.node_id, req.task_id):
             self.runner.on_failure_report(req)  # a failed job benchmark
             return
         rs = self.runner.round_state

@@ -576,9 +576,23 @@ def verify_call_signature(cert: x509.Certificate, method_name: str, ts_ms: str, 
         raise IdentityError("call signature does not verify") from None
 
 
+# An idle channel kept for the life of the process, so that closing a channel never destroys
+# gRPC's event engine: the last channel's close waits for the engine's threads while holding
+# the GIL, and a thread that is releasing `CertificateAuth` (a Python plugin) needs the GIL, so
+# the process froze (seen once in the test suite: grpc/grpc#42247, open in grpcio 1.85).
+_event_engine_keeper: grpc.Channel | None = None
+
+
+def _keep_event_engine() -> None:
+    global _event_engine_keeper
+    if _event_engine_keeper is None:
+        _event_engine_keeper = grpc.insecure_channel("127.0.0.1:9")  # never called
+
+
 def identity_credentials(identity: Identity) -> grpc.ChannelCredentials:
     """Credentials to call the coordinator as ``identity``: TLS that trusts only its CA, plus
     `CertificateAuth` call credentials."""
+    _keep_event_engine()
     return grpc.composite_channel_credentials(
         channel_credentials(identity.ca_pem),
         grpc.metadata_call_credentials(CertificateAuth(identity), name="epochmesh-cert"),
