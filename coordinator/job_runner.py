@@ -26,7 +26,7 @@ from coordinator.node_set import JobNodeSet
 from coordinator.param_server import ParameterServer
 from coordinator.round_planner import RoundPlanner
 from coordinator.round_writer import RoundWriter
-from coordinator.rounds import NodeStats, Part, RoundState, part_record
+from coordinator.rounds import NodeStats, Part, RoundState
 from coordinator.sample_ranges import (
     TASK_RANGES_FIELD,
     encode_ranges_field,
@@ -89,7 +89,7 @@ class JobRunner:
         self.next_round = 1
         self.rounds_applied = 0
         self._task: asyncio.Task[None] | None = None
-        self._stop = asyncio.Event()
+        self.stop_requested = asyncio.Event()  # the coordinator stops: end the open round
         self._wake = asyncio.Event()
         self.writer = RoundWriter(
             self.ctx, job, background=self.rounds.writes_in_background, on_stored=self.notify
@@ -107,7 +107,7 @@ class JobRunner:
         """Stop at the next safe point (the open round is aborted: its slices go back to
         pending); cancel only if that takes longer than STOP_GRACE_S, since a task cancelled
         in the middle of a store write can leave the write half done."""
-        self._stop.set()
+        self.stop_requested.set()
         self.wake()
         if self._task is not None:
             _, pending = await asyncio.wait({self._task}, timeout=STOP_GRACE_S)
@@ -149,7 +149,7 @@ class JobRunner:
     @property
     def stopping(self) -> bool:
         """The runner is asked to stop (the coordinator stops): end the open round."""
-        return self._stop.is_set()
+        return self.stop_requested.is_set()
 
     @property
     def terminal(self) -> bool:
@@ -158,7 +158,7 @@ class JobRunner:
     async def _main(self) -> None:
         try:
             await self.restore()
-            while not self._stop.is_set() and not self.terminal:
+            while not self.stop_requested.is_set() and not self.terminal:
                 if self.node_set.job_fault_verdict:
                     await self._fail_for_program(self.node_set.job_fault_verdict)
                     continue
@@ -292,7 +292,9 @@ class JobRunner:
         if held:
             return held
         nodes = self.node_set
-        while not self._stop.is_set() and not self.terminal and not nodes.job_fault_verdict:
+        while (
+            not self.stop_requested.is_set() and not self.terminal and not nodes.job_fault_verdict
+        ):
             self._wake.clear()
             await self._handle_departures()
             max_nodes = min(self.spec.max_nodes, self.spec.global_batch)
@@ -571,27 +573,11 @@ class JobRunner:
         applied = {p.node_id for p in received}
         consumed = {p.node_id: p.samples for p in received if 0 < p.samples < p.assigned}
         self.ledger.commit_round(rs.round, applied, consumed)
-        for p in rs.parts.values():
-            st = self.node_set.stats.setdefault(p.node_id, NodeStats())
-            if p.status == "applied":
-                st.failures_in_a_row = 0
-                st.compute_s += p.compute_s
-                comm = p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s)
-                st.communicate_s += comm
+        self.node_set.observe(rs)
         self.planner.observe(rs)
+        record = rs.record(self.job_id, self.rounds.version, now_ms())
         samples = sum(p.samples for p in received)
-        loss = sum(p.mean_loss * p.samples for p in received) / samples if samples else float("nan")
-        record = common_pb2.RoundRecord(
-            job_id=self.job_id,
-            epoch=rs.epoch,
-            round=rs.round,
-            started_ms=rs.started_ms,
-            finished_ms=now_ms(),
-            loss=loss,
-            params_version=self.rounds.version,
-            parts=[part_record(p) for p in sorted(rs.parts.values(), key=lambda p: p.node_id)],
-            attempts=rs.attempts,
-        )
+        loss = record.loss
         job = self.job
         job.round = self.rounds_applied
         job.params_version = self.rounds.version
@@ -605,14 +591,7 @@ class JobRunner:
         self.round_state = None
         # Parts the round waited for and did without (a best-effort part that is late is the
         # expected case, not news: no event, debug log only).
-        dropped = sorted(
-            (
-                p
-                for p in rs.parts.values()
-                if p.status in ("failed", "rejected") or (p.status == "late" and p.required)
-            ),
-            key=lambda p: p.node_id,
-        )
+        dropped = rs.dropped()
         dropped_tasks = {p.task_id for p in dropped}
         for p in rs.parts.values():
             if p.status in ("late", "failed", "rejected"):
@@ -758,7 +737,7 @@ class JobRunner:
 
     async def cancel(self) -> None:
         await self._set_state(JS.JOB_STATE_CANCELLED, "cancelled by its submitter")
-        self._stop.set()
+        self.stop_requested.set()
         self.wake()
 
     # -- RPC-side entry points ------------------------------------------------------------------

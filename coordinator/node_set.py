@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from coordinator.rounds import NodeStats
+from coordinator.rounds import NodeStats, RoundState
 
 # A node that fails this many tasks of a job in a row is left out of that job.
 MAX_CONSECUTIVE_FAILURES = 3
@@ -152,6 +152,16 @@ class JobNodeSet:
             f"the job's program failed on {len(self.job_faults)} node(s) ({nodes}): {first}"
         )
         return self.job_fault_verdict
+
+    def observe(self, rs: RoundState) -> None:
+        """A closed round's parts: an applied one resets its node's failures and adds its
+        compute and communication time."""
+        for p in rs.parts.values():
+            st = self.stats.setdefault(p.node_id, NodeStats())
+            if p.status == "applied":
+                st.failures_in_a_row = 0
+                st.compute_s += p.compute_s
+                st.communicate_s += p.communicate_s()
 
     def round_applied(self) -> None:
         """The program works: faults reported before were transient."""

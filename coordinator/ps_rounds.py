@@ -33,6 +33,8 @@ APPLY_SECONDS_PER_BYTE = 20e-9
 
 
 class ParameterServerRounds:
+    """`coordinator.aggregation.Aggregation` for aggregation = "ps" (see the module)."""
+
     writes_in_background = True
     time_boxing = True
 

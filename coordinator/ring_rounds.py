@@ -81,6 +81,8 @@ class PushedState:
 
 
 class RingRounds:
+    """`coordinator.aggregation.Aggregation` for aggregation = "ring" (docs/ring-rounds.md)."""
+
     # Records and checkpoints (of a state a member pushes) are written in line.
     writes_in_background = False
     # No time boxes: the members' weights in the all-reduce are fixed before they step.
@@ -364,7 +366,7 @@ class RingRounds:
             return rest
         wait = min(self._suspects.values()) + limit - now
         try:
-            await asyncio.wait_for(self.runner._stop.wait(), timeout=max(0.01, wait))
+            await asyncio.wait_for(self.runner.stop_requested.wait(), timeout=max(0.01, wait))
         except TimeoutError:
             pass
         return []

@@ -319,7 +319,7 @@ class RoundPlanner:
         for p in rs.parts.values():
             if p.status != "applied" or p.node_id not in self.estimator:
                 continue
-            comm = p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s)
+            comm = p.communicate_s()
             if p.compute_s > 0 and math.isfinite(p.compute_s):
                 self.estimator.observe(p.node_id, p.samples, p.compute_s, comm)
                 if self.inner_steps > 1:

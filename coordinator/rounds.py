@@ -4,6 +4,7 @@ itself while it is open, and each node's running figures for the job."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,6 +52,11 @@ class Part:
     failed_peer: str = ""
     comm_s: float | None = None
 
+    def communicate_s(self) -> float:
+        """Seconds the node spent outside compute for this part (its own figure, else wall
+        time minus compute time)."""
+        return self.comm_s if self.comm_s is not None else max(0.0, self.wall_s - self.compute_s)
+
 
 def part_record(p: Part) -> common_pb2.RoundPart:
     """The round record's entry of a part."""
@@ -61,11 +67,7 @@ def part_record(p: Part) -> common_pb2.RoundPart:
         seconds=p.compute_s,
         status=p.status,
         inner_steps=p.inner_steps,
-        communicate_seconds=(
-            (p.comm_s if p.comm_s is not None else max(0.0, p.wall_s - p.compute_s))
-            if p.status == "applied"
-            else 0.0
-        ),
+        communicate_seconds=p.communicate_s() if p.status == "applied" else 0.0,
     )
     out.MergeFromString(encode_ranges_field(ROUND_PART_RANGES_FIELD, p.ranges))
     return out
@@ -97,6 +99,36 @@ class RoundState:
     def awaited(self) -> list[Part]:
         """Outstanding parts the round waits for (not the best-effort ones)."""
         return [p for p in self.outstanding() if p.required]
+
+    def dropped(self) -> list[Part]:
+        """Parts the round waited for and closed without (failed, rejected, or late while
+        required; a late best-effort part is expected), by node."""
+        return sorted(
+            (
+                p
+                for p in self.parts.values()
+                if p.status in ("failed", "rejected") or (p.status == "late" and p.required)
+            ),
+            key=lambda p: p.node_id,
+        )
+
+    def record(self, job_id: str, version: int, finished_ms: int) -> common_pb2.RoundRecord:
+        """The round's record once closed: its applied parts' sample-weighted loss, the
+        parameter version it ends with, every part by node."""
+        applied = [p for p in self.parts.values() if p.status == "applied"]
+        samples = sum(p.samples for p in applied)
+        loss = sum(p.mean_loss * p.samples for p in applied) / samples if samples else math.nan
+        return common_pb2.RoundRecord(
+            job_id=job_id,
+            epoch=self.epoch,
+            round=self.round,
+            started_ms=self.started_ms,
+            finished_ms=finished_ms,
+            loss=loss,
+            params_version=version,
+            parts=[part_record(p) for p in sorted(self.parts.values(), key=lambda p: p.node_id)],
+            attempts=self.attempts,
+        )
 
     def _part(self, node_id: str, task_id: str) -> Part | None:
         part = self.parts.get(node_id)

@@ -3,6 +3,7 @@ updates taken or refused, time-boxed prefixes, failures, and what the round stil
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,3 +151,26 @@ def test_what_the_round_still_awaits() -> None:
     assert rs.part_samples("b", "t-b") == 8 and rs.part_samples("b", "t-a") is None
     rs.closed = True
     assert not rs.is_open_part("b", "t-b")
+
+
+def test_the_record_weighs_loss_by_applied_samples_and_lists_every_part() -> None:
+    a, b, c, d = part("a", samples=8), part("b", samples=24), part("c"), part("d", required=False)
+    a.status, a.mean_loss, a.wall_s, a.compute_s = "applied", 1.0, 0.5, 0.2
+    b.status, b.mean_loss, b.comm_s = "applied", 2.0, 0.05
+    c.status, c.error = "failed", "node went offline"
+    d.status = "late"  # best effort: not news
+    rs = round_of(a, b, c, d)
+    record = rs.record("j-1", version=7, finished_ms=123)
+    assert record.loss == pytest.approx((8 * 1.0 + 24 * 2.0) / 32)
+    assert record.params_version == 7 and record.finished_ms == 123
+    assert [p.node_id for p in record.parts] == ["a", "b", "c", "d"]
+    comm = {p.node_id: p.communicate_seconds for p in record.parts}
+    assert comm == pytest.approx({"a": 0.3, "b": 0.05, "c": 0.0, "d": 0.0})
+    assert [p.node_id for p in rs.dropped()] == ["c"]
+    d.required = True  # a late part the round waited for is news
+    assert [p.node_id for p in rs.dropped()] == ["c", "d"]
+
+
+def test_a_round_with_nothing_applied_records_no_loss() -> None:
+    rs = round_of(part("a", status="failed"))
+    assert math.isnan(rs.record("j-1", version=1, finished_ms=0).loss)

@@ -1,0 +1,115 @@
+"""The billing rule, in integer micro-credits (pure).
+
+A node earns its hourly price for the time its *applied* samples take at its measured speed
+for the job: ``price x samples / rate / 3600``, rounded down. The submitter pays each sample of
+an epoch once: samples it already paid for in a round a coordinator restart rolled back are
+re-run at the platform's expense (the donor is paid again: it did the work twice). An optional
+platform fee, in parts per million of what the submitter pays for, comes on top of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+SECONDS_PER_HOUR = 3600
+PPM = 1_000_000
+# Rates are quantised to micro-samples per second, so that the rule is exact integer arithmetic.
+RATE_SCALE = 1_000_000
+
+
+def earned_micro(price_per_hour: int, samples: int, rate: float) -> int:
+    """Micro-credits a node at ``price_per_hour`` micro-credits earns for ``samples`` applied
+    samples at ``rate`` samples/s (0 for no samples, a free node, or no measured rate)."""
+    if price_per_hour < 0 or samples < 0:
+        raise ValueError("price and samples must not be negative")
+    if samples == 0 or price_per_hour == 0 or not (math.isfinite(rate) and rate > 0):
+        return 0
+    rate_q = max(1, round(rate * RATE_SCALE))
+    return price_per_hour * samples * RATE_SCALE // (rate_q * SECONDS_PER_HOUR)
+
+
+@dataclass(frozen=True)
+class PartCharge:
+    """What one applied part of a round moves: the donor earns ``earned``, paid by the
+    submitter (``submitter_pays``) and, for re-run samples, the platform (``platform_pays``);
+    the submitter pays ``fee`` to the platform on top."""
+
+    node_id: str
+    donor: str
+    samples: int
+    repeat_samples: int
+    earned: int
+    submitter_pays: int
+    platform_pays: int
+    fee: int
+
+    @property
+    def submitter_total(self) -> int:
+        return self.submitter_pays + self.fee
+
+
+def charge_part(
+    node_id: str,
+    donor: str,
+    price_per_hour: int,
+    rate: float,
+    samples: int,
+    repeat_samples: int = 0,
+    fee_ppm: int = 0,
+) -> PartCharge:
+    """The charge of an applied part of ``samples`` samples, ``repeat_samples`` of which the
+    submitter paid for already (in a rolled-back round)."""
+    if not 0 <= repeat_samples <= samples:
+        raise ValueError("repeat_samples must be within 0..samples")
+    if not 0 <= fee_ppm <= PPM:
+        raise ValueError("the fee must be within 0..1000000 parts per million")
+    earned = earned_micro(price_per_hour, samples, rate)
+    submitter = earned_micro(price_per_hour, samples - repeat_samples, rate)
+    return PartCharge(
+        node_id=node_id,
+        donor=donor,
+        samples=samples,
+        repeat_samples=repeat_samples,
+        earned=earned,
+        submitter_pays=submitter,
+        platform_pays=earned - submitter,
+        fee=submitter * fee_ppm // PPM,
+    )
+
+
+class BilledSamples:
+    """Which samples of each epoch of a job the submitter has paid for (index runs in, counts
+    out): a re-run of a paid sample is the platform's."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+        self._paid: dict[int, np.ndarray] = {}
+
+    def split(self, epoch: int, runs: np.ndarray) -> tuple[int, int]:
+        """(new, repeat) samples of ``runs`` ((k, 2) [start, stop) index rows) in ``epoch``."""
+        mask = self._mask(runs)
+        paid = self._paid.get(epoch)
+        repeat = int(np.count_nonzero(mask & paid)) if paid is not None else 0
+        return int(np.count_nonzero(mask)) - repeat, repeat
+
+    def mark(self, epoch: int, runs: np.ndarray) -> None:
+        """The submitter paid for ``runs`` in ``epoch``."""
+        paid = self._paid.setdefault(epoch, np.zeros(self.num_samples, dtype=bool))
+        paid |= self._mask(runs)
+
+    def forget_before(self, epoch: int) -> None:
+        """Epochs before ``epoch`` are done: no sample of theirs runs again."""
+        for e in [e for e in self._paid if e < epoch]:
+            del self._paid[e]
+
+    def _mask(self, runs: np.ndarray) -> np.ndarray:
+        runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+        if len(runs) and (int(runs.min()) < 0 or int(runs[:, 1].max()) > self.num_samples):
+            raise ValueError("sample runs outside the dataset")
+        delta = np.zeros(self.num_samples + 1, dtype=np.int64)
+        np.add.at(delta, runs[:, 0], 1)
+        np.add.at(delta, runs[:, 1], -1)
+        return np.cumsum(delta[:-1]) > 0
