@@ -47,6 +47,9 @@ DEFAULT_HALF_LIFE_S = 3600.0
 # A node's effective rate never counts as less than this (a node with no measurement at all
 # still counts as a little, so that filling makes progress).
 MIN_EFFECTIVE = 1e-3
+# No node computes more samples/s than this (a guess scaled from absurd figures, e.g. a tiny
+# reference rate, is clipped here, so that sums and means stay finite).
+MAX_RATE = 1e12
 # Usage steers only the nodes that do not divide evenly: a tenant's usage share above (below)
 # its fair share adds (takes off) up to 0.4 of a node to its value (less than half: two tenants' offsets together never outweigh a whole node) while filling. The gain sets
 # how small a deviation already tips the balance (the long-run error is about
@@ -255,11 +258,12 @@ def _rate_estimates(
         for n in nodes:
             measured = n.job_rates.get(job.job_id, 0.0)
             if measured > 0:
-                est[n.node_id] = measured
+                est[n.node_id] = min(measured, MAX_RATE)
             else:
-                est[n.node_id] = max(0.0, n.reference_rate) * scale.get(n.kind, scale_all)
+                guess = max(0.0, n.reference_rate) * scale.get(n.kind, scale_all)
+                est[n.node_id] = min(guess, MAX_RATE) if math.isfinite(guess) else MAX_RATE
         positive = [v for v in est.values() if v > 0]
-        mean = statistics.fmean(positive) if positive else 0.0
+        mean = statistics.fmean(positive) if positive else 0.0  # each <= MAX_RATE: no overflow
         means[job.job_id] = mean
         for node_id, v in est.items():
             out[(node_id, job.job_id)] = max(MIN_EFFECTIVE, v / mean) if mean > 0 else 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -425,3 +426,21 @@ def test_a_new_tenant_gets_half_however_much_the_first_one_used() -> None:
     held = {f"n{i}": Holding("a") for i in range(4)}
     plan = schedule(10**6, [a, b], cluster, held, Tenants(usage={"alice": 1e6}))
     assert len(plan.jobs["a"].nodes) == 2 and len(plan.jobs["b"].nodes) == 2
+
+
+def test_absurd_rates_stay_finite() -> None:
+    """A tiny reference rate with a real job rate scales other nodes' guesses past float range
+    (found by hypothesis): the estimates are clipped, the pass still plans."""
+    jobs = [
+        JobRequest("j0", "a", Tier.LOW, 1, 1, 0),
+        JobRequest("j1", "a", Tier.LOW, 1, 1, 0),
+    ]
+    offers = [
+        NodeOffer("n7", 4.0),
+        NodeOffer("n8", 17.0),
+        NodeOffer("n9", 5.164082907092123e-306, {"j0": 45.0}),
+    ]
+    plan = schedule(5, jobs, offers, {}, Tenants())
+    plan.check(jobs, offers)
+    rates = effective_rates(jobs, offers)
+    assert all(math.isfinite(v) and v > 0 for v in rates.values())
