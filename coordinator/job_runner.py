@@ -217,7 +217,12 @@ class JobRunner:
         self.state_names = list(state_dict)
         skip = set(names) | set(self.aliases)
         self.buffers = {k: v for k, v in state_dict.items() if k not in skip}
-        self.ps = ParameterServer(self.spec, {n: state_dict[n] for n in names})
+        # In a thread: the process's first optimizer imports torch._dynamo (1 s on a 2-core
+        # CPU host, ~3.5 s with CUDA torch on a GPU machine, where it stalled this loop past
+        # every node's lease); the loop keeps serving heartbeats meanwhile.
+        self.ps = await asyncio.to_thread(
+            ParameterServer, self.spec, {n: state_dict[n] for n in names}
+        )
         store = self.ctx.store
         latest = await store.latest_checkpoint(self.job_id)
         all_rounds = await store.list_rounds(self.job_id, include_rolled_back=True)

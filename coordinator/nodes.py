@@ -269,7 +269,7 @@ class NodeRegistry:
             replaced_live_lease = self._leased(node, now)
             previous = info.state
             if previous not in (CORDONED, QUARANTINED):
-                info.state = ONLINE
+                info.state = info.return_state or ONLINE
             info.current_job_id = ""
             kind = "node.rejoined"
         else:
@@ -344,6 +344,7 @@ class NodeRegistry:
         node = self._require_live(node_id, "cordon")
         if node.info.state in (ONLINE, BUSY):
             node.info.state = CORDONED
+            node.info.return_state = CORDONED
             await self._persist(node, "node.cordoned", "cordoned by an operator")
         return _copy(node.info)
 
@@ -352,12 +353,15 @@ class NodeRegistry:
         node = self._require_live(node_id, "uncordon")
         if node.info.state in (CORDONED, DRAINING):
             node.info.state = BUSY if node.info.current_job_id else ONLINE
+            node.info.return_state = NS.NODE_STATE_UNSPECIFIED
             await self._persist(node, "node.uncordoned", "uncordoned by an operator")
         return _copy(node.info)
 
     async def drain(self, node_id: str) -> common_pb2.NodeInfo:
-        """The node finishes its current round, gets no new work, and its agent leaves."""
+        """The node finishes its current round, gets no new work, and its agent leaves; when
+        it comes back it is CORDONED (it gets no work until an operator uncordons it)."""
         node = self._require_live(node_id, "drain")
+        node.info.return_state = CORDONED
         if node.info.state != DRAINING:
             node.info.state = DRAINING
             await self._persist(node, "node.draining", "drained by an operator", {"by": "operator"})
@@ -385,6 +389,7 @@ class NodeRegistry:
         )
         if info.strikes >= limit and info.state != QUARANTINED:
             info.state = QUARANTINED
+            info.return_state = QUARANTINED
             await self._persist(
                 node,
                 "node.quarantined",

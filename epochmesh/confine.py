@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import pwd
 import resource
 import signal
 import stat
@@ -112,10 +113,24 @@ def runtime_read_paths() -> tuple[str, ...]:
     return tuple(sorted(p for p in paths if p and os.path.exists(p)))
 
 
+def _name_user() -> None:
+    """Put the user's name in the environment while the password database can be read:
+    `getpass.getuser()` reads /etc/passwd when LOGNAME and USER are unset (a child's minimal
+    environment), which Landlock then refuses (torch 2.11's `torch.export.load` asks for it,
+    seen on a GPU machine). A uid without a name is named by its number."""
+    if any(os.environ.get(k) for k in ("LOGNAME", "USER", "LNAME", "USERNAME")):
+        return
+    try:
+        os.environ["USER"] = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        os.environ["USER"] = str(os.getuid())
+
+
 def confine_self(c: Confinement) -> ConfinementReport:
     """Confine the calling process (irreversibly): resource limits, no new privileges, no
     capabilities, Landlock, seccomp, as far as the system supports them. OSError when a step the
     kernel supports fails."""
+    _name_user()
     _set_rlimits(c)
     if not sys.platform.startswith("linux"):
         return ConfinementReport(

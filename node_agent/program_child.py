@@ -299,6 +299,17 @@ def preload() -> None:
         importlib.import_module(name)
 
 
+def open_cuda_libraries(device: str) -> None:
+    """Open the driver and the libraries torch loads lazily (cuBLAS at the first matrix
+    product, cuDNN at the first convolution) while files may still be opened: after
+    confinement a program's first step could not load them."""
+    x = torch.ones(1, 1, 4, 4, device=device, requires_grad=True)
+    w = torch.ones(1, 1, 3, 3, device=device, requires_grad=True)
+    y = torch.nn.functional.conv2d(x, w).flatten(1) @ torch.ones(4, 2, device=device)
+    y.sum().backward()
+    torch.cuda.synchronize(device)
+
+
 def run(fd: int, parent: int) -> int:
     """A child's life on its socket `fd` to the agent, in a fresh interpreter (main) or in a
     process just forked from the zygote (node_agent.program_zygote), whose pid is `parent`:
@@ -311,7 +322,7 @@ def run(fd: int, parent: int) -> int:
     threads = hello.get("threads")
     device = str(hello.get("device", "cpu"))
     if device.startswith("cuda"):
-        torch.zeros(1, device=device)  # the driver's files are opened before confinement
+        open_cuda_libraries(device)
     preload()  # already done in the zygote
 
     memory = hello.get("memory_bytes")

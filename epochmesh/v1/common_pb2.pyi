@@ -142,7 +142,7 @@ class BenchmarkResult(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., points: _Optional[_Iterable[_Union[BenchmarkPoint, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bandwidth_bytes_per_second: _Optional[float] = ..., measured_at_ms: _Optional[int] = ..., slowdown: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second")
+    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class NodeInfo(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RETURN_STATE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     state: NodeState
@@ -178,7 +179,8 @@ class NodeInfo(_message.Message):
     agent_version: str
     labels: _containers.ScalarMap[str, str]
     observed_samples_per_second: float
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ...) -> None: ...
+    return_state: NodeState
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("id", "time_ms", "kind", "node_id", "job_id", "message", "attrs")

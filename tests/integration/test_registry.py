@@ -150,6 +150,51 @@ async def test_rejoin_replacing_a_live_lease_notifies_and_keeps_cordon(
         await reg.register(name="x", node_id="n-ffffffffff")
 
 
+async def test_cordon_drain_and_quarantine_outlive_a_lapsed_lease_and_a_restart(
+    store: SqliteStore,
+) -> None:
+    """Seen on a GPU machine: a coordinator stalled past the lease TTL, every node went OFFLINE
+    and re-joined ONLINE, and an operator's cordon was gone (a quarantine too, by the same
+    path). A node that comes back returns to where the operator or its strikes put it."""
+    clock = Clock()
+    reg, _ = await make_registry(store, clock)
+    cordoned = await reg.register(name="cordoned")
+    drained = await reg.register(name="drained")
+    hostile = await reg.register(name="hostile")
+    freed = await reg.register(name="freed")
+    await reg.cordon(cordoned.node_id)
+    await reg.drain(drained.node_id)
+    for _ in range(3):
+        await reg.add_strike(hostile.node_id, "NaN in the update", limit=3)
+    await reg.cordon(freed.node_id)
+    await reg.uncordon(freed.node_id)
+    clock.t += TTL + 1
+    await reg.sweep()
+    nodes = (cordoned, drained, hostile, freed)
+    assert all(reg.get(n.node_id).state == NS.NODE_STATE_OFFLINE for n in nodes)
+    reg2, _ = await make_registry(store, clock)  # and the coordinator restarts meanwhile
+    for node, state in zip(
+        nodes,
+        (
+            NS.NODE_STATE_CORDONED,
+            NS.NODE_STATE_CORDONED,
+            NS.NODE_STATE_QUARANTINED,
+            NS.NODE_STATE_ONLINE,
+        ),
+        strict=True,
+    ):
+        again = await reg2.register(name=reg2.get(node.node_id).name, node_id=node.node_id)
+        assert again.rejoined
+        assert reg2.get(node.node_id).state == state, reg2.get(node.node_id).name
+    assert hostile.node_id not in {n.node_id for n in reg2.eligible_nodes()}
+    await reg2.uncordon(cordoned.node_id)
+    await reg2.leave(
+        cordoned.node_id, (await reg2.register(name="c", node_id=cordoned.node_id)).lease_id
+    )
+    await reg2.register(name="c", node_id=cordoned.node_id)
+    assert reg2.get(cordoned.node_id).state == NS.NODE_STATE_ONLINE
+
+
 async def test_busy_idle_eligibility_and_names(store: SqliteStore) -> None:
     clock = Clock()
     reg, _ = await make_registry(store, clock)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import resource
 import signal
 import struct
@@ -253,6 +254,31 @@ def test_threads_started_before_are_filtered_and_reported(tmp_path: Path) -> Non
     assert outside == (0 if out["report"]["landlock_abi"] >= 8 else 1)
     assert refused(out["early_read"]) == (outside == 0)
     assert ("; not on 1 earlier thread)" in out["describe"]) == (outside == 1)
+
+
+@on_linux
+def test_the_user_keeps_a_name_once_the_password_database_is_closed() -> None:
+    """A child's environment names no user; getpass.getuser() (torch 2.11's torch.export.load
+    calls it) would read /etc/passwd, which Landlock closes: confinement names the user first."""
+    # Looked up here, not in the child: a lookup there before confinement would leave the
+    # database open and hide the failure.
+    try:
+        expected = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        expected = str(os.getuid())
+    out = run_child(
+        """
+        import getpass
+        for key in ("LOGNAME", "USER", "LNAME", "USERNAME"):
+            os.environ.pop(key, None)
+        confined()
+        attempt("passwd", lambda: open("/etc/passwd").read())
+        attempt("getuser", getpass.getuser)
+        """
+    )
+    assert out["getuser"] == ["allowed", repr(expected)]
+    if out["report"]["landlock_abi"]:
+        assert refused(out["passwd"])
 
 
 # -- memory and CPU ---------------------------------------------------------------------------
