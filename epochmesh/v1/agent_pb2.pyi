@@ -18,7 +18,7 @@ TASK_KIND_BENCHMARK: TaskKind
 TASK_KIND_TRAIN: TaskKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels")
+    __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels", "price_micro_per_hour")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,13 +32,15 @@ class RegisterRequest(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     name: str
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
     peer_address: str
     agent_version: str
     node_id: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., agent_version: _Optional[str] = ..., node_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    price_micro_per_hour: int
+    def __init__(self, name: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., agent_version: _Optional[str] = ..., node_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., price_micro_per_hour: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("node_id", "lease_id", "lease_ttl_ms", "heartbeat_interval_ms")
@@ -53,16 +55,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "lease_id", "task_id", "draining")
+    __slots__ = ("node_id", "lease_id", "task_id", "draining", "price_micro_per_hour")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     task_id: str
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    price_micro_per_hour: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., draining: _Optional[bool] = ..., price_micro_per_hour: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_ttl_ms", "heartbeat_interval_ms", "state", "cancel_task")

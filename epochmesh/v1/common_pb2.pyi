@@ -142,7 +142,7 @@ class BenchmarkResult(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., points: _Optional[_Iterable[_Union[BenchmarkPoint, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bandwidth_bytes_per_second: _Optional[float] = ..., measured_at_ms: _Optional[int] = ..., slowdown: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state")
+    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state", "price_micro_per_hour")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class NodeInfo(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     RETURN_STATE_FIELD_NUMBER: _ClassVar[int]
+    PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     state: NodeState
@@ -180,7 +181,8 @@ class NodeInfo(_message.Message):
     labels: _containers.ScalarMap[str, str]
     observed_samples_per_second: float
     return_state: NodeState
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ...) -> None: ...
+    price_micro_per_hour: int
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ..., price_micro_per_hour: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("id", "time_ms", "kind", "node_id", "job_id", "message", "attrs")
@@ -208,7 +210,7 @@ class Event(_message.Message):
     def __init__(self, id: _Optional[int] = ..., time_ms: _Optional[int] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., message: _Optional[str] = ..., attrs: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "loss", "inputs", "targets", "epochs", "global_batch", "optimizer", "lr", "momentum", "weight_decay", "seed", "beta1", "beta2", "eps", "nesterov", "dampening", "sync", "inner_steps", "inner_optimizer", "outer_optimizer", "outer_lr", "outer_momentum", "compression", "topk_ratio", "micro_batch", "aggregation", "min_nodes", "max_nodes", "checkpoint_every", "priority")
+    __slots__ = ("name", "loss", "inputs", "targets", "epochs", "global_batch", "optimizer", "lr", "momentum", "weight_decay", "seed", "beta1", "beta2", "eps", "nesterov", "dampening", "sync", "inner_steps", "inner_optimizer", "outer_optimizer", "outer_lr", "outer_momentum", "compression", "topk_ratio", "micro_batch", "aggregation", "min_nodes", "max_nodes", "checkpoint_every", "priority", "max_price_micro_per_hour", "budget_micro")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +241,8 @@ class JobSpec(_message.Message):
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_MICRO_FIELD_NUMBER: _ClassVar[int]
     name: str
     loss: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
@@ -269,7 +273,9 @@ class JobSpec(_message.Message):
     max_nodes: int
     checkpoint_every: int
     priority: str
-    def __init__(self, name: _Optional[str] = ..., loss: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., epochs: _Optional[int] = ..., global_batch: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., dampening: _Optional[float] = ..., sync: _Optional[str] = ..., inner_steps: _Optional[int] = ..., inner_optimizer: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_ratio: _Optional[float] = ..., micro_batch: _Optional[int] = ..., aggregation: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., priority: _Optional[str] = ...) -> None: ...
+    max_price_micro_per_hour: int
+    budget_micro: int
+    def __init__(self, name: _Optional[str] = ..., loss: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., epochs: _Optional[int] = ..., global_batch: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., dampening: _Optional[float] = ..., sync: _Optional[str] = ..., inner_steps: _Optional[int] = ..., inner_optimizer: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_ratio: _Optional[float] = ..., micro_batch: _Optional[int] = ..., aggregation: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., priority: _Optional[str] = ..., max_price_micro_per_hour: _Optional[int] = ..., budget_micro: _Optional[int] = ...) -> None: ...
 
 class Shard(_message.Message):
     __slots__ = ("blob", "start", "count")
