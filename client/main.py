@@ -20,7 +20,7 @@ from typing import NoReturn
 
 import grpc
 
-from client.commands import auth, cluster, jobs, nodes, queue, submit, watch
+from client.commands import auth, cluster, jobs, market, nodes, queue, submit, watch
 from client.commands.context import Context
 from client.commands.output import closest
 from client.config import DEFAULT_COORDINATOR, ENV_COORDINATOR, resolve_coordinator
@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.register(sub, [common])
     queue.register(sub, [common])
     auth.register(sub, [common])
+    market.register(sub, [common])
     return parser
 
 

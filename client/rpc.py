@@ -30,7 +30,7 @@ import grpc
 
 from epochmesh.grpc_util import sync_channel
 from epochmesh.identity import Identity, secure_sync_channel
-from epochmesh.v1 import job_pb2_grpc, scheduler_pb2_grpc
+from epochmesh.v1 import job_pb2_grpc, market_pb2_grpc, scheduler_pb2_grpc
 
 # How long the CLI waits for the channel to connect before it calls the coordinator unreachable.
 CONNECT_TIMEOUT_S = 3.0
@@ -214,6 +214,7 @@ class Coordinator:
         )
         self.jobs = job_pb2_grpc.JobServiceStub(self.channel)
         self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        self.market = market_pb2_grpc.MarketServiceStub(self.channel)
         self._connected = False
 
     def connect(self) -> Coordinator:

@@ -63,6 +63,7 @@ OPERATOR = frozenset({ROLE_OPERATOR})
 _AGENT = "epochmesh.v1.AgentService"
 _JOB = "epochmesh.v1.JobService"
 _SCHED = "epochmesh.v1.SchedulerService"
+_MARKET = "epochmesh.v1.MarketService"
 
 # Roles admitted by each RPC ("Service/Method"). A method missing here is refused to everyone.
 POLICY: dict[str, frozenset[str]] = {
@@ -118,6 +119,9 @@ POLICY: dict[str, frozenset[str]] = {
             "SetTenantWeight",
         )
     },
+    # Balances and statements: a submitter its own (coordinator.market_service checks).
+    **{f"{_MARKET}/{m}": USERS for m in ("GetBalance", "GetStatement")},
+    f"{_MARKET}/GrantCredits": OPERATOR,
 }
 
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from coordinator.blobs import BlobStore
     from coordinator.cluster_scheduler import JobPlan
     from coordinator.config import CoordinatorConfig
+    from coordinator.credit_ledger import CreditLedger
     from coordinator.events import EventLog
     from coordinator.nodes import NodeRegistry
     from coordinator.store import Store
@@ -54,6 +55,7 @@ class CoordinatorContext:
     registry: NodeRegistry
     events: EventLog
     shutdown: asyncio.Event
+    credits: CreditLedger
 
 
 class SchedulerState(Protocol):

@@ -45,10 +45,12 @@ from coordinator.agent_service import AgentService
 from coordinator.auth import Authorizer, set_principal
 from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig, parse_listen
+from coordinator.credit_ledger import CreditLedger
 from coordinator.engine_api import CoordinatorContext, EngineFactory, NullEngine, TrainingEngine
 from coordinator.events import EventLog
 from coordinator.identity_service import IdentityService
 from coordinator.job_service import JobService
+from coordinator.market_service import MarketService
 from coordinator.nodes import NodeRegistry
 from coordinator.scheduler_service import SchedulerService
 from coordinator.sqlite_store import SqliteStore
@@ -57,16 +59,19 @@ from coordinator.tokens import CertificateAuthority, ensure_ca, issue_identity
 from epochmesh.errors import CodecError, ProgramError, SpecError
 from epochmesh.grpc_util import SERVER_OPTIONS
 from epochmesh.identity import Identity, coordinator_server_credentials
-from epochmesh.v1 import agent_pb2, identity_pb2, job_pb2, scheduler_pb2
+from epochmesh.v1 import agent_pb2, identity_pb2, job_pb2, market_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
 
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 JOB_SERVICE = job_pb2.DESCRIPTOR.services_by_name["JobService"]
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"]
+MARKET_SERVICE = market_pb2.DESCRIPTOR.services_by_name["MarketService"]
 IDENTITY_SERVICE = identity_pb2.DESCRIPTOR.services_by_name["IdentityService"]
+# The identity service last: a coordinator without TLS does not serve it.
 SERVICE_NAMES = tuple(
-    s.full_name for s in (AGENT_SERVICE, JOB_SERVICE, SCHEDULER_SERVICE, IDENTITY_SERVICE)
+    s.full_name
+    for s in (AGENT_SERVICE, JOB_SERVICE, SCHEDULER_SERVICE, MARKET_SERVICE, IDENTITY_SERVICE)
 )
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
@@ -269,6 +274,7 @@ class Coordinator:
         self.events: EventLog
         self.blobs: BlobStore
         self.registry: NodeRegistry
+        self.credits: CreditLedger
         self.engine: TrainingEngine
         self.health: health.aio.HealthServicer
         self._server: grpc.aio.Server
@@ -285,6 +291,7 @@ class Coordinator:
             registry=self.registry,
             events=self.events,
             shutdown=self.shutdown,
+            credits=self.credits,
         )
 
     async def start(self) -> None:
@@ -322,6 +329,8 @@ class Coordinator:
             flush_interval_s=cfg.heartbeat_flush_interval_s,
         )
         await self.registry.load()
+        self.credits = CreditLedger(self.store)
+        await self.credits.reload()
 
         factory: EngineFactory = self._engine_factory or NullEngine
         self.engine = factory(self.context)
@@ -343,6 +352,7 @@ class Coordinator:
             SchedulerService(self.registry, self.store, self.blobs, self.events, self.engine, auth),
             auth,
         )
+        add_service(server, MARKET_SERVICE, MarketService(self.store, self.credits), auth)
         if self.ca is not None:
             # No role check: the join token is the credential.
             add_service(server, IDENTITY_SERVICE, IdentityService(self.store, self.ca, self.events))

@@ -25,6 +25,7 @@ from pathlib import Path
 import aiosqlite
 
 from coordinator.auth import current_principal_id
+from coordinator.credit_book import Entry
 from coordinator.store import (
     AlreadyExistsError,
     BlobRecord,
@@ -161,6 +162,27 @@ MIGRATIONS: tuple[Migration, ...] = (
                 key TEXT PRIMARY KEY,
                 value BLOB NOT NULL
             )""",
+        ),
+    ),
+    Migration(
+        6,
+        "the market: the credit ledger",
+        (
+            """CREATE TABLE ledger_entries (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                time_ms INTEGER NOT NULL,
+                from_account TEXT NOT NULL,
+                to_account TEXT NOT NULL,
+                amount INTEGER NOT NULL CHECK (amount > 0),
+                reason TEXT NOT NULL,
+                job_id TEXT NOT NULL,
+                round INTEGER NOT NULL,
+                node_id TEXT NOT NULL,
+                samples INTEGER NOT NULL
+            )""",
+            "CREATE INDEX ledger_from ON ledger_entries (from_account, id)",
+            "CREATE INDEX ledger_to ON ledger_entries (to_account, id)",
+            "CREATE INDEX ledger_job ON ledger_entries (job_id, id)",
         ),
     ),
 )
@@ -759,6 +781,63 @@ class SqliteStore(Store):
     async def list_tenant_weights(self) -> dict[str, float]:
         rows = await self._fetchall("SELECT tenant, weight FROM tenant_weights")
         return {str(r[0]): float(r[1]) for r in rows}
+
+    async def add_ledger_entries(self, entries: Sequence[Entry]) -> list[int]:
+        ids: list[int] = []
+        async with self._write() as db:
+            for e in entries:
+                cursor = await db.execute(
+                    """INSERT INTO ledger_entries (time_ms, from_account, to_account, amount,
+                           reason, job_id, round, node_id, samples)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                    (
+                        e.at_ms,
+                        e.from_account,
+                        e.to_account,
+                        e.amount,
+                        e.reason,
+                        e.job_id,
+                        e.round,
+                        e.node_id,
+                        e.samples,
+                    ),
+                )
+                ids.append(int(cursor.lastrowid or 0))
+        return ids
+
+    async def list_ledger_entries(
+        self, account: str = "", job_id: str = "", after_id: int = 0, limit: int = 0
+    ) -> list[tuple[int, Entry]]:
+        where, args = ["id > ?"], [after_id]
+        if account:
+            where.append("(from_account = ? OR to_account = ?)")
+            args += [account, account]
+        if job_id:
+            where.append("job_id = ?")
+            args.append(job_id)
+        sql = (
+            "SELECT id, time_ms, from_account, to_account, amount, reason, job_id, round,"
+            f" node_id, samples FROM ledger_entries WHERE {' AND '.join(where)} ORDER BY id"
+        )
+        if limit > 0:
+            sql += f" LIMIT {int(limit)}"
+        rows = await self._fetchall(sql, tuple(args))
+        return [
+            (
+                int(r[0]),
+                Entry(int(r[1]), r[2], r[3], int(r[4]), r[5], r[6], int(r[7]), r[8], int(r[9])),
+            )
+            for r in rows
+        ]
+
+    async def ledger_balances(self) -> dict[str, int]:
+        rows = await self._fetchall(
+            """SELECT account, SUM(amount) FROM (
+                   SELECT to_account AS account, amount FROM ledger_entries
+                   UNION ALL SELECT from_account, -amount FROM ledger_entries
+               ) GROUP BY account"""
+        )
+        return {str(r[0]): int(r[1]) for r in rows}
 
     async def put_scheduler_state(self, key: str, value: bytes) -> None:
         async with self._write() as db:

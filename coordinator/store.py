@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
+from coordinator.credit_book import Entry
 from epochmesh.v1 import common_pb2
 
 # -- domain errors ------------------------------------------------------------------------------
@@ -392,6 +393,23 @@ class Store(ABC):
     @abstractmethod
     async def list_tenant_weights(self) -> dict[str, float]:
         """tenant -> weight, for the tenants an operator gave one (others weigh 1)."""
+
+    # -- credit ledger ---------------------------------------------------------------------------
+
+    @abstractmethod
+    async def add_ledger_entries(self, entries: Sequence[Entry]) -> list[int]:
+        """Append entries (in the caller's transaction, if any); their ids, increasing."""
+
+    @abstractmethod
+    async def list_ledger_entries(
+        self, account: str = "", job_id: str = "", after_id: int = 0, limit: int = 0
+    ) -> list[tuple[int, Entry]]:
+        """(id, entry) oldest first: entries from or to ``account`` and/or of ``job_id``
+        (both empty: all), with an id above ``after_id``, at most ``limit`` (0: all)."""
+
+    @abstractmethod
+    async def ledger_balances(self) -> dict[str, int]:
+        """Every account's balance (what its entries sum to)."""
 
     @abstractmethod
     async def put_scheduler_state(self, key: str, value: bytes) -> None: ...

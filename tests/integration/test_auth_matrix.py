@@ -33,6 +33,7 @@ from epochmesh.v1 import (
     identity_pb2_grpc,
     job_pb2,
     job_pb2_grpc,
+    market_pb2,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
@@ -46,6 +47,7 @@ SERVICES: tuple[ServiceDescriptor, ...] = (
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"],
     job_pb2.DESCRIPTOR.services_by_name["JobService"],
     scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"],
+    market_pb2.DESCRIPTOR.services_by_name["MarketService"],
 )
 NODE, SUBMITTER, OPERATOR = "node", "submitter", "operator"
 ANY_USER = {SUBMITTER, OPERATOR}
@@ -88,6 +90,9 @@ EXPECTED: dict[str, tuple[set[str], str | S]] = {
     "SchedulerService/Revoke": ({OPERATOR}, S.INVALID_ARGUMENT),
     "SchedulerService/GetQueue": ({OPERATOR}, S.UNIMPLEMENTED),
     "SchedulerService/SetTenantWeight": ({OPERATOR}, S.INVALID_ARGUMENT),
+    "MarketService/GrantCredits": ({OPERATOR}, S.INVALID_ARGUMENT),
+    "MarketService/GetBalance": (ANY_USER, OK),
+    "MarketService/GetStatement": (ANY_USER, OK),
 }
 
 
