@@ -40,8 +40,10 @@ import enum
 import math
 import statistics
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from epochmesh.money import format_credits
 
 DEFAULT_HALF_LIFE_S = 3600.0
 # A node's effective rate never counts as less than this (a node with no measurement at all
@@ -105,6 +107,14 @@ class JobRequest:
     attained_s: float = 0.0  # node-equivalent seconds of service so far
     # samples still to train (epochs x dataset size - samples done); None: unknown
     remaining_samples: float | None = None
+    # The market: a node asking more micro-credits per hour than this never serves the job
+    # (None: no cap); `per_credit`: the job prefers the nodes with the most samples/s per
+    # credit (a budget without a deadline), else the fastest.
+    max_price: int | None = None
+    per_credit: bool = False
+
+    def affords(self, price: int) -> bool:
+        return self.max_price is None or price <= self.max_price
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,7 @@ class NodeOffer:
     reference_rate: float  # samples/s of the reference benchmark (0: unknown)
     job_rates: Mapping[str, float] = field(default_factory=dict)  # job_id -> measured samples/s
     kind: str = ""  # device model: nodes of a kind are assumed alike for a job
+    price: int = 0  # the donor's asking price, micro-credits per node-hour (0: donated)
 
 
 @dataclass(frozen=True)
@@ -317,6 +328,10 @@ class _Tier:
     cost: Mapping[str, int]  # node -> how reluctantly it is taken (see _move_cost)
     held: Mapping[str, str]  # node -> job holding it now
     remaining: Mapping[str, float]  # job -> expected remaining node-equivalent seconds
+    prices: Mapping[str, int] = field(default_factory=dict)  # node -> micro-credits per hour
+
+    def allowed(self, node_id: str, job: JobRequest) -> bool:
+        return job.affords(self.prices.get(node_id, 0))
 
     def fill(
         self, jobs: Sequence[JobRequest], started: Collection[str]
@@ -344,6 +359,14 @@ class _Tier:
         wanting = [j for j in jobs if len(assigned[j.job_id]) < j.max_nodes]
         top2 = self._top2(free, wanting)
         while free and wanting:
+            priced_out = [j for j in wanting if not any(self.allowed(n, j) for n in free)]
+            if priced_out:  # no free node at or under its max_price
+                for j in priced_out:
+                    wanting.remove(j)
+                    if not assigned[j.job_id]:
+                        did_not_fit[j.job_id] = 0
+                top2 = self._top2(free, wanting)
+                continue
             needy = [
                 j for j in wanting if j.job_id in started and len(assigned[j.job_id]) < j.min_nodes
             ]
@@ -369,8 +392,9 @@ class _Tier:
                         j.job_id,
                     ),
                 )
-                if not assigned[job.job_id] and len(free) < job.min_nodes:
-                    did_not_fit[job.job_id] = len(free)  # gang start: all or nothing
+                affordable = sum(1 for n in free if self.allowed(n, job))
+                if not assigned[job.job_id] and affordable < job.min_nodes:
+                    did_not_fit[job.job_id] = affordable  # gang start: all or nothing
                     wanting.remove(job)
                     top2 = self._top2(free, wanting)
                     continue
@@ -379,7 +403,10 @@ class _Tier:
             # takes the nodes fastest for it.
             scarce = len(free) < sum(j.max_nodes - len(assigned[j.job_id]) for j in wanting)
             for _ in range(max(1, job.min_nodes - len(assigned[job.job_id]))):
-                node = max(free, key=lambda n: self._preference(n, job.job_id, top2, scarce))
+                mine = [n for n in free if self.allowed(n, job)]
+                if not mine:
+                    break
+                node = max(mine, key=lambda n: self._preference(n, job, top2, scarce))
                 free.remove(node)
                 give(node, job)
             if len(assigned[job.job_id]) >= job.max_nodes:
@@ -401,14 +428,16 @@ class _Tier:
     def _preference(
         self,
         node_id: str,
-        job_id: str,
+        job: JobRequest,
         top2: Mapping[str, tuple[tuple[float, str], ...]],
         scarce: bool,
     ) -> tuple[int, float, float, str]:
         """The cheapest node to take first (its own nodes and free ones before other jobs'),
         then the best score: the job's comparative advantage over the other wanting jobs
-        while nodes are scarce, else its own speed there; a node the job holds scores
-        STICKINESS times higher (a move costs a job benchmark)."""
+        while nodes are scarce, else its own speed there (a job that pays per credit: that
+        per credit, donated nodes first); a node the job holds scores STICKINESS times higher
+        (a move costs a job benchmark)."""
+        job_id = job.job_id
         mine = self.rates[(node_id, job_id)]
         own = self.held.get(node_id) == job_id
         if scarce:
@@ -417,6 +446,9 @@ class _Tier:
             score = mine / other if other > 0 else mine
         else:
             score = mine
+        if job.per_credit:
+            price = self.prices.get(node_id, 0)
+            score = score * MAX_RATE if price <= 0 else score / price
         if own:
             score *= STICKINESS
         return (0 if own else -self.cost[node_id], score, mine, node_id)
@@ -471,6 +503,7 @@ def schedule(
     node_ids = [n.node_id for n in nodes]
     offered = set(node_ids)
     rates, mean_rates = _rate_estimates(jobs, nodes)
+    prices = {n.node_id: n.price for n in nodes}
     remaining = {j.job_id: expected_remaining_s(j, mean_rates[j.job_id]) for j in jobs}
     # Only holdings of live jobs on offered nodes count.
     held = {n: h for n, h in holdings.items() if n in offered and h.job_id in by_id}
@@ -493,6 +526,7 @@ def schedule(
                 and by_id[h.job_id].tier == tier
                 and h.protected_until_ms > now_ms
                 and pinned_count[h.job_id] < by_id[h.job_id].max_nodes
+                and by_id[h.job_id].affords(prices[n])
             ):
                 pinned[n] = h.job_id
                 pinned_count[h.job_id] += 1
@@ -505,19 +539,27 @@ def schedule(
             cost={n: _move_cost(held.get(n), by_id, tier, now_ms) for n in available},
             held={n: h.job_id for n, h in held.items()},
             remaining=remaining,
+            prices=prices,
         )
         candidates = []
         for job in tier_jobs:
+            affordable = sum(1 for n in node_ids if job.affords(prices[n]))
             if job.min_nodes > len(node_ids):
                 waiting_reason[job.job_id] = (
                     f"waits: min_nodes {job.min_nodes} exceeds the {len(node_ids)} eligible "
                     "node(s) in the cluster"
                 )
+            elif job.min_nodes > affordable:
+                waiting_reason[job.job_id] = (
+                    f"waits: {affordable} of the {len(node_ids)} eligible node(s) ask at most "
+                    f"its max_price of {format_credits(job.max_price or 0)} credits/h; it "
+                    f"needs {job.min_nodes} (min_nodes)"
+                )
             else:
                 candidates.append(job)
         started = _started(candidates, work)
         filled, did_not_fit = work.fill(candidates, started)
-        assigned = _keep_held(filled, work.held, rates)
+        assigned = _keep_held(filled, work.held, rates, work.allowed, by_id)
         for job_id, mine in assigned.items():
             for n in mine:
                 owner[n] = job_id
@@ -530,7 +572,7 @@ def schedule(
     fixed = {
         n for n, h in held.items() if owner.get(n) == h.job_id and h.protected_until_ms > now_ms
     }
-    exchanged = _exchange(owner, rates, fixed)
+    exchanged = _exchange(owner, rates, fixed, lambda n, j: by_id[j].affords(prices[n]))
     plans: dict[str, JobPlan] = {}
     for job in jobs:
         mine = [n for n in node_ids if owner.get(n) == job.job_id]
@@ -557,13 +599,17 @@ def schedule(
 
 
 def _exchange(
-    owner: dict[str, str], rates: Mapping[tuple[str, str], float], fixed: Collection[str]
+    owner: dict[str, str],
+    rates: Mapping[tuple[str, str], float],
+    fixed: Collection[str],
+    allowed: Callable[[str, str], bool],
 ) -> dict[str, tuple[str, str]]:
     """Swap nodes between pairs of jobs (of any tiers) while both jobs gain and together by
     at least EXCHANGE_GAIN (the product of their speed-ups): each job keeps its node count,
     so no tier, tenant or job loses, and a node goes where its comparative advantage is
     (Gavel). `owner` is updated in place; returns node -> (its other node, the job it came
-    from) for each node swapped. Nodes in `fixed` stay."""
+    from) for each node swapped. Nodes in `fixed` stay; a node goes only to a job that
+    affords it (`allowed(node, job)`)."""
     by_job: dict[str, list[str]] = {}
     for n, j in sorted(owner.items()):
         if n not in fixed:
@@ -580,6 +626,8 @@ def _exchange(
                 gain_a = rates[(y, a)] / rates[(x, a)]
                 gain_b = rates[(x, b)] / rates[(y, b)]
                 if gain_a < 1 or gain_b < 1 or gain_a * gain_b < EXCHANGE_GAIN:
+                    break
+                if not (allowed(x, b) and allowed(y, a)):
                     break
                 owner[x], owner[y] = b, a
                 swapped[x], swapped[y] = (y, a), (x, b)
@@ -622,23 +670,29 @@ def _keep_held(
     assigned: Mapping[str, list[str]],
     held: Mapping[str, str],
     rates: Mapping[tuple[str, str], float],
+    allowed: Callable[[str, JobRequest], bool],
+    by_id: Mapping[str, JobRequest],
 ) -> dict[str, list[str]]:
     """The same number of nodes per job as `assigned`, but each job keeps the nodes it holds
-    now where it can: filling in another order may hand out the same counts with nodes
-    swapped, and a swap would cost both jobs a job benchmark for nothing."""
+    now where it can (and may: within its max_price): filling in another order may hand out
+    the same counts with nodes swapped, and a swap would cost both jobs a job benchmark for
+    nothing."""
     pool = {n for nodes in assigned.values() for n in nodes}
     out: dict[str, list[str]] = {}
     for job_id, nodes in assigned.items():
-        keep = sorted(n for n in pool if held.get(n) == job_id)[: len(nodes)]
+        job = by_id[job_id]
+        keep = sorted(n for n in pool if held.get(n) == job_id and allowed(n, job))
+        keep = keep[: len(nodes)]
         out[job_id] = keep
         pool -= set(keep)
     for job_id, nodes in assigned.items():
         want = len(nodes) - len(out[job_id])
         if want <= 0:
             continue
-        # the nodes filling chose for it first, then the fastest for it
+        # the nodes filling chose for it first, then the fastest for it that it affords
         choice = [n for n in nodes if n in pool]
-        choice += sorted(pool - set(choice), key=lambda n: (-rates[(n, job_id)], n))
+        others = {n for n in pool - set(choice) if allowed(n, by_id[job_id])}
+        choice += sorted(others, key=lambda n: (-rates[(n, job_id)], n))
         out[job_id] += choice[:want]
         pool -= set(choice[:want])
     return out

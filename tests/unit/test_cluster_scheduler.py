@@ -444,3 +444,91 @@ def test_absurd_rates_stay_finite() -> None:
     plan.check(jobs, offers)
     rates = effective_rates(jobs, offers)
     assert all(math.isfinite(v) and v > 0 for v in rates.values())
+
+
+# -- the market: price caps and price-performance ------------------------------------------------
+
+
+def test_a_node_above_a_jobs_max_price_never_serves_it_and_the_job_says_why() -> None:
+    offers = [
+        NodeOffer("cheap", 10.0, price=1_000_000),
+        NodeOffer("dear", 100.0, price=9_000_000),
+        NodeOffer("free", 5.0),
+    ]
+    capped = JobRequest("a", "t", Tier.NORMAL, 1, 8, 0, max_price=2_000_000)
+    plan = schedule(0, [capped], offers, {}, Tenants())
+    assert sorted(plan.jobs["a"].nodes) == ["cheap", "free"]
+    # held, even protected: a node whose price rose above the cap leaves the job
+    held = {"dear": Holding("a", 10**6)}
+    assert "dear" not in schedule(0, [capped], offers, held, Tenants()).jobs["a"].nodes
+    # a cap under every node's price but the donated one: min_nodes 2 cannot be met
+    two = JobRequest("b", "t", Tier.NORMAL, 2, 8, 0, max_price=500_000)
+    waiting = schedule(0, [two], offers, {}, Tenants()).jobs["b"]
+    assert waiting.waiting
+    assert waiting.reason == (
+        "waits: 1 of the 3 eligible node(s) ask at most its max_price of 0.5 credits/h; it "
+        "needs 2 (min_nodes)"
+    )
+
+
+def test_a_budget_job_prefers_samples_per_credit_and_a_deadline_job_speed() -> None:
+    offers = [
+        NodeOffer("fast-dear", 100.0, price=10_000_000),  # 10 samples/s per credit/h
+        NodeOffer("slow-cheap", 40.0, price=1_000_000),  # 40
+        NodeOffer("mid", 60.0, price=3_000_000),  # 20
+    ]
+    thrifty = JobRequest("a", "t", Tier.NORMAL, 1, 2, 0, per_credit=True)
+    assert sorted(schedule(0, [thrifty], offers, {}, Tenants()).jobs["a"].nodes) == [
+        "mid",
+        "slow-cheap",
+    ]
+    hurried = JobRequest("a", "t", Tier.NORMAL, 1, 2, 0, per_credit=False)
+    assert sorted(schedule(0, [hurried], offers, {}, Tenants()).jobs["a"].nodes) == [
+        "fast-dear",
+        "mid",
+    ]
+
+
+def test_no_swap_gives_a_job_a_node_it_cannot_afford() -> None:
+    offers = [
+        NodeOffer("n0", 10.0, {"a": 10.0, "b": 30.0}),
+        NodeOffer("n1", 10.0, {"a": 30.0, "b": 10.0}, price=5_000_000),
+    ]
+    a = JobRequest("a", "alice", Tier.NORMAL, 1, 1, 1, max_price=1_000_000)
+    b = JobRequest("b", "bob", Tier.NORMAL, 1, 1, 2)
+    plan = schedule(0, [a, b], offers, {"n0": Holding("a"), "n1": Holding("b")}, Tenants())
+    assert plan.jobs["a"].nodes == ["n0"] and plan.jobs["b"].nodes == ["n1"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.data())
+def test_no_job_ever_holds_a_node_above_its_max_price(
+    scenario: tuple[list[JobRequest], list[NodeOffer], dict[str, Holding]], data: st.DataObject
+) -> None:
+    jobs, offers, holdings = scenario
+    prices = [0, 1_000_000, 2_000_000, 5_000_000]
+    offers = [
+        NodeOffer(
+            o.node_id, o.reference_rate, o.job_rates, price=data.draw(st.sampled_from(prices))
+        )
+        for o in offers
+    ]
+    jobs = [
+        JobRequest(
+            j.job_id,
+            j.tenant,
+            j.tier,
+            j.min_nodes,
+            j.max_nodes,
+            j.submitted_ms,
+            max_price=data.draw(st.sampled_from([None, *prices])),
+            per_credit=data.draw(st.booleans()),
+        )
+        for j in jobs
+    ]
+    plan = schedule(50, jobs, offers, holdings, Tenants())
+    plan.check(jobs, offers)
+    price = {o.node_id: o.price for o in offers}
+    for j in jobs:
+        for n in plan.jobs[j.job_id].nodes:
+            assert j.affords(price[n]), (j, n, price[n])
