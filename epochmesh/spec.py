@@ -47,6 +47,15 @@ A job.toml, with every field and its default (``-`` = required)::
     max_nodes = 8                  # >= min_nodes
     checkpoint_every = 20          # >= 1, rounds
     priority = "normal"            # high | normal | low (the cluster scheduler's tiers)
+    [market]                       # optional; credits are decimal, at most 6 decimals
+    max_price = 2.5                # credits per node-hour: a node asking more never trains
+                                   #         the job (absent: no cap)
+    budget = 100                   # credits moved from your account into the job's escrow
+                                   #         at submit; the job pauses ("budget") when it
+                                   #         runs out (absent: 0, only donated nodes)
+    deadline = "2h"                # done within this long of submission (s, m, h, d, or
+                                   #         seconds): prefer the fastest nodes within
+                                   #         max_price, else the most samples/s per credit
 
 In the proto, fields that do not apply (betas with sgd, outer_lr with sync, ...) stay zero or
 empty; `inner_steps` is 1 in sync mode; `inner_optimizer` equals `optimizer` with local_sgd.
@@ -65,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from epochmesh.errors import SpecError
+from epochmesh.money import MAX_CREDITS, MICRO, format_credits, parse_credits
 from epochmesh.v1 import common_pb2
 
 LOSSES = ("cross_entropy", "mse", "custom")
@@ -85,6 +95,7 @@ MAX_NODES = 10_000
 MAX_INNER_STEPS = 1_000_000
 MAX_CHECKPOINT_EVERY = 1_000_000
 MAX_SEED = 2**63 - 1
+MAX_DEADLINE_S = 365 * 86400.0
 
 ADAMW_DEFAULT_WEIGHT_DECAY = 0.01
 DEFAULT_LOCAL_SGD_INNER_STEPS = 10
@@ -146,6 +157,11 @@ _SECTIONS: dict[str, dict[str, _Field]] = {
         "max_nodes": _Field("int", default=8, lo=1, hi=MAX_NODES),
         "checkpoint_every": _Field("int", default=20, lo=1, hi=MAX_CHECKPOINT_EVERY),
         "priority": _Field("str", default=DEFAULT_PRIORITY, choices=PRIORITIES),
+    },
+    "market": {
+        "max_price": _Field("credits"),
+        "budget": _Field("credits"),
+        "deadline": _Field("duration"),
     },
 }
 
@@ -335,6 +351,8 @@ _TYPE_NAMES = {
     "bool": "true or false",
     "str_list": "a list of strings",
     "float_pair": "a list of two numbers",
+    "credits": "an amount of credits (a number, e.g. 2.5)",
+    "duration": 'a duration (seconds, or text like "30m", "2h")',
 }
 
 
@@ -375,6 +393,23 @@ def _check_value(value: Any, section: str | None, key: str, field: _Field, where
             raise SpecError(f"{prefix}{label} must be a finite number (got {value})")
         _check_range(v, field, f"{prefix}{label}")
         return v
+    if field.kind == "credits":
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise bad_type()
+        try:
+            return parse_credits(str(value), f"{prefix}{label}")
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
+    if field.kind == "duration":
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise bad_type()
+        seconds = _duration_seconds(value)
+        if seconds is None or not 0 < seconds <= MAX_DEADLINE_S:
+            raise SpecError(
+                f"{prefix}{label} must be a duration above 0 and at most 365d, e.g. 90, "
+                f'"30m", "2h" or "1d" (got {_show(value)})'
+            )
+        return seconds
     if field.kind == "str_list":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise bad_type()
@@ -393,6 +428,17 @@ def _check_value(value: Any, section: str | None, key: str, field: _Field, where
             _check_range(v, field, f"{prefix}{label}[{i}]")
         return pair
     raise AssertionError(field.kind)
+
+
+def _duration_seconds(value: int | float | str) -> float | None:
+    """Seconds of a number or of text like "90", "30m", "2h", "1.5d"; None if unreadable."""
+    if isinstance(value, int | float):
+        v = float(value)
+        return v if math.isfinite(v) else None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", value)
+    if m is None:
+        return None
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 def _close_choice(value: str, choices: tuple[str, ...]) -> str:
@@ -555,6 +601,13 @@ def _build_spec(values: dict[str, dict[str, Any]], where: _Locator) -> common_pb
         spec.outer_momentum = train["outer_momentum"]
     else:
         spec.inner_steps = 1
+    market = values["market"]
+    if market["max_price"] is not None:
+        spec.max_price_micro_per_hour = market["max_price"]
+    if market["budget"] is not None:
+        spec.budget_micro = market["budget"]
+    if market["deadline"] is not None:
+        spec.deadline_seconds = market["deadline"]
     return spec
 
 
@@ -671,10 +724,22 @@ def validate_job_spec(spec: common_pb2.JobSpec) -> None:
     rng("checkpoint_every", spec.checkpoint_every, 1, MAX_CHECKPOINT_EVERY)
     if spec.priority and spec.priority not in PRIORITIES:  # empty: a job from before priorities
         raise err(f"priority must be one of {', '.join(PRIORITIES)} (got {spec.priority!r})")
+    for name in ("max_price_micro_per_hour", "budget_micro"):
+        if spec.HasField(name) and not 0 <= getattr(spec, name) <= MAX_CREDITS * MICRO:
+            raise err(f"{name} must be within 0..{MAX_CREDITS * MICRO} micro-credits")
+    if spec.HasField("deadline_seconds") and not 0 < spec.deadline_seconds <= MAX_DEADLINE_S:
+        raise err(f"deadline_seconds must be above 0 and at most {MAX_DEADLINE_S:g}")
 
 
 def spec_to_dict(spec: common_pb2.JobSpec) -> dict[str, Any]:
     """The spec as nested sections like job.toml, listing only the fields that apply."""
+    market: dict[str, Any] = {}
+    if spec.HasField("max_price_micro_per_hour"):
+        market["max_price"] = format_credits(spec.max_price_micro_per_hour)
+    if spec.HasField("budget_micro"):
+        market["budget"] = format_credits(spec.budget_micro)
+    if spec.HasField("deadline_seconds"):
+        market["deadline"] = spec.deadline_seconds
     train: dict[str, Any] = {
         "epochs": spec.epochs,
         "global_batch": spec.global_batch,
@@ -713,4 +778,5 @@ def spec_to_dict(spec: common_pb2.JobSpec) -> dict[str, Any]:
             "checkpoint_every": spec.checkpoint_every,
             "priority": spec.priority or DEFAULT_PRIORITY,
         },
+        **({"market": market} if market else {}),
     }

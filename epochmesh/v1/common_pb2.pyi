@@ -210,7 +210,7 @@ class Event(_message.Message):
     def __init__(self, id: _Optional[int] = ..., time_ms: _Optional[int] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., message: _Optional[str] = ..., attrs: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "loss", "inputs", "targets", "epochs", "global_batch", "optimizer", "lr", "momentum", "weight_decay", "seed", "beta1", "beta2", "eps", "nesterov", "dampening", "sync", "inner_steps", "inner_optimizer", "outer_optimizer", "outer_lr", "outer_momentum", "compression", "topk_ratio", "micro_batch", "aggregation", "min_nodes", "max_nodes", "checkpoint_every", "priority", "max_price_micro_per_hour", "budget_micro")
+    __slots__ = ("name", "loss", "inputs", "targets", "epochs", "global_batch", "optimizer", "lr", "momentum", "weight_decay", "seed", "beta1", "beta2", "eps", "nesterov", "dampening", "sync", "inner_steps", "inner_optimizer", "outer_optimizer", "outer_lr", "outer_momentum", "compression", "topk_ratio", "micro_batch", "aggregation", "min_nodes", "max_nodes", "checkpoint_every", "priority", "max_price_micro_per_hour", "budget_micro", "deadline_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class JobSpec(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MAX_PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MICRO_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     loss: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
@@ -275,7 +276,8 @@ class JobSpec(_message.Message):
     priority: str
     max_price_micro_per_hour: int
     budget_micro: int
-    def __init__(self, name: _Optional[str] = ..., loss: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., epochs: _Optional[int] = ..., global_batch: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., dampening: _Optional[float] = ..., sync: _Optional[str] = ..., inner_steps: _Optional[int] = ..., inner_optimizer: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_ratio: _Optional[float] = ..., micro_batch: _Optional[int] = ..., aggregation: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., priority: _Optional[str] = ..., max_price_micro_per_hour: _Optional[int] = ..., budget_micro: _Optional[int] = ...) -> None: ...
+    deadline_seconds: float
+    def __init__(self, name: _Optional[str] = ..., loss: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., epochs: _Optional[int] = ..., global_batch: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., dampening: _Optional[float] = ..., sync: _Optional[str] = ..., inner_steps: _Optional[int] = ..., inner_optimizer: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_ratio: _Optional[float] = ..., micro_batch: _Optional[int] = ..., aggregation: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., priority: _Optional[str] = ..., max_price_micro_per_hour: _Optional[int] = ..., budget_micro: _Optional[int] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class Shard(_message.Message):
     __slots__ = ("blob", "start", "count")

@@ -344,3 +344,54 @@ def test_any_train_table_gives_a_spec_or_a_spec_error(train: dict) -> None:
         assert str(e)
         return
     validate_job_spec(spec)  # whatever parses is also valid on the wire
+
+
+def test_market_section_reads_credits_exactly_and_durations() -> None:
+    spec = parse(EXAMPLE + '[market]\nmax_price = 2.5\nbudget = "100.000001"\ndeadline = "2h"\n')
+    assert spec.max_price_micro_per_hour == 2_500_000
+    assert spec.budget_micro == 100_000_001
+    assert spec.deadline_seconds == 7200.0
+    assert spec_to_dict(spec)["market"] == {
+        "max_price": "2.5",
+        "budget": "100.000001",
+        "deadline": 7200.0,
+    }
+    validate_job_spec(spec)
+    plain = parse(EXAMPLE)
+    for name in ("max_price_micro_per_hour", "budget_micro", "deadline_seconds"):
+        assert not plain.HasField(name)
+    assert "market" not in spec_to_dict(plain)
+    assert parse(EXAMPLE + "[market]\nmax_price = 0\ndeadline = 90\n").HasField(
+        "max_price_micro_per_hour"
+    )
+    assert parse(EXAMPLE + '[market]\ndeadline = "1.5d"\n').deadline_seconds == 129600.0
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ("max_price = -1", "[market].max_price must not be negative"),
+        ("budget = nan", "[market].budget must be a finite number"),
+        ('budget = "abc"', "[market].budget must be a number"),
+        ("budget = 1.0000001", "more than 6 decimals"),
+        ("budget = 1e12", "at most 1000000000 credits"),
+        ("budget = true", "[market].budget must be an amount of credits"),
+        ('deadline = "2x"', "[market].deadline must be a duration"),
+        ("deadline = 0", "[market].deadline must be a duration"),
+        ("colour = 1", "unknown key [market].colour"),
+    ],
+)
+def test_bad_market_values(line: str, needle: str) -> None:
+    message = error(EXAMPLE + "[market]\n" + line + "\n")
+    assert needle in message and "line" in message, message
+
+
+def test_market_fields_are_validated_on_the_wire() -> None:
+    spec = parse(EXAMPLE)
+    spec.budget_micro = -1
+    with pytest.raises(SpecError, match="budget_micro must be within"):
+        validate_job_spec(spec)
+    spec = parse(EXAMPLE)
+    spec.deadline_seconds = float("nan")
+    with pytest.raises(SpecError, match="deadline_seconds"):
+        validate_job_spec(spec)
