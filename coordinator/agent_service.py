@@ -15,7 +15,7 @@ import grpc
 from coordinator.auth import current_principal, require_self
 from coordinator.blobs import BlobStore, require_sha256
 from coordinator.engine_api import TrainingEngine
-from coordinator.nodes import NodeRegistry, require_node_id
+from coordinator.nodes import NodeRegistry, require_node_id, require_price
 from coordinator.store import (
     CoordinatorError,
     InvalidArgumentError,
@@ -120,6 +120,7 @@ class AgentService:
         for key, value in req.labels.items():
             check_text(key, "label key", max_len=128, required=True)
             check_text(value, f"label {key!r}", max_len=256)
+        require_price(req.price_micro_per_hour)
         reg = await self._registry.register(
             name=req.name,
             devices=list(req.devices),
@@ -128,6 +129,7 @@ class AgentService:
             labels=dict(req.labels),
             node_id=node_id,
             new_id_ok=new_id_ok,
+            price_micro_per_hour=req.price_micro_per_hour,
         )
         return agent_pb2.RegisterResponse(
             node_id=reg.node_id,
@@ -143,7 +145,13 @@ class AgentService:
         require_self(req.node_id)
         _require_lease_id(req.lease_id)
         check_text(req.task_id, "task_id", max_len=128)
-        state = await self._registry.heartbeat(req.node_id, req.lease_id, draining=req.draining)
+        require_price(req.price_micro_per_hour)
+        state = await self._registry.heartbeat(
+            req.node_id,
+            req.lease_id,
+            draining=req.draining,
+            price_micro_per_hour=req.price_micro_per_hour,
+        )
         cancel = bool(req.task_id) and self._engine.cancel_task(req.node_id, req.task_id)
         return agent_pb2.HeartbeatResponse(
             lease_ttl_ms=self._registry.lease_ttl_ms,

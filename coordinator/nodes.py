@@ -35,6 +35,7 @@ from coordinator.store import (
     NotFoundError,
     Store,
 )
+from epochmesh.money import MAX_CREDITS, MICRO, format_credits
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2
 
@@ -59,6 +60,9 @@ DEFAULT_STRIKE_LIMIT = 3
 # the restart would expire agents that did nothing wrong.
 RESTORED_LEASE_TTLS = 2
 
+# The highest price a node may ask, micro-credits per hour (as epochmesh.money's amounts).
+MAX_PRICE_MICRO_PER_HOUR = MAX_CREDITS * MICRO
+
 OfflineListener = Callable[[str], Awaitable[None]]
 
 
@@ -78,6 +82,19 @@ def require_node_id(value: str, field: str = "node_id") -> str:
     if not is_node_id(value):
         raise InvalidArgumentError(f"malformed {field} {value[:80]!r} (expected n- and 10 hex)")
     return value
+
+
+def require_price(value: int, field: str = "price_micro_per_hour") -> int:
+    """A node's price in micro-credits per hour: 0 (donated) .. MAX_PRICE_MICRO_PER_HOUR."""
+    if not 0 <= value <= MAX_PRICE_MICRO_PER_HOUR:
+        raise InvalidArgumentError(
+            f"{field} must be 0..{MAX_PRICE_MICRO_PER_HOUR} micro-credits per hour, got {value}"
+        )
+    return value
+
+
+def describe_price(micro_per_hour: int) -> str:
+    return f"{format_credits(micro_per_hour)} credits/h" if micro_per_hour else "donated"
 
 
 def state_name(state: int) -> str:
@@ -252,10 +269,13 @@ class NodeRegistry:
         labels: Mapping[str, str] | None = None,
         node_id: str = "",
         new_id_ok: bool = False,
+        price_micro_per_hour: int = 0,
     ) -> Registration:
         """Join with a new id, or re-join as ``node_id`` (NotFoundError if unknown, unless
         ``new_id_ok``: a node whose certificate names its id joins under that id the first
-        time), keeping the id and history. Either way a new lease starts."""
+        time), keeping the id and history. Either way a new lease starts, at the price the
+        node asks now (micro-credits per hour; InvalidArgumentError if negative)."""
+        require_price(price_micro_per_hour)
         now, wall = self._clock(), now_ms()
         lease_id = secrets.token_hex(8)
         replaced_live_lease = False
@@ -286,6 +306,7 @@ class NodeRegistry:
         info.agent_version = agent_version
         info.labels.clear()
         info.labels.update(labels or {})
+        info.price_micro_per_hour = price_micro_per_hour
         info.last_heartbeat_ms = wall
         info.lease_expires_ms = wall + self.lease_ttl_ms
         node.lease_id = lease_id
@@ -296,15 +317,26 @@ class NodeRegistry:
             node,
             kind,
             f"{name} {'re-joined' if kind == 'node.rejoined' else 'registered'}"
-            f" ({len(info.devices)} devices)",
+            f" ({len(info.devices)} devices, {describe_price(price_micro_per_hour)})",
+            {"price_micro_per_hour": str(price_micro_per_hour)},
         )
         if replaced_live_lease:
             await self._notify_offline(node_id)
         log.info("%s %s (%s) state %s", kind, node_id, name, state_name(info.state))
         return Registration(node_id=node_id, lease_id=lease_id, rejoined=kind == "node.rejoined")
 
-    async def heartbeat(self, node_id: str, lease_id: str, draining: bool = False) -> int:
-        """Renew the lease; returns the node's state. NotFoundError / LeaseExpiredError."""
+    async def heartbeat(
+        self,
+        node_id: str,
+        lease_id: str,
+        draining: bool = False,
+        *,
+        price_micro_per_hour: int = 0,
+    ) -> int:
+        """Renew the lease; returns the node's state. NotFoundError / LeaseExpiredError.
+        ``price_micro_per_hour`` is the node's price now: a change is stored at once, with a
+        ``node.price`` event (InvalidArgumentError if negative)."""
+        require_price(price_micro_per_hour)
         node = self._require(node_id)
         info = node.info
         if node.lease_id != lease_id or info.state == OFFLINE:
@@ -319,6 +351,15 @@ class NodeRegistry:
         info.lease_expires_ms = wall + self.lease_ttl_ms
         self._dirty.add(node_id)
         self.heartbeats_total += 1
+        if price_micro_per_hour != info.price_micro_per_hour:
+            info.price_micro_per_hour = price_micro_per_hour
+            await self._persist(
+                node,
+                "node.price",
+                f"price set to {format_credits(price_micro_per_hour)} credits/h"
+                + ("" if price_micro_per_hour else ": donated"),
+                {"price_micro_per_hour": str(price_micro_per_hour)},
+            )
         if draining and info.state in (ONLINE, BUSY, CORDONED):
             info.state = DRAINING
             await self._persist(node, "node.draining", "agent is draining", {"by": "agent"})

@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epochmesh.money import parse_credits
+
 BENCHMARK_MODES = ("full", "quick", "off")
 DEFAULT_PEER_LISTEN = "127.0.0.1:0"
 
@@ -24,6 +26,8 @@ class AgentConfig:
     device: str = "auto"
     name: str = field(default_factory=socket.gethostname)
     slowdown: float = 1.0
+    # The donor's asking price in micro-credits per node-hour (--price); 0: donated.
+    price_micro_per_hour: int = 0
     memory_limit_bytes: int | None = None
     benchmark: str = "full"
     log_level: str = "INFO"
@@ -53,6 +57,10 @@ class AgentConfig:
         return self.data_dir / "slowdown"
 
     @property
+    def price_file(self) -> Path:
+        return self.data_dir / "price"
+
+    @property
     def benchmark_file(self) -> Path:
         return self.data_dir / "benchmark.json"
 
@@ -77,6 +85,19 @@ def _slowdown(text: str) -> float:
     if not value >= 1.0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"--slowdown must be a finite number >= 1, got {text!r}")
     return value
+
+
+def parse_price(text: str) -> int:
+    """Micro-credits per hour of a price in credits per hour ("2.5"). ValueError with a clear
+    message for a negative, non-finite or non-numeric price."""
+    return parse_credits(text.strip(), "the price")
+
+
+def _price(text: str) -> int:
+    try:
+        return parse_price(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (credits per hour; 0 donates the node)") from None
 
 
 def _device(text: str) -> str:
@@ -193,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         type=Path,
         metavar="DIR",
-        help="node identity, blob cache, slowdown control file",
+        help="node identity, blob cache, slowdown and price control files",
     )
     parser.add_argument("--device", default="auto", type=_device, help="auto | cpu | cuda:N")
     parser.add_argument("--name", default=None, help="display name (default: host name)")
@@ -204,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="F",
         help="make every training step take F times its compute time (emulates a slower "
         "device); changeable at run time by writing a number to DATA_DIR/slowdown",
+    )
+    parser.add_argument(
+        "--price",
+        default=0,
+        type=_price,
+        metavar="CREDITS_PER_HOUR",
+        help="the price asked for this node, in credits per node-hour (default 0: donated); "
+        "changeable at run time by writing a number to DATA_DIR/price (sent with the next "
+        "heartbeat, or at once on SIGUSR1)",
     )
     parser.add_argument(
         "--memory-limit",
@@ -298,6 +328,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         device=args.device,
         name=args.name or socket.gethostname(),
         slowdown=args.slowdown,
+        price_micro_per_hour=args.price,
         memory_limit_bytes=args.memory_limit,
         benchmark=args.benchmark,
         log_level=args.log_level,

@@ -170,6 +170,7 @@ class CoordinatorConnection:
         stop: asyncio.Event | None = None,
         on_registered: Callable[[], Awaitable[None]] | None = None,
         on_refused: Callable[[str], None] | None = None,
+        price: Callable[[], int] = lambda: 0,
         backoff_base: float = BACKOFF_BASE_S,
         backoff_cap: float = BACKOFF_CAP_S,
     ) -> None:
@@ -179,6 +180,9 @@ class CoordinatorConnection:
         self._stop = stop or asyncio.Event()
         self._on_registered = on_registered
         self._on_refused = on_refused
+        # The price in force (micro-credits per hour), sent with every heartbeat: the
+        # coordinator takes each heartbeat's price as the node's price now.
+        self._price = price
         self.refused = ""  # why the coordinator refuses this agent's certificate, once it does
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
@@ -214,6 +218,17 @@ class CoordinatorConnection:
 
     def new_backoff(self) -> Backoff:
         return Backoff(self._backoff_base, self._backoff_cap)
+
+    def heartbeat_request(
+        self, lease_id: str, task_id: str = "", draining: bool = False
+    ) -> agent_pb2.HeartbeatRequest:
+        return agent_pb2.HeartbeatRequest(
+            node_id=self.node_id,
+            lease_id=lease_id,
+            task_id=task_id,
+            draining=draining,
+            price_micro_per_hour=self._price(),
+        )
 
     def _refuse(self, exc: grpc.aio.AioRpcError) -> Refused:
         """The coordinator answered UNAUTHENTICATED: note it (once) and say so."""
@@ -388,7 +403,7 @@ class CoordinatorConnection:
             return True  # renewed meanwhile
         try:
             await self._stub.Heartbeat(
-                agent_pb2.HeartbeatRequest(node_id=self.node_id, lease_id=lease_id),
+                self.heartbeat_request(lease_id),
                 timeout=5.0,
                 wait_for_ready=True,
             )
@@ -432,12 +447,7 @@ class CoordinatorConnection:
     async def _heartbeat_once(self, hooks: HeartbeatHooks, backoff: Backoff) -> float:
         """One heartbeat; returns the delay until the next one."""
         lease = self.lease_id
-        request = agent_pb2.HeartbeatRequest(
-            node_id=self.node_id,
-            lease_id=lease,
-            task_id=hooks.current_task_id(),
-            draining=hooks.draining(),
-        )
+        request = self.heartbeat_request(lease, hooks.current_task_id(), hooks.draining())
         try:
             response = await self._stub.Heartbeat(
                 request, timeout=max(1.0, self.heartbeat_interval_s), wait_for_ready=True
@@ -486,9 +496,7 @@ class CoordinatorConnection:
             return
         try:
             await self._stub.Heartbeat(
-                agent_pb2.HeartbeatRequest(
-                    node_id=self.node_id, lease_id=self.lease_id, task_id=task_id, draining=True
-                ),
+                self.heartbeat_request(self.lease_id, task_id, draining=True),
                 timeout=timeout,
             )
         except grpc.aio.AioRpcError as exc:

@@ -8,27 +8,24 @@ batch, the loop) is taken off the sleep: an emulated device that is F times slow
 hides it behind its compute, as an accelerator's asynchronous execution hides the host's work.
 
 The factor can change while the agent runs (the fault-tolerance tests make stragglers that way):
-write a number to the watch file (DATA_DIR/slowdown); the controller notices the change through
-a cheap stat() before every step. SIGUSR1 makes the agent call `reload()` explicitly. The agent
-writes its initial factor to the file at start, so the file always shows the factor in force.
+write a number to the watch file (DATA_DIR/slowdown, a node_agent.watch_file.WatchedValue); the
+controller notices the change through a cheap stat() before every step. SIGUSR1 makes the agent
+call `reload()` explicitly. The agent writes its initial factor to the file at start, so the
+file always shows the factor in force.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-log = logging.getLogger(__name__)
+from node_agent.watch_file import WatchedValue
 
 T = TypeVar("T")
-
-_StatKey = tuple[int, int, int]
 
 
 def parse_factor(text: str) -> float:
@@ -58,13 +55,17 @@ class SlowdownController:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self._factor = parse_factor(str(factor))
-        self._watch_file = watch_file
+        self._factor = WatchedValue(
+            parse_factor(str(factor)),
+            watch_file,
+            parse=parse_factor,
+            show=lambda value: f"{value:g}",
+            what="slowdown factor",
+        )
         self._sleep = sleep
         self._clock = clock
         self._compute_clock: Callable[[], float] | None = None
         self._lock = threading.Lock()
-        self._seen: _StatKey | None = None
         self._overslept = 0.0
         self.last_compute_seconds = 0.0
         # What the last step took on the emulated device: F x its compute time. With
@@ -77,26 +78,19 @@ class SlowdownController:
         # Wall time beyond F x compute that no padding absorbed: late wake-ups past the one
         # step's padding that is paid back (a long pause is not paid back on purpose).
         self.unpaid_seconds = 0.0
-        if watch_file is not None:
-            self._write_watch_file(self._factor)
 
     @property
     def watch_file(self) -> Path | None:
-        return self._watch_file
+        return self._factor.path
 
     @property
     def factor(self) -> float:
         """The factor in force, after picking up any change of the watch file."""
-        self._check_watch_file()
-        return self._factor
+        return self._factor.get()
 
     def set_factor(self, factor: float) -> None:
         """Change the factor (and the watch file, so that both agree)."""
-        value = parse_factor(str(factor))
-        with self._lock:
-            self._factor = value
-        if self._watch_file is not None:
-            self._write_watch_file(value)
+        self._factor.set(parse_factor(str(factor)))
 
     def measure_cpu_time(self, cpu_clock: Callable[[], float] = time.process_time) -> None:
         """Count a training step's compute as the CPU time the process spent in it (capped by
@@ -109,9 +103,7 @@ class SlowdownController:
 
     def reload(self) -> None:
         """Re-read the watch file even if its stat did not change (SIGUSR1)."""
-        with self._lock:
-            self._seen = None
-        self._check_watch_file()
+        self._factor.reload()
 
     def timed_step(
         self,
@@ -206,50 +198,3 @@ class SlowdownController:
             self.compute_seconds += max(0.0, compute_seconds)
             self.padding_seconds += slept
         return slept
-
-    # -- watch file ---------------------------------------------------------------------------
-
-    def _write_watch_file(self, value: float) -> None:
-        assert self._watch_file is not None
-        path = self._watch_file
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(f"{value:g}\n")
-            os.replace(tmp, path)
-            key = _stat_key(path)
-        except OSError as exc:
-            log.warning("cannot write slowdown file %s: %s", path, exc)
-            return
-        with self._lock:
-            self._seen = key
-
-    def _check_watch_file(self) -> None:
-        path = self._watch_file
-        if path is None:
-            return
-        key = _stat_key(path)
-        with self._lock:
-            if key == self._seen:
-                return
-            self._seen = key
-        if key is None:
-            return  # file removed: keep the factor in force
-        try:
-            value = parse_factor(path.read_text())
-        except (OSError, ValueError) as exc:
-            log.warning("ignoring slowdown file %s: %s", path, exc)
-            return
-        with self._lock:
-            changed = value != self._factor
-            self._factor = value
-        if changed:
-            log.info("slowdown factor is now %g (from %s)", value, path)
-
-
-def _stat_key(path: Path) -> _StatKey | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)

@@ -1,8 +1,9 @@
 """The agent's life: start, register, benchmark, take tasks, drain, leave.
 
 Start-up order (registration comes first so that a node shows up within a couple of seconds):
-1. load the node id (DATA_DIR/node.json), discover devices, write DATA_DIR/slowdown; start the
-   PeerService on --peer-listen (unless --no-peer): mutual TLS with the node's certificate, or
+1. load the node id (DATA_DIR/node.json), discover devices, write DATA_DIR/slowdown and
+   DATA_DIR/price (SIGUSR1 re-reads both; a new price goes out with a heartbeat at once); start
+   the PeerService on --peer-listen (unless --no-peer): mutual TLS with the node's certificate, or
    plaintext with --insecure; it serves ring all-reduce chunks and this agent's ring state
    (node_agent.ring_trainer.provide_state);
 2. Register with the advertised PeerService address (retried with backoff until the
@@ -42,6 +43,7 @@ import torch
 from google.protobuf import json_format
 
 from epochmesh import __version__
+from epochmesh.money import format_credits
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.benchmark import (
     FULL_PLAN,
@@ -51,7 +53,7 @@ from node_agent.benchmark import (
     build_result,
 )
 from node_agent.cache import BlobCache
-from node_agent.config import AgentConfig, advertised_peer_address
+from node_agent.config import AgentConfig, advertised_peer_address, parse_price
 from node_agent.connection import (
     HEARTBEAT_LEASE_CODES,
     CoordinatorConnection,
@@ -70,6 +72,7 @@ from node_agent.reference_model import reference_step_factory
 from node_agent.ring_trainer import PeerRuntime, provide_state
 from node_agent.slowdown import SlowdownController
 from node_agent.tasks import TaskContext, dispatch_task
+from node_agent.watch_file import WatchedValue
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,7 @@ class Agent:
         self._wake_heartbeat: asyncio.Event
         self._draining_flag = threading.Event()  # readable from the compute thread
         self.slowdown: SlowdownController
+        self.price: WatchedValue[int]  # micro-credits per hour
         self.discovered: Discovered
         self.cache: BlobCache
         self.connection: CoordinatorConnection
@@ -135,7 +139,14 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_drain, signal.Signals(sig).name)
-        loop.add_signal_handler(signal.SIGUSR1, self.slowdown.reload)
+        loop.add_signal_handler(signal.SIGUSR1, self._reload_settings)
+
+    def _reload_settings(self) -> None:
+        """SIGUSR1: re-read DATA_DIR/slowdown and DATA_DIR/price; a new price goes to the
+        coordinator with a heartbeat at once."""
+        self.slowdown.reload()
+        if self.price.reload():
+            self._wake_heartbeat.set()
 
     def _on_node_state(self, state: int) -> None:
         if state == common_pb2.NODE_STATE_DRAINING and not self.draining:
@@ -172,6 +183,14 @@ class Agent:
         config = self.config
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.slowdown = SlowdownController(config.slowdown, config.slowdown_file)
+        self.price = WatchedValue(
+            config.price_micro_per_hour,
+            config.price_file,
+            parse=parse_price,
+            show=format_credits,
+            what="price",
+            unit="credits/h",
+        )
         self._install_signal_handlers()
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -193,6 +212,11 @@ class Agent:
             programs = self.programs
             self.slowdown.measure_cpu_time(lambda: time.process_time() + programs.cpu_seconds())
         log.info("training on %s (slowdown %g)", self.discovered.torch_device, self.slowdown.factor)
+        price = self.price.get()
+        if price:
+            log.info("offering this node at %s credits per hour", format_credits(price))
+        else:
+            log.info("donating this node (price 0)")
         if not config.no_peer:
             try:
                 await self._start_peer_server()
@@ -211,6 +235,7 @@ class Agent:
             stop=self._stop,
             on_registered=self._after_registration,
             on_refused=self._on_refused,
+            price=self.price.get,
         )
         heartbeats: asyncio.Task[None] | None = None
         try:
@@ -271,6 +296,7 @@ class Agent:
             agent_version=__version__,
             labels={"device": self.discovered.torch_device, **self.config.labels},
             peer_address=self.peer_address,
+            price_micro_per_hour=self.price.get(),
         )
 
     # -- PeerService ----------------------------------------------------------------------------

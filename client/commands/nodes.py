@@ -9,6 +9,7 @@ from client.commands.context import Context
 from client.commands.output import node_state_name, parse_node_states, to_dict
 from client.render import fmt_age, fmt_bytes, fmt_rate
 from client.rpc import ExitCode
+from epochmesh.money import format_credits
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
@@ -37,6 +38,13 @@ def node_rate(node: common_pb2.NodeInfo) -> float:
     return node.benchmark.samples_per_second
 
 
+def node_price(node: common_pb2.NodeInfo) -> str:
+    """The donor's asking price in credits per hour (``2.5/h``), or ``free`` for a donation."""
+    if node.price_micro_per_hour <= 0:
+        return "free"
+    return f"{format_credits(node.price_micro_per_hour)}/h"
+
+
 def cmd_nodes(ctx: Context) -> int:
     states = parse_node_states(ctx.args.state) if ctx.args.state else []
     coord = ctx.coordinator
@@ -61,6 +69,7 @@ def cmd_nodes(ctx: Context) -> int:
             node_state_name(n.state),
             device_summary(n),
             fmt_rate(node_rate(n)),
+            node_price(n),
             n.current_job_id or "-",
             fmt_age(n.last_heartbeat_ms, now),
         ]
@@ -68,9 +77,9 @@ def cmd_nodes(ctx: Context) -> int:
     ]
     style = ctx.out_style
     ctx.emit_table(
-        ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S", "JOB", "HEARTBEAT"],
+        ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S", "PRICE", "JOB", "HEARTBEAT"],
         rows,
-        right=(4,),
+        right=(4, 5),
         flex=1,
         paint={2: style.state},
     )

@@ -92,6 +92,11 @@ async def test_bad_requests_are_refused_and_change_nothing(
     for i in range(100):
         too_many.devices.add(kind="cpu", index=i)
     await expect(agent.Register(too_many), INVALID, "too many devices")
+    await expect(
+        agent.Register(agent_pb2.RegisterRequest(name="a", price_micro_per_hour=-1)),
+        INVALID,
+        "price_micro_per_hour must be 0..",
+    )
 
     # Heartbeat / Leave / NextTask / ReportBenchmark
     def hb(node_id: str, lease_id: str) -> object:
@@ -102,6 +107,15 @@ async def test_bad_requests_are_refused_and_change_nothing(
     await expect(hb(UNKNOWN_NODE, reg.lease_id), NOT_FOUND, "unknown node")
     await expect(hb(reg.node_id, ""), INVALID, "lease_id is required")
     await expect(hb(reg.node_id, "stale-lease"), PRECONDITION, "lease expired: register again")
+    await expect(
+        agent.Heartbeat(
+            agent_pb2.HeartbeatRequest(
+                node_id=reg.node_id, lease_id=reg.lease_id, price_micro_per_hour=-2_500_000
+            )
+        ),
+        INVALID,
+        "price_micro_per_hour must be 0..",
+    )
     await expect(
         agent.Leave(agent_pb2.LeaveRequest(node_id=reg.node_id, lease_id="stale")), PRECONDITION
     )

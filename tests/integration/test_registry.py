@@ -11,7 +11,7 @@ import pytest
 from coordinator.events import EventLog
 from coordinator.nodes import RESTORED_LEASE_TTLS, LeaseExpiredError, NodeRegistry, is_node_id
 from coordinator.sqlite_store import SqliteStore
-from coordinator.store import FailedPreconditionError, NotFoundError
+from coordinator.store import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from epochmesh.v1 import common_pb2
 from tests.procs import async_wait_until
 
@@ -258,3 +258,47 @@ async def test_event_log_watch_past_the_buffer_then_follow(store: SqliteStore) -
     assert got == ["new", "committed"]
     events.close()
     await asyncio.wait_for(follower, timeout=5)
+
+
+async def test_price_at_register_changes_at_heartbeat_and_survives_a_reload(
+    store: SqliteStore,
+) -> None:
+    clock = Clock()
+    reg, _ = await make_registry(store, clock)
+    priced = await reg.register(name="priced", price_micro_per_hour=2_500_000)
+    donated = await reg.register(name="donated")
+    assert reg.require(priced.node_id).price_micro_per_hour == 2_500_000
+    assert reg.require(donated.node_id).price_micro_per_hour == 0
+    with pytest.raises(InvalidArgumentError, match="price_micro_per_hour"):
+        await reg.register(name="negative", price_micro_per_hour=-1)
+
+    # The same price again: no event; a new one: stored at once, with its event.
+    clock.t += 1
+    await reg.heartbeat(priced.node_id, priced.lease_id, price_micro_per_hour=2_500_000)
+    assert await store.list_events(kinds=["node.price"]) == []
+    await reg.heartbeat(priced.node_id, priced.lease_id, price_micro_per_hour=4_000_000)
+    await reg.heartbeat(donated.node_id, donated.lease_id, price_micro_per_hour=0)
+    assert reg.require(priced.node_id).price_micro_per_hour == 4_000_000
+    events = await store.list_events(kinds=["node.price"])
+    assert [(e.node_id, e.message) for e in events] == [
+        (priced.node_id, "price set to 4 credits/h")
+    ]
+    assert events[0].attrs["price_micro_per_hour"] == "4000000"
+    stored = await store.get_node(priced.node_id)
+    assert stored is not None and stored.info.price_micro_per_hour == 4_000_000
+    with pytest.raises(InvalidArgumentError, match="price_micro_per_hour"):
+        await reg.heartbeat(priced.node_id, priced.lease_id, price_micro_per_hour=-5)
+    assert reg.require(priced.node_id).price_micro_per_hour == 4_000_000
+
+    # A coordinator restart keeps the price; back to a donation is an event too.
+    reg2, _ = await make_registry(store, clock)
+    assert reg2.require(priced.node_id).price_micro_per_hour == 4_000_000
+    assert reg2.require(donated.node_id).price_micro_per_hour == 0
+    await reg2.heartbeat(priced.node_id, priced.lease_id, price_micro_per_hour=0)
+    last = (await store.list_events(kinds=["node.price"]))[-1]
+    assert last.message == "price set to 0 credits/h: donated"
+    # A re-registration asks its price afresh.
+    again = await reg2.register(name="priced", node_id=priced.node_id, price_micro_per_hour=1)
+    assert reg2.require(again.node_id).price_micro_per_hour == 1
+    reg3, _ = await make_registry(store, clock)
+    assert reg3.require(priced.node_id).price_micro_per_hour == 1

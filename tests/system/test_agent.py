@@ -428,3 +428,72 @@ def test_a_gpu_that_is_not_there_is_a_clear_error(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "--device cuda:0: CUDA is not available on this machine" in result.stderr
+
+
+def listed_price(address: str, node_id: str) -> int | None:
+    """The node's price in ListNodes (None while it is not listed)."""
+    for node in list_nodes(address):
+        if node.node_id == node_id:
+            return node.price_micro_per_hour
+    return None
+
+
+@pytest.mark.timeout(90)
+def test_price_at_start_and_changed_at_run_time_with_sigusr1(tmp_path: Path) -> None:
+    # Heartbeats every 10 s: the new price arrives well before the next one only because
+    # SIGUSR1 sends it at once.
+    with start_coordinator(tmp_path / "coord", *coordinator_args(10.0, 30.0)) as coord:
+        data_dir = tmp_path / "agent"
+        with AgentProc(coord.address, data_dir, "--price", "2.5", benchmark="off") as agent:
+            node_id = agent.wait_node_id()
+            wait_until(
+                lambda: listed_price(coord.address, node_id) == 2_500_000,
+                timeout=20,
+                interval=0.1,
+                message=f"price 2.5 never listed\n{agent}",
+            )
+            assert (data_dir / "price").read_text() == "2.5\n"  # the price in force
+
+            (data_dir / "price").write_text("4\n")
+            agent.send(signal.SIGUSR1)
+            wait_until(
+                lambda: listed_price(coord.address, node_id) == 4_000_000,
+                timeout=8,
+                interval=0.1,
+                message=f"price 4 never listed after SIGUSR1\n{agent}",
+            )
+            assert "price is now 4 credits/h (from" in agent.log_text()
+
+            # A bad value is logged and ignored: the price stays.
+            (data_dir / "price").write_text("-1\n")
+            agent.send(signal.SIGUSR1)
+            wait_until(
+                lambda: "keeping price 4 credits/h" in agent.log_text(),
+                timeout=8,
+                interval=0.1,
+                message=f"bad price file not reported\n{agent}",
+            )
+            assert agent.running(), str(agent)
+            assert listed_price(coord.address, node_id) == 4_000_000
+            assert agent.terminate() == 0, str(agent)
+
+
+@pytest.mark.timeout(60)
+def test_a_negative_price_refuses_to_start(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            str(console_script("epochmesh-agent")),
+            "--coordinator",
+            f"127.0.0.1:{free_port()}",
+            "--data-dir",
+            str(tmp_path),
+            "--price",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "argument --price: the price must not be negative, got '-1'" in result.stderr
+    assert "Traceback" not in result.stderr

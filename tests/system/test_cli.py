@@ -55,7 +55,16 @@ def test_nodes_table_and_json(cluster: Cluster) -> None:
     result = cluster.cli.run("nodes")
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S", "JOB", "HEARTBEAT"]
+    assert lines[0].split() == [
+        "NODE",
+        "NAME",
+        "STATE",
+        "DEVICE",
+        "SAMPLES/S",
+        "PRICE",
+        "JOB",
+        "HEARTBEAT",
+    ]
     assert all(len(line) <= 80 for line in lines)
     names = {line.split()[1] for line in lines[1:]}
     assert {"alpha", "beta"} <= names
@@ -71,6 +80,9 @@ def test_nodes_table_and_json(cluster: Cluster) -> None:
     assert alpha["node_id"].startswith("n-") and alpha["state"] in ("online", "busy")
     assert alpha["devices"][0]["kind"] == "cpu"
     assert isinstance(alpha["registered_at_ms"], int)
+    assert alpha["price_micro_per_hour"] == 0  # donated
+    col = lines[0].index("PRICE")
+    assert all(line[col : col + 5].strip() == "free" for line in lines[1:]), lines
 
     offline = cluster.cli.run("nodes", "--state", "offline", "--output", "json").json()
     assert all(n["state"] == "offline" for n in offline["nodes"])

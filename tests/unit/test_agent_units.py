@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from epochmesh.money import format_credits
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.benchmark import (
     MAX_EXTRAPOLATION,
@@ -38,7 +39,7 @@ from node_agent.benchmark import (
     step_time_estimate,
 )
 from node_agent.cache import BlobCache, CacheError
-from node_agent.config import parse_args, parse_size
+from node_agent.config import parse_args, parse_price, parse_size
 from node_agent.connection import Backoff, is_transient
 from node_agent.devices import (
     DeviceError,
@@ -54,6 +55,7 @@ from node_agent.devices import (
 from node_agent.identity import load_node_id, save_node_id
 from node_agent.reference_model import reference_step_factory
 from node_agent.slowdown import SlowdownController, padding_seconds, parse_factor
+from node_agent.watch_file import WatchedValue
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -774,6 +776,64 @@ def test_parse_args_and_sizes(tmp_path: Path) -> None:
     for bad in (["--slowdown", "0.5"], ["--device", "gpu"], ["--memory-limit", "x"]):
         with pytest.raises(SystemExit):
             parse_args(["--coordinator", "h:1", "--data-dir", str(tmp_path), *bad])
+
+
+def test_price_is_parsed_exactly_into_micro_credits(tmp_path: Path) -> None:
+    base = ["--coordinator", "h:1", "--data-dir", str(tmp_path)]
+    assert parse_args(base).price_micro_per_hour == 0  # default: donated
+    for text, micro in (("2.5", 2_500_000), ("0", 0), ("0.000001", 1), ("12", 12_000_000)):
+        assert parse_args([*base, "--price", text]).price_micro_per_hour == micro
+    assert parse_args([*base, f"--price= {0.1}"]).price_micro_per_hour == 100_000
+    assert parse_args(base).price_file == tmp_path.resolve() / "price"
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("-1", "must not be negative"),
+        ("-0.5", "must not be negative"),
+        ("nan", "finite"),
+        ("inf", "finite"),
+        ("abc", "must be a number of credits"),
+        ("", "must be a number of credits"),
+        ("0.0000001", "more than 6 decimals"),
+    ],
+)
+def test_a_bad_price_refuses_to_start_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, why: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--coordinator", "h:1", "--data-dir", str(tmp_path), f"--price={text}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --price: the price" in err and why in err, err
+    with pytest.raises(ValueError, match=why):
+        parse_price(text)
+
+
+def test_price_follows_its_watch_file_and_keeps_the_old_one_on_bad_text(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    f = tmp_path / "price"
+    price = WatchedValue(2_500_000, f, parse=parse_price, show=format_credits, what="price")
+    assert f.read_text().strip() == "2.5"  # the file shows the price in force
+    f.write_text("4\n")
+    assert price.get() == 4_000_000
+    for bad in ("-1", "nan", "", "abc"):
+        f.write_text(bad)
+        assert not price.reload() and price.get() == 4_000_000
+        assert "keeping price 4" in caplog.text
+    st = os.stat(f)
+    f.write_text("1.5")  # the same size and mtime as "abc": only reload() sees it
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert price.get() == 4_000_000
+    assert price.reload() and price.get() == 1_500_000
+    f.write_text("0")
+    assert price.get() == 0
+    f.unlink()
+    assert price.get() == 0  # a removed file keeps the price
+    price.set(1_250_000)
+    assert price.get() == 1_250_000 and f.read_text().strip() == "1.25"
 
 
 def test_cpu_time_slowdown_does_not_pad_time_spent_waiting() -> None:
