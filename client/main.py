@@ -20,7 +20,17 @@ from typing import NoReturn
 
 import grpc
 
-from client.commands import auth, cluster, jobs, market, nodes, queue, submit, watch
+from client.commands import (
+    auth,
+    cluster,
+    jobs,
+    market,
+    market_offers,
+    nodes,
+    queue,
+    submit,
+    watch,
+)
 from client.commands.context import Context
 from client.commands.output import closest
 from client.config import DEFAULT_COORDINATOR, ENV_COORDINATOR, resolve_coordinator
@@ -115,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     queue.register(sub, [common])
     auth.register(sub, [common])
     market.register(sub, [common])
+    market_offers.register(sub, [common])
     return parser
 
 

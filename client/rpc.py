@@ -60,7 +60,8 @@ exit codes:
   3    not found: unknown job or node
   4    coordinator unreachable, or it did not answer in time
   5    the job failed or was cancelled (watch, submit --watch)
-  6    precondition: e.g. download before the job finished, cancel of a finished job
+  6    precondition: e.g. download before the job finished, cancel of a finished job,
+       quote of a job that too few of the nodes on offer fit
   7    not authorized: not logged in (epochmesh login), wrong role, revoked, or not
        your job
   130  interrupted (Ctrl-C)"""

@@ -120,7 +120,7 @@ POLICY: dict[str, frozenset[str]] = {
         )
     },
     # Balances and statements: a submitter its own (coordinator.market_service checks).
-    **{f"{_MARKET}/{m}": USERS for m in ("GetBalance", "GetStatement")},
+    **{f"{_MARKET}/{m}": USERS for m in ("GetBalance", "GetStatement", "AddBudget")},
     f"{_MARKET}/GrantCredits": OPERATOR,
 }
 

@@ -112,6 +112,8 @@ class JobRequest:
     # credit (a budget without a deadline), else the fastest.
     max_price: int | None = None
     per_credit: bool = False
+    # Not "" : the job wants no node for now, and this says why (e.g. its budget ran out).
+    hold_reason: str = ""
 
     def affords(self, price: int) -> bool:
         return self.max_price is None or price <= self.max_price
@@ -510,8 +512,11 @@ def schedule(
     owner: dict[str, str] = {}
     waiting_reason: dict[str, str] = {}
     fair: dict[str, float] = {}
+    for job in jobs:
+        if job.hold_reason:
+            waiting_reason[job.job_id] = job.hold_reason
     for tier in sorted(Tier, reverse=True):
-        tier_jobs = [j for j in jobs if j.tier == tier]
+        tier_jobs = [j for j in jobs if j.tier == tier and not j.hold_reason]
         if not tier_jobs:
             continue
         available = [n for n in node_ids if n not in owner]
@@ -560,6 +565,10 @@ def schedule(
         started = _started(candidates, work)
         filled, did_not_fit = work.fill(candidates, started)
         assigned = _keep_held(filled, work.held, rates, work.allowed, by_id)
+        for job_id, mine in assigned.items():
+            if 0 < len(mine) < by_id[job_id].min_nodes:  # too few it affords: all or nothing
+                did_not_fit[job_id] = len(mine)
+                assigned[job_id] = []
         for job_id, mine in assigned.items():
             for n in mine:
                 owner[n] = job_id

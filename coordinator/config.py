@@ -54,8 +54,13 @@ class CoordinatorConfig:
     # its priority tier (a higher tier may still take it). None: derived per job and node from
     # the job's round time and the node's job benchmark (coordinator/scheduling.hold_seconds).
     scheduler_hold_s: float | None = None
+    # The market: the platform's fee in parts per million of what submitters pay donors,
+    # charged on top (donors earn exactly their price).
+    platform_fee_ppm: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.platform_fee_ppm <= 1_000_000:
+            raise ValueError("the platform fee must be within 0..100 %")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
         if self.scheduler_hold_s is not None and not self.scheduler_hold_s >= 0:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Collection
 
 from coordinator.allocator import segments, split_batch
 from coordinator.cluster_scheduler import JobPlan, Plan
+from coordinator.credit_book import InsufficientCredits, fund_escrow, tenant_account
 from coordinator.engine_api import CoordinatorContext, Ctx
 from coordinator.job_runner import TERMINAL, JobRunner
 from coordinator.ps_rounds import ParameterServerRounds
@@ -34,6 +35,7 @@ from coordinator.store import (
 )
 from epochmesh.errors import CodecError, SpecError
 from epochmesh.limits import MAX_CHUNK_BYTES
+from epochmesh.money import format_credits
 from epochmesh.program_inspection import InspectionLimits, ProgramInspector, Verdict
 from epochmesh.spec import DEFAULT_PRIORITY, PRIORITIES, validate_job_spec
 from epochmesh.tensors import DTYPES, BundleAssembler, iter_chunks
@@ -565,7 +567,7 @@ class Engine:
             last_loss=float("nan"),
             message="waiting for nodes",
         )
-        job = await self.ctx.store.create_job(job, owner="")
+        job = await self._create_with_escrow(job)
         await self.ctx.events.append(
             "job.submitted",
             job_id=job.job_id,
@@ -576,6 +578,48 @@ class Engine:
         )
         self._start_runner(job)
         return job
+
+    async def _create_with_escrow(self, job: common_pb2.Job) -> common_pb2.Job:
+        """Store the job and move its budget from its tenant's account into its escrow, in one
+        transaction: refused (nothing stored) when the account holds too little."""
+        budget = job.spec.budget_micro
+        try:
+            async with self.ctx.store.transaction():
+                job = await self.ctx.store.create_job(job, owner="")
+                if budget > 0:
+                    entry = fund_escrow(job.job_id, job.owner, budget, now_ms(), "budget")
+                    await self.ctx.credits.post([entry])
+        except InsufficientCredits as exc:
+            raise FailedPreconditionError(
+                f"the budget of {format_credits(budget)} credits is more than your account "
+                f"{tenant_account(job.owner)} holds ({format_credits(exc.balance)}): lower "
+                "[market] budget, or ask an operator for credits (epochmesh credits grant)"
+            ) from None
+        except BaseException:
+            await self.ctx.credits.reload()  # the posting may be in the book, not the store
+            raise
+        return job
+
+    async def add_budget(self, job_id: str, amount: int) -> common_pb2.Job:
+        """``amount`` more from the job's tenant into its escrow; a job paused for its budget
+        resumes. FailedPreconditionError for an ended job or a short account."""
+        job = await self._job(job_id)
+        if job.state in TERMINAL:
+            name = JS.Name(job.state).removeprefix("JOB_STATE_").lower()
+            raise FailedPreconditionError(f"job {job_id} already ended ({name}): nothing to fund")
+        runner = self.runners.get(job_id)
+        if runner is None:
+            raise FailedPreconditionError(f"job {job_id} is not running on this coordinator")
+        try:
+            await runner.add_budget(amount)
+        except InsufficientCredits as exc:
+            raise FailedPreconditionError(
+                f"your account {tenant_account(job.owner)} holds {format_credits(exc.balance)} "
+                f"credits, less than {format_credits(amount)}"
+            ) from None
+        self.scheduling.invalidate()
+        self._wake_all()
+        return runner.job
 
     async def _check_shards(self, req: job_pb2.SubmitJobRequest, spec: common_pb2.JobSpec) -> None:
         names = list(dict.fromkeys([*spec.inputs, *spec.targets]))
@@ -703,7 +747,10 @@ class Engine:
     ) -> job_pb2.GetRoundsResponse:
         await self._job(req.job_id)
         rounds = await self.ctx.store.list_rounds(
-            req.job_id, since_round=req.since_round, limit=max(0, req.limit)
+            req.job_id,
+            since_round=req.since_round,
+            limit=max(0, req.limit),
+            include_rolled_back=req.include_rolled_back,
         )
         return job_pb2.GetRoundsResponse(rounds=rounds)
 

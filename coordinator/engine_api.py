@@ -147,6 +147,13 @@ class TrainingEngine(Protocol):
         NotFoundError, FailedPreconditionError (the job ended)."""
         ...
 
+    # -- the market -------------------------------------------------------------------------------
+    async def add_budget(self, job_id: str, amount: int) -> common_pb2.Job:
+        """``amount`` micro-credits more from the job's tenant into its escrow (a job paused for
+        its budget resumes); NotFoundError, FailedPreconditionError (ended, or the account
+        holds too little)."""
+        ...
+
 
 EngineFactory = Callable[[CoordinatorContext], TrainingEngine]
 
@@ -248,4 +255,7 @@ class NullEngine:
         raise UnimplementedError(NOT_AVAILABLE)
 
     async def set_job_priority(self, job_id: str, priority: str) -> common_pb2.Job:
+        raise UnimplementedError(NOT_AVAILABLE)
+
+    async def add_budget(self, job_id: str, amount: int) -> common_pb2.Job:
         raise UnimplementedError(NOT_AVAILABLE)

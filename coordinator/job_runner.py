@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes
+from coordinator.job_billing import BudgetExhausted, JobBilling
 from coordinator.ledger import EpochLedger
 from coordinator.node_set import JobNodeSet
 from coordinator.param_server import ParameterServer
@@ -34,6 +35,7 @@ from coordinator.sample_ranges import (
 )
 from coordinator.store import FailedPreconditionError
 from epochmesh.errors import ProgramError
+from epochmesh.money import format_credits
 from epochmesh.program import read_initial_state
 from epochmesh.program_inspection import inspect_program_async
 from epochmesh.tensors import encode_bundle, to_safetensors
@@ -91,8 +93,16 @@ class JobRunner:
         self._task: asyncio.Task[None] | None = None
         self.stop_requested = asyncio.Event()  # the coordinator stops: end the open round
         self._wake = asyncio.Event()
+        self.billing = JobBilling(job, self.ctx.credits, self.ctx.config.platform_fee_ppm)
+        # Paused for its budget: no node is wanted until a top-up sets the event.
+        self.budget_paused = False
+        self._budget_added = asyncio.Event()
         self.writer = RoundWriter(
-            self.ctx, job, background=self.rounds.writes_in_background, on_stored=self.notify
+            self.ctx,
+            job,
+            background=self.rounds.writes_in_background,
+            on_stored=self.notify,
+            on_charged=self.billing.written,
         )
         # The runner is done: its job's last records and events (the terminal state, the nodes'
         # release) are stored, so a watcher that stops now has seen everything.
@@ -168,7 +178,10 @@ class JobRunner:
                 nodes = await self._gather_nodes()
                 if not nodes:
                     continue
-                await self.rounds.run_round(nodes)
+                try:
+                    await self.rounds.run_round(nodes)
+                except BudgetExhausted as exc:
+                    await self._wait_for_budget(str(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -183,6 +196,8 @@ class JobRunner:
                 await self.writer.checkpoint_written()
             except Exception:
                 log.exception("job %s: the last checkpoint could not be written", self.job_id)
+            if self.terminal:
+                await self._refund()
             await self._release_all()
             self.ended = True
             await self.notify()
@@ -226,6 +241,7 @@ class JobRunner:
         store = self.ctx.store
         latest = await store.latest_checkpoint(self.job_id)
         all_rounds = await store.list_rounds(self.job_id, include_rolled_back=True)
+        await self.billing.restore(store, all_rounds)
         self.next_round = (max((r.round for r in all_rounds), default=0)) + 1
         if latest is None:
             self.ledger = self._new_ledger(0)
@@ -520,6 +536,16 @@ class JobRunner:
         round_id = self.next_round
         self.next_round += 1
         parts, deadline = self.planner.plan(round_id, nodes, self.ledger)
+        prices = {}
+        for n in parts:
+            info = self.ctx.registry.get(n)
+            prices[n] = info.price_micro_per_hour if info is not None else 0
+        try:
+            self.billing.price_parts(parts, prices, self.planner.estimator.rates(list(parts)))
+        except BudgetExhausted:
+            self.ledger.abort_round(round_id)  # nothing was handed out
+            self.next_round -= 1
+            raise
         return round_id, parts, deadline
 
     def fail_silent(self, rs: RoundState) -> None:
@@ -610,9 +636,10 @@ class JobRunner:
                     p.error,
                 )
         checkpoint = bool(received) and self.rounds.want_checkpoint(rs)
+        charges = self.billing.charge_round(rs.epoch, rs.round, received)
         # In the background: the record of round r - 1 is in the store before round r + 1 is
         # handed out (see `restore` for the parameter versions this bounds).
-        await self.writer.add(record, rs, dropped)
+        await self.writer.add(record, rs, dropped, charges)
         if self.ledger.complete:
             await self.next_epoch()
         elif checkpoint:
@@ -739,6 +766,49 @@ class JobRunner:
             await self._set_state(JS.JOB_STATE_FAILED, message)
         except Exception:
             log.exception("could not record the failure of job %s", self.job_id)
+
+    async def _wait_for_budget(self, reason: str) -> None:
+        """PAUSED with ``reason`` (it starts "budget"), every node back to the pool, until a
+        top-up (or the job stops)."""
+        self.budget_paused = True
+        self._budget_added.clear()
+        await self._set_state(JS.JOB_STATE_PAUSED, reason)
+        await self._release_all()
+        self.host.round_finished(self.job_id, set())
+        while not self.stop_requested.is_set() and not self.terminal:
+            if self._budget_added.is_set():
+                break
+            self._wake.clear()
+            await self._wake.wait()
+        self.budget_paused = False
+
+    async def add_budget(self, amount: int) -> None:
+        """Top the escrow up by ``amount`` from the tenant (InsufficientCredits when short);
+        a job paused for its budget tries again."""
+        await self.billing.top_up(amount)
+        await self.ctx.events.append(
+            "job.budget",
+            job_id=self.job_id,
+            message=f"budget topped up by {format_credits(amount)} credits",
+            attrs={"amount_micro": str(amount)},
+        )
+        self._budget_added.set()
+        self.wake()
+
+    async def _refund(self) -> None:
+        try:
+            left = await self.billing.refund()
+        except Exception:
+            log.exception("job %s: its escrow could not be refunded", self.job_id)
+            return
+        if left:
+            await self.ctx.events.append(
+                "job.refund",
+                job_id=self.job_id,
+                message=f"{format_credits(left)} credits left in the escrow returned to "
+                f"{self.job.owner or 'its tenant'}",
+                attrs={"amount_micro": str(left)},
+            )
 
     async def cancel(self) -> None:
         await self._set_state(JS.JOB_STATE_CANCELLED, "cancelled by its submitter")

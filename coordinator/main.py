@@ -22,6 +22,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from coordinator.config import (
@@ -194,12 +195,34 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "longer",
     )
     parser.add_argument(
+        "--platform-fee",
+        type=_fee_ppm,
+        default=0,
+        metavar="PERCENT",
+        help="the platform's fee on what submitters pay donors, charged on top (donors earn "
+        "their price), e.g. 2.5; default 0",
+    )
+    parser.add_argument(
         "--split",
         choices=("throughput", "equal"),
         default="throughput",
         help="how a round's global batch is split over nodes: in proportion to measured "
         "throughput (default), or equally (a baseline for benchmarks)",
     )
+
+
+def _fee_ppm(text: str) -> int:
+    """A percentage with at most 4 decimals as parts per million (2.5 -> 25000)."""
+    try:
+        value = Decimal(text.strip())
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"the fee must be a percentage, got {text!r}") from None
+    ppm = value * 10_000
+    if not value.is_finite() or not 0 <= value <= 100 or ppm != ppm.to_integral_value():
+        raise argparse.ArgumentTypeError(
+            f"the fee must be a percentage within 0..100 with at most 4 decimals, got {text!r}"
+        )
+    return int(ppm)
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
@@ -220,6 +243,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         program_check_concurrency=args.program_check_concurrency,
         program_check_spare=args.program_check_spare,
         scheduler_hold_s=args.scheduler_hold,
+        platform_fee_ppm=args.platform_fee,
     )
 
 

@@ -20,6 +20,7 @@ from coordinator.credit_book import (
     tenant_account,
 )
 from coordinator.credit_ledger import CreditLedger
+from coordinator.engine_api import TrainingEngine
 from coordinator.store import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -32,7 +33,7 @@ from coordinator.store import (
 from epochmesh.identity import ROLE_SUBMITTER
 from epochmesh.money import MAX_CREDITS, MICRO
 from epochmesh.timeutil import now_ms
-from epochmesh.v1 import market_pb2
+from epochmesh.v1 import common_pb2, market_pb2
 
 Ctx = grpc.aio.ServicerContext
 
@@ -73,9 +74,10 @@ def entry_message(entry_id: int, e: Entry) -> market_pb2.LedgerEntry:
 
 
 class MarketService:
-    def __init__(self, store: Store, ledger: CreditLedger) -> None:
+    def __init__(self, store: Store, ledger: CreditLedger, engine: TrainingEngine) -> None:
         self._store = store
         self._ledger = ledger
+        self._engine = engine
 
     def _submitter(self) -> str | None:
         """The calling submitter's principal id; None for an operator (or --insecure)."""
@@ -183,3 +185,17 @@ class MarketService:
             account=account, job_id=req.job_id, after_id=req.after_id, limit=limit
         )
         return market_pb2.GetStatementResponse(entries=[entry_message(i, e) for i, e in rows])
+
+    async def AddBudget(self, req: market_pb2.AddBudgetRequest, ctx: Ctx) -> common_pb2.Job:
+        if not is_job_id(req.job_id):
+            raise InvalidArgumentError(f"not a job id: {req.job_id[:64]!r}")
+        if req.amount_micro <= 0 or req.amount_micro > MAX_CREDITS * MICRO:
+            raise InvalidArgumentError(
+                f"amount must be above 0 and at most {MAX_CREDITS} credits, got "
+                f"{req.amount_micro} micro-credits"
+            )
+        job = await self._store.get_job(req.job_id)
+        if job is None:
+            raise NotFoundError(f"no job {req.job_id!r}")
+        require_job_access(job)
+        return await self._engine.add_budget(req.job_id, req.amount_micro)

@@ -9,11 +9,12 @@ sees only stored records, so a round it saw survives a crash.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
 from coordinator.checkpoint import CheckpointManifest, tensors_to_bytes
+from coordinator.credit_book import Entry
 from coordinator.engine_api import CoordinatorContext
 from coordinator.rounds import Part, RoundState
 from epochmesh.v1 import common_pb2
@@ -27,44 +28,54 @@ class RoundWriter:
         *,
         background: bool,
         on_stored: Callable[[], Awaitable[None]],
+        on_charged: Callable[[Sequence[Entry]], None] = lambda entries: None,
     ) -> None:
         """``job`` is the runner's job message, stored with every record and checkpoint as it
         is then; ``on_stored`` is awaited after a background record write (watchers hear of
-        it)."""
+        it); ``on_charged`` is called with a round's ledger entries once they are written
+        with its record."""
         self.ctx = ctx
         self.job = job
         self.background = background
         self._on_stored = on_stored
+        self._on_charged = on_charged
         # The newest round whose record is in the store (None: not known, e.g. after a restart).
         self.stored_round: int | None = None
-        self._pending: tuple[common_pb2.RoundRecord, RoundState, list[Part]] | None = None
+        self._pending: tuple[common_pb2.RoundRecord, RoundState, list[Part], list[Entry]] | None = (
+            None
+        )
         self._record_task: asyncio.Task[None] | None = None
         self._checkpoint_task: asyncio.Task[None] | None = None
 
     # -- round records ----------------------------------------------------------------------------
 
     async def add(
-        self, record: common_pb2.RoundRecord, rs: RoundState, dropped: list[Part]
+        self,
+        record: common_pb2.RoundRecord,
+        rs: RoundState,
+        dropped: list[Part],
+        charges: list[Entry] | None = None,
     ) -> None:
-        """A closed round's record (and the event for the parts it did without, ``dropped``):
-        in line, written now; in the background, written once the next round is out
-        (:meth:`start`), after the record before it is stored (waited for here, so that at
-        most one record is unwritten when a round is handed out)."""
+        """A closed round's record (and the event for the parts it did without, ``dropped``,
+        and the ledger entries that bill it, ``charges``, in the same transaction): in line,
+        written now; in the background, written once the next round is out (:meth:`start`),
+        after the record before it is stored (waited for here, so that at most one record is
+        unwritten when a round is handed out)."""
         if not self.background:
-            await self._write(None, record, rs, dropped)
+            await self._write(None, record, rs, dropped, charges or [])
             return
         await self.written()
-        self._pending = (record, rs, dropped)
+        self._pending = (record, rs, dropped, charges or [])
 
     def start(self) -> None:
         """Start writing the record :meth:`add` keeps, if any (the round loop calls it right
         after handing out the next round, so that the write does not delay the hand-out)."""
         if self._pending is None:
             return
-        record, rs, dropped = self._pending
+        record, rs, dropped, charges = self._pending
         self._pending = None
         self._record_task = asyncio.create_task(
-            self._write(self._record_task, record, rs, dropped),
+            self._write(self._record_task, record, rs, dropped, charges),
             name=f"record-{record.job_id}-{rs.round}",
         )
 
@@ -82,14 +93,24 @@ class RoundWriter:
         record: common_pb2.RoundRecord,
         rs: RoundState,
         dropped: list[Part],
+        charges: list[Entry],
     ) -> None:
         if previous is not None:
             await previous
-        async with self.ctx.store.transaction():
-            await self.ctx.store.add_round(record)
-            await self.ctx.store.update_job(self.job)
-            if dropped:
-                await self._record_dropped(rs, dropped)
+        # No charge without its committed round, no committed round without its charges.
+        try:
+            async with self.ctx.store.transaction():
+                await self.ctx.store.add_round(record)
+                await self.ctx.store.update_job(self.job)
+                if dropped:
+                    await self._record_dropped(rs, dropped)
+                if charges:
+                    await self.ctx.credits.post(charges)
+        except BaseException:
+            if charges:
+                await self.ctx.credits.reload()
+            raise
+        self._on_charged(charges)
         self.stored_round = record.round
         if self.background:
             await self._on_stored()

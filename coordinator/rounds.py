@@ -51,6 +51,10 @@ class Part:
     checksum: str = ""
     failed_peer: str = ""
     comm_s: float | None = None
+    # The market, fixed at hand-out (coordinator/job_billing.py): the node's price in
+    # micro-credits per hour and its measured samples/s for the job.
+    price: int = 0
+    rate: float = 0.0
 
     def communicate_s(self) -> float:
         """Seconds the node spent outside compute for this part (its own figure, else wall
@@ -68,6 +72,8 @@ def part_record(p: Part) -> common_pb2.RoundPart:
         status=p.status,
         inner_steps=p.inner_steps,
         communicate_seconds=p.communicate_s() if p.status == "applied" else 0.0,
+        price_micro_per_hour=p.price,
+        billed_rate=p.rate,
     )
     out.MergeFromString(encode_ranges_field(ROUND_PART_RANGES_FIELD, p.ranges))
     return out

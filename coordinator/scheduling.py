@@ -28,7 +28,9 @@ from coordinator.cluster_scheduler import (
     schedule,
     tier_of,
 )
+from coordinator.job_billing import per_credit
 from coordinator.store import Store
+from epochmesh.quote import max_price_of
 from epochmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class ScheduledJob(Protocol):
     job_id: str
     job: common_pb2.Job
     spec: common_pb2.JobSpec
+    budget_paused: bool  # paused until its budget is topped up: it wants no node
 
     @property
     def bench(self) -> Mapping[str, common_pb2.BenchmarkResult]:
@@ -201,6 +204,9 @@ class ClusterScheduling:
                     remaining_samples=float(
                         max(0, spec.epochs * r.job.num_samples - r.job.samples_done)
                     ),
+                    max_price=max_price_of(spec),
+                    per_credit=per_credit(spec),
+                    hold_reason=r.job.message if r.budget_paused else "",
                 )
             )
         nodes = [
@@ -213,6 +219,7 @@ class ClusterScheduling:
                     if info.node_id in r.bench
                 },
                 kind=node_kind(info),
+                price=info.price_micro_per_hour,
             )
             for info in eligible
         ]

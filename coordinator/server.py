@@ -352,7 +352,9 @@ class Coordinator:
             SchedulerService(self.registry, self.store, self.blobs, self.events, self.engine, auth),
             auth,
         )
-        add_service(server, MARKET_SERVICE, MarketService(self.store, self.credits), auth)
+        add_service(
+            server, MARKET_SERVICE, MarketService(self.store, self.credits, self.engine), auth
+        )
         if self.ca is not None:
             # No role check: the join token is the credential.
             add_service(server, IDENTITY_SERVICE, IdentityService(self.store, self.ca, self.events))

@@ -650,7 +650,7 @@ class SqliteStore(Store):
         limit: int = 0,
         include_rolled_back: bool = False,
     ) -> list[common_pb2.RoundRecord]:
-        sql = "SELECT data FROM rounds WHERE job_id = ? AND round > ?"
+        sql = "SELECT data, rolled_back FROM rounds WHERE job_id = ? AND round > ?"
         params: list[object] = [job_id, since_round]
         if not include_rolled_back:
             sql += " AND rolled_back = 0"
@@ -658,7 +658,12 @@ class SqliteStore(Store):
         if limit > 0:
             sql += " LIMIT ?"
             params.append(limit)
-        return [common_pb2.RoundRecord.FromString(r[0]) for r in await self._fetchall(sql, params)]
+        out = []
+        for row in await self._fetchall(sql, params):
+            record = common_pb2.RoundRecord.FromString(row[0])
+            record.rolled_back = bool(row[1])
+            out.append(record)
+        return out
 
     async def rollback_rounds(self, job_id: str, after_round: int) -> int:
         async with self._write() as db:

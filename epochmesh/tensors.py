@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import re
-import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ from epochmesh import compression
 from epochmesh.compression import CODECS, LOSSY_CODECS, ErrorFeedback
 from epochmesh.errors import CodecError
 from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES, MAX_CHUNK_BYTES
+from epochmesh.safetensors_file import safetensors_header
 from epochmesh.v1 import common_pb2
 
 DTYPES: dict[str, torch.dtype] = {
@@ -458,24 +458,6 @@ def safetensors_metadata(data: bytes | bytearray | memoryview) -> dict[str, str]
     ):
         raise CodecError("safetensors __metadata__ must map strings to strings")
     return meta
-
-
-def safetensors_header(data: bytes | bytearray | memoryview) -> dict:
-    """The JSON header of safetensors bytes: {name: {"dtype", "shape", "data_offsets"}, ...}
-    plus "__metadata__"; CodecError if malformed. Reads no tensor data."""
-    mv = memoryview(data).cast("B")
-    if mv.nbytes < 8:
-        raise CodecError("not a safetensors file: shorter than 8 bytes")
-    (n,) = struct.unpack("<Q", mv[:8])
-    if n > mv.nbytes - 8 or n > 100 << 20:
-        raise CodecError("not a safetensors file: header length out of range")
-    try:
-        header = json.loads(bytes(mv[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CodecError(f"not a safetensors file: header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CodecError("not a safetensors file: header is not a JSON object")
-    return header
 
 
 _safetensors_header = safetensors_header  # older name, still imported elsewhere

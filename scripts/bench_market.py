@@ -11,7 +11,7 @@ enumerate every node set: the exact optimum by brute force), with min_nodes 1-3,
 min_nodes..8 and a max_price that rules out the dearest fifth to half of them. Cost per epoch
 of each rule's node set over the optimum's:
 
-- ours: `coordinator.matching.cheapest_nodes`;
+- ours: `epochmesh.matching.cheapest_nodes`;
 - cheapest_first: the max_nodes lowest hourly prices;
 - fastest_first: the max_nodes fastest nodes.
 
@@ -31,7 +31,7 @@ import random
 import statistics
 import time
 
-from coordinator.matching import Offer, cheapest_nodes, epoch_cost
+from epochmesh.matching import Offer, cheapest_nodes, epoch_cost
 
 log = logging.getLogger("bench_market")
 SAMPLES = 1_000_000  # per epoch (the ratios do not depend on it)

@@ -22,6 +22,7 @@ from client.render import (
     progress_bar,
 )
 from client.rpc import CliError, ExitCode
+from epochmesh.money import format_credits
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
 
@@ -87,6 +88,24 @@ def cmd_status(ctx: Context) -> int:
     return ExitCode.OK
 
 
+def projected_micro(job: common_pb2.Job) -> int | None:
+    """The job's total cost at the rate it has paid so far (None: nothing trained yet)."""
+    if job.samples_done <= 0:
+        return None
+    return -(-job.spent_micro * job.samples_total // job.samples_done)
+
+
+def cost_text(job: common_pb2.Job) -> str:
+    """``2.4 credits so far, about 9.6 in total; 97.6 left in its escrow``."""
+    text = f"{format_credits(job.spent_micro)} credits so far"
+    projected = projected_micro(job)
+    if projected is not None and job.state not in TERMINAL_JOB_STATES:
+        text += f", about {format_credits(projected)} in total"
+    if job.state not in TERMINAL_JOB_STATES:
+        text += f"; {format_credits(job.escrow_micro)} left in its escrow"
+    return text
+
+
 def _status_one(ctx: Context, job: common_pb2.Job) -> int:
     if ctx.json:
         ctx.emit_json(to_dict(job))
@@ -108,6 +127,8 @@ def _status_one(ctx: Context, job: common_pb2.Job) -> int:
         rows.append(("loss", fmt_loss(job.last_loss)))
     if job.state not in TERMINAL_JOB_STATES and job.eta_seconds > 0:
         rows.append(("eta", fmt_duration(job.eta_seconds)))
+    if job.spent_micro or job.spec.budget_micro:
+        rows.append(("cost", cost_text(job)))
     spec = job.spec
     rows.append(
         (

@@ -9,6 +9,7 @@ import argparse
 from typing import Any
 
 from client.commands.context import Context
+from client.commands.output import to_dict
 from client.render import fmt_time
 from client.rpc import CliError, ExitCode
 from epochmesh.money import format_credits, parse_credits
@@ -137,6 +138,25 @@ def cmd_statement(ctx: Context) -> int:
     return ExitCode.OK
 
 
+def cmd_budget(ctx: Context) -> int:
+    amount = amount_arg(ctx.args.add)
+    job = ctx.get_job(ctx.args.job)
+    coord = ctx.coordinator
+    updated = coord.call(
+        "AddBudget",
+        coord.market.AddBudget,
+        market_pb2.AddBudgetRequest(job_id=job.job_id, amount_micro=amount),
+    )
+    if ctx.json:
+        ctx.emit_json(to_dict(updated))
+    else:
+        ctx.emit(
+            f"job {updated.job_id}: {format_credits(amount)} credits added; its escrow holds "
+            f"{format_credits(updated.escrow_micro)}"
+        )
+    return ExitCode.OK
+
+
 def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "credits",
@@ -176,3 +196,14 @@ def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentPars
     p.add_argument("account", metavar="ACCOUNT", nargs="?", help="tenant:ID, donor:ID, ...")
     p.add_argument("--job", metavar="JOB", help="only this job's entries")
     p.set_defaults(func=cmd_statement)
+
+    p = sub.add_parser(
+        "budget",
+        parents=common,
+        help="add credits to a job's budget",
+        description="Move AMOUNT credits from your account into the job's escrow; a job paused "
+        "because its budget ran out resumes.",
+    )
+    p.add_argument("job", metavar="JOB", help="job id, unique prefix or unique name")
+    p.add_argument("--add", metavar="AMOUNT", required=True, help="credits, e.g. 50 or 2.5")
+    p.set_defaults(func=cmd_budget)

@@ -290,7 +290,7 @@ class Shard(_message.Message):
     def __init__(self, blob: _Optional[_Union[BlobRef, _Mapping]] = ..., start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "owner", "state", "spec", "program", "initial_state", "shards", "num_samples", "created_ms", "updated_ms", "epoch", "round", "samples_done", "samples_total", "last_loss", "message", "result", "params_version", "eta_seconds")
+    __slots__ = ("job_id", "name", "owner", "state", "spec", "program", "initial_state", "shards", "num_samples", "created_ms", "updated_ms", "epoch", "round", "samples_done", "samples_total", "last_loss", "message", "result", "params_version", "eta_seconds", "spent_micro", "escrow_micro")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,8 @@ class Job(_message.Message):
     RESULT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ETA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPENT_MICRO_FIELD_NUMBER: _ClassVar[int]
+    ESCROW_MICRO_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     owner: str
@@ -331,10 +333,12 @@ class Job(_message.Message):
     result: BlobRef
     params_version: int
     eta_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., program: _Optional[_Union[BlobRef, _Mapping]] = ..., initial_state: _Optional[_Union[BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., num_samples: _Optional[int] = ..., created_ms: _Optional[int] = ..., updated_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., samples_done: _Optional[int] = ..., samples_total: _Optional[int] = ..., last_loss: _Optional[float] = ..., message: _Optional[str] = ..., result: _Optional[_Union[BlobRef, _Mapping]] = ..., params_version: _Optional[int] = ..., eta_seconds: _Optional[float] = ...) -> None: ...
+    spent_micro: int
+    escrow_micro: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., program: _Optional[_Union[BlobRef, _Mapping]] = ..., initial_state: _Optional[_Union[BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., num_samples: _Optional[int] = ..., created_ms: _Optional[int] = ..., updated_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., samples_done: _Optional[int] = ..., samples_total: _Optional[int] = ..., last_loss: _Optional[float] = ..., message: _Optional[str] = ..., result: _Optional[_Union[BlobRef, _Mapping]] = ..., params_version: _Optional[int] = ..., eta_seconds: _Optional[float] = ..., spent_micro: _Optional[int] = ..., escrow_micro: _Optional[int] = ...) -> None: ...
 
 class RoundPart(_message.Message):
-    __slots__ = ("node_id", "local_batch", "ranges", "mean_loss", "seconds", "status", "inner_steps", "communicate_seconds")
+    __slots__ = ("node_id", "local_batch", "ranges", "mean_loss", "seconds", "status", "inner_steps", "communicate_seconds", "price_micro_per_hour", "billed_rate")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +347,8 @@ class RoundPart(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     COMMUNICATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    BILLED_RATE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     local_batch: int
     ranges: _containers.RepeatedCompositeFieldContainer[SampleRange]
@@ -351,10 +357,12 @@ class RoundPart(_message.Message):
     status: str
     inner_steps: int
     communicate_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., local_batch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ..., mean_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., status: _Optional[str] = ..., inner_steps: _Optional[int] = ..., communicate_seconds: _Optional[float] = ...) -> None: ...
+    price_micro_per_hour: int
+    billed_rate: float
+    def __init__(self, node_id: _Optional[str] = ..., local_batch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ..., mean_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., status: _Optional[str] = ..., inner_steps: _Optional[int] = ..., communicate_seconds: _Optional[float] = ..., price_micro_per_hour: _Optional[int] = ..., billed_rate: _Optional[float] = ...) -> None: ...
 
 class RoundRecord(_message.Message):
-    __slots__ = ("job_id", "epoch", "round", "started_ms", "finished_ms", "parts", "loss", "params_version", "attempts")
+    __slots__ = ("job_id", "epoch", "round", "started_ms", "finished_ms", "parts", "loss", "params_version", "attempts", "rolled_back")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +372,7 @@ class RoundRecord(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     round: int
@@ -373,7 +382,8 @@ class RoundRecord(_message.Message):
     loss: float
     params_version: int
     attempts: int
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., started_ms: _Optional[int] = ..., finished_ms: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[RoundPart, _Mapping]]] = ..., loss: _Optional[float] = ..., params_version: _Optional[int] = ..., attempts: _Optional[int] = ...) -> None: ...
+    rolled_back: bool
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., started_ms: _Optional[int] = ..., finished_ms: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[RoundPart, _Mapping]]] = ..., loss: _Optional[float] = ..., params_version: _Optional[int] = ..., attempts: _Optional[int] = ..., rolled_back: _Optional[bool] = ...) -> None: ...
 
 class NodeAllocation(_message.Message):
     __slots__ = ("node_id", "name", "samples_per_second", "share", "local_batch", "max_batch", "segment", "remaining", "compute_seconds", "communicate_seconds", "rtt_ms", "bandwidth_bytes_per_second", "inner_steps")

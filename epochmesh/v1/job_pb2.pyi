@@ -129,14 +129,16 @@ class DownloadResultResponse(_message.Message):
     def __init__(self, total_size: _Optional[int] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class GetRoundsRequest(_message.Message):
-    __slots__ = ("job_id", "since_round", "limit")
+    __slots__ = ("job_id", "since_round", "limit", "include_rolled_back")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SINCE_ROUND_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     since_round: int
     limit: int
-    def __init__(self, job_id: _Optional[str] = ..., since_round: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    include_rolled_back: bool
+    def __init__(self, job_id: _Optional[str] = ..., since_round: _Optional[int] = ..., limit: _Optional[int] = ..., include_rolled_back: _Optional[bool] = ...) -> None: ...
 
 class GetRoundsResponse(_message.Message):
     __slots__ = ("rounds",)

@@ -1,3 +1,4 @@
+from epochmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -85,3 +86,11 @@ class GetStatementResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ...) -> None: ...
+
+class AddBudgetRequest(_message.Message):
+    __slots__ = ("job_id", "amount_micro")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_MICRO_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    amount_micro: int
+    def __init__(self, job_id: _Optional[str] = ..., amount_micro: _Optional[int] = ...) -> None: ...

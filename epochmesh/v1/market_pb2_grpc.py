@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from epochmesh.v1 import common_pb2 as epochmesh_dot_v1_dot_common__pb2
 from epochmesh.v1 import market_pb2 as epochmesh_dot_v1_dot_market__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -52,6 +53,11 @@ class MarketServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_market__pb2.GetStatementRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_market__pb2.GetStatementResponse.FromString,
                 _registered_method=True)
+        self.AddBudget = channel.unary_unary(
+                '/epochmesh.v1.MarketService/AddBudget',
+                request_serializer=epochmesh_dot_v1_dot_market__pb2.AddBudgetRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_common__pb2.Job.FromString,
+                _registered_method=True)
 
 
 class MarketServiceServicer:
@@ -81,6 +87,14 @@ class MarketServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddBudget(self, request, context):
+        """A job's owner (or an operator) moves more credits into its escrow; a job paused for its
+        budget resumes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MarketServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +112,11 @@ def add_MarketServiceServicer_to_server(servicer, server):
                     servicer.GetStatement,
                     request_deserializer=epochmesh_dot_v1_dot_market__pb2.GetStatementRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_market__pb2.GetStatementResponse.SerializeToString,
+            ),
+            'AddBudget': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddBudget,
+                    request_deserializer=epochmesh_dot_v1_dot_market__pb2.AddBudgetRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_common__pb2.Job.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +203,33 @@ class MarketService:
             '/epochmesh.v1.MarketService/GetStatement',
             epochmesh_dot_v1_dot_market__pb2.GetStatementRequest.SerializeToString,
             epochmesh_dot_v1_dot_market__pb2.GetStatementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddBudget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.MarketService/AddBudget',
+            epochmesh_dot_v1_dot_market__pb2.AddBudgetRequest.SerializeToString,
+            epochmesh_dot_v1_dot_common__pb2.Job.FromString,
             options,
             channel_credentials,
             insecure,

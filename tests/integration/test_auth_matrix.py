@@ -93,6 +93,7 @@ EXPECTED: dict[str, tuple[set[str], str | S]] = {
     "MarketService/GrantCredits": ({OPERATOR}, S.INVALID_ARGUMENT),
     "MarketService/GetBalance": (ANY_USER, OK),
     "MarketService/GetStatement": (ANY_USER, OK),
+    "MarketService/AddBudget": (ANY_USER, S.INVALID_ARGUMENT),
 }
 
 

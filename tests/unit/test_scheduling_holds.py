@@ -34,6 +34,7 @@ class Runner:
     bench_s: dict[str, float] = field(default_factory=dict)
     bench: dict[str, common_pb2.BenchmarkResult] = field(default_factory=dict)
     terminal: bool = False
+    budget_paused: bool = False
 
     def __post_init__(self) -> None:
         self.spec = common_pb2.JobSpec(

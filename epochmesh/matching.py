@@ -1,5 +1,6 @@
 """Price-performance matching (pure): which of the offered nodes a job should train on so that
-an epoch costs it the least.
+an epoch costs it the least (`cheapest_nodes`), or takes the least time within a price cap
+(`fastest_nodes`, for a job with a deadline).
 
 An epoch of S samples on nodes with rates r_i (samples/s, measured for this job) and hourly
 prices p_i takes T = S / sum(r) seconds and costs sum(p) x T / 3600: the cost per sample is
@@ -67,3 +68,19 @@ def cheapest_nodes(
         if value >= 0:  # no set beats the ratio: it is the optimum
             return sorted(best, key=lambda o: o.node_id)
         best, ratio = candidate, _ratio(candidate)
+
+
+def fastest_nodes(
+    offers: Sequence[Offer], min_nodes: int, max_nodes: int, max_price: int | None = None
+) -> list[Offer]:
+    """The max_nodes fastest offers priced at most ``max_price`` (a deadline's choice: the
+    most samples/s the cap allows), the cheaper and then the lower node id among equal rates;
+    by node id; [] when fewer than min_nodes offers qualify."""
+    usable = [
+        o for o in offers if o.rate > 0 and (max_price is None or o.price_per_hour <= max_price)
+    ]
+    lo, hi = max(1, min_nodes), min(max_nodes, len(usable))
+    if lo > hi:
+        return []
+    chosen = sorted(usable, key=lambda o: (-o.rate, o.price_per_hour, o.node_id))[:hi]
+    return sorted(chosen, key=lambda o: o.node_id)

@@ -1,0 +1,301 @@
+"""The market seen by a submitter: ``offers`` (the nodes, their prices and samples per credit)
+and ``quote`` (what a job.toml would cost and take on the nodes offered now)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from client.commands.context import Context
+from client.commands.nodes import device_summary, node_price, node_rate
+from client.commands.output import node_state_name
+from client.render import fmt_duration, fmt_rate, fmt_seconds
+from client.rpc import CliError, ExitCode
+from epochmesh.errors import SpecError
+from epochmesh.matching import SECONDS_PER_HOUR, Offer
+from epochmesh.money import MICRO, format_credits
+from epochmesh.quote import Quote, quote
+from epochmesh.v1 import common_pb2, scheduler_pb2
+
+NS = common_pb2.NodeState
+HIDDEN_STATES = frozenset({NS.NODE_STATE_OFFLINE, NS.NODE_STATE_QUARANTINED})
+QUOTE_STATES = (NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY)  # the nodes that could take a job
+RATES_NOTE = "rates from the reference benchmark; a job's own speed differs"
+
+
+@dataclass(frozen=True)
+class NodeOffer:
+    node_id: str
+    name: str
+    state: str
+    device: str
+    price_micro_per_hour: int  # 0: donated
+    samples_per_second: float  # observed when known, else the reference benchmark's
+    rate_source: str  # "observed" | "benchmark" | "none"
+    samples_per_credit: float | None  # None for a donated node
+
+    @property
+    def free(self) -> bool:
+        return self.price_micro_per_hour <= 0
+
+
+def node_offer(node: common_pb2.NodeInfo) -> NodeOffer:
+    rate = node_rate(node)
+    source = (
+        "observed"
+        if node.observed_samples_per_second > 0
+        else "benchmark"
+        if node.benchmark.samples_per_second > 0
+        else "none"
+    )
+    price = max(0, node.price_micro_per_hour)
+    per_credit = rate * SECONDS_PER_HOUR * MICRO / price if price > 0 else None
+    return NodeOffer(
+        node_id=node.node_id,
+        name=node.name,
+        state=node_state_name(node.state),
+        device=device_summary(node),
+        price_micro_per_hour=price,
+        samples_per_second=rate,
+        rate_source=source,
+        samples_per_credit=per_credit,
+    )
+
+
+def node_offers(
+    nodes: Iterable[common_pb2.NodeInfo], *, all_states: bool = False
+) -> list[NodeOffer]:
+    """The offers of ``nodes``, best value first: donated nodes (fastest first), then the
+    most samples per credit; offline and quarantined nodes only with ``all_states``."""
+    offers = [node_offer(n) for n in nodes if all_states or n.state not in HIDDEN_STATES]
+    return sorted(
+        offers,
+        key=lambda o: (
+            not o.free,
+            -(o.samples_per_second if o.free else o.samples_per_credit or 0.0),
+            o.name,
+            o.node_id,
+        ),
+    )
+
+
+def fmt_per_credit(offer: NodeOffer) -> str:
+    if offer.samples_per_credit is None:
+        return "free"
+    return fmt_rate(offer.samples_per_credit) if offer.samples_per_credit > 0 else "-"
+
+
+def cmd_offers(ctx: Context) -> int:
+    coord = ctx.coordinator
+    reply = coord.call("ListNodes", coord.scheduler.ListNodes, scheduler_pb2.ListNodesRequest())
+    offers = node_offers(reply.nodes, all_states=ctx.args.all)
+    if ctx.json:
+        ctx.emit_json({"offers": [asdict(o) for o in offers]})
+        return ExitCode.OK
+    if not offers:
+        hidden = len(reply.nodes)
+        more = f" ({hidden} offline or quarantined: --all shows them)" if hidden else ""
+        ctx.note(f"no nodes on offer{more}")
+        return ExitCode.OK
+    rows = [
+        [
+            o.node_id,
+            o.name or "-",
+            o.state,
+            o.device,
+            "free" if o.free else f"{format_credits(o.price_micro_per_hour)}/h",
+            fmt_rate(o.samples_per_second),
+            fmt_per_credit(o),
+        ]
+        for o in offers
+    ]
+    ctx.emit_table(
+        ["NODE", "NAME", "STATE", "DEVICE", "PRICE", "SAMPLES/S", "SAMPLES/CREDIT"],
+        rows,
+        right=(4, 5, 6),
+        flex=1,
+        paint={2: ctx.out_style.state},
+    )
+    return ExitCode.OK
+
+
+def _spec_error(err: Exception, path: Path) -> CliError:
+    lines = (str(err).strip() or type(err).__name__).splitlines()
+    hint = lines[1].strip() if len(lines) > 1 else f"fix {path} and ask again"
+    return CliError(ExitCode.USAGE, lines[0], hint)
+
+
+def load_job(path: Path) -> tuple[common_pb2.JobSpec, int]:
+    """The spec of the job.toml at ``path`` and the samples of its dataset (read from the
+    safetensors header only); a bad job.toml or dataset is a usage error (exit 2)."""
+    from epochmesh.safetensors_file import dataset_samples
+    from epochmesh.spec import load_spec
+
+    try:
+        loaded = load_spec(path, check_files=False)
+        spec = loaded.spec
+        samples = dataset_samples(loaded.data_path, [*spec.inputs, *spec.targets])
+    except SpecError as err:
+        raise _spec_error(err, path) from None
+    return spec, samples
+
+
+def market_offers(nodes: Iterable[common_pb2.NodeInfo]) -> list[Offer]:
+    """Offers of the nodes that could take a job now, at their reference benchmark's rate."""
+    return [
+        Offer(n.node_id, max(0, n.price_micro_per_hour), n.benchmark.samples_per_second)
+        for n in nodes
+        if n.state in QUOTE_STATES
+    ]
+
+
+def _credits(micro: int) -> str:
+    return f"{format_credits(micro)} credits"
+
+
+def quote_dict(spec: common_pb2.JobSpec, q: Quote, nodes: dict[str, Any]) -> dict[str, Any]:
+    def finite(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return {
+        "job": spec.name,
+        "num_samples": q.num_samples,
+        "epochs": q.epochs,
+        "mode": q.mode,
+        "reason": q.reason,
+        "min_nodes": q.min_nodes,
+        "max_nodes": q.max_nodes,
+        "max_price_micro_per_hour": q.max_price,
+        "eligible_nodes": q.eligible,
+        "nodes": [
+            {
+                "node_id": o.node_id,
+                "name": nodes[o.node_id].name if o.node_id in nodes else "",
+                "price_micro_per_hour": o.price_per_hour,
+                "samples_per_second": o.rate,
+            }
+            for o in q.nodes
+        ],
+        "samples_per_second": q.rate,
+        "price_micro_per_hour": q.price_per_hour,
+        "epoch_seconds": finite(q.epoch_seconds),
+        "total_seconds": finite(q.total_seconds),
+        "epoch_cost_micro": q.epoch_cost,
+        "total_cost_micro": q.total_cost,
+        "budget_micro": q.budget,
+        "budget_covers": q.budget_covers,
+        "deadline_seconds": q.deadline_seconds,
+        "deadline_met": q.deadline_met,
+        "rates": "reference_benchmark",
+    }
+
+
+def _no_fit(spec: common_pb2.JobSpec, q: Quote) -> CliError:
+    if q.max_price == 0 and not spec.HasField("max_price_micro_per_hour"):
+        hint = (
+            "without a budget a job uses donated nodes only: set [market] budget (and "
+            "max_price) to use priced ones; `epochmesh offers` lists them"
+        )
+    elif q.max_price is not None:
+        hint = (
+            "raise [market] max_price or lower [cluster] min_nodes; `epochmesh offers` lists "
+            "the nodes and their prices"
+        )
+    else:
+        hint = "lower [cluster] min_nodes or wait for more nodes (`epochmesh offers`)"
+    return CliError(ExitCode.PRECONDITION, f"no offer fits job {spec.name}: {q.reason}", hint)
+
+
+def quote_lines(spec: common_pb2.JobSpec, q: Quote) -> list[tuple[str, str]]:
+    """The key-value lines under the table of nodes."""
+    nodes = "node" if len(q.nodes) == 1 else "nodes"
+    rows = [
+        ("job", f"{spec.name}: {q.epochs} epochs of {q.num_samples} samples"),
+        ("nodes", f"{len(q.nodes)} {nodes} ({q.min_nodes}-{q.max_nodes} allowed): {q.reason}"),
+        ("samples/s", fmt_rate(q.rate)),
+        ("epoch", f"{fmt_seconds(q.epoch_seconds)}, {_credits(q.epoch_cost)}"),
+        ("total", f"{fmt_seconds(q.total_seconds)}, {_credits(q.total_cost)}"),
+    ]
+    covers = "covers it" if q.budget_covers else "does NOT cover it"
+    rows.append(("budget", f"{'none' if q.budget is None else _credits(q.budget)}: {covers}"))
+    if q.deadline_seconds is not None:
+        met = "met" if q.deadline_met else "NOT met"
+        rows.append(("deadline", f"{fmt_duration(q.deadline_seconds)}: {met}"))
+    return rows
+
+
+def cmd_quote(ctx: Context) -> int:
+    path = Path(ctx.args.spec)
+    spec, samples = load_job(path)  # exit 2 before the coordinator is asked
+    coord = ctx.coordinator
+    reply = coord.call(
+        "ListNodes",
+        coord.scheduler.ListNodes,
+        scheduler_pb2.ListNodesRequest(states=list(QUOTE_STATES)),
+    )
+    by_id = {n.node_id: n for n in reply.nodes}
+    offers = market_offers(reply.nodes)
+    q = quote(spec, samples, offers)
+    if not q.fits:
+        raise _no_fit(spec, q)
+    if ctx.json:
+        ctx.emit_json(quote_dict(spec, q, by_id))
+        return ExitCode.OK
+    ctx.emit_table(
+        ["NODE", "NAME", "DEVICE", "PRICE", "SAMPLES/S"],
+        [
+            [
+                o.node_id,
+                by_id[o.node_id].name or "-",
+                device_summary(by_id[o.node_id]),
+                node_price(by_id[o.node_id]),
+                fmt_rate(o.rate),
+            ]
+            for o in q.nodes
+        ],
+        right=(3, 4),
+        flex=1,
+    )
+    ctx.emit()
+    rows = quote_lines(spec, q)
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        ctx.emit(f"{key.ljust(width)}  {value}")
+    unbenchmarked = sum(1 for o in offers if o.rate <= 0)
+    if unbenchmarked:
+        ctx.note(f"{unbenchmarked} node(s) without a reference benchmark left out")
+    ctx.note(f"an estimate: {RATES_NOTE}")
+    return ExitCode.OK
+
+
+def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "offers",
+        parents=common,
+        help="list the nodes on offer with their prices",
+        description="List the nodes with their price per node-hour, samples/s (observed, "
+        "else the reference benchmark's) and samples per credit, the best value first "
+        "(donated nodes first). Offline and quarantined nodes only with --all. "
+        "--output json: {'offers': [{node_id, name, state, device, price_micro_per_hour, "
+        "samples_per_second, rate_source, samples_per_credit}, ...]}.",
+    )
+    p.add_argument("--all", action="store_true", help="also offline and quarantined nodes")
+    p.set_defaults(func=cmd_offers)
+
+    p = sub.add_parser(
+        "quote",
+        parents=common,
+        help="estimate a job's nodes, time and cost",
+        description="Pick the nodes a job.toml would get now, as the market does (within "
+        "[market] max_price; no max_price: any price with a budget, else donated nodes only; "
+        "the least cost per epoch, or the fastest with a deadline), and estimate its time "
+        "and cost, and whether its budget and deadline hold. An estimate: rates come from "
+        "the reference benchmark, and a job's own speed differs. Exit 6 when too few nodes "
+        "fit.",
+    )
+    p.add_argument("spec", metavar="JOB.toml", help="the job spec")
+    p.set_defaults(func=cmd_quote)

@@ -1,0 +1,231 @@
+"""``epochmesh offers`` and ``epochmesh quote``: the real console scripts against a real
+coordinator and three benchmarked agents asking different prices (free, 0.5 and 50 credits/h),
+plus one that left (offline). Orders, fields, the quote's exact micro-credits, a max_price that
+leaves too few nodes (exit 6) and a bad job.toml (exit 2)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from epochmesh.money import format_credits
+from epochmesh.v1 import common_pb2
+from tests.fixtures import write_mlp_job
+from tests.procs import start_coordinator, wait_until
+from tests.system.test_agent import AgentProc, coordinator_args, list_nodes, wait_node
+from tests.system.test_cli_support import Cli, assert_clean_error
+
+pytestmark = pytest.mark.timeout(240)
+
+NS = common_pb2.NodeState
+PRICES = {"free": 0, "cheap": 500_000, "dear": 50_000_000}  # micro-credits per hour
+NUM_SAMPLES = 256  # the tiny MLP job: 2 epochs, global batch 32, 1-4 nodes
+
+
+@dataclass
+class Market:
+    op: Cli
+    alice: Cli  # a submitter
+    ids: dict[str, str]  # agent name -> node id
+    rates: dict[str, float]  # agent name -> reference benchmark samples/s
+    tmp: Path
+
+
+def _ready(address: str, ids: dict[str, str]) -> dict[str, float] | None:
+    """Reference rates by name once every priced agent is online, benchmarked and priced."""
+    by_id = {n.node_id: n for n in list_nodes(address)}
+    rates: dict[str, float] = {}
+    for name, price in PRICES.items():
+        n = by_id.get(ids[name])
+        if (
+            n is None
+            or n.state != NS.NODE_STATE_ONLINE
+            or n.benchmark.samples_per_second <= 0
+            or n.price_micro_per_hour != price
+        ):
+            return None
+        rates[name] = n.benchmark.samples_per_second
+    return rates
+
+
+@pytest.fixture(scope="module")
+def market(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Market]:
+    tmp = tmp_path_factory.mktemp("offers")
+    with start_coordinator(tmp / "coordinator", *coordinator_args(0.5, 10.0)) as coord:
+        # One agent registers and leaves at once: an offline node, shown only with --all.
+        with AgentProc(coord.address, tmp / "gone", "--name", "gone", benchmark="off") as gone:
+            gone_id = gone.wait_node_id()
+            wait_node(coord.address, gone_id, lambda n: n.state == NS.NODE_STATE_ONLINE)
+            assert gone.terminate() == 0, str(gone)
+        agents = [
+            AgentProc(
+                coord.address,
+                tmp / name,
+                "--name",
+                name,
+                "--price",
+                format_credits(price),
+            )
+            for name, price in PRICES.items()
+        ]
+        try:
+            ids = {name: a.wait_node_id() for name, a in zip(PRICES, agents, strict=True)}
+            rates = wait_until(
+                lambda: _ready(coord.address, ids),
+                timeout=120,
+                interval=0.2,
+                message="agents never all benchmarked and priced\n"
+                + "\n".join(str(a) for a in agents),
+            )
+            assert isinstance(rates, dict)
+            ids["gone"] = gone_id
+            yield Market(
+                Cli(coord.address, tmp / "op"),
+                Cli(coord.address, tmp / "alice", role="submitter"),
+                ids,
+                rates,
+                tmp,
+            )
+        finally:
+            for a in agents:
+                a.kill9()
+
+
+def table(cli: Cli, *args: str) -> tuple[list[list[str]], str]:
+    result = cli.run(*args, env=cli.env(NO_COLOR="1", COLUMNS="200"))
+    assert result.code == 0, result.stderr
+    return [line.split() for line in result.stdout.splitlines()], result.stderr
+
+
+def test_offers_best_value_first(market: Market) -> None:
+    m = market
+    result = m.alice.run("offers", "--output", "json")
+    assert result.code == 0, result.stderr
+    offers = result.json()["offers"]
+    assert [o["name"] for o in offers] == ["free", "cheap", "dear"]  # offline left out
+    assert [o["node_id"] for o in offers] == [m.ids[n] for n in ("free", "cheap", "dear")]
+    assert set(offers[0]) == {
+        "node_id", "name", "state", "device", "price_micro_per_hour", "samples_per_second",
+        "rate_source", "samples_per_credit",
+    }  # fmt: skip
+    free, cheap, dear = offers
+    assert [o["price_micro_per_hour"] for o in offers] == [0, 500_000, 50_000_000]
+    assert free["samples_per_credit"] is None
+    for offer in (cheap, dear):
+        assert offer["rate_source"] == "benchmark" and offer["state"] == "online"
+        assert offer["samples_per_second"] == m.rates[offer["name"]]
+        assert offer["samples_per_credit"] == pytest.approx(
+            offer["samples_per_second"] * 3600 * 1_000_000 / offer["price_micro_per_hour"]
+        )
+    assert cheap["samples_per_credit"] > dear["samples_per_credit"]
+
+    everything = m.op.run("offers", "--all", "--output", "json")
+    assert everything.code == 0, everything.stderr
+    listed = everything.json()["offers"]
+    assert [o["name"] for o in listed] == ["free", "gone", "cheap", "dear"]
+    assert listed[1]["state"] == "offline" and listed[1]["rate_source"] == "none"
+
+    rows, _ = table(m.alice, "offers")
+    assert rows[0] == ["NODE", "NAME", "STATE", "DEVICE", "PRICE", "SAMPLES/S", "SAMPLES/CREDIT"]
+    assert [r[1] for r in rows[1:]] == ["free", "cheap", "dear"]
+    assert [(r[-3], r[-1]) for r in rows[1:]][0] == ("free", "free")
+    assert [r[-3] for r in rows[1:]] == ["free", "0.5/h", "50/h"]
+
+
+def job(m: Market, name: str, market_toml: str, **cluster: int) -> Path:
+    path = write_mlp_job(
+        m.tmp / "jobs" / name, num_samples=NUM_SAMPLES, overrides={"cluster": cluster}
+    )
+    with path.open("a") as f:
+        f.write(f"\n[market]\n{market_toml}\n")
+    return path
+
+
+def quote_json(cli: Cli, path: Path) -> dict[str, Any]:
+    result = cli.run("quote", str(path), "--output", "json")
+    assert result.code == 0, result.stderr
+    return dict(result.json())
+
+
+def expected_cost(price: int, samples: int, *rates: float) -> int:
+    return math.ceil(Fraction(price * samples) / (sum(Fraction(r) for r in rates) * 3600))
+
+
+def test_quote_picks_the_cheapest_nodes_and_prices_them(market: Market) -> None:
+    m = market
+    # A budget, no max_price: any price; two nodes at least: free + cheap is the cheapest set.
+    q = quote_json(m.alice, job(m, "two", "budget = 10", min_nodes=2))
+    assert q["mode"] == "cheapest" and q["max_price_micro_per_hour"] is None
+    assert sorted(n["name"] for n in q["nodes"]) == ["cheap", "free"]
+    rate = m.rates["free"] + m.rates["cheap"]
+    assert q["samples_per_second"] == pytest.approx(rate)
+    assert q["num_samples"] == NUM_SAMPLES and q["epochs"] == 2
+    assert q["epoch_seconds"] == pytest.approx(NUM_SAMPLES / rate)
+    assert q["total_seconds"] == pytest.approx(2 * NUM_SAMPLES / rate)
+    rates = (m.rates["free"], m.rates["cheap"])
+    assert q["epoch_cost_micro"] == expected_cost(500_000, NUM_SAMPLES, *rates)
+    assert q["total_cost_micro"] == expected_cost(500_000, 2 * NUM_SAMPLES, *rates)
+    assert q["budget_micro"] == 10_000_000 and q["budget_covers"] is True
+    assert q["deadline_seconds"] is None and q["deadline_met"] is None
+    assert q["rates"] == "reference_benchmark"
+
+    # The table: the nodes, then the estimate; the caveat on stderr.
+    rows, notes = table(m.alice, "quote", str(job(m, "two-table", "budget = 10", min_nodes=2)))
+    assert rows[0] == ["NODE", "NAME", "DEVICE", "PRICE", "SAMPLES/S"]
+    assert sorted(r[1] for r in rows[1:3]) == ["cheap", "free"]
+    lines = {r[0]: r[1:] for r in rows[3:] if r}
+    assert lines["budget"] == ["10", "credits:", "covers", "it"]
+    assert "nodes" in lines and "samples/s" in lines and "total" in lines
+    assert "rates from the reference benchmark; a job's own speed differs" in notes
+
+    # A deadline: the fastest within max_price (1 credit/h: free and cheap).
+    q = quote_json(m.op, job(m, "deadline", 'budget = 10\nmax_price = 1\ndeadline = "1d"'))
+    assert q["mode"] == "fastest" and q["max_price_micro_per_hour"] == 1_000_000
+    assert sorted(n["name"] for n in q["nodes"]) == ["cheap", "free"]
+    assert q["deadline_seconds"] == 86400 and q["deadline_met"] is True
+
+
+def test_quote_when_max_price_is_under_every_priced_node(market: Market) -> None:
+    m = market
+    # Only the donated node fits: it alone trains, for nothing.
+    q = quote_json(m.alice, job(m, "capped", "budget = 10\nmax_price = 0.1"))
+    assert [n["name"] for n in q["nodes"]] == ["free"]
+    assert q["total_cost_micro"] == 0 and q["budget_covers"] is True
+
+    # Two nodes needed, one fits: exit 6, nothing on stdout.
+    result = m.alice.run(
+        "quote", str(job(m, "capped-two", "budget = 10\nmax_price = 0.1", min_nodes=2))
+    )
+    assert_clean_error(
+        result,
+        6,
+        "error: no offer fits job tiny-mlp: 1 node asking at most 0.1 credits/h; the job "
+        "needs at least 2 (min_nodes)",
+        "hint: raise [market] max_price or lower [cluster] min_nodes",
+    )
+    # No budget and no max_price: donated nodes only.
+    result = m.alice.run("quote", str(job(m, "unfunded", "", min_nodes=2)), "--output", "json")
+    assert_clean_error(result, 6, "1 donated node; the job needs at least 2", "set [market] budget")
+
+
+def test_quote_of_a_bad_job_toml_is_a_usage_error(market: Market) -> None:
+    m = market
+    path = job(m, "typo", "budget = 10")
+    path.write_text(path.read_text().replace("global_batch", "global_bach"))
+    assert_clean_error(
+        m.alice.run("quote", str(path)), 2, "unknown key [train].global_bach", "global_batch"
+    )
+    assert_clean_error(
+        m.alice.run("quote", str(m.tmp / "nowhere" / "job.toml")), 2, "job file not found"
+    )
+    bad_price = job(m, "bad-price", "max_price = -1")
+    assert_clean_error(m.alice.run("quote", str(bad_price)), 2, "must not be negative")
+    no_data = job(m, "no-data", "budget = 1")
+    (no_data.parent / "train.safetensors").unlink()
+    assert_clean_error(m.alice.run("quote", str(no_data)), 2, "dataset file not found")
