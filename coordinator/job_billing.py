@@ -15,7 +15,7 @@ any node if it has a budget, else only donated ones (no budget: it pays nothing)
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -53,10 +53,17 @@ def quantized_rate(rate: float) -> float:
 
 
 class JobBilling:
-    def __init__(self, job: common_pb2.Job, credits: CreditLedger, fee_ppm: int = 0) -> None:
+    def __init__(
+        self,
+        job: common_pb2.Job,
+        credits: CreditLedger,
+        fee_ppm: int = 0,
+        donor_of: Callable[[str], str] = lambda node_id: node_id,
+    ) -> None:
         self.job = job
         self.credits = credits
         self.fee_ppm = fee_ppm
+        self.donor_of = donor_of  # node id -> the donor whose account it earns for
         self.billed = BilledSamples(job.num_samples)
         self._pending = 0  # charged at round close, not yet written (background records)
 
@@ -123,7 +130,7 @@ class JobBilling:
             charges.append(
                 charge_part(
                     p.node_id,
-                    p.node_id,  # the donor account: the node's own for now
+                    self.donor_of(p.node_id),
                     p.price,
                     p.rate,
                     new + repeat,

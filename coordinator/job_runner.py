@@ -93,7 +93,12 @@ class JobRunner:
         self._task: asyncio.Task[None] | None = None
         self.stop_requested = asyncio.Event()  # the coordinator stops: end the open round
         self._wake = asyncio.Event()
-        self.billing = JobBilling(job, self.ctx.credits, self.ctx.config.platform_fee_ppm)
+        self.billing = JobBilling(
+            job,
+            self.ctx.credits,
+            self.ctx.config.platform_fee_ppm,
+            donor_of=self.ctx.registry.donor_of,
+        )
         # Paused for its budget: no node is wanted until a top-up sets the event.
         self.budget_paused = False
         self._budget_added = asyncio.Event()
@@ -773,8 +778,10 @@ class JobRunner:
         self.budget_paused = True
         self._budget_added.clear()
         await self._set_state(JS.JOB_STATE_PAUSED, reason)
-        await self._release_all()
-        self.host.round_finished(self.job_id, set())
+        for n in list(dict.fromkeys([*self.node_set.members, *self.node_set.held])):
+            await self._drop_node(n, "the job's budget ran out: the node returns to the pool")
+        await self._release_all()  # and any node still benchmarking
+        self.host.round_finished(self.job_id, self.benchmark_task_ids())
         while not self.stop_requested.is_set() and not self.terminal:
             if self._budget_added.is_set():
                 break
@@ -786,6 +793,7 @@ class JobRunner:
         """Top the escrow up by ``amount`` from the tenant (InsufficientCredits when short);
         a job paused for its budget tries again."""
         await self.billing.top_up(amount)
+        await self.ctx.store.update_job(self.job)
         await self.ctx.events.append(
             "job.budget",
             job_id=self.job_id,
@@ -802,6 +810,7 @@ class JobRunner:
             log.exception("job %s: its escrow could not be refunded", self.job_id)
             return
         if left:
+            await self.ctx.store.update_job(self.job)
             await self.ctx.events.append(
                 "job.refund",
                 job_id=self.job_id,

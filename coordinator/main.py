@@ -3,7 +3,7 @@
     epochmesh-coordinator [serve] [--data-dir DIR] [--listen HOST:PORT] ...
 
     epochmesh-coordinator token create --role node|submitter|operator [--ttl 24h]
-                                       [--reusable] [--data-dir DIR]
+                                       [--reusable] [--donor NAME] [--data-dir DIR]
 
 Subcommands: ``serve`` (the default when the first argument is an option or absent) and
 ``token create``, which runs on the coordinator's machine against its data dir (creating the
@@ -305,9 +305,16 @@ def add_token_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="may enroll any number of holders until it expires (default: single use)",
     )
+    create.add_argument(
+        "--donor",
+        default=None,
+        metavar="NAME",
+        help="role node only: the earnings of every node enrolled with this token go to "
+        "the account donor:NAME (1-64 of A-Z a-z 0-9 . _ -; default: each node's own id)",
+    )
 
 
-async def _create_token(data_dir: Path, role: str, ttl_s: float, reusable: bool) -> str:
+async def _create_token(data_dir: Path, role: str, ttl_s: float, reusable: bool, donor: str) -> str:
     from coordinator.config import CoordinatorConfig
     from coordinator.sqlite_store import SqliteStore
     from coordinator.tokens import create_token, ensure_ca
@@ -316,21 +323,31 @@ async def _create_token(data_dir: Path, role: str, ttl_s: float, reusable: bool)
     ca = ensure_ca(data_dir)
     store = await SqliteStore.open(config.db_path)
     try:
-        return await create_token(store, ca, role, ttl_s, reusable)
+        return await create_token(store, ca, role, ttl_s, reusable, donor)
     finally:
         await store.close()
 
 
 def run_token(args: argparse.Namespace) -> int:
-    from coordinator.tokens import parse_ttl
+    from coordinator.tokens import check_donor, parse_ttl
 
     try:
         ttl_s = parse_ttl(args.ttl)
     except ValueError as exc:
         log.error("invalid --ttl: %s", exc)
         return 2
+    donor = ""
+    if args.donor is not None:
+        if args.role != "node":
+            log.error("--donor is for node tokens only (--role node), not for --role %s", args.role)
+            return 2
+        try:
+            donor = check_donor(args.donor)
+        except ValueError as exc:
+            log.error("invalid --donor: %s", exc)
+            return 2
     try:
-        token = asyncio.run(_create_token(args.data_dir, args.role, ttl_s, args.reusable))
+        token = asyncio.run(_create_token(args.data_dir, args.role, ttl_s, args.reusable, donor))
     except (RuntimeError, CoordinatorError, OSError) as exc:
         log.error("cannot create a token in %s: %s", args.data_dir, exc)
         return 1

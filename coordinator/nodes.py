@@ -14,6 +14,10 @@ States (common.proto NodeState):
   QUARANTINED leased but excluded (set by a later issue)
 CORDONED and QUARANTINED survive a re-registration; a draining node that registers again is
 ONLINE. A cordoned or draining node may still carry ``current_job_id`` (it finishes its round).
+
+A node earns for its donor: the one its join token named (the store's node_donors), else the
+node itself. The registry reads it at load and at register and shows it as the label
+``donor`` (set by the coordinator, never by the agent).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ CORDONED = NS.NODE_STATE_CORDONED
 OFFLINE = NS.NODE_STATE_OFFLINE
 QUARANTINED = NS.NODE_STATE_QUARANTINED
 
+DONOR_LABEL = "donor"
 NODE_ID_PREFIX = "n-"
 NODE_ID_HEX = 10
 LEASE_EXPIRED = "lease expired: register again"
@@ -139,6 +144,7 @@ class NodeRegistry:
         self._flush_interval_s = flush_interval_s
         self._clock = clock
         self._nodes: dict[str, _Node] = {}
+        self._donors: dict[str, str] = {}  # node id -> donor, where not the node itself
         self._dirty: set[str] = set()
         self._offline_listeners: list[OfflineListener] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -162,6 +168,7 @@ class NodeRegistry:
         for record in await self._store.list_nodes():
             info = record.info
             node = _Node(info=info, lease_id=record.lease_id, expires=0.0)
+            self._set_donor(info, await self._store.get_node_donor(info.node_id))
             if info.state != OFFLINE:
                 node.expires = now + RESTORED_LEASE_TTLS * self.lease_ttl_s
                 info.lease_expires_ms = wall + RESTORED_LEASE_TTLS * self.lease_ttl_ms
@@ -225,6 +232,11 @@ class NodeRegistry:
         wanted = set(states)
         return [_copy(n.info) for n in self._nodes.values() if not wanted or n.info.state in wanted]
 
+    def donor_of(self, node_id: str) -> str:
+        """The donor whose account ``node_id`` earns for: its join token's donor, else (and
+        for an unknown node) the node id itself."""
+        return self._donors.get(node_id, node_id)
+
     def is_alive(self, node_id: str) -> bool:
         """Leased: known, not OFFLINE and the lease has not lapsed (QUARANTINED is alive)."""
         node = self._nodes.get(node_id)
@@ -257,6 +269,14 @@ class NodeRegistry:
     def __len__(self) -> int:
         return len(self._nodes)
 
+    def _set_donor(self, info: common_pb2.NodeInfo, donor: str) -> None:
+        """Record ``donor`` ("": the node itself) for the node and show it as its label."""
+        if donor and donor != info.node_id:
+            self._donors[info.node_id] = donor
+        else:
+            self._donors.pop(info.node_id, None)
+        info.labels[DONOR_LABEL] = donor or info.node_id
+
     # -- agent calls ----------------------------------------------------------------------------
 
     async def register(
@@ -276,6 +296,7 @@ class NodeRegistry:
         time), keeping the id and history. Either way a new lease starts, at the price the
         node asks now (micro-credits per hour; InvalidArgumentError if negative)."""
         require_price(price_micro_per_hour)
+        donor = await self._store.get_node_donor(node_id) if node_id else ""
         now, wall = self._clock(), now_ms()
         lease_id = secrets.token_hex(8)
         replaced_live_lease = False
@@ -306,6 +327,7 @@ class NodeRegistry:
         info.agent_version = agent_version
         info.labels.clear()
         info.labels.update(labels or {})
+        self._set_donor(info, donor)
         info.price_micro_per_hour = price_micro_per_hour
         info.last_heartbeat_ms = wall
         info.lease_expires_ms = wall + self.lease_ttl_ms

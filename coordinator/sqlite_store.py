@@ -185,6 +185,17 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX ledger_job ON ledger_entries (job_id, id)",
         ),
     ),
+    Migration(
+        7,
+        "the market: donors of node tokens and of the nodes they enrolled",
+        (
+            "ALTER TABLE tokens ADD COLUMN donor TEXT NOT NULL DEFAULT ''",
+            """CREATE TABLE node_donors (
+                node_id TEXT PRIMARY KEY,
+                donor TEXT NOT NULL
+            )""",
+        ),
+    ),
 )
 
 LATEST_SCHEMA_VERSION = MIGRATIONS[-1].version
@@ -725,8 +736,8 @@ class SqliteStore(Store):
         async with self._write() as db:
             try:
                 await db.execute(
-                    "INSERT INTO tokens (token_hash, role, created_ms, expires_ms, reusable, uses)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO tokens (token_hash, role, created_ms, expires_ms, reusable, uses,"
+                    " donor) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
                         record.token_hash,
                         record.role,
@@ -734,6 +745,7 @@ class SqliteStore(Store):
                         record.expires_ms,
                         int(record.reusable),
                         record.uses,
+                        record.donor,
                     ),
                 )
             except sqlite3.IntegrityError:
@@ -751,13 +763,25 @@ class SqliteStore(Store):
             if not changed:
                 return None
             async with db.execute(
-                "SELECT token_hash, role, created_ms, expires_ms, reusable, uses FROM tokens"
-                " WHERE token_hash = ?",
+                "SELECT token_hash, role, created_ms, expires_ms, reusable, uses, donor"
+                " FROM tokens WHERE token_hash = ?",
                 (token_hash,),
             ) as cur2:
                 row = await cur2.fetchone()
         assert row is not None
-        return TokenRecord(row[0], row[1], row[2], row[3], bool(row[4]), row[5])
+        return TokenRecord(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6])
+
+    async def set_node_donor(self, node_id: str, donor: str) -> None:
+        async with self._write() as db:
+            await db.execute(
+                "INSERT INTO node_donors (node_id, donor) VALUES (?, ?)"
+                " ON CONFLICT (node_id) DO UPDATE SET donor = excluded.donor",
+                (node_id, donor),
+            )
+
+    async def get_node_donor(self, node_id: str) -> str:
+        row = await self._fetchone("SELECT donor FROM node_donors WHERE node_id = ?", (node_id,))
+        return "" if row is None else str(row[0])
 
     async def add_revocation(self, principal: str, role: str, reason: str) -> bool:
         async with self._write() as db:

@@ -199,6 +199,8 @@ class TokenRecord:
     expires_ms: int
     reusable: bool
     uses: int = 0
+    # Role node: the donor whose account its nodes earn for ("": each node its own).
+    donor: str = ""
 
 
 class Store(ABC):
@@ -375,6 +377,14 @@ class Store(ABC):
     async def redeem_token(self, token_hash: str, now_ms: int) -> TokenRecord | None:
         """Atomically use a token: the record (uses counted) when it exists, has not expired and
         is reusable or unused; else None and nothing changes."""
+
+    @abstractmethod
+    async def set_node_donor(self, node_id: str, donor: str) -> None:
+        """Record the donor whose account ``node_id`` earns for (replaces the one before)."""
+
+    @abstractmethod
+    async def get_node_donor(self, node_id: str) -> str:
+        """The donor recorded for ``node_id``; "" when none was."""
 
     @abstractmethod
     async def add_revocation(self, principal: str, role: str, reason: str) -> bool:

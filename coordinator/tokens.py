@@ -4,11 +4,12 @@ Files in the data dir: ``ca.pem`` (the CA certificate, also the server certifica
 ``ca.key`` (0600). `ensure_ca` creates them on first use (the coordinator's first start or the
 first ``token create``), under an flock so that both may race safely.
 
-Tokens (``epochmesh-coordinator token create --role R [--ttl 24h] [--reusable]``) are stored as
-the SHA-256 of their secret with role, expiry and use count. `enroll` redeems one: it checks
-that the token names this CA, uses it (single-use unless reusable; expired or used:
-UNAUTHENTICATED), picks the principal id (a fresh node id for role node, ``u-<hex>`` for a
-user) and signs the caller's CSR.
+Tokens (``epochmesh-coordinator token create --role R [--ttl 24h] [--reusable] [--donor NAME]``)
+are stored as the SHA-256 of their secret with role, expiry, use count and, for a node token,
+its donor. `enroll` redeems one: it checks that the token names this CA, uses it (single-use
+unless reusable; expired or used: UNAUTHENTICATED), picks the principal id (a fresh node id for
+role node, ``u-<hex>`` for a user), records a node token's donor for the new node (in the same
+transaction) and signs the caller's CSR.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ DEFAULT_TTL_S = 24 * 3600.0
 MAX_TTL_S = 366 * 24 * 3600.0
 USER_ID_PREFIX = "u-"
 
+_DONOR_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _TTL_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _TTL_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -48,6 +50,15 @@ def parse_ttl(text: str) -> float:
     if not 0 < seconds <= MAX_TTL_S:
         raise ValueError(f"duration must be positive and at most 366d, got {text!r}")
     return seconds
+
+
+def check_donor(name: str) -> str:
+    """``name`` if it may name a donor (1-64 of A-Z a-z 0-9 . _ -), else ValueError."""
+    if not _DONOR_RE.fullmatch(name):
+        raise ValueError(
+            f"not a donor name: {name[:80]!r} (1-64 characters of letters, digits, '.', '_', '-')"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -91,11 +102,21 @@ def ensure_ca(data_dir: Path, hosts: tuple[str, ...] = ()) -> CertificateAuthori
 
 
 async def create_token(
-    store: Store, ca: CertificateAuthority, role: str, ttl_s: float, reusable: bool = False
+    store: Store,
+    ca: CertificateAuthority,
+    role: str,
+    ttl_s: float,
+    reusable: bool = False,
+    donor: str = "",
 ) -> str:
-    """A new join token for ``role`` that expires after ``ttl_s`` seconds."""
+    """A new join token for ``role`` that expires after ``ttl_s`` seconds. A node token with a
+    ``donor`` enrolls nodes that earn for ``donor:<donor>`` (without: each for its own id)."""
     if role not in identity.ROLES:
         raise ValueError(f"unknown role {role!r} (expected one of {', '.join(identity.ROLES)})")
+    if donor:
+        if role != identity.ROLE_NODE:
+            raise ValueError(f"a donor is for node tokens only, not for role {role}")
+        check_donor(donor)
     token, token_hash = identity.new_token(ca.fingerprint)
     created = now_ms()
     await store.add_token(
@@ -105,6 +126,7 @@ async def create_token(
             created_ms=created,
             expires_ms=created + int(ttl_s * 1000),
             reusable=reusable,
+            donor=donor,
         )
     )
     return token
@@ -137,10 +159,13 @@ async def enroll(store: Store, ca: CertificateAuthority, token: str, csr_pem: by
         identity.check_csr(csr_pem)  # before the token is spent
     except identity.IdentityError as exc:
         raise InvalidArgumentError(f"bad certificate signing request: {exc}") from None
-    record = await store.redeem_token(identity.hash_secret(secret), now_ms())
-    if record is None:
-        raise UnauthenticatedError("join token unknown, already used, or expired")
-    principal = new_node_id() if record.role == identity.ROLE_NODE else new_user_id()
+    async with store.transaction():
+        record = await store.redeem_token(identity.hash_secret(secret), now_ms())
+        if record is None:
+            raise UnauthenticatedError("join token unknown, already used, or expired")
+        principal = new_node_id() if record.role == identity.ROLE_NODE else new_user_id()
+        if record.role == identity.ROLE_NODE and record.donor:
+            await store.set_node_donor(principal, record.donor)
     cert = identity.sign_csr(
         csr_pem, ca.cert_pem, ca.key_pem, principal=principal, role=record.role
     )

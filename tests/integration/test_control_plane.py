@@ -403,6 +403,7 @@ async def test_health_and_reflection(channel: grpc.aio.Channel) -> None:
         "epochmesh.v1.AgentService",
         "epochmesh.v1.JobService",
         "epochmesh.v1.SchedulerService",
+        "epochmesh.v1.MarketService",
     ):
         resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
         assert resp.status == health_pb2.HealthCheckResponse.SERVING, service
@@ -428,6 +429,7 @@ async def test_health_and_reflection(channel: grpc.aio.Channel) -> None:
         "epochmesh.v1.AgentService",
         "epochmesh.v1.JobService",
         "epochmesh.v1.SchedulerService",
+        "epochmesh.v1.MarketService",
         "epochmesh.v1.IdentityService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from tests.procs import start_coordinator
-from tests.system.test_cli_support import Cli, assert_clean_error
+from tests.fixtures import write_mlp_job
+from tests.procs import start_coordinator, wait_until
+from tests.system.test_cli_support import Cli, assert_clean_error, engine_available
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not engine_available(), reason="needs the training engine"),
+]
 
 
 @dataclass
@@ -90,3 +95,57 @@ def test_refusals(parties: Parties) -> None:
     assert bob.json()["balances"] == [
         {"account": f"tenant:{p.bob_id}", "balance": "0", "balance_micro": 0}
     ]
+
+
+def test_a_budget_is_escrowed_at_submit_topped_up_and_refunded_at_cancel(
+    parties: Parties, tmp_path: Path
+) -> None:
+    """No agent: the job waits; its budget sits in its escrow until the cancel returns it."""
+    p = parties
+    assert p.op.run("credits", "grant", p.bob_id, "3").code == 0
+    job_toml = write_mlp_job(
+        tmp_path / "job", 64, overrides={"name": "bob-priced", "market": {"budget": "2"}}
+    )
+    submitted = p.bob.run("submit", str(job_toml), "--output", "json", timeout=120)
+    assert submitted.code == 0, submitted.stderr
+    job_id = submitted.json()["job_id"]
+
+    def balances(cli: Cli) -> dict[str, int]:
+        out = cli.run("balance", "--output", "json")
+        assert out.code == 0, out.stderr
+        return {b["account"]: b["balance_micro"] for b in out.json()["balances"]}
+
+    escrow, tenant = f"escrow:{job_id}", f"tenant:{p.bob_id}"
+    assert balances(p.bob) == {tenant: 1_000_000, escrow: 2_000_000}
+    # More than the account holds: refused, nothing stored.
+    big = write_mlp_job(
+        tmp_path / "big", 64, overrides={"name": "bob-big", "market": {"budget": "5"}}
+    )
+    refused = p.bob.run("submit", str(big), timeout=120)  # (its progress lines on stderr too)
+    assert refused.code == 6 and refused.stdout == "", (refused.code, refused.stderr)
+    assert f"error: the budget of 5 credits is more than your account {tenant} holds (1)" in (
+        refused.stderr
+    )
+    assert_clean_error(p.bob.run("budget", job_id, "--add", "1.5"), 6, "holds")
+    assert_clean_error(p.alice.run("budget", job_id, "--add", "1"), 7)
+    assert_clean_error(p.bob.run("budget", job_id, "--add", "-1"), 2, "AMOUNT")
+    added = p.bob.run("budget", job_id, "--add", "0.5")
+    assert added.code == 0, added.stderr
+    assert balances(p.bob) == {tenant: 500_000, escrow: 2_500_000}
+    status = p.bob.run("status", job_id, env=p.bob.env(NO_COLOR="1"))
+    assert "0 credits so far; 2.5 left in its escrow" in status.stdout, status.stdout
+
+    assert p.bob.run("cancel", job_id).code == 0
+
+    def refunded() -> bool:
+        return balances(p.bob) == {tenant: 3_000_000}
+
+    wait_until(refunded, timeout=30, interval=0.2, message="the refund at cancel")
+    statement = p.bob.run("statement", "--job", job_id, "--output", "json")
+    assert statement.code == 0, statement.stderr
+    assert [(e["from"], e["to"], e["amount_micro"], e["reason"]) for e in
+            statement.json()["entries"]] == [
+        (tenant, escrow, 2_000_000, "budget"),
+        (tenant, escrow, 500_000, "budget top-up"),
+        (escrow, tenant, 2_500_000, "refund"),
+    ]  # fmt: skip

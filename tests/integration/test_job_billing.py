@@ -1,0 +1,135 @@
+"""coordinator.job_billing on a real SQLite store: a round is handed out only when the escrow
+covers it, applied parts are charged by the rule (re-runs of paid samples by the platform, the
+fee on top), pending charges count against the escrow until written, the paid samples are
+rebuilt from stored rounds, the refund empties the escrow."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.billing import earned_micro
+from coordinator.credit_book import fund_escrow, grant
+from coordinator.credit_ledger import CreditLedger
+from coordinator.job_billing import BudgetExhausted, JobBilling, per_credit, quantized_rate
+from coordinator.rounds import Part, part_record
+from coordinator.sqlite_store import SqliteStore
+from epochmesh.quote import max_price_of
+from epochmesh.v1 import common_pb2
+
+pytestmark = pytest.mark.timeout(30)
+
+JOB = "j-0123456789"
+PRICE = 36_000_000  # 36 credits/h: 10 micro-credits per sample at 1 sample/ms
+
+
+def part(node: str, start: int, stop: int, status: str = "applied") -> Part:
+    n = stop - start
+    return Part(
+        node_id=node,
+        task_id=f"t-{node}",
+        ranges=np.array([[start, stop]], dtype=np.int64),
+        local_batch=n,
+        samples=n,
+        assigned=n,
+        status=status,
+    )
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    s = await SqliteStore.open(tmp_path / "c.db")
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def ledger(store: SqliteStore) -> AsyncIterator[CreditLedger]:
+    ledger = CreditLedger(store)
+    await ledger.reload()
+    await ledger.post([grant("tenant:u-a", 10_000, at_ms=1)])
+    await ledger.post([fund_escrow(JOB, "u-a", 1_000, at_ms=2, reason="budget")])
+    yield ledger
+
+
+def job(budget: int = 1_000) -> common_pb2.Job:
+    spec = common_pb2.JobSpec(budget_micro=budget)
+    return common_pb2.Job(job_id=JOB, owner="u-a", num_samples=100, spec=spec)
+
+
+async def test_a_round_goes_out_only_when_the_escrow_covers_it(ledger: CreditLedger) -> None:
+    billing = JobBilling(job(), ledger, fee_ppm=100_000)  # a 10 % fee
+    parts = {"n1": part("n1", 0, 40), "n2": part("n2", 40, 80)}
+    billing.price_parts(parts, {"n1": PRICE, "n2": 0}, {"n1": 1000.0, "n2": 5.0})
+    assert parts["n1"].price == PRICE and parts["n1"].rate == 1000.0 and parts["n2"].price == 0
+    # 40 samples at 10 each + 10 % = 440 <= 1000; 100 samples would be 1100 > 1000
+    big = {"n1": part("n1", 0, 100)}
+    with pytest.raises(BudgetExhausted, match="could cost 0.0011 credits.*holds 0.001"):
+        billing.price_parts(big, {"n1": PRICE}, {"n1": 1000.0})
+
+
+async def test_charges_follow_the_rule_and_reruns_are_the_platforms(ledger: CreditLedger) -> None:
+    billing = JobBilling(job(), ledger, fee_ppm=100_000)
+    first = {"n1": part("n1", 0, 30), "n2": part("n2", 30, 50, status="late")}
+    billing.price_parts(first, {"n1": PRICE, "n2": PRICE}, {"n1": 1000.0, "n2": 1000.0})
+    entries = billing.charge_round(0, 1, first.values())
+    assert [(e.from_account, e.to_account, e.amount, e.samples) for e in entries] == [
+        (f"escrow:{JOB}", "donor:n1", 300, 30),
+        (f"escrow:{JOB}", "platform", 30, 30),
+    ]
+    assert billing.available() == 1_000 - 330  # pending until written
+    await ledger.post(entries)
+    billing.written(entries)
+    assert billing.available() == 670 and billing.job.spent_micro == 330
+    # Samples 20..30 were paid already (a rolled-back round): their re-run is the platform's.
+    again = {"n2": part("n2", 20, 40)}
+    billing.price_parts(again, {"n2": PRICE}, {"n2": 1000.0})
+    entries = billing.charge_round(0, 2, again.values())
+    assert [(e.from_account, e.to_account, e.amount, e.samples) for e in entries] == [
+        (f"escrow:{JOB}", "donor:n2", 100, 10),
+        ("platform", "donor:n2", 100, 10),
+        (f"escrow:{JOB}", "platform", 10, 10),
+    ]
+    await ledger.post(entries)
+    billing.written(entries)
+    assert ledger.balance("donor:n2") == earned_micro(PRICE, 20, 1000.0) == 200
+    assert sum(ledger.balances().values()) == 0
+    # The refund empties the escrow into the tenant's account.
+    assert await billing.refund() == 1_000 - 330 - 110
+    assert ledger.balance(f"escrow:{JOB}") == 0 and billing.job.escrow_micro == 0
+    assert ledger.balance("tenant:u-a") == 10_000 - 440
+
+
+async def test_paid_samples_and_spending_come_back_from_the_store(
+    store: SqliteStore, ledger: CreditLedger
+) -> None:
+    billing = JobBilling(job(), ledger)
+    parts = {"n1": part("n1", 0, 30)}
+    billing.price_parts(parts, {"n1": PRICE}, {"n1": 1000.0})
+    entries = billing.charge_round(0, 1, parts.values())
+    await ledger.post(entries)
+    record = common_pb2.RoundRecord(job_id=JOB, epoch=0, round=1, parts=[part_record(parts["n1"])])
+    restored = JobBilling(job(), ledger)
+    await restored.restore(store, [record])
+    assert restored.job.spent_micro == 300 and restored.available() == 700
+    rerun = {"n1": part("n1", 10, 20)}
+    restored.price_parts(rerun, {"n1": PRICE}, {"n1": 1000.0})
+    entries = restored.charge_round(0, 2, rerun.values())
+    assert [(e.from_account, e.to_account, e.amount) for e in entries] == [
+        ("platform", "donor:n1", 100)
+    ]
+
+
+def test_the_price_rules_of_a_spec() -> None:
+    spec = common_pb2.JobSpec()
+    assert max_price_of(spec) == 0 and not per_credit(spec)  # no budget: donated nodes only
+    spec.budget_micro = 5
+    assert max_price_of(spec) is None and per_credit(spec)
+    spec.max_price_micro_per_hour = 7
+    assert max_price_of(spec) == 7
+    spec.deadline_seconds = 60.0
+    assert not per_credit(spec)  # a deadline prefers speed
+    assert quantized_rate(1234.56789012) == 1234.56789 and quantized_rate(-1.0) == 0.0
