@@ -142,7 +142,7 @@ class BenchmarkResult(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., points: _Optional[_Iterable[_Union[BenchmarkPoint, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bandwidth_bytes_per_second: _Optional[float] = ..., measured_at_ms: _Optional[int] = ..., slowdown: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state", "price_micro_per_hour")
+    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state", "price_micro_per_hour", "online_since_ms", "parts_applied", "parts_failed", "job_samples_per_second")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,13 @@ class NodeInfo(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class JobSamplesPerSecondEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +173,10 @@ class NodeInfo(_message.Message):
     OBSERVED_SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     RETURN_STATE_FIELD_NUMBER: _ClassVar[int]
     PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    ONLINE_SINCE_MS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    JOB_SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     state: NodeState
@@ -182,7 +193,11 @@ class NodeInfo(_message.Message):
     observed_samples_per_second: float
     return_state: NodeState
     price_micro_per_hour: int
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ..., price_micro_per_hour: _Optional[int] = ...) -> None: ...
+    online_since_ms: int
+    parts_applied: int
+    parts_failed: int
+    job_samples_per_second: _containers.ScalarMap[str, float]
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ..., price_micro_per_hour: _Optional[int] = ..., online_since_ms: _Optional[int] = ..., parts_applied: _Optional[int] = ..., parts_failed: _Optional[int] = ..., job_samples_per_second: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("id", "time_ms", "kind", "node_id", "job_id", "message", "attrs")
