@@ -275,6 +275,23 @@ class Engine:
                 out.append((r.job, p))
         return out
 
+    def job_rates(self, owner: str | None = None) -> dict[str, dict[str, float]]:
+        """Node id -> {job id: samples/s} over the live jobs (of ``owner`` only, if given): a
+        member's throughput estimate, else (benchmarked, not or no longer training) its job
+        benchmark's rate."""
+        rates: dict[str, dict[str, float]] = {}
+        for runner in self.runners.values():
+            if runner.terminal or (owner is not None and runner.job.owner != owner):
+                continue
+            estimator = runner.planner.estimator
+            found = estimator.rates([n for n in runner.nodes if n in estimator])
+            for node_id, result in runner.bench.items():
+                found.setdefault(node_id, result.samples_per_second)
+            for node_id, rate in found.items():
+                if rate > 0 and math.isfinite(rate):
+                    rates.setdefault(node_id, {})[runner.job_id] = rate
+        return rates
+
     async def release(self, node_id: str, job_id: str) -> None:
         """The job stops using the node: it is free (idle) for the next scheduling pass."""
         if self.claims.get(node_id) != job_id:

@@ -137,6 +137,11 @@ class TrainingEngine(Protocol):
         """Every live job with what the scheduler gives it now, in submission order."""
         ...
 
+    def job_rates(self, owner: str | None = None) -> dict[str, dict[str, float]]:
+        """Each node's measured samples/s on the live jobs' programs: node id -> {job id:
+        samples/s} (only the jobs of ``owner`` when given; None: every job)."""
+        ...
+
     async def set_tenant_weight(self, tenant: str, weight: float) -> float:
         """Persists a tenant's weight; InvalidArgumentError unless it is a positive finite
         number (or for an empty tenant)."""
@@ -250,6 +255,9 @@ class NullEngine:
 
     def queue(self) -> list[tuple[common_pb2.Job, JobPlan]]:
         raise UnimplementedError(NOT_AVAILABLE)
+
+    def job_rates(self, owner: str | None = None) -> dict[str, dict[str, float]]:
+        return {}
 
     async def set_tenant_weight(self, tenant: str, weight: float) -> float:
         raise UnimplementedError(NOT_AVAILABLE)

@@ -31,6 +31,7 @@ from coordinator.credit_ledger import CreditLedger
 from coordinator.rounds import Part
 from coordinator.store import Store
 from epochmesh.money import format_credits
+from epochmesh.quote import max_price_of
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2
 
@@ -41,6 +42,14 @@ RATE_QUANTUM = 1_000_000  # billed rates are kept to micro-samples per second
 
 class BudgetExhausted(Exception):
     """The job's escrow does not cover its next round."""
+
+
+class AboveMaxPrice(Exception):
+    """Nodes of the round ask more than the job's max_price now (a donor raised its price)."""
+
+    def __init__(self, nodes: list[str]) -> None:
+        super().__init__(f"nodes above the job's max_price: {', '.join(nodes)}")
+        self.nodes = nodes
 
 
 def per_credit(spec: common_pb2.JobSpec) -> bool:
@@ -100,8 +109,13 @@ class JobBilling:
     def price_parts(
         self, parts: Mapping[str, Part], prices: Mapping[str, int], rates: Mapping[str, float]
     ) -> None:
-        """Fix each part's price and billed rate at hand-out; BudgetExhausted when the escrow
-        does not cover the round should every part be applied."""
+        """Fix each part's price and billed rate at hand-out; AboveMaxPrice when a node asks
+        more than the job's max_price; BudgetExhausted when the escrow does not cover the round
+        should every part be applied."""
+        cap = max_price_of(self.job.spec)
+        dear = sorted(n for n in parts if cap is not None and prices.get(n, 0) > cap)
+        if dear:
+            raise AboveMaxPrice(dear)
         for node_id, part in parts.items():
             part.price = int(prices.get(node_id, 0))
             part.rate = quantized_rate(float(rates.get(node_id, 0.0)))

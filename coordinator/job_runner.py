@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from coordinator.checkpoint import CheckpointManifest, tensors_from_bytes
-from coordinator.job_billing import BudgetExhausted, JobBilling
+from coordinator.job_billing import AboveMaxPrice, BudgetExhausted, JobBilling
 from coordinator.ledger import EpochLedger
 from coordinator.node_set import JobNodeSet
 from coordinator.param_server import ParameterServer
@@ -187,6 +187,9 @@ class JobRunner:
                     await self.rounds.run_round(nodes)
                 except BudgetExhausted as exc:
                     await self._wait_for_budget(str(exc))
+                except AboveMaxPrice as exc:
+                    for n in exc.nodes:  # the scheduler gives them to no job of this cap
+                        await self._drop_node(n, "its price rose above the job's max_price")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -547,7 +550,7 @@ class JobRunner:
             prices[n] = info.price_micro_per_hour if info is not None else 0
         try:
             self.billing.price_parts(parts, prices, self.planner.estimator.rates(list(parts)))
-        except BudgetExhausted:
+        except (BudgetExhausted, AboveMaxPrice):
             self.ledger.abort_round(round_id)  # nothing was handed out
             self.next_round -= 1
             raise
@@ -607,6 +610,12 @@ class JobRunner:
             self.rounds_applied += 1
             self.node_set.round_applied()
         applied = {p.node_id for p in received}
+        self.ctx.registry.count_parts(
+            applied=sorted(applied),
+            failed=[
+                p.node_id for p in rs.parts.values() if p.status in ("failed", "late", "rejected")
+            ],
+        )
         consumed = {p.node_id: p.samples for p in received if 0 < p.samples < p.assigned}
         self.ledger.commit_round(rs.round, applied, consumed)
         self.node_set.observe(rs)

@@ -2,7 +2,8 @@
 
 Leases live in memory (monotonic clock). Heartbeats only touch memory; their times are written
 to the store in batches every ``flush_interval_s``. Every state change is written at once,
-together with its event, in one store transaction.
+together with its event, in one store transaction. The parts counted per round (`count_parts`)
+only touch memory too: they are stored with the node's next write.
 
 States (common.proto NodeState):
   ONLINE      leased, idle, eligible for work (after Register; Uncordon)
@@ -27,7 +28,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.events import EventLog
@@ -146,6 +147,7 @@ class NodeRegistry:
         self._nodes: dict[str, _Node] = {}
         self._donors: dict[str, str] = {}  # node id -> donor, where not the node itself
         self._dirty: set[str] = set()
+        self._counted: set[str] = set()  # nodes with parts counted since their last persist
         self._offline_listeners: list[OfflineListener] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.heartbeats_total = 0
@@ -194,6 +196,7 @@ class NodeRegistry:
                 await task
         self._tasks = []
         await self.flush_heartbeats()
+        await self.flush_part_counts()
 
     def add_offline_listener(self, listener: OfflineListener) -> None:
         """``await listener(node_id)`` runs whenever a node's lease ends: expiry, Leave, or a
@@ -331,6 +334,7 @@ class NodeRegistry:
         info.price_micro_per_hour = price_micro_per_hour
         info.last_heartbeat_ms = wall
         info.lease_expires_ms = wall + self.lease_ttl_ms
+        info.online_since_ms = wall
         node.lease_id = lease_id
         node.expires = now + self.lease_ttl_s
         self._nodes[node_id] = node
@@ -519,6 +523,28 @@ class NodeRegistry:
         )
         return _copy(node.info)
 
+    def count_parts(self, applied: Iterable[str], failed: Iterable[str]) -> None:
+        """Count a closed round's parts on their nodes (NodeInfo.parts_applied, parts_failed;
+        a node once per id listed, unknown nodes ignored). In memory only, no store write per
+        round: the counts are stored with the node's next persist (any state change, and at
+        `stop`), so a coordinator crash loses the parts counted since then."""
+        for node_id in applied:
+            if (node := self._nodes.get(node_id)) is not None:
+                node.info.parts_applied += 1
+                self._counted.add(node_id)
+        for node_id in failed:
+            if (node := self._nodes.get(node_id)) is not None:
+                node.info.parts_failed += 1
+                self._counted.add(node_id)
+
+    async def flush_part_counts(self) -> int:
+        """Store the nodes whose parts were counted since their last persist (no event);
+        returns how many."""
+        nodes = [n for node_id in sorted(self._counted) if (n := self._nodes.get(node_id))]
+        for node in nodes:
+            await self._persist(node, None, "")
+        return len(nodes)
+
     async def set_observed_throughput(self, node_id: str, samples_per_second: float) -> None:
         """The engine's running estimate of the node's throughput (no event)."""
         node = self._require(node_id)
@@ -618,6 +644,7 @@ class NodeRegistry:
                 await self._events.append(
                     kind, node_id=node.info.node_id, job_id=job_id, message=message, attrs=attrs
                 )
+        self._counted.discard(node.info.node_id)
 
     async def _notify_offline(self, node_id: str) -> None:
         for listener in list(self._offline_listeners):

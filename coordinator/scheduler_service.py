@@ -68,14 +68,22 @@ class SchedulerService:
         check_text(id_or_name, "node_id", max_len=128, required=True)
         return self._registry.find(id_or_name)
 
+    def _with_job_rates(self, nodes: list[common_pb2.NodeInfo]) -> list[common_pb2.NodeInfo]:
+        """Fill in each node's samples/s on the live jobs the caller may see (a submitter:
+        its own; operators: all) on ``nodes`` (the registry's copies)."""
+        rates = self._engine.job_rates(owner=owner_filter())
+        for node in nodes:
+            node.job_samples_per_second.update(rates.get(node.node_id, {}))
+        return nodes
+
     async def ListNodes(
         self, req: scheduler_pb2.ListNodesRequest, ctx: Ctx
     ) -> scheduler_pb2.ListNodesResponse:
         nodes = self._registry.list(check_node_states(req.states))
-        return scheduler_pb2.ListNodesResponse(nodes=nodes)
+        return scheduler_pb2.ListNodesResponse(nodes=self._with_job_rates(nodes))
 
     async def GetNode(self, req: scheduler_pb2.GetNodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
-        return self._node(req.node_id)
+        return self._with_job_rates([self._node(req.node_id)])[0]
 
     async def ListJobs(
         self, req: scheduler_pb2.ListAllJobsRequest, ctx: Ctx

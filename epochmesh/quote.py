@@ -8,12 +8,16 @@ cheapest per epoch (`epochmesh.matching.cheapest_nodes`), or with a deadline the
 takes S / R seconds and costs P x S / R / 3600 micro-credits: what the billing rule charges
 (each node its price for the time its share of the samples takes at its rate), rounded up
 here since it is an estimate.
+
+A submitted job is quoted on what it has left (`quote_job`): its remaining samples, each node
+at the job's own measured samples/s where the coordinator has one (`job_offer`), else at its
+reference benchmark's, against the job's escrow and what is left of its deadline.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -23,6 +27,20 @@ from epochmesh.v1 import common_pb2
 
 CHEAPEST = "cheapest"  # the least cost per epoch
 FASTEST = "fastest"  # the most samples/s within max_price (a job with a deadline)
+
+# Where a node's rate for a job comes from.
+JOB_RATE = "job"  # the job's own measured samples/s on the node
+BENCHMARK_RATE = "benchmark"  # the node's reference benchmark
+NO_RATE = "none"  # neither: the node cannot be quoted
+
+ENDED_STATES = frozenset(
+    {
+        common_pb2.JOB_STATE_SUCCEEDED,
+        common_pb2.JOB_STATE_FAILED,
+        common_pb2.JOB_STATE_CANCELLED,
+    }
+)
+NOTHING_LEFT = "nothing left to train"
 
 
 def max_price_of(spec: common_pb2.JobSpec) -> int | None:
@@ -44,6 +62,7 @@ class Quote:
     eligible: int  # offers with a rate priced at most max_price
     num_samples: int  # per epoch
     epochs: int
+    total_samples: int  # what the total is of: every epoch's samples, or what a job has left
     rate: float  # samples/s of the chosen nodes together
     price_per_hour: int  # micro-credits, the chosen nodes' prices summed
     epoch_seconds: float
@@ -58,15 +77,20 @@ class Quote:
         return bool(self.nodes)
 
     @property
+    def nothing_left(self) -> bool:
+        """No samples to train (a job that is done): no nodes needed, nothing to pay."""
+        return self.total_samples <= 0
+
+    @property
     def budget_covers(self) -> bool:
-        return self.fits and self.total_cost <= (self.budget or 0)
+        return (self.fits or self.nothing_left) and self.total_cost <= (self.budget or 0)
 
     @property
     def deadline_met(self) -> bool | None:
         """None without a deadline."""
         if self.deadline_seconds is None:
             return None
-        return self.fits and self.total_seconds <= self.deadline_seconds
+        return self.nothing_left or (self.fits and self.total_seconds <= self.deadline_seconds)
 
 
 def cost_micro(price_per_hour: int, samples: int, rate: Fraction) -> int:
@@ -87,9 +111,17 @@ def _eligible_text(n: int, max_price: int | None) -> str:
     return f"{n} {nodes} asking at most {format_credits(max_price)} credits/h"
 
 
-def quote(spec: common_pb2.JobSpec, num_samples: int, offers: Sequence[Offer]) -> Quote:
+def quote(
+    spec: common_pb2.JobSpec,
+    num_samples: int,
+    offers: Sequence[Offer],
+    *,
+    total_samples: int | None = None,
+) -> Quote:
     """The node set the job would get from ``offers`` (rates in samples/s for the job) and
-    the time and cost of its ``spec.epochs`` epochs of ``num_samples`` samples on it."""
+    the time and cost of an epoch of ``num_samples`` samples on it and of the total:
+    ``total_samples`` (default: ``spec.epochs`` epochs). Nothing left (``total_samples`` 0):
+    no nodes, no cost."""
     deadline = spec.deadline_seconds if spec.HasField("deadline_seconds") else None
     budget = spec.budget_micro if spec.HasField("budget_micro") else None
     max_price = max_price_of(spec)
@@ -97,21 +129,26 @@ def quote(spec: common_pb2.JobSpec, num_samples: int, offers: Sequence[Offer]) -
     hi = min(spec.max_nodes, spec.global_batch)
     mode = FASTEST if deadline is not None else CHEAPEST
     pick = fastest_nodes if mode == FASTEST else cheapest_nodes
-    chosen = tuple(pick(offers, lo, hi, max_price))
+    epochs = max(1, spec.epochs)
+    total = num_samples * epochs if total_samples is None else max(0, total_samples)
+    chosen = tuple(pick(offers, lo, hi, max_price)) if total > 0 else ()
     eligible = sum(
         1 for o in offers if o.rate > 0 and (max_price is None or o.price_per_hour <= max_price)
     )
-    epochs = max(1, spec.epochs)
     within = _eligible_text(eligible, max_price)
     rate = sum((Fraction(o.rate) for o in chosen), Fraction(0))
     price = sum(o.price_per_hour for o in chosen)
-    if chosen:
+    if total == 0:
+        reason = NOTHING_LEFT
+        epoch_seconds, total_seconds = math.inf, 0.0
+        epoch_cost = total_cost = 0
+    elif chosen:
         best = "the fastest" if mode == FASTEST else "the least cost per epoch"
         reason = f"{best} of {within}"
         epoch_seconds = float(num_samples / rate)
-        total_seconds = float(num_samples * epochs / rate)
+        total_seconds = float(total / rate)
         epoch_cost = cost_micro(price, num_samples, rate)
-        total_cost = cost_micro(price, num_samples * epochs, rate)
+        total_cost = cost_micro(price, total, rate)
     else:
         reason = f"{within}; the job needs at least {lo} (min_nodes)"
         epoch_seconds = total_seconds = math.inf
@@ -126,6 +163,7 @@ def quote(spec: common_pb2.JobSpec, num_samples: int, offers: Sequence[Offer]) -
         eligible=eligible,
         num_samples=num_samples,
         epochs=epochs,
+        total_samples=total,
         rate=float(rate),
         price_per_hour=price,
         epoch_seconds=epoch_seconds,
@@ -134,4 +172,74 @@ def quote(spec: common_pb2.JobSpec, num_samples: int, offers: Sequence[Offer]) -
         total_cost=total_cost,
         budget=budget,
         deadline_seconds=deadline,
+    )
+
+
+def job_offer(node: common_pb2.NodeInfo, job_id: str = "") -> tuple[Offer, str]:
+    """The node's offer for job ``job_id`` and where its rate comes from: the job's own
+    measured samples/s on it (JOB_RATE) when the coordinator has one, else its reference
+    benchmark's (BENCHMARK_RATE), else no rate (NO_RATE, 0)."""
+    price = max(0, node.price_micro_per_hour)
+    measured = node.job_samples_per_second.get(job_id, 0.0) if job_id else 0.0
+    if measured > 0 and math.isfinite(measured):
+        return Offer(node.node_id, price, measured), JOB_RATE
+    bench = node.benchmark.samples_per_second
+    if bench > 0 and math.isfinite(bench):
+        return Offer(node.node_id, price, bench), BENCHMARK_RATE
+    return Offer(node.node_id, price, 0.0), NO_RATE
+
+
+@dataclass(frozen=True)
+class JobQuote:
+    """What a submitted job has left, on the nodes offered now."""
+
+    job_id: str
+    ended: bool  # succeeded, failed or cancelled: it runs no more, nothing is left to train
+    samples_done: int
+    samples_total: int
+    quote: Quote  # of the samples left (none for an ended job)
+    sources: Mapping[str, str]  # node id -> JOB_RATE | BENCHMARK_RATE | NO_RATE, every offer
+    spent: int  # micro-credits the job's rounds have cost so far
+    escrow: int  # micro-credits its escrow holds now
+    deadline_left: float | None  # seconds from now to its deadline (negative: passed)
+
+    @property
+    def samples_left(self) -> int:
+        return self.quote.total_samples
+
+    @property
+    def escrow_covers(self) -> bool:
+        """The escrow pays for what is left (the platform fee, if any, not counted)."""
+        return (self.quote.fits or self.quote.nothing_left) and self.quote.total_cost <= self.escrow
+
+    @property
+    def deadline_met(self) -> bool | None:
+        """None without a deadline or for an ended job."""
+        if self.deadline_left is None or self.ended:
+            return None
+        q = self.quote
+        return q.nothing_left or (q.fits and q.total_seconds <= self.deadline_left)
+
+
+def quote_job(job: common_pb2.Job, nodes: Iterable[common_pb2.NodeInfo], now_ms: int) -> JobQuote:
+    """Quote what ``job`` has left (samples_total - samples_done; nothing for an ended job) on
+    ``nodes`` (those that could take it now), each at the job's measured rate, else its
+    reference benchmark's; its deadline counts from its submission (``now_ms``: the time)."""
+    rated = [job_offer(n, job.job_id) for n in nodes]
+    ended = job.state in ENDED_STATES
+    left = 0 if ended else max(0, job.samples_total - job.samples_done)
+    spec = job.spec
+    deadline_left = None
+    if spec.HasField("deadline_seconds"):
+        deadline_left = spec.deadline_seconds - (now_ms - job.created_ms) / 1000
+    return JobQuote(
+        job_id=job.job_id,
+        ended=ended,
+        samples_done=job.samples_done,
+        samples_total=job.samples_total,
+        quote=quote(spec, job.num_samples, [o for o, _ in rated], total_samples=left),
+        sources={o.node_id: source for o, source in rated},
+        spent=job.spent_micro,
+        escrow=job.escrow_micro,
+        deadline_left=deadline_left,
     )

@@ -1,10 +1,12 @@
-"""The market seen by a submitter: ``offers`` (the nodes, their prices and samples per credit)
-and ``quote`` (what a job.toml would cost and take on the nodes offered now)."""
+"""The market seen by a submitter: ``offers`` (the nodes, their prices, samples per credit,
+reliability and speed on the caller's live jobs) and ``quote`` (what a job.toml would cost and
+take on the nodes offered now, or what a submitted job has left)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -12,19 +14,22 @@ from typing import Any
 
 from client.commands.context import Context
 from client.commands.nodes import device_summary, node_price, node_rate
-from client.commands.output import node_state_name
+from client.commands.output import job_state_name, node_state_name
 from client.render import fmt_duration, fmt_rate, fmt_seconds
 from client.rpc import CliError, ExitCode
 from epochmesh.errors import SpecError
 from epochmesh.matching import SECONDS_PER_HOUR, Offer
 from epochmesh.money import MICRO, format_credits
-from epochmesh.quote import Quote, quote
+from epochmesh.quote import JOB_RATE, JobQuote, Quote, quote, quote_job
+from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
 NS = common_pb2.NodeState
 HIDDEN_STATES = frozenset({NS.NODE_STATE_OFFLINE, NS.NODE_STATE_QUARANTINED})
 QUOTE_STATES = (NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY)  # the nodes that could take a job
 RATES_NOTE = "rates from the reference benchmark; a job's own speed differs"
+JOBS_SHOWN = 2  # per-job speeds in the offers table; the rest as "+N"
+JOB_ID_SHOWN = 8  # "j-" and 6 hex: a prefix `status` and `quote` accept
 
 
 @dataclass(frozen=True)
@@ -37,13 +42,21 @@ class NodeOffer:
     samples_per_second: float  # observed when known, else the reference benchmark's
     rate_source: str  # "observed" | "benchmark" | "none"
     samples_per_credit: float | None  # None for a donated node
+    # Reliability: parts of rounds applied vs failed (failed, late or rejected), all jobs.
+    parts_applied: int
+    parts_failed: int
+    reliability: float | None  # applied / (applied + failed); None before its first part
+    online_since_ms: int  # its latest registration
+    uptime_seconds: float | None  # online without a break for; None when offline
+    job_samples_per_second: dict[str, float]  # job id -> its measured samples/s on the job
 
     @property
     def free(self) -> bool:
         return self.price_micro_per_hour <= 0
 
 
-def node_offer(node: common_pb2.NodeInfo) -> NodeOffer:
+def node_offer(node: common_pb2.NodeInfo, now: int | None = None) -> NodeOffer:
+    """The node's offer; ``now``: wall-clock ms for its uptime (default: the time now)."""
     rate = node_rate(node)
     source = (
         "observed"
@@ -54,6 +67,10 @@ def node_offer(node: common_pb2.NodeInfo) -> NodeOffer:
     )
     price = max(0, node.price_micro_per_hour)
     per_credit = rate * SECONDS_PER_HOUR * MICRO / price if price > 0 else None
+    parts = node.parts_applied + node.parts_failed
+    up = None
+    if node.state != NS.NODE_STATE_OFFLINE and node.online_since_ms > 0:
+        up = max(0, (now_ms() if now is None else now) - node.online_since_ms) / 1000
     return NodeOffer(
         node_id=node.node_id,
         name=node.name,
@@ -63,15 +80,22 @@ def node_offer(node: common_pb2.NodeInfo) -> NodeOffer:
         samples_per_second=rate,
         rate_source=source,
         samples_per_credit=per_credit,
+        parts_applied=node.parts_applied,
+        parts_failed=node.parts_failed,
+        reliability=node.parts_applied / parts if parts > 0 else None,
+        online_since_ms=node.online_since_ms,
+        uptime_seconds=up,
+        job_samples_per_second=dict(sorted(node.job_samples_per_second.items())),
     )
 
 
 def node_offers(
-    nodes: Iterable[common_pb2.NodeInfo], *, all_states: bool = False
+    nodes: Iterable[common_pb2.NodeInfo], *, all_states: bool = False, now: int | None = None
 ) -> list[NodeOffer]:
     """The offers of ``nodes``, best value first: donated nodes (fastest first), then the
     most samples per credit; offline and quarantined nodes only with ``all_states``."""
-    offers = [node_offer(n) for n in nodes if all_states or n.state not in HIDDEN_STATES]
+    at = now_ms() if now is None else now
+    offers = [node_offer(n, at) for n in nodes if all_states or n.state not in HIDDEN_STATES]
     return sorted(
         offers,
         key=lambda o: (
@@ -87,6 +111,27 @@ def fmt_per_credit(offer: NodeOffer) -> str:
     if offer.samples_per_credit is None:
         return "free"
     return fmt_rate(offer.samples_per_credit) if offer.samples_per_credit > 0 else "-"
+
+
+def fmt_reliability(offer: NodeOffer) -> str:
+    """``98% of 150 parts`` (the share applied, rounded down: 100% only without a failure);
+    ``-`` before the node's first part."""
+    if offer.reliability is None:
+        return "-"
+    parts = offer.parts_applied + offer.parts_failed
+    percent = offer.parts_applied * 100 // parts
+    return f"{percent}% of {parts} part{'s' if parts != 1 else ''}"
+
+
+def fmt_job_rates(rates: dict[str, float]) -> str:
+    """``j-1a2b3c: 812/s j-4d5e6f: 90.5/s +1``: the first JOBS_SHOWN jobs by id."""
+    if not rates:
+        return "-"
+    shown = [
+        f"{job[:JOB_ID_SHOWN]}: {fmt_rate(r)}/s" for job, r in list(rates.items())[:JOBS_SHOWN]
+    ]
+    more = len(rates) - JOBS_SHOWN
+    return " ".join(shown) + (f" +{more}" if more > 0 else "")
 
 
 def cmd_offers(ctx: Context) -> int:
@@ -110,13 +155,27 @@ def cmd_offers(ctx: Context) -> int:
             "free" if o.free else f"{format_credits(o.price_micro_per_hour)}/h",
             fmt_rate(o.samples_per_second),
             fmt_per_credit(o),
+            fmt_reliability(o),
+            "-" if o.uptime_seconds is None else fmt_duration(o.uptime_seconds),
+            fmt_job_rates(o.job_samples_per_second),
         ]
         for o in offers
     ]
     ctx.emit_table(
-        ["NODE", "NAME", "STATE", "DEVICE", "PRICE", "SAMPLES/S", "SAMPLES/CREDIT"],
+        [
+            "NODE",
+            "NAME",
+            "STATE",
+            "DEVICE",
+            "PRICE",
+            "SAMPLES/S",
+            "SAMPLES/CREDIT",
+            "RELIABILITY",
+            "UP",
+            "JOBS",
+        ],
         rows,
-        right=(4, 5, 6),
+        right=(4, 5, 6, 8),
         flex=1,
         paint={2: ctx.out_style.state},
     )
@@ -228,17 +287,39 @@ def quote_lines(spec: common_pb2.JobSpec, q: Quote) -> list[tuple[str, str]]:
     return rows
 
 
+def is_job_file(arg: str) -> bool:
+    """Whether ``quote``'s argument names a job.toml (an existing path, or one that looks like
+    a path: ``.toml`` or a directory part) rather than a submitted job."""
+    return Path(arg).exists() or arg.endswith(".toml") or "/" in arg or os.sep in arg
+
+
 def cmd_quote(ctx: Context) -> int:
-    path = Path(ctx.args.spec)
-    spec, samples = load_job(path)  # exit 2 before the coordinator is asked
+    if is_job_file(ctx.args.spec):
+        return _quote_file(ctx, Path(ctx.args.spec))
+    return _quote_job(ctx, ctx.args.spec)
+
+
+def _quote_nodes(ctx: Context) -> list[common_pb2.NodeInfo]:
     coord = ctx.coordinator
     reply = coord.call(
         "ListNodes",
         coord.scheduler.ListNodes,
         scheduler_pb2.ListNodesRequest(states=list(QUOTE_STATES)),
     )
-    by_id = {n.node_id: n for n in reply.nodes}
-    offers = market_offers(reply.nodes)
+    return list(reply.nodes)
+
+
+def _emit_lines(ctx: Context, rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        ctx.emit(f"{key.ljust(width)}  {value}")
+
+
+def _quote_file(ctx: Context, path: Path) -> int:
+    spec, samples = load_job(path)  # exit 2 before the coordinator is asked
+    nodes = _quote_nodes(ctx)
+    by_id = {n.node_id: n for n in nodes}
+    offers = market_offers(nodes)
     q = quote(spec, samples, offers)
     if not q.fits:
         raise _no_fit(spec, q)
@@ -261,10 +342,7 @@ def cmd_quote(ctx: Context) -> int:
         flex=1,
     )
     ctx.emit()
-    rows = quote_lines(spec, q)
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        ctx.emit(f"{key.ljust(width)}  {value}")
+    _emit_lines(ctx, quote_lines(spec, q))
     unbenchmarked = sum(1 for o in offers if o.rate <= 0)
     if unbenchmarked:
         ctx.note(f"{unbenchmarked} node(s) without a reference benchmark left out")
@@ -272,16 +350,132 @@ def cmd_quote(ctx: Context) -> int:
     return ExitCode.OK
 
 
+def job_quote_dict(
+    job: common_pb2.Job, jq: JobQuote, nodes: dict[str, common_pb2.NodeInfo]
+) -> dict[str, Any]:
+    """``quote JOB --output json``: quote_dict's keys for the samples the job has left (no
+    budget_covers: the escrow is what pays for them), plus the job's progress, spending,
+    escrow and deadline, and each chosen node's rate_source ("job" or "benchmark")."""
+    out = quote_dict(job.spec, jq.quote, nodes)
+    del out["budget_covers"]
+    for n in out["nodes"]:
+        n["rate_source"] = jq.sources[n["node_id"]]
+    out.update(
+        {
+            "job_id": job.job_id,
+            "state": job_state_name(job.state),
+            "ended": jq.ended,
+            "samples_done": jq.samples_done,
+            "samples_total": jq.samples_total,
+            "samples_left": jq.samples_left,
+            "spent_micro": jq.spent,
+            "escrow_micro": jq.escrow,
+            "escrow_covers": jq.escrow_covers,
+            "deadline_left_seconds": jq.deadline_left,
+            "deadline_met": jq.deadline_met,
+            "rates": "job_measured_else_reference_benchmark",
+        }
+    )
+    return out
+
+
+def job_quote_lines(job: common_pb2.Job, jq: JobQuote) -> list[tuple[str, str]]:
+    """The key-value lines of ``quote JOB``: an ended job's spending only."""
+    q = jq.quote
+    name = f"{job.name} ({job.job_id})" if job.name else job.job_id
+    state = job_state_name(job.state)
+    if jq.ended:
+        return [
+            ("job", f"{name}: {state}, nothing left to train"),
+            ("spent", _credits(jq.spent)),
+        ]
+    rows = [
+        (
+            "job",
+            f"{name}: {state}, {jq.samples_left} of {jq.samples_total} samples left "
+            f"(epoch {min(job.epoch + 1, q.epochs)}/{q.epochs}, {q.num_samples} samples each)",
+        )
+    ]
+    if not q.nothing_left:
+        nodes = "node" if len(q.nodes) == 1 else "nodes"
+        rows += [
+            ("nodes", f"{len(q.nodes)} {nodes} ({q.min_nodes}-{q.max_nodes} allowed): {q.reason}"),
+            ("samples/s", fmt_rate(q.rate)),
+            ("epoch", f"{fmt_seconds(q.epoch_seconds)}, {_credits(q.epoch_cost)}"),
+        ]
+    rows.append(("left", f"{fmt_seconds(q.total_seconds)}, {_credits(q.total_cost)}"))
+    rows.append(("spent", f"{_credits(jq.spent)} so far"))
+    covers = "covers what is left" if jq.escrow_covers else "does NOT cover what is left"
+    rows.append(("escrow", f"{_credits(jq.escrow)}: {covers}"))
+    if jq.deadline_left is not None:
+        met = "met" if jq.deadline_met else "NOT met"
+        when = (
+            f"{fmt_duration(jq.deadline_left)} left"
+            if jq.deadline_left >= 0
+            else f"passed {fmt_duration(-jq.deadline_left)} ago"
+        )
+        rows.append(("deadline", f"{when}: {met}"))
+    return rows
+
+
+def _quote_job(ctx: Context, ref: str) -> int:
+    job = ctx.get_job(ref)
+    nodes = _quote_nodes(ctx)
+    by_id = {n.node_id: n for n in nodes}
+    jq = quote_job(job, nodes, now_ms())
+    q = jq.quote
+    if not jq.ended and not q.nothing_left and not q.fits:
+        raise CliError(
+            ExitCode.PRECONDITION,
+            f"no offer fits job {job.job_id}: {q.reason}",
+            "the job waits until enough nodes within its max_price are free; "
+            "`epochmesh offers` lists them",
+        )
+    if ctx.json:
+        ctx.emit_json(job_quote_dict(job, jq, by_id))
+        return ExitCode.OK
+    if q.nodes:
+        ctx.emit_table(
+            ["NODE", "NAME", "DEVICE", "PRICE", "SAMPLES/S", "RATE"],
+            [
+                [
+                    o.node_id,
+                    by_id[o.node_id].name or "-",
+                    device_summary(by_id[o.node_id]),
+                    node_price(by_id[o.node_id]),
+                    fmt_rate(o.rate),
+                    "this job" if jq.sources[o.node_id] == JOB_RATE else "reference",
+                ]
+                for o in q.nodes
+            ],
+            right=(3, 4),
+            flex=1,
+        )
+        ctx.emit()
+    _emit_lines(ctx, job_quote_lines(job, jq))
+    if q.nodes:
+        measured = sum(1 for o in q.nodes if jq.sources[o.node_id] == JOB_RATE)
+        ctx.note(
+            f"an estimate: {measured} of {len(q.nodes)} node(s) at this job's measured speed, "
+            "the others at their reference benchmark's"
+        )
+    return ExitCode.OK
+
+
 def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "offers",
         parents=common,
-        help="list the nodes on offer with their prices",
+        help="list the nodes on offer: prices, speed, reliability",
         description="List the nodes with their price per node-hour, samples/s (observed, "
-        "else the reference benchmark's) and samples per credit, the best value first "
-        "(donated nodes first). Offline and quarantined nodes only with --all. "
-        "--output json: {'offers': [{node_id, name, state, device, price_micro_per_hour, "
-        "samples_per_second, rate_source, samples_per_credit}, ...]}.",
+        "else the reference benchmark's), samples per credit, reliability (the share of "
+        "their round parts applied, not failed, late or rejected, over all jobs), time "
+        "online since they last registered, and their measured samples/s on your live jobs "
+        "(operators: every live job), the best value first (donated nodes first). Offline "
+        "and quarantined nodes only with --all. --output json: {'offers': [{node_id, name, "
+        "state, device, price_micro_per_hour, samples_per_second, rate_source, "
+        "samples_per_credit, parts_applied, parts_failed, reliability, online_since_ms, "
+        "uptime_seconds, job_samples_per_second: {job id: samples/s}}, ...]}.",
     )
     p.add_argument("--all", action="store_true", help="also offline and quarantined nodes")
     p.set_defaults(func=cmd_offers)
@@ -294,8 +488,12 @@ def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentPars
         "[market] max_price; no max_price: any price with a budget, else donated nodes only; "
         "the least cost per epoch, or the fastest with a deadline), and estimate its time "
         "and cost, and whether its budget and deadline hold. An estimate: rates come from "
-        "the reference benchmark, and a job's own speed differs. Exit 6 when too few nodes "
-        "fit.",
+        "the reference benchmark, and a job's own speed differs. Given a submitted job "
+        "(id, id prefix or name; an argument that is an existing file, ends in .toml or "
+        "has a / is a job.toml), quote what it has left instead: each node at the job's "
+        "own measured samples/s where known, else its reference benchmark's (RATE "
+        "column; rate_source in JSON), against its escrow, with what it spent so far; an "
+        "ended job has nothing left (its spending only). Exit 6 when too few nodes fit.",
     )
-    p.add_argument("spec", metavar="JOB.toml", help="the job spec")
+    p.add_argument("spec", metavar="JOB.toml|JOB", help="a job spec, or a submitted job")
     p.set_defaults(func=cmd_quote)

@@ -7,28 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from coordinator.credit_book import fund_escrow, grant
 from coordinator.credit_ledger import CreditLedger
 from coordinator.job_billing import JobBilling
 from coordinator.main import main as coordinator_main
-from coordinator.rounds import Part
 from coordinator.sqlite_store import SqliteStore
 from coordinator.store import TokenRecord
 from coordinator.tokens import create_token
 from epochmesh import identity as idm
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.integration.test_job_billing import JOB, PRICE, part
 from tests.procs import in_process_coordinator
 
 pytestmark = pytest.mark.timeout(60)
-
-JOB = "j-0123456789"
-PRICE = 36_000_000  # 36 credits/h: 10 micro-credits per sample at 1 sample/ms
 
 
 async def _register(address: str, ident: idm.Identity, name: str) -> str:
@@ -90,49 +85,33 @@ async def test_nodes_of_one_donor_token_share_its_account_across_a_restart(
         assert (await _donor_labels(coord.address, operator))[b] == "alice.lab-1"
 
 
-def part(node: str, start: int, stop: int, status: str = "applied") -> Part:
-    n = stop - start
-    return Part(
-        node_id=node,
-        task_id=f"t-{node}",
-        ranges=np.array([[start, stop]], dtype=np.int64),
-        local_batch=n,
-        samples=n,
-        assigned=n,
-        status=status,
-    )
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    s = await SqliteStore.open(tmp_path / "c.db")
-    yield s
-    await s.close()
-
-
-async def test_applied_parts_pay_the_nodes_donor(store: SqliteStore) -> None:
-    ledger = CreditLedger(store)
-    await ledger.reload()
-    await ledger.post([grant("tenant:u-a", 10_000, at_ms=1)])
-    await ledger.post([fund_escrow(JOB, "u-a", 1_000, at_ms=2, reason="budget")])
-    donors = {"n1": "alice", "n2": "alice"}
-    spec = common_pb2.JobSpec(budget_micro=1_000)
-    billing = JobBilling(
-        common_pb2.Job(job_id=JOB, owner="u-a", num_samples=100, spec=spec),
-        ledger,
-        donor_of=lambda n: donors.get(n, n),
-    )
-    parts = {"n1": part("n1", 0, 10), "n2": part("n2", 10, 30), "n3": part("n3", 30, 40)}
-    billing.price_parts(parts, dict.fromkeys(parts, PRICE), dict.fromkeys(parts, 1000.0))
-    entries = billing.charge_round(0, 1, parts.values())
-    assert [(e.to_account, e.node_id, e.amount) for e in entries] == [
-        ("donor:alice", "n1", 100),
-        ("donor:alice", "n2", 200),
-        ("donor:n3", "n3", 100),
-    ]
-    await ledger.post(entries)
-    billing.written(entries)
-    assert ledger.balance("donor:alice") == 300 and ledger.balance("donor:n3") == 100
+async def test_applied_parts_pay_the_nodes_donor(tmp_path: Path) -> None:
+    store = await SqliteStore.open(tmp_path / "c.db")
+    try:
+        ledger = CreditLedger(store)
+        await ledger.reload()
+        await ledger.post([grant("tenant:u-a", 10_000, at_ms=1)])
+        await ledger.post([fund_escrow(JOB, "u-a", 1_000, at_ms=2, reason="budget")])
+        donors = {"n1": "alice", "n2": "alice"}
+        spec = common_pb2.JobSpec(budget_micro=1_000)
+        billing = JobBilling(
+            common_pb2.Job(job_id=JOB, owner="u-a", num_samples=100, spec=spec),
+            ledger,
+            donor_of=lambda n: donors.get(n, n),
+        )
+        parts = {"n1": part("n1", 0, 10), "n2": part("n2", 10, 30), "n3": part("n3", 30, 40)}
+        billing.price_parts(parts, dict.fromkeys(parts, PRICE), dict.fromkeys(parts, 1000.0))
+        entries = billing.charge_round(0, 1, parts.values())
+        assert [(e.to_account, e.node_id, e.amount) for e in entries] == [
+            ("donor:alice", "n1", 100),
+            ("donor:alice", "n2", 200),
+            ("donor:n3", "n3", 100),
+        ]
+        await ledger.post(entries)
+        billing.written(entries)
+        assert ledger.balance("donor:alice") == 300 and ledger.balance("donor:n3") == 100
+    finally:
+        await store.close()
 
 
 async def test_schema_7_gives_old_tokens_no_donor(tmp_path: Path) -> None:

@@ -14,7 +14,13 @@ import pytest
 from coordinator.billing import earned_micro
 from coordinator.credit_book import fund_escrow, grant
 from coordinator.credit_ledger import CreditLedger
-from coordinator.job_billing import BudgetExhausted, JobBilling, per_credit, quantized_rate
+from coordinator.job_billing import (
+    AboveMaxPrice,
+    BudgetExhausted,
+    JobBilling,
+    per_credit,
+    quantized_rate,
+)
 from coordinator.rounds import Part, part_record
 from coordinator.sqlite_store import SqliteStore
 from epochmesh.quote import max_price_of
@@ -133,3 +139,15 @@ def test_the_price_rules_of_a_spec() -> None:
     spec.deadline_seconds = 60.0
     assert not per_credit(spec)  # a deadline prefers speed
     assert quantized_rate(1234.56789012) == 1234.56789 and quantized_rate(-1.0) == 0.0
+
+
+async def test_a_node_whose_price_rose_above_the_cap_is_named(ledger: CreditLedger) -> None:
+    free_only = JobBilling(job(budget=0), ledger)  # no budget: donated nodes only
+    parts = {"n1": part("n1", 0, 10), "n2": part("n2", 10, 20)}
+    with pytest.raises(AboveMaxPrice) as raised:
+        free_only.price_parts(parts, {"n1": 0, "n2": 1}, {"n1": 1.0, "n2": 1.0})
+    assert raised.value.nodes == ["n2"]
+    capped = job()
+    capped.spec.max_price_micro_per_hour = PRICE - 1
+    with pytest.raises(AboveMaxPrice):
+        JobBilling(capped, ledger).price_parts(parts, dict.fromkeys(parts, PRICE), {})

@@ -302,3 +302,54 @@ async def test_price_at_register_changes_at_heartbeat_and_survives_a_reload(
     assert reg2.require(again.node_id).price_micro_per_hour == 1
     reg3, _ = await make_registry(store, clock)
     assert reg3.require(priced.node_id).price_micro_per_hour == 1
+
+
+async def test_online_since_and_part_counts_are_kept_in_memory_then_stored(
+    store: SqliteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    wall = [1_000_000]
+    monkeypatch.setattr("coordinator.nodes.now_ms", lambda: wall[0])
+    reg, _ = await make_registry(store, clock)
+    a = await reg.register(name="a")
+    b = await reg.register(name="b")
+    assert reg.require(a.node_id).online_since_ms == 1_000_000
+
+    # A round: a's part applied, b's failed; an unknown node is ignored.
+    reg.count_parts(applied=[a.node_id], failed=[b.node_id, "n-0000000000"])
+    reg.count_parts(applied=[a.node_id, b.node_id], failed=[])
+    info_a, info_b = reg.require(a.node_id), reg.require(b.node_id)
+    assert (info_a.parts_applied, info_a.parts_failed) == (2, 0)
+    assert (info_b.parts_applied, info_b.parts_failed) == (1, 1)
+    # No store write per round: the stored nodes do not have them yet ...
+    stored = await store.get_node(a.node_id)
+    assert stored is not None and stored.info.parts_applied == 0
+    # ... until the node's next write (here a state change) ...
+    await reg.cordon(a.node_id)
+    stored = await store.get_node(a.node_id)
+    assert stored is not None and stored.info.parts_applied == 2
+    # ... or the registry's stop, which stores the nodes counted since their last write.
+    stored = await store.get_node(b.node_id)
+    assert stored is not None and (stored.info.parts_applied, stored.info.parts_failed) == (0, 0)
+    assert await reg.flush_part_counts() == 1  # b only: a was stored with its cordon
+    await reg.stop()
+    assert await reg.flush_part_counts() == 0
+
+    # A restart keeps the counts and the time online; a re-registration restarts the latter.
+    reg2, _ = await make_registry(store, clock)
+    info_b = reg2.require(b.node_id)
+    assert (info_b.parts_applied, info_b.parts_failed, info_b.online_since_ms) == (
+        1,
+        1,
+        1_000_000,
+    )
+    wall[0] = 5_000_000
+    clock.t += 2 * TTL * RESTORED_LEASE_TTLS
+    await reg2.sweep()
+    assert reg2.require(b.node_id).state == NS.NODE_STATE_OFFLINE
+    again = await reg2.register(name="b", node_id=b.node_id)
+    info_b = reg2.require(again.node_id)
+    assert info_b.online_since_ms == 5_000_000
+    assert (info_b.parts_applied, info_b.parts_failed) == (1, 1)  # over its whole history
+    reg2.count_parts(applied=[], failed=[b.node_id])
+    assert reg2.require(b.node_id).parts_failed == 2

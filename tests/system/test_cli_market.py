@@ -12,6 +12,7 @@ import pytest
 
 from tests.fixtures import write_mlp_job
 from tests.procs import start_coordinator, wait_until
+from tests.system.test_cli_queue import whoami
 from tests.system.test_cli_support import Cli, assert_clean_error, engine_available
 
 pytestmark = [
@@ -27,12 +28,6 @@ class Parties:
     bob: Cli
     alice_id: str
     bob_id: str
-
-
-def whoami(cli: Cli) -> str:
-    result = cli.run("whoami", "--output", "json")
-    assert result.code == 0, result.stderr
-    return str(result.json()["principal"])
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """``epochmesh offers`` and ``epochmesh quote``: the real console scripts against a real
 coordinator and three benchmarked agents asking different prices (free, 0.5 and 50 credits/h),
 plus one that left (offline). Orders, fields, the quote's exact micro-credits, a max_price that
-leaves too few nodes (exit 6) and a bad job.toml (exit 2)."""
+leaves too few nodes (exit 6) and a bad job.toml (exit 2); then a job trains on them: its speeds
+and the nodes' parts in `offers`, and `quote JOB` of what it has left."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from epochmesh.v1 import common_pb2
 from tests.fixtures import write_mlp_job
 from tests.procs import start_coordinator, wait_until
 from tests.system.test_agent import AgentProc, coordinator_args, list_nodes, wait_node
-from tests.system.test_cli_support import Cli, assert_clean_error
+from tests.system.test_cli_queue import whoami
+from tests.system.test_cli_support import Cli, assert_clean_error, engine_available
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -112,8 +114,13 @@ def test_offers_best_value_first(market: Market) -> None:
     assert [o["node_id"] for o in offers] == [m.ids[n] for n in ("free", "cheap", "dear")]
     assert set(offers[0]) == {
         "node_id", "name", "state", "device", "price_micro_per_hour", "samples_per_second",
-        "rate_source", "samples_per_credit",
+        "rate_source", "samples_per_credit", "parts_applied", "parts_failed", "reliability",
+        "online_since_ms", "uptime_seconds", "job_samples_per_second",
     }  # fmt: skip
+    for offer in offers:  # no job has run yet
+        assert (offer["parts_applied"], offer["parts_failed"], offer["reliability"]) == (0, 0, None)
+        assert offer["job_samples_per_second"] == {}
+        assert offer["online_since_ms"] > 0 and offer["uptime_seconds"] >= 0
     free, cheap, dear = offers
     assert [o["price_micro_per_hour"] for o in offers] == [0, 500_000, 50_000_000]
     assert free["samples_per_credit"] is None
@@ -132,10 +139,14 @@ def test_offers_best_value_first(market: Market) -> None:
     assert listed[1]["state"] == "offline" and listed[1]["rate_source"] == "none"
 
     rows, _ = table(m.alice, "offers")
-    assert rows[0] == ["NODE", "NAME", "STATE", "DEVICE", "PRICE", "SAMPLES/S", "SAMPLES/CREDIT"]
+    assert rows[0] == [
+        "NODE", "NAME", "STATE", "DEVICE", "PRICE", "SAMPLES/S", "SAMPLES/CREDIT", "RELIABILITY",
+        "UP", "JOBS",
+    ]  # fmt: skip
     assert [r[1] for r in rows[1:]] == ["free", "cheap", "dear"]
-    assert [(r[-3], r[-1]) for r in rows[1:]][0] == ("free", "free")
-    assert [r[-3] for r in rows[1:]] == ["free", "0.5/h", "50/h"]
+    # ... PRICE, SAMPLES/S, SAMPLES/CREDIT, RELIABILITY ("-": no part yet), UP, JOBS ("-")
+    assert [(r[-6], r[-4], r[-3], r[-1]) for r in rows[1:]][0] == ("free", "free", "-", "-")
+    assert [r[-6] for r in rows[1:]] == ["free", "0.5/h", "50/h"]
 
 
 def job(m: Market, name: str, market_toml: str, **cluster: int) -> Path:
@@ -229,3 +240,111 @@ def test_quote_of_a_bad_job_toml_is_a_usage_error(market: Market) -> None:
     no_data = job(m, "no-data", "budget = 1")
     (no_data.parent / "train.safetensors").unlink()
     assert_clean_error(m.alice.run("quote", str(no_data)), 2, "dataset file not found")
+    # Not a file, not path-like: a submitted job, and there is none of that name.
+    assert_clean_error(m.alice.run("quote", "no-such-job"), 3, "unknown job 'no-such-job'")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not engine_available(), reason="needs the training engine")
+def test_a_running_job_shows_in_offers_and_is_quoted_on_what_it_has_left(market: Market) -> None:
+    """Alice's job trains on the free and cheap nodes (max_price 1 credit/h): `offers` shows
+    its measured speed on them (to alice and operators, not to bob) and their parts applied;
+    `quote JOB` prices what it has left at those speeds; once cancelled, nothing is left."""
+    m = market
+    bob = Cli(m.op.address, m.tmp / "bob", role="submitter")
+    granted = m.op.run("credits", "grant", whoami(m.alice), "20")
+    assert granted.code == 0, granted.stderr
+    path = write_mlp_job(
+        m.tmp / "jobs" / "running",
+        num_samples=NUM_SAMPLES,
+        overrides={
+            "name": "offers-running",
+            "train": {"epochs": 1000},  # runs until cancelled below
+            "market": {"budget": "10", "max_price": "1"},
+        },
+    )
+    submitted = m.alice.run("submit", str(path), "--output", "json", timeout=120)
+    assert submitted.code == 0, submitted.stderr
+    job_id = submitted.json()["job_id"]
+
+    def offers(cli: Cli) -> dict[str, dict[str, Any]]:
+        result = cli.run("offers", "--output", "json")
+        assert result.code == 0, result.stderr
+        return {o["name"]: o for o in result.json()["offers"]}
+
+    def trained() -> bool:
+        return any(
+            job_id in o["job_samples_per_second"] and o["parts_applied"] > 0
+            for o in offers(m.alice).values()
+        )
+
+    wait_until(trained, timeout=180, interval=0.5, message=f"job {job_id} never trained")
+    rounds = m.alice.run("rounds", job_id, "--output", "json")
+    assert rounds.code == 0, rounds.stderr
+    applied = {
+        p["node_id"] for r in rounds.json_lines() for p in r["parts"] if p["status"] == "applied"
+    }
+    seen = offers(m.alice)
+    by_id = {o["node_id"]: o for o in seen.values()}
+    assert applied and applied <= {m.ids["free"], m.ids["cheap"]}
+    for node_id in applied:  # counted when their rounds closed, before the records were written
+        o = by_id[node_id]
+        assert o["parts_applied"] > 0 and o["job_samples_per_second"][job_id] > 0
+        assert o["reliability"] == o["parts_applied"] / (o["parts_applied"] + o["parts_failed"])
+    assert job_id not in seen["dear"]["job_samples_per_second"]  # above the job's max_price
+    measured = {name for name, o in seen.items() if job_id in o["job_samples_per_second"]}
+    assert all(job_id not in o["job_samples_per_second"] for o in offers(bob).values())
+    assert any(job_id in o["job_samples_per_second"] for o in offers(m.op).values())
+    rows, _ = table(m.alice, "offers")
+    shown = {r[1]: " ".join(r) for r in rows[1:]}
+    assert all(f"{job_id[:8]}:" in shown[name] for name in measured)
+    assert all("% of " in shown[by_id[node_id]["name"]] for node_id in applied)
+
+    # The quote of what it has left, by its name: the job's measured rates where known.
+    result = m.alice.run("quote", "offers-running", "--output", "json")
+    assert result.code == 0, result.stderr
+    q = result.json()
+    assert (q["job_id"], q["state"], q["ended"]) == (job_id, "running", False)
+    assert q["samples_total"] == 1000 * NUM_SAMPLES
+    assert q["samples_left"] == q["samples_total"] - q["samples_done"] > 0
+    assert q["max_price_micro_per_hour"] == 1_000_000 and q["budget_micro"] == 10_000_000
+    assert q["rates"] == "job_measured_else_reference_benchmark" and "budget_covers" not in q
+    sources = {n["name"]: n["rate_source"] for n in q["nodes"]}
+    assert sources and set(sources) <= {"free", "cheap"} and "job" in sources.values()
+    assert {name for name, source in sources.items() if source == "job"} <= measured
+    assert q["escrow_micro"] > 0 and q["spent_micro"] >= 0
+    assert isinstance(q["escrow_covers"], bool) and q["total_cost_micro"] >= 0
+    assert q["total_seconds"] == pytest.approx(q["samples_left"] / q["samples_per_second"])
+
+    rows, notes = table(m.alice, "quote", job_id)
+    assert rows[0] == ["NODE", "NAME", "DEVICE", "PRICE", "SAMPLES/S", "RATE"]
+    lines = {r[0]: r[1:] for r in rows[rows.index([]) + 1 :] if r}
+    assert {"job", "nodes", "samples/s", "epoch", "left", "spent", "escrow"} <= set(lines)
+    assert lines["job"][:2] == ["offers-running", f"({job_id}):"]
+    assert "at this job's measured speed" in notes
+    assert_clean_error(bob.run("quote", job_id), 7)
+
+    # Cancelled: nothing left to train; the job's speeds leave the offers.
+    assert m.alice.run("cancel", job_id).code == 0
+
+    def cancelled() -> bool:
+        status = m.alice.run("status", job_id, "--output", "json")
+        assert status.code == 0, status.stderr
+        return bool(status.json()["state"] == "cancelled")
+
+    wait_until(cancelled, timeout=60, interval=0.5, message=f"job {job_id} not cancelled")
+    result = m.alice.run("quote", job_id, "--output", "json")
+    assert result.code == 0, result.stderr
+    ended = result.json()
+    assert (ended["state"], ended["ended"], ended["samples_left"]) == ("cancelled", True, 0)
+    assert ended["nodes"] == [] and ended["total_cost_micro"] == 0
+    assert ended["escrow_covers"] is True and ended["deadline_met"] is None
+    text = m.alice.run("quote", job_id, env=m.alice.env(NO_COLOR="1"))
+    assert text.code == 0, text.stderr
+    assert "cancelled, nothing left to train" in text.stdout and "spent" in text.stdout
+    wait_until(
+        lambda: all(job_id not in o["job_samples_per_second"] for o in offers(m.op).values()),
+        timeout=30,
+        interval=0.5,
+        message="the cancelled job's speeds still in offers",
+    )

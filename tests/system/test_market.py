@@ -139,6 +139,23 @@ def test_prices_budget_pauses_top_ups_a_kill9_and_a_statement_that_adds_up(
     assert queue.code == 0, queue.stderr
     entry = next(e for e in queue.json()["jobs"] if e["job_id"] == job_id)
     assert entry["reason"].startswith("budget"), entry
+    # A job whose max_price is under every node's price waits, and says why.
+    cheapskate: dict[str, Any] = job_doc("cheapskate", epochs=1, seed=3)
+    cheapskate["market"] = {"max_price": "1", "budget": "0.5"}
+    toml = write_job(tmp_path / "cheapskate", MODEL, make_dataset(48), cheapskate)
+    out = alice.run("submit", str(toml), "--output", "json", timeout=120)
+    assert out.code == 0, out.stderr
+    waiting = str(json.loads(out.stdout)["job_id"])
+    why = "waits: 0 of the 3 eligible node(s) ask at most its max_price of 1 credits/h"
+
+    def says_why() -> bool:
+        return jobs.job(waiting).message.startswith(why)
+
+    wait_until(says_why, timeout=30, interval=0.2, message="the max_price reason in status")
+    queue = alice.run("queue", "--output", "json")
+    assert queue.code == 0, queue.stderr
+    assert next(e for e in queue.json()["jobs"] if e["job_id"] == waiting)["reason"].startswith(why)
+    assert alice.run("cancel", waiting).code == 0
     # Enough for a few rounds: it runs, then pauses again.
     top_up = 6 * next_round_cost(first)
     added = alice.run("budget", job_id, "--add", f"{top_up / MICRO:.6f}")
@@ -232,6 +249,7 @@ def test_prices_budget_pauses_top_ups_a_kill9_and_a_statement_that_adds_up(
     by_account = {b["account"]: b["balance_micro"] for b in balances.json()["balances"]}
     assert sum(by_account.values()) == 0
     assert by_account.get(escrow, 0) == 0
+    assert by_account.get(f"escrow:{waiting}", 0) == 0  # the cancelled job's budget came back
     assert by_account[tenant] == granted - spent
     assert by_account["mint"] == -granted
     done = jobs.job(job_id)

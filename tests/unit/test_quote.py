@@ -1,6 +1,7 @@
 """The market as the CLI shows it: `epochmesh.quote` (node choice, time and cost of a job, in
 exact micro-credits), the dataset's sample count read from the safetensors header alone, and
-the order of `epochmesh offers` (client/commands/market_offers.py)."""
+the order of `epochmesh offers` (client/commands/market_offers.py), and a submitted job's quote
+of what it has left at its own measured rates (`epochmesh.quote.quote_job`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.commands.market_offers import market_offers, node_offers, quote_dict
+from client.commands.market_offers import (
+    fmt_job_rates,
+    fmt_reliability,
+    job_quote_dict,
+    market_offers,
+    node_offer,
+    node_offers,
+    quote_dict,
+)
 from epochmesh.errors import SpecError
 from epochmesh.matching import Offer
 from epochmesh.money import MICRO
-from epochmesh.quote import CHEAPEST, FASTEST, cost_micro, max_price_of, quote
+from epochmesh.quote import (
+    BENCHMARK_RATE,
+    CHEAPEST,
+    FASTEST,
+    JOB_RATE,
+    NO_RATE,
+    NOTHING_LEFT,
+    JobQuote,
+    cost_micro,
+    job_offer,
+    max_price_of,
+    quote,
+    quote_job,
+)
 from epochmesh.safetensors_file import dataset_samples
 from epochmesh.spec import parse_spec
 from epochmesh.v1 import common_pb2
@@ -248,3 +270,148 @@ def test_offers_donated_first_then_most_samples_per_credit() -> None:
         "f-fast": 500.0,
         "unrated": 0.0,
     }
+
+
+# -- a submitted job: what it has left, at its own measured rates -----------------------------
+
+JOB = "j-1a2b3c4d5e"
+
+
+def rated_node(
+    node_id: str, price: int, bench: float, job_rate: float = 0.0, job_id: str = JOB
+) -> common_pb2.NodeInfo:
+    n = node(node_id, price, bench)
+    if job_rate:
+        n.job_samples_per_second[job_id] = job_rate
+    return n
+
+
+def submitted(
+    state: int = common_pb2.JOB_STATE_RUNNING,
+    done: int = 1200,
+    *,
+    spent: int = 0,
+    escrow: int = 0,
+    created_ms: int = 0,
+    **spec_fields: object,
+) -> common_pb2.Job:
+    return common_pb2.Job(
+        job_id=JOB,
+        name="mine",
+        state=state,
+        spec=spec(**spec_fields),
+        num_samples=1000,
+        samples_done=done,
+        samples_total=3000,
+        spent_micro=spent,
+        escrow_micro=escrow,
+        created_ms=created_ms,
+    )
+
+
+def test_a_node_is_rated_by_the_jobs_own_speed_else_its_reference_benchmark() -> None:
+    measured = rated_node("a", MICRO, 200.0, job_rate=100.0)
+    assert job_offer(measured, JOB) == (Offer("a", MICRO, 100.0), JOB_RATE)
+    assert job_offer(measured) == (Offer("a", MICRO, 200.0), BENCHMARK_RATE)  # a job.toml
+    other = rated_node("b", -5, 150.0, job_rate=999.0, job_id="j-99aa00bb11")
+    assert job_offer(other, JOB) == (Offer("b", 0, 150.0), BENCHMARK_RATE)
+    assert job_offer(node("c", 0, 0.0), JOB) == (Offer("c", 0, 0.0), NO_RATE)
+    nan = rated_node("d", 0, 50.0, job_rate=math.nan)
+    assert job_offer(nan, JOB) == (Offer("d", 0, 50.0), BENCHMARK_RATE)
+
+
+# A measured slower on the job than its benchmark says, F faster, B not measured yet.
+JOB_NODES = [
+    rated_node("a", MICRO, 200.0, job_rate=100.0),
+    rated_node("b", MICRO, 150.0),
+    rated_node("f", 0, 100.0, job_rate=300.0),
+]
+
+
+def test_a_running_job_is_quoted_on_what_it_has_left_at_its_measured_rates() -> None:
+    job = submitted(min_nodes=2, budget_micro=10 * MICRO, spent=700, escrow=1112)
+    jq = quote_job(job, JOB_NODES, now_ms=5_000)
+    q = jq.quote
+    assert not jq.ended and jq.samples_left == 1800 and q.total_samples == 1800
+    assert jq.sources == {"a": JOB_RATE, "b": BENCHMARK_RATE, "f": JOB_RATE}
+    # At the benchmarks a (200/s) would pair with f; at a's measured 100/s, b (150/s) does.
+    assert ids(q.nodes) == ["b", "f"] and q.rate == 450.0 and q.price_per_hour == MICRO
+    assert q.epoch_seconds == pytest.approx(1000 / 450) and q.total_seconds == 4.0
+    # 1e6 x 1000 / (450 x 3600) = 617.28 -> 618; what is left: 1800 -> 1111.11 -> 1112
+    assert (q.epoch_cost, q.total_cost) == (618, 1112)
+    assert (jq.spent, jq.escrow) == (700, 1112) and jq.escrow_covers
+    assert not quote_job(
+        submitted(min_nodes=2, budget_micro=1, escrow=1111), JOB_NODES, 0
+    ).escrow_covers
+    assert jq.deadline_left is None and jq.deadline_met is None
+
+    # Every node at its benchmark (a job.toml's quote) picks a and f.
+    assert ids(quote(job.spec, 1000, [job_offer(n)[0] for n in JOB_NODES]).nodes) == ["a", "f"]
+
+
+def test_a_jobs_deadline_counts_from_its_submission() -> None:
+    def at(now: int) -> JobQuote:
+        job = submitted(created_ms=1_000, max_nodes=2, budget_micro=MICRO, deadline_seconds=5.0)
+        return quote_job(job, JOB_NODES, now_ms=now)
+
+    on_time = at(2_000)  # 1 s after the submission: 4 s left, and 1800 / 450 takes 4 s
+    assert on_time.quote.mode == FASTEST and ids(on_time.quote.nodes) == ["b", "f"]
+    assert on_time.deadline_left == 4.0 and on_time.deadline_met is True
+    late = at(2_001)
+    assert late.deadline_left == pytest.approx(3.999) and late.deadline_met is False
+    passed = at(9_000)
+    assert passed.deadline_left == -3.0 and passed.deadline_met is False
+
+
+def test_nothing_left_to_quote() -> None:
+    # Done but not yet marked succeeded: no nodes needed, nothing to pay, the deadline holds.
+    done = quote_job(submitted(done=3000, deadline_seconds=1.0, escrow=0), JOB_NODES, 10**9)
+    assert done.samples_left == 0 and done.quote.nothing_left and not done.ended
+    assert done.quote.nodes == () and done.quote.reason == NOTHING_LEFT
+    assert (done.quote.total_cost, done.quote.total_seconds) == (0, 0.0)
+    assert done.escrow_covers and done.deadline_met is True
+    # Ended, even with samples it never trained (cancelled): nothing more will run.
+    for state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_CANCELLED):
+        ended = quote_job(submitted(state, done=1200, spent=42), JOB_NODES, 0)
+        assert ended.ended and ended.samples_left == 0 and ended.spent == 42
+        assert ended.quote.nodes == () and ended.escrow_covers and ended.deadline_met is None
+    # Nothing fits: a live job that still has samples left.
+    stuck = quote_job(submitted(min_nodes=4, budget_micro=MICRO), JOB_NODES, 0)
+    assert not stuck.quote.fits and not stuck.escrow_covers
+    assert stuck.quote.reason == "3 nodes; the job needs at least 4 (min_nodes)"
+
+
+def test_a_quote_of_part_of_the_work() -> None:
+    q = quote(spec(min_nodes=2, budget_micro=MICRO), 1090, OFFERS, total_samples=545)
+    assert q.total_samples == 545 and q.total_seconds == pytest.approx(545 / 300)
+    assert (q.epoch_cost, q.total_cost) == (1010, 505)  # 504.63 -> 505
+    assert quote(spec(), 1090, OFFERS).total_samples == 3 * 1090
+
+
+def test_the_job_quote_as_json_and_the_offers_reliability() -> None:
+    job = submitted(min_nodes=2, budget_micro=10 * MICRO, spent=700, escrow=1000)
+    jq = quote_job(job, JOB_NODES, now_ms=0)
+    out = job_quote_dict(job, jq, {n.node_id: n for n in JOB_NODES})
+    assert "budget_covers" not in out
+    assert [(n["node_id"], n["rate_source"]) for n in out["nodes"]] == [
+        ("b", "benchmark"),
+        ("f", "job"),
+    ]
+    assert (out["samples_left"], out["total_cost_micro"], out["escrow_covers"]) == (
+        1800,
+        1112,
+        False,
+    )
+    assert out["state"] == "running" and out["ended"] is False
+
+    n = rated_node("r", MICRO, 10.0, job_rate=812.0)
+    n.parts_applied, n.parts_failed, n.online_since_ms = 29, 71, 1_000
+    n.job_samples_per_second["j-99aa00bb11"] = 90.5
+    n.job_samples_per_second["j-ffffff0000"] = 1.0
+    offer = node_offer(n, 7_201_000)
+    assert offer.reliability == 0.29 and fmt_reliability(offer) == "29% of 100 parts"
+    assert offer.uptime_seconds == 7200.0
+    assert fmt_job_rates(offer.job_samples_per_second) == "j-1a2b3c: 812/s j-99aa00: 90.5/s +1"
+    fresh = node_offer(node("s", 0, 1.0, state=NS.NODE_STATE_OFFLINE), 0)
+    assert fmt_reliability(fresh) == "-" and fresh.reliability is None
+    assert fresh.uptime_seconds is None and fmt_job_rates(fresh.job_samples_per_second) == "-"
