@@ -1,0 +1,158 @@
+"""How far a gradient computed on one device is from the same gradient computed on another.
+
+Verification by recomputation (issue 20) compares a node's gradient with another node's
+recomputation of it, within a tolerance that must be measured for each pair of devices, not
+guessed. For three models (the tests' MLP, the benchmark's conv net, the demo's transformer),
+each of `--batches` random micro-batches at `--batch` samples: loss and gradient in float32 on
+the CPU and on each CUDA device (with torch's default TF32 setting for convolutions and with
+TF32 off), and the same device twice. Per pair: the largest relative L2 distance between the
+two gradients (|g1 - g2| / |g1|), the smallest cosine similarity, the largest relative loss
+difference. One JSON line (`--out FILE` also writes it there).
+
+    .venv/bin/python scripts/measure_device_tolerance.py     # CPU only: CPU vs CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mlp() -> tuple[nn.Module, Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10)
+    )
+    return model, lambda n, g: (
+        torch.randn(n, 32, generator=g),
+        torch.randint(0, 10, (n,), generator=g),
+    )
+
+
+def conv() -> tuple[nn.Module, Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.Tanh(), nn.Conv2d(32, 64, 3, padding=1), nn.Tanh(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 8),
+    )  # fmt: skip
+    return model, lambda n, g: (
+        torch.randn(n, 1, 24, 24, generator=g),
+        torch.randint(0, 8, (n,), generator=g),
+    )
+
+
+def transformer() -> tuple[
+    nn.Module, Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+]:
+    spec = importlib.util.spec_from_file_location("zen_model", ROOT / "examples/zen/model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    ctx = module.CONTEXT
+    return module.make_model(), lambda n, g: (
+        torch.randint(0, module.VOCAB, (n, ctx), generator=g),
+        torch.randint(0, module.VOCAB, (n, ctx), generator=g),
+    )
+
+
+MODELS = {"mlp": mlp, "conv": conv, "transformer": transformer}
+
+
+def gradient(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: str
+) -> tuple[float, torch.Tensor]:
+    """Loss and the flattened float64 gradient of a copy of `model` on `device`."""
+    m = model.to(device)  # the same parameters: moved there, then back
+    m.zero_grad()
+    out = m(x.to(device))
+    loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.to(device).reshape(-1))
+    loss.backward()
+    flat = torch.cat([p.grad.detach().reshape(-1).double().cpu() for p in m.parameters()])
+    m.to("cpu")
+    return float(loss.detach()), flat
+
+
+def compare(a: tuple[float, torch.Tensor], b: tuple[float, torch.Tensor]) -> dict[str, float]:
+    (la, ga), (lb, gb) = a, b
+    norm = float(ga.norm())
+    return {
+        "rel_l2": float((ga - gb).norm()) / norm if norm else 0.0,
+        "cosine": float(torch.nn.functional.cosine_similarity(ga, gb, dim=0)),
+        "rel_loss": abs(la - lb) / abs(la) if la else 0.0,
+    }
+
+
+def worst(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {
+        "max_rel_l2": max(r["rel_l2"] for r in rows),
+        "min_cosine": min(r["cosine"] for r in rows),
+        "max_rel_loss": max(r["rel_loss"] for r in rows),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cudas = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    result: dict[str, object] = {
+        "torch": torch.__version__,
+        "devices": ["cpu", *(torch.cuda.get_device_name(d) for d in cudas)],
+        "batch": args.batch,
+        "batches": args.batches,
+        "models": {},
+    }
+    tf32_default = torch.backends.cudnn.allow_tf32
+    for name, make in MODELS.items():
+        model, data = make()
+        g = torch.Generator().manual_seed(1)
+        pairs: dict[str, list[dict[str, float]]] = {}
+        for _ in range(args.batches):
+            x, y = data(args.batch, g)
+            cpu = gradient(model, x, y, "cpu")
+            pairs.setdefault("cpu_vs_cpu", []).append(compare(cpu, gradient(model, x, y, "cpu")))
+            for dev in cudas:
+                torch.backends.cudnn.allow_tf32 = tf32_default
+                torch.backends.cuda.matmul.allow_tf32 = False  # torch's default
+                default = gradient(model, x, y, dev)
+                pairs.setdefault("cpu_vs_cuda", []).append(compare(cpu, default))
+                pairs.setdefault("cuda_vs_cuda", []).append(
+                    compare(default, gradient(model, x, y, dev))
+                )
+                torch.backends.cudnn.allow_tf32 = False
+                strict = gradient(model, x, y, dev)
+                pairs.setdefault("cpu_vs_cuda_no_tf32", []).append(compare(cpu, strict))
+                torch.backends.cudnn.allow_tf32 = tf32_default
+        result["models"][name] = {k: worst(v) for k, v in pairs.items()}  # type: ignore[index]
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        args.out.write_text(line + "\n")
+    return (
+        0
+        if all(
+            math.isfinite(v)
+            for m in result["models"].values()
+            for p in m.values()
+            for v in p.values()  # type: ignore[union-attr]
+        )
+        else 1
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
