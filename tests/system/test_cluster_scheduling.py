@@ -125,7 +125,7 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
     tenant_a = Cli(address, tmp_path / "tenant-a", role="submitter")
     tenant_b = Cli(address, tmp_path / "tenant-b", role="submitter")
     jobs = Jobs(address)
-    sizes = {"a": (576, 20), "b": (576, 12), "urgent": (240, 1)}
+    sizes = {"a": (576, 28), "b": (576, 12), "urgent": (240, 1)}
 
     def doc(name: str, **cluster_keys: Any) -> dict[str, Any]:
         n_epochs = sizes[name][1]
