@@ -167,10 +167,11 @@ class NodeRegistry:
         RESTORED_LEASE_TTLS fresh TTLs from now, so their agents carry on heartbeating across a
         coordinator restart."""
         now, wall = self._clock(), now_ms()
+        donors = await self._store.list_node_donors()
         for record in await self._store.list_nodes():
             info = record.info
             node = _Node(info=info, lease_id=record.lease_id, expires=0.0)
-            self._set_donor(info, await self._store.get_node_donor(info.node_id))
+            self._set_donor(info, donors.get(info.node_id, ""))
             if info.state != OFFLINE:
                 node.expires = now + RESTORED_LEASE_TTLS * self.lease_ttl_s
                 info.lease_expires_ms = wall + RESTORED_LEASE_TTLS * self.lease_ttl_ms

@@ -783,6 +783,10 @@ class SqliteStore(Store):
         row = await self._fetchone("SELECT donor FROM node_donors WHERE node_id = ?", (node_id,))
         return "" if row is None else str(row[0])
 
+    async def list_node_donors(self) -> dict[str, str]:
+        rows = await self._fetchall("SELECT node_id, donor FROM node_donors")
+        return {str(r[0]): str(r[1]) for r in rows}
+
     async def add_revocation(self, principal: str, role: str, reason: str) -> bool:
         async with self._write() as db:
             cur = await db.execute(

@@ -387,6 +387,10 @@ class Store(ABC):
         """The donor recorded for ``node_id``; "" when none was."""
 
     @abstractmethod
+    async def list_node_donors(self) -> dict[str, str]:
+        """node id -> donor, for every node whose join token named one."""
+
+    @abstractmethod
     async def add_revocation(self, principal: str, role: str, reason: str) -> bool:
         """Refuse ``principal`` from now on; False if it was already revoked."""
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from coordinator.nodes import new_node_id
 from coordinator.store import InvalidArgumentError, Store, TokenRecord, UnauthenticatedError
 from epochmesh import identity
-from epochmesh.timeutil import now_ms
+from epochmesh.timeutil import duration_seconds, now_ms
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +37,13 @@ MAX_TTL_S = 366 * 24 * 3600.0
 USER_ID_PREFIX = "u-"
 
 _DONOR_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_TTL_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
-_TTL_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_ttl(text: str) -> float:
     """Seconds of a duration such as ``90``, ``30s``, ``15m``, ``24h``, ``7d``."""
-    match = _TTL_RE.match(text)
-    if match is None:
+    seconds = duration_seconds(text)
+    if seconds is None:
         raise ValueError(f"not a duration: {text!r} (examples: 30m, 24h, 7d)")
-    seconds = float(match.group(1)) * _TTL_UNITS[match.group(2)]
     if not 0 < seconds <= MAX_TTL_S:
         raise ValueError(f"duration must be positive and at most 366d, got {text!r}")
     return seconds

@@ -75,6 +75,7 @@ from typing import Any
 
 from epochmesh.errors import SpecError
 from epochmesh.money import MAX_CREDITS, MICRO, format_credits, parse_credits
+from epochmesh.timeutil import duration_seconds
 from epochmesh.v1 import common_pb2
 
 LOSSES = ("cross_entropy", "mse", "custom")
@@ -403,7 +404,7 @@ def _check_value(value: Any, section: str | None, key: str, field: _Field, where
     if field.kind == "duration":
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise bad_type()
-        seconds = _duration_seconds(value)
+        seconds = duration_seconds(value)
         if seconds is None or not 0 < seconds <= MAX_DEADLINE_S:
             raise SpecError(
                 f"{prefix}{label} must be a duration above 0 and at most 365d, e.g. 90, "
@@ -428,17 +429,6 @@ def _check_value(value: Any, section: str | None, key: str, field: _Field, where
             _check_range(v, field, f"{prefix}{label}[{i}]")
         return pair
     raise AssertionError(field.kind)
-
-
-def _duration_seconds(value: int | float | str) -> float | None:
-    """Seconds of a number or of text like "90", "30m", "2h", "1.5d"; None if unreadable."""
-    if isinstance(value, int | float):
-        v = float(value)
-        return v if math.isfinite(v) else None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", value)
-    if m is None:
-        return None
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 def _close_choice(value: str, choices: tuple[str, ...]) -> str:

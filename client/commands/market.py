@@ -97,19 +97,19 @@ def cmd_statement(ctx: Context) -> int:
     job_id = ctx.get_job(ctx.args.job).job_id if ctx.args.job else ""
     coord = ctx.coordinator
     entries: list[market_pb2.LedgerEntry] = []
-    after = 0
-    while True:  # pages of up to 10000 entries, oldest first
+    while True:  # pages (the coordinator caps each), oldest first, until an empty one
         reply = coord.call(
             "GetStatement",
             coord.market.GetStatement,
             market_pb2.GetStatementRequest(
-                account=ctx.args.account or "", job_id=job_id, after_id=after
+                account=ctx.args.account or "",
+                job_id=job_id,
+                after_id=entries[-1].id if entries else 0,
             ),
         )
-        entries.extend(reply.entries)
-        if len(reply.entries) < 10_000:
+        if not reply.entries:
             break
-        after = reply.entries[-1].id
+        entries.extend(reply.entries)
     if ctx.json:
         ctx.emit_json({"entries": [entry_dict(e) for e in entries]})
         return ExitCode.OK
