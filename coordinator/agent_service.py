@@ -26,6 +26,7 @@ from epochmesh.errors import CodecError
 from epochmesh.identity import ROLE_NODE
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, common_pb2
+from epochmesh.verification import MAX_BUCKETS, MAX_CHUNKS
 
 Ctx = grpc.aio.ServicerContext
 
@@ -252,6 +253,48 @@ class AgentService:
         _check_peer_links(req)
         self._registry.check_lease(req.node_id, req.lease_id)
         return await self._engine.report_progress(req, ctx)
+
+    async def CommitSketches(
+        self, req: agent_pb2.CommitSketchesRequest, ctx: Ctx
+    ) -> agent_pb2.CommitSketchesResponse:
+        """The sketches of a checked update's chunks (coordinator/verifier.py). Malformed ones
+        are INVALID_ARGUMENT with a strike."""
+        require_node_id(req.node_id)
+        require_self(req.node_id)
+        _require_lease_id(req.lease_id)
+        check_text(req.job_id, "job_id", max_len=128, required=True)
+        check_text(req.task_id, "task_id", max_len=128, required=True)
+        if len(req.sketches) > MAX_CHUNKS * MAX_BUCKETS:
+            raise InvalidArgumentError(
+                f"{len(req.sketches)} sketch values (at most {MAX_CHUNKS * MAX_BUCKETS})"
+            )
+        self._registry.check_lease(req.node_id, req.lease_id)
+        try:
+            await self._engine.commit_sketches(req)
+        except InvalidArgumentError as exc:
+            await self._registry.add_strike(req.node_id, str(exc), job_id=req.job_id[:64])
+            raise
+        return agent_pb2.CommitSketchesResponse()
+
+    async def ReportCheck(
+        self, req: agent_pb2.ReportCheckRequest, ctx: Ctx
+    ) -> agent_pb2.ReportCheckResponse:
+        """A checker's recomputation of another node's chunk. A malformed one is
+        INVALID_ARGUMENT with a strike."""
+        require_node_id(req.node_id)
+        require_self(req.node_id)
+        _require_lease_id(req.lease_id)
+        check_text(req.task_id, "task_id", max_len=128, required=True)
+        check_text(req.error, "error", max_len=4096)
+        if len(req.sketch) > MAX_BUCKETS:
+            raise InvalidArgumentError(f"{len(req.sketch)} sketch values (at most {MAX_BUCKETS})")
+        self._registry.check_lease(req.node_id, req.lease_id)
+        try:
+            await self._engine.report_check(req)
+        except InvalidArgumentError as exc:
+            await self._registry.add_strike(req.node_id, str(exc))
+            raise
+        return agent_pb2.ReportCheckResponse()
 
     async def AuthorizeStateTransfer(
         self, req: agent_pb2.AuthorizeStateTransferRequest, ctx: Ctx

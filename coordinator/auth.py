@@ -81,6 +81,8 @@ POLICY: dict[str, frozenset[str]] = {
             "ReportProgress",
             "Probe",
             "AuthorizeStateTransfer",
+            "CommitSketches",
+            "ReportCheck",
         )
     },
     **{

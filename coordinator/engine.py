@@ -42,6 +42,7 @@ from epochmesh.tensors import DTYPES, BundleAssembler, iter_chunks
 from epochmesh.tensors import _safetensors_header as safetensors_header
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
+from epochmesh.verification import MAX_CHUNKS
 
 log = logging.getLogger(__name__)
 
@@ -306,9 +307,20 @@ class Engine:
         if self.ctx.registry.is_alive(node_id):
             await self.ctx.registry.set_busy(node_id, None)
 
-    def enqueue(self, node_id: str, task: agent_pb2.Task, job_id: str) -> None:
+    def enqueue(
+        self, node_id: str, task: agent_pb2.Task, job_id: str, *, front: bool = False
+    ) -> None:
+        """Queue a task for the node (``front``: a check, before its other tasks but after the
+        checks queued before it: the oldest check first)."""
         self.task_owner[task.task_id] = (node_id, job_id)
-        self.queues.setdefault(node_id, deque()).append((task, job_id))
+        queue = self.queues.setdefault(node_id, deque())
+        if front:
+            at = 0
+            while at < len(queue) and queue[at][0].kind == agent_pb2.TASK_KIND_CHECK:
+                at += 1
+            queue.insert(at, (task, job_id))
+        else:
+            queue.append((task, job_id))
         self.queue_events.setdefault(node_id, asyncio.Event()).set()
 
     def round_finished(self, job_id: str, open_tasks: Collection[str]) -> None:
@@ -408,6 +420,12 @@ class Engine:
                 reason="the round closed before this update arrived; its speed was noted",
             )
         runner = self._runner_for_task(h.node_id, h.task_id, h.job_id)
+        info = self.ctx.registry.get(h.node_id)
+        if info is not None and info.state == common_pb2.NODE_STATE_QUARANTINED:
+            runner.fail_part(h.node_id, h.task_id, "the node is quarantined")
+            raise FailedPreconditionError(
+                f"node {h.node_id} is quarantined: its updates are refused"
+            )
         if h.kind == KIND_CHECKPOINT:
             return await self._push_checkpoint(runner, h, request_iterator)
         expected_samples = runner.rounds.expected_samples(h.node_id, h.task_id)
@@ -427,6 +445,10 @@ class Engine:
             problem = f"mean_loss is {h.mean_loss}"
         elif not math.isfinite(h.compute_seconds) or h.compute_seconds < 0:
             problem = f"compute_seconds is {h.compute_seconds}"
+        elif len(h.chunks) > MAX_CHUNKS:
+            problem = f"{len(h.chunks)} chunk commitments (at most {MAX_CHUNKS})"
+        elif commitment := runner.verifier.commitment_problem(h):
+            problem = f"chunk commitments: {commitment}"
         if problem:
             runner.reject(h.node_id, h.task_id, problem)
             raise InvalidArgumentError(f"update refused: {problem}")
@@ -451,10 +473,33 @@ class Engine:
         except CodecError as exc:
             runner.reject(h.node_id, h.task_id, str(exc))
             raise InvalidArgumentError(f"update refused: {exc}") from None
+        part = runner.round_state.parts.get(h.node_id) if runner.round_state else None
         reason = runner.submit_update(
             h.node_id, h.task_id, h.num_samples, h.mean_loss, h.compute_seconds, grads
         )
-        return agent_pb2.PushUpdateResponse(accepted=not reason, reason=reason)
+        response = agent_pb2.PushUpdateResponse(accepted=not reason, reason=reason)
+        if not reason:
+            check = await runner.verifier.on_update(h, grads, part)
+            if check is not None:
+                response.sketch.CopyFrom(check)
+        return response
+
+    async def commit_sketches(self, req: agent_pb2.CommitSketchesRequest) -> None:
+        """A node's sketches of its chunks (coordinator/verifier.py)."""
+        runner = self.runners.get(req.job_id)
+        if runner is None:
+            raise FailedPreconditionError(f"job {req.job_id!r} is not running")
+        await runner.verifier.on_sketches(req)
+
+    async def report_check(self, req: agent_pb2.ReportCheckRequest) -> None:
+        """A checker's recomputation (coordinator/verifier.py)."""
+        owner = self.task_owner.get(req.task_id)
+        runner = self.runners.get(owner[1]) if owner is not None else None
+        if owner is None or owner[0] != req.node_id or runner is None:
+            raise FailedPreconditionError(
+                f"task {req.task_id!r} is not an open check of node {req.node_id}"
+            )
+        await runner.verifier.on_check_report(req)
 
     async def _push_checkpoint(
         self,

@@ -99,6 +99,10 @@ class TrainingEngine(Protocol):
         self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
     ) -> agent_pb2.ReportProgressResponse: ...
 
+    async def commit_sketches(self, req: agent_pb2.CommitSketchesRequest) -> None: ...
+
+    async def report_check(self, req: agent_pb2.ReportCheckRequest) -> None: ...
+
     def authorize_state_transfer(self, job_id: str, source: str, requester: str) -> str | None:
         """None when `requester` was told to fetch job `job_id`'s state from node `source`
         (ring mode), else why not."""
@@ -215,6 +219,12 @@ class NullEngine:
     async def report_progress(
         self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
     ) -> agent_pb2.ReportProgressResponse:
+        raise UnimplementedError(NOT_AVAILABLE)
+
+    async def commit_sketches(self, req: agent_pb2.CommitSketchesRequest) -> None:
+        raise UnimplementedError(NOT_AVAILABLE)
+
+    async def report_check(self, req: agent_pb2.ReportCheckRequest) -> None:
         raise UnimplementedError(NOT_AVAILABLE)
 
     def authorize_state_transfer(self, job_id: str, source: str, requester: str) -> str | None:

@@ -34,6 +34,7 @@ from coordinator.sample_ranges import (
     touched_shards,
 )
 from coordinator.store import FailedPreconditionError
+from coordinator.verifier import Verifier
 from epochmesh.errors import ProgramError
 from epochmesh.money import format_credits
 from epochmesh.program import read_initial_state
@@ -55,6 +56,8 @@ BENCHMARK_TIMEOUT_S = 120.0
 BENCH_STATE_PREFIX = "bench/"
 # A stopping runner gets this long to reach a safe point before it is cancelled.
 STOP_GRACE_S = 3.0
+# States kept in memory for a verification rollback (older ones: from checkpoints).
+MAX_SNAPSHOTS = 16
 
 
 class JobRunner:
@@ -112,11 +115,18 @@ class JobRunner:
         # The runner is done: its job's last records and events (the terminal state, the nodes'
         # release) are stored, so a watcher that stops now has seen everything.
         self.ended = False
+        # Verification (coordinator/verifier.py): a failed check asks for a rollback to the
+        # state before this round; the state at the start of recent rounds is kept for it.
+        self.verifier = Verifier(self)
+        self._rollback_before: int | None = None
+        self._rollback_reason = ""
+        self._snapshots: dict[int, tuple[dict[str, torch.Tensor], CheckpointManifest]] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._main(), name=f"job-{self.job_id}")
+        self.verifier.start()
 
     async def stop(self) -> None:
         """Stop at the next safe point (the open round is aborted: its slices go back to
@@ -132,6 +142,7 @@ class JobRunner:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
+        await self.verifier.stop()
 
     def wake(self) -> None:
         self._wake.set()
@@ -177,7 +188,25 @@ class JobRunner:
                 if self.node_set.job_fault_verdict:
                     await self._fail_for_program(self.node_set.job_fault_verdict)
                     continue
+                if self._rollback_before is not None:
+                    await self._roll_back()
+                    continue
                 if self.job.epoch >= self.spec.epochs:
+                    # The last checks decide whether the result stands.
+                    await self.verifier.settle()
+                    if self._rollback_before is not None:
+                        continue
+                    if self.verifier.enabled:
+                        summary = self.verifier.summary()
+                        await self.ctx.events.append(
+                            "job.verification",
+                            job_id=self.job_id,
+                            message=(
+                                f"verification: {summary['passed']} checks passed, "
+                                f"{summary['failed']} failed, {summary['undecided']} undecided"
+                            ),
+                            attrs=summary,
+                        )
                     await self._finish()  # SUCCEEDED (terminal), or a ring job rolled back
                     continue
                 nodes = await self._gather_nodes()
@@ -542,6 +571,7 @@ class JobRunner:
         """Plan the next round on ``nodes`` (see RoundPlanner.plan): (round number, parts by
         node, deadline)."""
         round_id = self.next_round
+        self._keep_snapshot(round_id)
         self.next_round += 1
         parts, deadline = self.planner.plan(round_id, nodes, self.ledger)
         prices = {}
@@ -586,6 +616,7 @@ class JobRunner:
             inner_steps=max(self.planner.inner_steps, part.inner_steps),
             compute_budget_seconds=part.budget_s,
         )
+        task.verify_chunks = self.verifier.verify_chunks
         task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, part.ranges))
         payload = self.params_payload
         if (
@@ -618,6 +649,7 @@ class JobRunner:
         )
         consumed = {p.node_id: p.samples for p in received if 0 < p.samples < p.assigned}
         self.ledger.commit_round(rs.round, applied, consumed)
+        self.verifier.on_round_closed(rs)
         self.node_set.observe(rs)
         self.planner.observe(rs)
         record = rs.record(self.job_id, self.rounds.version, now_ms())
@@ -674,7 +706,9 @@ class JobRunner:
             t1 - rs.started,
             t1 - t0,
         )
-        self.host.round_finished(self.job_id, self.benchmark_task_ids())
+        self.host.round_finished(
+            self.job_id, self.benchmark_task_ids() | self.verifier.open_task_ids()
+        )
         await self.notify()
 
     async def next_epoch(self) -> None:
@@ -790,7 +824,9 @@ class JobRunner:
         for n in list(dict.fromkeys([*self.node_set.members, *self.node_set.held])):
             await self._drop_node(n, "the job's budget ran out: the node returns to the pool")
         await self._release_all()  # and any node still benchmarking
-        self.host.round_finished(self.job_id, self.benchmark_task_ids())
+        self.host.round_finished(
+            self.job_id, self.benchmark_task_ids() | self.verifier.open_task_ids()
+        )
         while not self.stop_requested.is_set() and not self.terminal:
             if self._budget_added.is_set():
                 break
@@ -866,6 +902,9 @@ class JobRunner:
         parameters of the current version (plain names), or with include_optimizer_state its
         whole state ("param/<name>", "optim/<key>/<name>", as in a checkpoint)."""
         version = self.ps.version
+        kept = self.verifier.payload(req.version) if req.version != version else None
+        if kept is not None and not req.include_optimizer_state:
+            return req.version, kept[0], kept[1]  # an older version, for a check
         if req.version not in (0, version):
             raise FailedPreconditionError(
                 f"parameters version {req.version} is gone; the current version is {version}"
@@ -911,10 +950,158 @@ class JobRunner:
         state it asked the node to push)."""
         if self.node_set.is_benchmark_task(node_id, task_id):
             return True
+        if self.verifier.is_check_task(node_id, task_id):
+            return True
         if self.rounds.wants_checkpoint(node_id, task_id):
             return True
         rs = self.round_state
         return rs is not None and rs.is_open_part(node_id, task_id)
+
+    # -- verification -----------------------------------------------------------------------------
+
+    def check_task(
+        self,
+        task_id: str,
+        round_id: int,
+        version: int,
+        runs: np.ndarray,
+        check: agent_pb2.CheckSpec,
+        payload: tuple[common_pb2.TensorBundle, bytes] | None,
+    ) -> agent_pb2.Task:
+        """A CHECK task: recompute the samples ``runs`` (a chunk of another node's part of
+        ``round_id``) from parameters ``version`` and sketch the gradient (coordinator/
+        verifier.py)."""
+        if self._shard_starts is None:
+            self._shard_starts = np.array([s.start for s in self.job.shards], dtype=np.int64)
+        shards = [self.job.shards[int(i)] for i in touched_shards(self._shard_starts, runs)]
+        task = agent_pb2.Task(
+            task_id=task_id,
+            kind=agent_pb2.TASK_KIND_CHECK,
+            job_id=self.job_id,
+            spec=self.spec,
+            program=self.job.program,
+            initial_state=self.job.initial_state,
+            shards=shards,
+            epoch=self.ledger.epoch,
+            round=round_id,
+            local_batch=int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0,
+            params_version=version,
+            deadline_seconds=max(5.0, 2.0 * self.round_seconds()),
+            check=check,
+        )
+        task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, runs))
+        if payload is not None and len(payload[1]) <= self.ctx.config.inline_params_max_bytes:
+            task.params_bundle.CopyFrom(payload[0])
+            task.params_data = payload[1]
+        return task
+
+    async def on_verification_failed(
+        self, node_id: str, first_round: int | None, reason: str, *, accuse: bool
+    ) -> None:
+        """A check of ``node_id`` failed: its open part is discarded, an accused node leaves
+        the job, and the state goes back to before ``first_round`` (its first update not yet
+        verified; None: none of its updates was applied) at the next safe point."""
+        rs = self.round_state
+        if rs is not None:
+            part = rs.parts.get(node_id)
+            if part is not None and part.status in ("pending", "received"):
+                part.status = "rejected"
+                part.error = f"failed verification: {reason}"[:500]
+                part.grads = None
+                rs.touch()
+        if first_round is not None and (
+            self._rollback_before is None or first_round < self._rollback_before
+        ):
+            self._rollback_before = first_round
+            self._rollback_reason = f"{node_id}: {reason}"
+        if accuse:
+            self.node_set.went_offline(node_id, f"quarantined: {reason}"[:300])
+        self.wake()
+
+    def _keep_snapshot(self, round_id: int) -> None:
+        """Keep the state at the start of round ``round_id`` while a rollback may need it (a
+        copy of the parameters and optimizer state; older ones go once no update after them
+        awaits its check; at most MAX_SNAPSHOTS, then checkpoints serve)."""
+        if not self.verifier.enabled:
+            return
+        self._snapshots[round_id] = self._checkpoint_state(last_round=round_id - 1)
+        oldest = self.verifier.first_unverified_round()
+        for r in sorted(self._snapshots)[:-1]:
+            if (oldest is None or r < oldest) or len(self._snapshots) > MAX_SNAPSHOTS:
+                del self._snapshots[r]
+
+    async def _roll_back(self) -> None:
+        """Undo every round from ``_rollback_before`` on (a cheat was applied in it): back to
+        the newest kept state from before it (a snapshot, else a checkpoint), those rounds'
+        samples pending again (exactly once), later checkpoints forgotten."""
+        before = self._rollback_before
+        assert before is not None
+        self._rollback_before = None
+        await self.writer.written()
+        await self.writer.checkpoint_written()
+        store = self.ctx.store
+        kept = [r for r in self._snapshots if r <= before]
+        if kept:
+            tensors, manifest = self._snapshots[max(kept)]
+        else:
+            stored = await store.checkpoint_before(self.job_id, before)
+            if stored is None:
+                await self.fail(f"no checkpoint before round {before} to roll back to")
+                return
+            manifest = CheckpointManifest.from_bytes(stored[1])
+            tensors = tensors_from_bytes(await self.ctx.blobs.read_bytes(manifest.tensors_sha256))
+        # Versions after the state were handed out with other parameters: continue past them.
+        version = self.ps.version + 2
+        self.ps.load_state_tensors(tensors, version)
+        self.ledger = EpochLedger.from_state(manifest.ledger)
+        self.ledger.abort_open_rounds()
+        # The restored ledger knows the nodes of its time: make it know today's.
+        rates = self.planner.estimator.rates(self.nodes)
+        for n in [n for n in self.ledger.nodes if n not in self.nodes]:
+            self.ledger.fail_node(n)
+        for n in [n for n in self.nodes if n not in self.ledger.nodes]:
+            if self.ledger.nodes:
+                self.ledger.add_node(n, rates.get(n, 1.0))
+            else:
+                self.ledger.assign_segments({n: rates.get(n, 1.0)})
+        rolled = await store.rollback_rounds(self.job_id, manifest.round)
+        await store.drop_checkpoints_after(self.job_id, manifest.round)
+        for r in [r for r in self._snapshots if r > manifest.round + 1]:
+            del self._snapshots[r]
+        self.verifier.on_rolled_back(manifest.round)
+        self.rounds_applied = manifest.rounds_applied
+        job = self.job
+        job.epoch = manifest.epoch
+        job.round = manifest.rounds_applied
+        job.params_version = version
+        job.samples_done = manifest.samples_done
+        job.last_loss = manifest.last_loss
+        self.params_payload = None
+        reason = self._rollback_reason
+        await self.ctx.events.append(
+            "job.rolled_back",
+            job_id=self.job_id,
+            message=(
+                f"rolled back to the state after round {manifest.round}: {rolled} round(s) "
+                f"undone, their samples are pending again ({reason})"
+            )[:1024],
+            attrs={
+                "after_round": str(manifest.round),
+                "rolled_back": str(rolled),
+                "params_version": str(version),
+                "reason": reason[:512],
+            },
+        )
+        log.warning(
+            "job %s rolled back to after round %d (%d rounds undone): %s",
+            self.job_id,
+            manifest.round,
+            rolled,
+            reason,
+        )
+        await store.update_job(job)
+        await self._checkpoint(last_round=manifest.round)
+        await self.notify()
 
     def allocation(self) -> common_pb2.Allocation:
         out = common_pb2.Allocation(job_id=self.job_id, epoch=self.job.epoch, round=self.job.round)

@@ -32,6 +32,13 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, 
 from dataclasses import dataclass
 
 from coordinator.events import EventLog
+from coordinator.reputation import (
+    ReputationRecord,
+    check_probability,
+    check_reason,
+    record_failed,
+    record_verified,
+)
 from coordinator.store import (
     FailedPreconditionError,
     HeartbeatUpdate,
@@ -324,6 +331,8 @@ class NodeRegistry:
             info = common_pb2.NodeInfo(node_id=node_id, state=ONLINE, registered_at_ms=wall)
             node = _Node(info=info, lease_id="", expires=0.0)
             kind = "node.registered"
+        if not info.HasField("reputation"):
+            set_reputation(info, ReputationRecord())  # new: checked every round
         info.name = name
         del info.devices[:]
         info.devices.extend(devices)
@@ -467,6 +476,50 @@ class NodeRegistry:
             )
             log.warning("node %s quarantined after %d strikes: %s", node_id, info.strikes, reason)
         return _copy(info)
+
+    async def quarantine(
+        self, node_id: str, reason: str, attrs: Mapping[str, str], *, job_id: str = ""
+    ) -> common_pb2.NodeInfo:
+        """QUARANTINE the node at once (its work was proven wrong: verification), with a
+        ``node.quarantined`` event carrying the evidence in ``attrs``. It survives a lapsed
+        lease and re-registration, like a quarantine after strikes."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            log.warning("quarantine of unknown node %s ignored: %s", node_id, reason)
+            return common_pb2.NodeInfo()
+        node.info.state = QUARANTINED
+        node.info.return_state = QUARANTINED
+        await self._persist(
+            node, "node.quarantined", f"quarantined: {reason}"[:1024], dict(attrs), job_id=job_id
+        )
+        log.warning("node %s quarantined: %s", node_id, reason)
+        return _copy(node.info)
+
+    # -- verification record ------------------------------------------------------------------
+
+    def reputation(self, node_id: str) -> ReputationRecord:
+        """The node's verification record (new for an unknown node)."""
+        node = self._nodes.get(node_id)
+        return ReputationRecord() if node is None else reputation_of(node.info)
+
+    async def record_check(
+        self, node_id: str, round: int, passed: bool, evidence: str = ""
+    ) -> ReputationRecord:
+        """A check of the node's work in ``round`` passed or failed (confirmed): its record,
+        stored with the node (no event for a pass: one per checked round would flood the
+        events; a failure's event is the quarantine's)."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return ReputationRecord()
+        record = reputation_of(node.info)
+        record = (
+            record_verified(record, round)
+            if passed
+            else record_failed(record, round, evidence or "check failed", time_ms=now_ms())
+        )
+        set_reputation(node.info, record)
+        await self._persist(node, None, "")
+        return record
 
     # -- engine calls ---------------------------------------------------------------------------
 
@@ -653,6 +706,37 @@ class NodeRegistry:
                 await listener(node_id)
             except Exception:
                 log.exception("offline listener failed for node %s", node_id)
+
+
+def reputation_of(info: common_pb2.NodeInfo) -> ReputationRecord:
+    """The verification record a NodeInfo carries (0 stands for "none" in its rounds/times)."""
+    r = info.reputation
+    return ReputationRecord(
+        verified_in_a_row=r.verified_in_a_row,
+        verified_total=r.verified_total,
+        failed_total=r.failed_total,
+        last_verified_round=r.last_verified_round or None,
+        last_failure_round=r.last_failure_round or None,
+        last_failure_ms=r.last_failure_ms or None,
+        last_failure_evidence=r.last_failure_evidence,
+    )
+
+
+def set_reputation(info: common_pb2.NodeInfo, record: ReputationRecord) -> None:
+    """Store ``record`` in ``info``, with its check probability and the reason for it."""
+    info.reputation.CopyFrom(
+        common_pb2.Reputation(
+            verified_in_a_row=record.verified_in_a_row,
+            verified_total=record.verified_total,
+            failed_total=record.failed_total,
+            last_verified_round=record.last_verified_round or 0,
+            last_failure_round=record.last_failure_round or 0,
+            last_failure_ms=record.last_failure_ms or 0,
+            last_failure_evidence=record.last_failure_evidence,
+            check_probability=check_probability(record),
+            check_reason=check_reason(record),
+        )
+    )
 
 
 def _copy(info: common_pb2.NodeInfo) -> common_pb2.NodeInfo:

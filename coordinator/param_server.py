@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from coordinator.robust_aggregation import aggregate
 from epochmesh.optim import (
     build_round_optimizer,
     load_optimizer_state_tensors,
@@ -42,6 +43,10 @@ class ParameterServer:
         # steps); the inner optimizer lives on the agents.
         self.optimizer = build_round_optimizer(spec, [self.params[n] for n in self.names])
         self.version = version
+        # [train] aggregation_rule: "" / "mean" is the sample-weighted mean below (equal to a
+        # plain replay); the robust rules come from coordinator/robust_aggregation.py.
+        self.rule = spec.aggregation_rule or "mean"
+        self.last_note = ""
 
     def expected(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """The dtype and shape every gradient tensor must have, by name, in order."""
@@ -65,11 +70,17 @@ class ParameterServer:
         if total <= 0:
             raise ValueError("a round needs at least one sample")
         with torch.no_grad():
-            for name in self.names:
-                acc = torch.zeros_like(self.params[name])
-                for samples, grads in parts:
-                    acc.add_(grads[name].to(acc.dtype), alpha=samples / total)
-                self.params[name].grad = acc
+            if self.rule != "mean":
+                robust = aggregate(self.rule, [(float(n), g) for n, g in parts])
+                self.last_note = robust.note
+                for name in self.names:
+                    self.params[name].grad = robust.tensors[name].to(self.params[name].dtype)
+            else:
+                for name in self.names:
+                    acc = torch.zeros_like(self.params[name])
+                    for samples, grads in parts:
+                        acc.add_(grads[name].to(acc.dtype), alpha=samples / total)
+                    self.params[name].grad = acc
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1

@@ -167,6 +167,17 @@ class ParameterServerRounds:
         received = sorted(
             (p for p in rs.parts.values() if p.status == "received"), key=lambda p: p.node_id
         )
+        # Screening (coordinator/verifier.py): an update far from the others' robust centre
+        # is discarded before it can do harm; its node's next part is checked.
+        for p in self.runner.verifier.screen(received):
+            log.warning(
+                "job %s round %d: %s's update discarded (%s)",
+                self.runner.job_id,
+                rs.round,
+                p.node_id,
+                p.error,
+            )
+        received = [p for p in received if p.status == "received"]
         if received:
             contributions = [(p.samples, p.grads or {}) for p in received]
 

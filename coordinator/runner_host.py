@@ -32,7 +32,9 @@ class RunnerHost(Protocol):
         """The job stops using the node (it is free for the scheduler's next pass)."""
         ...
 
-    def enqueue(self, node_id: str, task: agent_pb2.Task, job_id: str) -> None:
+    def enqueue(
+        self, node_id: str, task: agent_pb2.Task, job_id: str, *, front: bool = False
+    ) -> None:
         """Queue a task for the node's next NextTask."""
         ...
 

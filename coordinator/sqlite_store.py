@@ -705,6 +705,23 @@ class SqliteStore(Store):
         )
         return None if row is None else (int(row[0]), bytes(row[1]))
 
+    async def checkpoint_before(self, job_id: str, round: int) -> tuple[int, bytes] | None:
+        row = await self._fetchone(
+            "SELECT round, manifest FROM checkpoints WHERE job_id = ? AND round < ?"
+            " ORDER BY round DESC LIMIT 1",
+            (job_id, round),
+        )
+        return None if row is None else (int(row[0]), bytes(row[1]))
+
+    async def drop_checkpoints_after(self, job_id: str, round: int) -> int:
+        async with self._write() as db:
+            cur = await db.execute(
+                "DELETE FROM checkpoints WHERE job_id = ? AND round > ?", (job_id, round)
+            )
+            n = cur.rowcount
+            await cur.close()
+        return int(n)
+
     # -- per-job engine state -------------------------------------------------------------------
 
     async def put_job_state(self, job_id: str, key: str, value: bytes) -> None:

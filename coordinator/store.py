@@ -356,6 +356,16 @@ class Store(ABC):
     async def latest_checkpoint(self, job_id: str) -> tuple[int, bytes] | None:
         """(round, manifest) of the checkpoint with the highest round, or None."""
 
+    @abstractmethod
+    async def checkpoint_before(self, job_id: str, round: int) -> tuple[int, bytes] | None:
+        """(round, manifest) of the newest checkpoint taken before ``round`` (its round is
+        lower), or None."""
+
+    @abstractmethod
+    async def drop_checkpoints_after(self, job_id: str, round: int) -> int:
+        """Forget the checkpoints of ``job_id`` after ``round`` (a rollback to ``round`` made
+        them history); returns how many."""
+
     # -- per-job engine state -------------------------------------------------------------------
 
     @abstractmethod

@@ -35,6 +35,8 @@ A job.toml, with every field and its default (``-`` = required)::
     seed = 0                       # >= 0    seeds make_model() and the epoch order
     compression = "none"           # none | fp16 | bf16 | int8 | topk (gradients on the wire)
     topk_ratio = 0.01              # topk only, in (0, 1]
+    aggregation_rule = "mean"      # mean | trimmed_mean | centered_clip (parameter server:
+                                   #   robust rules bound one bad update between checks)
     sync = "sync"                  # sync | local_sgd
     inner_steps = 10               # local_sgd only, >= 1 (sync mode is always 1)
     inner_optimizer = "sgd"        # local_sgd only: another name for `optimizer`
@@ -81,6 +83,7 @@ from epochmesh.v1 import common_pb2
 LOSSES = ("cross_entropy", "mse", "custom")
 OPTIMIZERS = ("sgd", "adamw")
 AGGREGATIONS = ("ps", "ring")
+AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 # The cluster scheduler's tiers, highest first (coordinator.cluster_scheduler.Tier).
 PRIORITIES = ("high", "normal", "low")
 DEFAULT_PRIORITY = "normal"
@@ -145,6 +148,7 @@ _SECTIONS: dict[str, dict[str, _Field]] = {
         "seed": _Field("int", default=0, lo=0, hi=MAX_SEED),
         "compression": _Field("str", default="none", choices=COMPRESSIONS),
         "topk_ratio": _Field("float", default=0.01, lo=0.0, lo_open=True, hi=1.0),
+        "aggregation_rule": _Field("str", default="mean", choices=AGGREGATION_RULES),
         "sync": _Field("str", default="sync", choices=SYNC_MODES),
         "inner_steps": _Field("int", default=None, lo=1, hi=MAX_INNER_STEPS),
         "inner_optimizer": _Field("str", default=None, choices=OPTIMIZERS),
@@ -564,6 +568,7 @@ def _build_spec(values: dict[str, dict[str, Any]], where: _Locator) -> common_pb
         seed=train["seed"],
         sync=sync,
         compression=train["compression"],
+        aggregation_rule="" if train["aggregation_rule"] == "mean" else train["aggregation_rule"],
         aggregation=cluster["aggregation"],
         min_nodes=cluster["min_nodes"],
         max_nodes=cluster["max_nodes"],
@@ -680,6 +685,13 @@ def validate_job_spec(spec: common_pb2.JobSpec) -> None:
         )
     if spec.compression == "topk":
         rng("topk_ratio", spec.topk_ratio, 0.0, 1.0, lo_open=True)
+    if spec.aggregation_rule not in ("", *AGGREGATION_RULES):
+        raise err(
+            f"aggregation_rule must be one of {', '.join(AGGREGATION_RULES)} "
+            f"(got {spec.aggregation_rule!r})"
+        )
+    if spec.aggregation_rule not in ("", "mean") and spec.aggregation == "ring":
+        raise err('aggregation_rule applies to the parameter server (aggregation = "ps")')
     if spec.sync not in SYNC_MODES:
         raise err(f"sync must be one of {', '.join(SYNC_MODES)} (got {spec.sync!r})")
     if spec.sync == "local_sgd":
@@ -747,6 +759,8 @@ def spec_to_dict(spec: common_pb2.JobSpec) -> dict[str, Any]:
     train["compression"] = spec.compression
     if spec.compression == "topk":
         train["topk_ratio"] = spec.topk_ratio
+    if spec.aggregation_rule not in ("", "mean"):
+        train["aggregation_rule"] = spec.aggregation_rule
     train["sync"] = spec.sync
     if spec.sync == "local_sgd":
         train.update(

@@ -12,6 +12,7 @@ import time
 import grpc
 
 from epochmesh.identity import IdentityError
+from node_agent.cheat import CHEAT_ENV, cheat_from_environment
 from node_agent.config import AgentConfig, parse_args
 from node_agent.devices import DeviceError, select_device
 from node_agent.identity import ensure_identity, set_insecure
@@ -93,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     log.info(
         "epochmesh-agent starting: coordinator %s, data dir %s", config.coordinator, config.data_dir
     )
+    try:  # tests only (fault injection, node_agent.cheat): not an option, never in --help
+        cheat = cheat_from_environment()
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    if cheat is not None:
+        log.warning("%s is set: this agent CHEATS (%s)", CHEAT_ENV, cheat.describe())
     code = prepare_identity(config)
     if code:
         return code

@@ -15,6 +15,12 @@ pair to the agent is its only channel (node_agent.program_wire). It confines its
 - ``arena``: a region the agent writes batches into;
 - ``step``: loss and gradients (or the loss alone) of the batch described by arena slots,
   optionally with the peak tensor memory of the step;
+- ``chunk_grads``: the region (one float32 gradient layout per chunk, ``stride`` bytes apart)
+  that ``chunks`` writes to;
+- ``chunks``: the loss and gradient of each of several slices of the batch on its own (a
+  verified part's chunks, issue 20), each in micro-batches of at most ``micro_batch`` samples
+  accumulated as the agent's trainer does (`accumulated_loss_and_grads`), in one request: one
+  round trip instead of one per chunk;
 - ``probe``: try something confinement must stop and say what happened.
 
 Errors are answered ({"ok": false, "kind", "error"}); after running out of memory the child
@@ -43,7 +49,14 @@ from epochmesh.confine import Confinement, confine_self, data_bytes, runtime_rea
 from epochmesh.errors import ProgramError
 from epochmesh.program import TrainableProgram
 from node_agent.benchmark import CpuMemoryMeter, is_out_of_memory
-from node_agent.program_wire import Layout, Region, WireError, read_message, send_message
+from node_agent.program_wire import (
+    ALIGN,
+    Layout,
+    Region,
+    WireError,
+    read_message,
+    send_message,
+)
 
 log = logging.getLogger("epochmesh.program_child")
 
@@ -58,6 +71,7 @@ class ProgramRunner:
         self.state_views: dict[str, torch.Tensor] = {}
         self.grad_views: dict[str, torch.Tensor] = {}
         self.arena: Region | None = None
+        self.chunk_region: Region | None = None
         self.mirror = False  # device memory is not the shared region: copy in and out
         self.hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
 
@@ -126,7 +140,25 @@ class ProgramRunner:
         self.arena.close_fd()
         return {}
 
+    def set_chunk_grads(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        if len(fds) != 1:
+            raise WireError("chunk_grads needs one region")
+        self.chunk_region = Region.attach(fds[0])
+        self.chunk_region.close_fd()
+        return {}
+
     # -- compute --------------------------------------------------------------------------------
+
+    def _batch(self, msg: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self.arena is None:
+            raise WireError("no arena")
+        inputs = list(
+            self.arena.views(Layout.from_json(msg.get("inputs"), self.arena.size)).values()
+        )
+        targets = list(
+            self.arena.views(Layout.from_json(msg.get("targets"), self.arena.size)).values()
+        )
+        return inputs, targets
 
     def step(self, msg: dict[str, Any]) -> dict[str, Any]:
         prog = self._program()
@@ -134,12 +166,7 @@ class ProgramRunner:
             raise WireError("no arena")
         if self.hooks and msg.get("fault"):
             _test_fault(str(msg["fault"]))
-        inputs = list(
-            self.arena.views(Layout.from_json(msg.get("inputs"), self.arena.size)).values()
-        )
-        targets = list(
-            self.arena.views(Layout.from_json(msg.get("targets"), self.arena.size)).values()
-        )
+        inputs, targets = self._batch(msg)
         with_grads = bool(msg.get("grads", True))
         meter = CpuMemoryMeter() if msg.get("track_memory") else None
         if self.mirror:
@@ -161,6 +188,101 @@ class ProgramRunner:
         if meter is not None:
             out["peak"] = meter.peak_bytes()
         return out
+
+    def chunks(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Each chunk's mean loss and gradient, written to the chunk region at chunk i x
+        stride (the gradient region's layout shifted there)."""
+        prog = self._program()
+        region = self.chunk_region
+        if region is None or not self.grad_views:
+            raise WireError("no chunk region")
+        if self.hooks and msg.get("fault"):
+            _test_fault(str(msg["fault"]))
+        inputs, targets = self._batch(msg)
+        n = int(inputs[0].shape[0]) if inputs else 0
+        bounds = msg.get("bounds")
+        stride = msg.get("stride")
+        micro = msg.get("micro_batch", 0)
+        specs = [(k, torch.float32, tuple(v.shape)) for k, v in self.grad_views.items()]
+        if (
+            not isinstance(bounds, list)
+            or not all(
+                isinstance(b, list)
+                and len(b) == 2
+                and all(type(x) is int for x in b)
+                and 0 <= b[0] < b[1] <= n
+                for b in bounds
+            )
+            or type(stride) is not int
+            or stride < Layout.of(specs).size
+            or stride % ALIGN
+            or len(bounds) * stride > region.size
+            or type(micro) is not int
+            or micro < 0
+        ):
+            raise WireError("malformed chunks request")
+        meter = CpuMemoryMeter() if msg.get("track_memory") else None
+        if self.mirror:
+            self._copy_in()
+
+        def run() -> list[float]:
+            losses = []
+            for i, (start, end) in enumerate(bounds):
+                views = region.views(Layout.of(specs, start=i * stride))
+                losses.append(
+                    self._accumulate(
+                        prog,
+                        [t[start:end] for t in inputs],
+                        [t[start:end] for t in targets],
+                        micro,
+                        views,
+                    )
+                )
+            return losses
+
+        losses = meter.track(run) if meter is not None else run()
+        if self.mirror:
+            self._copy_out()
+        out: dict[str, Any] = {"losses": [x if math.isfinite(x) else str(x) for x in losses]}
+        if meter is not None:
+            out["peak"] = meter.peak_bytes()
+        return out
+
+    @staticmethod
+    def _accumulate(
+        prog: TrainableProgram,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        micro_batch: int,
+        out: dict[str, torch.Tensor],
+    ) -> float:
+        """The slice's mean loss, its gradient written to ``out`` (float32): the arithmetic of
+        node_agent.trainer.accumulated_loss_and_grads over one `step` per micro-batch (each
+        micro-batch's gradient taken as float32 on the CPU, then weighted and summed there),
+        so that a chunk computed here equals one computed call by call."""
+        n = int(inputs[0].shape[0]) if inputs else 0
+        if micro_batch <= 0 or n <= micro_batch:
+            loss, grads = prog.loss_and_grads(inputs, targets)
+            with torch.no_grad():
+                for name, g in grads.items():
+                    out[name].copy_(g)
+            return loss
+        total = 0.0
+        for start in range(0, n, micro_batch):
+            end = min(n, start + micro_batch)
+            loss, grads = prog.loss_and_grads(
+                [t[start:end] for t in inputs], [t[start:end] for t in targets]
+            )
+            weight = (end - start) / n
+            total += loss * weight
+            with torch.no_grad():
+                for name, g in grads.items():
+                    g32 = g.detach().to("cpu", torch.float32)
+                    if start == 0:
+                        out[name].copy_(g32 * weight)
+                    else:
+                        out[name].add_(g32, alpha=weight)
+        return total
 
     def _copy_in(self) -> None:
         live = self._program().live_tensors()
@@ -242,6 +364,10 @@ def serve(sock: socket.socket, runner: ProgramRunner) -> None:
                 out = runner.set_arena(msg, fds)
             elif op == "step":
                 out = runner.step(msg)
+            elif op == "chunk_grads":
+                out = runner.set_chunk_grads(msg, fds)
+            elif op == "chunks":
+                out = runner.chunks(msg)
             elif op == "probe" and hooks:
                 out = probe(msg)
             elif op == "exit":

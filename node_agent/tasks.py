@@ -11,9 +11,12 @@
   (parameter-server mode, and --no-peer nodes of a ring job, which the coordinator aggregates):
   `node_agent.trainer.run_train_task(ctx, task)`. Without that module the task is reported
   failed ("unsupported task").
+- TASK_KIND_CHECK (verification, issue 20): `node_agent.check_task.run_check_task(ctx, task)`
+  recomputes one chunk of another node's part and answers ReportCheck.
 - Any other kind is reported failed.
 
-A handler that raises is reported failed with the error's message (ReportProgress failed=True);
+A handler that raises is reported failed with the error's message (ReportProgress failed=True;
+for a CHECK task ReportCheck failed=True, the answer the coordinator waits for);
 an exception never ends the agent. A ProgramFault (the job's program crashed, hung, hit a limit
 or computed a non-finite loss or gradient) is reported with job_fault=True: the job's fault. A cancelled task (TaskCancelled) is reported failed with
 "abandoned: <reason>", so that the coordinator can hand its work to another node.
@@ -228,13 +231,26 @@ class TaskContext:
 
     async def report_failure(self, error: str, *, job_fault: bool = False) -> None:
         """Report the task failed (once); errors of the report itself are logged, not raised.
-        `job_fault`: the failure is the job's (its program), not this node's."""
+        `job_fault`: the failure is the job's (its program), not this node's. A CHECK task's
+        failure is its ReportCheck (failed=True), which has no job_fault: the error says."""
         if self.failure_reported:
             return
         self.failure_reported = True
         self.log.warning("reporting failure%s: %s", " (the job's fault)" * job_fault, error)
         try:
-            await self.report_progress(failed=True, error=error[:2000], job_fault=job_fault)
+            if self.task.kind == agent_pb2.TASK_KIND_CHECK:
+                await self.call(
+                    "ReportCheck",
+                    lambda: agent_pb2.ReportCheckRequest(
+                        node_id=self.node_id,
+                        lease_id=self.lease_id,
+                        task_id=self.task.task_id,
+                        failed=True,
+                        error=error[:2000],
+                    ),
+                )
+            else:
+                await self.report_progress(failed=True, error=error[:2000], job_fault=job_fault)
         except (Stopped, Expired, grpc.aio.AioRpcError) as exc:
             self.log.warning("could not report the failure: %s", describe(exc))
 
@@ -257,6 +273,8 @@ async def dispatch_task(ctx: TaskContext) -> None:
             await run_benchmark_task(ctx)
         elif task.kind == agent_pb2.TASK_KIND_TRAIN:
             await run_train_task(ctx)
+        elif task.kind == agent_pb2.TASK_KIND_CHECK:
+            await run_check_task(ctx)
         else:
             await ctx.report_failure(f"unsupported task kind {kind}")
             return
@@ -303,6 +321,13 @@ async def run_train_task(ctx: TaskContext) -> None:
         result = await ctx.run_compute(handler, ctx, ctx.task)
         if inspect.isawaitable(result):
             await result
+
+
+async def run_check_task(ctx: TaskContext) -> None:
+    # Imported here: check_task imports the trainer, which imports this module.
+    from node_agent import check_task
+
+    await check_task.run_check_task(ctx, ctx.task)
 
 
 # -- benchmark tasks ----------------------------------------------------------------------------

@@ -23,6 +23,19 @@ Building blocks (the ring trainer uses them too):
   compute the update, encode it with the spec's compression (int8 and topk through a per-job
   ErrorFeedback, whose residual is rolled back when the update is not applied) and stream it
   with PushUpdate in chunks of at most 1 MiB, kind "gradient" or "pseudo_gradient".
+
+Verification (issue 20, docs/verification-protocol.md; sync mode, parameter-server rounds):
+when the task asks for `verify_chunks`, the part's samples are cut into chunks
+(`epochmesh.verification.chunk_bounds`), each chunk's mean loss and gradient is computed on its
+own (the job's micro_batch applying within a chunk; a confined program does all chunks in one
+request to its child), the update is their sample-weighted sum (float32, chunks in order) and
+the header carries one ChunkCommitment (samples, loss) per chunk. The chunk gradients are kept
+until PushUpdate answers; if it asks for sketches (`response.sketch.buckets` > 0), the
+CountSketch of every chunk's gradient under its seed goes back with CommitSketches. A failure
+there is logged: the round's update is in.
+
+Tests only: EPOCHMESH_TEST_CHEAT makes the agent cheat on its parameter-server updates
+(node_agent.cheat), consistently in its chunks and its update.
 """
 
 from __future__ import annotations
@@ -38,9 +51,21 @@ from epochmesh.compression import ErrorFeedback
 from epochmesh.dataset import ShardedDataset, ranges_to_indices
 from epochmesh.optim import build_optimizer, optimizer_step
 from epochmesh.program import TrainableProgram
+from epochmesh.sketch import sketch
 from epochmesh.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, common_pb2
-from node_agent.connection import Expired
+from epochmesh.verification import MAX_BUCKETS, chunk_bounds
+from node_agent.cheat import (
+    LAZY,
+    STALE,
+    Cheat,
+    cheat_chunks,
+    cheat_from_environment,
+    cheat_update,
+    fill_skipped,
+    lazy_count,
+)
+from node_agent.connection import Expired, Stopped, describe
 from node_agent.program_host import (
     DEFAULT_STEP_TIMEOUT_S,
     MIN_STEP_TIMEOUT_S,
@@ -65,6 +90,9 @@ PREFETCH_BYTES = 32 << 20
 KIND_GRADIENT = "gradient"
 KIND_PSEUDO_GRADIENT = "pseudo_gradient"
 
+# Per attempt of a CommitSketches call (retried within the task's report window).
+SKETCH_CALL_TIMEOUT_S = 10.0
+
 Batch = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
@@ -83,6 +111,31 @@ class LoadedJob:
     inner_optimizer: torch.optim.Optimizer | None = None
     # Residuals of lossy compression of this job's updates (ERROR_FEEDBACK_CODECS).
     error_feedback: ErrorFeedback | None = None
+    # Tests only (the stale cheat, node_agent.cheat): the last round's honest computation.
+    previous: ComputedUpdate | None = None
+
+
+@dataclass
+class ChunkGradients:
+    """A verified part's chunks (epochmesh.verification), in order: each one's samples, mean
+    loss and gradient (float32 CPU tensors in the program's parameter order)."""
+
+    samples: list[int]
+    losses: list[float]
+    grads: list[dict[str, torch.Tensor]]
+
+    def commitments(self) -> list[agent_pb2.ChunkCommitment]:
+        return [
+            agent_pb2.ChunkCommitment(samples=n, loss=loss)
+            for n, loss in zip(self.samples, self.losses, strict=True)
+        ]
+
+    def sketches(self, seed: int, buckets: int) -> list[float]:
+        """The CountSketch of every chunk's gradient under ``seed`` (float64), chunk-major."""
+        out: list[float] = []
+        for g in self.grads:
+            out.extend(sketch(g, seed, buckets).tolist())
+        return out
 
 
 @dataclass
@@ -95,6 +148,8 @@ class ComputedUpdate:
     compute_s: float  # device seconds of all steps (slowdown factor included)
     num_samples: int
     steps: int = 1
+    # Verification: the chunks the update is the weighted sum of (None: not chunked).
+    chunks: ChunkGradients | None = None
 
 
 _jobs: dict[str, LoadedJob] = {}
@@ -247,6 +302,101 @@ def gradient_step(
     )
 
 
+def chunk_losses_and_grads(
+    program: Program,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    bounds: Sequence[tuple[int, int]],
+    micro_batch: int = 0,
+) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """Each slice [start, end) of the batch's mean loss and gradient on its own, through
+    `accumulated_loss_and_grads` (a confined program: all of them in one request to its child,
+    with the same arithmetic)."""
+    if isinstance(program, ConfinedProgram):
+        return program.chunked_loss_and_grads(inputs, targets, bounds, micro_batch)
+    return [
+        accumulated_loss_and_grads(
+            program, [t[a:b] for t in inputs], [t[a:b] for t in targets], micro_batch
+        )
+        for a, b in bounds
+    ]
+
+
+def combine_chunks(chunks: ChunkGradients) -> tuple[float, dict[str, torch.Tensor]]:
+    """The part's mean loss and gradient from its chunks': sum_i (n_i / n) x chunk i, in
+    float32 and in chunk order (the loss as epochmesh.verification.commitment_problem weighs
+    it)."""
+    n = sum(chunks.samples)
+    if n <= 0 or not chunks.grads:
+        raise ValueError("no chunks to combine")
+    acc: dict[str, torch.Tensor] = {}
+    for samples, grads in zip(chunks.samples, chunks.grads, strict=True):
+        weight = samples / n
+        for name, g in grads.items():
+            if name in acc:
+                acc[name].add_(g, alpha=weight)
+            else:
+                acc[name] = g * weight
+    loss = sum(x * m for x, m in zip(chunks.losses, chunks.samples, strict=True)) / n
+    return loss, acc
+
+
+def update_from_chunks(chunks: ChunkGradients, compute_s: float) -> ComputedUpdate:
+    """Sync mode's update of a chunked part: the weighted sum of its chunks."""
+    loss, tensors = combine_chunks(chunks)
+    return ComputedUpdate(
+        kind=KIND_GRADIENT,
+        tensors=tensors,
+        mean_loss=loss,
+        compute_s=compute_s,
+        num_samples=sum(chunks.samples),
+        chunks=chunks,
+    )
+
+
+def compute_chunks(
+    program: Program,
+    batch: Batch,
+    slowdown: SlowdownController,
+    micro_batch: int,
+    verify_chunks: int,
+    count: int | None = None,
+) -> tuple[ChunkGradients, float]:
+    """The part's chunks (`chunk_bounds`): all their sample counts, and the loss and gradient
+    of the first ``count`` of them (default: all), in one slowed step; with its device
+    seconds."""
+    inputs, targets = batch
+    n = int(inputs[0].shape[0]) if inputs else 0
+    bounds = chunk_bounds(n, verify_chunks)
+    if not bounds:
+        raise ValueError("the task names no samples to cut into chunks")
+    todo = bounds if count is None else bounds[: max(1, count)]
+    results = slowdown.timed_step(
+        lambda: chunk_losses_and_grads(program, inputs, targets, todo, micro_batch)
+    )
+    chunks = ChunkGradients(
+        samples=[b - a for a, b in bounds],
+        losses=[loss for loss, _ in results],
+        grads=[
+            {k: g.detach().to("cpu", torch.float32) for k, g in gr.items()} for _, gr in results
+        ],
+    )
+    return chunks, slowdown.last_device_seconds
+
+
+def chunked_gradient_step(
+    program: Program,
+    batch: Batch,
+    slowdown: SlowdownController,
+    micro_batch: int,
+    verify_chunks: int,
+) -> ComputedUpdate:
+    """Sync mode with verification: the part cut into chunks, each chunk's loss and gradient
+    computed on its own, the update their sample-weighted sum (`update_from_chunks`)."""
+    chunks, compute_s = compute_chunks(program, batch, slowdown, micro_batch, verify_chunks)
+    return update_from_chunks(chunks, compute_s)
+
+
 def prefetched_batches(
     slices: Sequence[Sequence[int]],
     get_batch: Callable[[Sequence[int]], Batch],
@@ -390,33 +540,78 @@ def require_finite(update: ComputedUpdate) -> ComputedUpdate:
     return update
 
 
-def update_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
+def update_in_thread(
+    ctx: TaskContext,
+    job: LoadedJob,
+    task: agent_pb2.Task,
+    *,
+    verify: bool = False,
+    cheat: Cheat | None = None,
+) -> ComputedUpdate:
     """The task's update from the parameters the job holds now (see the module docstring),
-    checked to be finite; runs on the compute thread."""
-    return require_finite(_compute(ctx, job, task))
+    checked to be finite; runs on the compute thread. ``verify``: cut a sync part into the
+    task's verify_chunks (parameter-server rounds). ``cheat``: tests only (node_agent.cheat)."""
+    return require_finite(_compute(ctx, job, task, verify=verify, cheat=cheat))
 
 
-def _compute(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
+def _compute(
+    ctx: TaskContext,
+    job: LoadedJob,
+    task: agent_pb2.Task,
+    *,
+    verify: bool = False,
+    cheat: Cheat | None = None,
+) -> ComputedUpdate:
     if isinstance(job.program, ConfinedProgram):
         job.program.timeout_s = step_timeout(task)
     indices = ranges_to_indices(task.ranges)
     spec = task.spec
+    lazy = cheat is not None and cheat.kind == LAZY and cheat.active_at(task.round)
     if not is_local_sgd(spec):
         if len(indices) != task.local_batch:
             raise ValueError(
                 f"task names {len(indices)} samples but local_batch {task.local_batch}"
             )
-        return gradient_step(
-            job.program, job.dataset.get_batch(indices), ctx.slowdown, spec.micro_batch
-        )
+        chunked = verify and task.verify_chunks > 0
+        if chunked and lazy:
+            total = len(chunk_bounds(len(indices), task.verify_chunks))
+            chunks, compute_s = compute_chunks(
+                job.program,
+                job.dataset.get_batch(indices),
+                ctx.slowdown,
+                spec.micro_batch,
+                task.verify_chunks,
+                count=lazy_count(total),
+            )
+            chunks.losses, chunks.grads = fill_skipped(chunks.losses, chunks.grads, total)
+            update = update_from_chunks(chunks, compute_s)
+        elif chunked:
+            update = chunked_gradient_step(
+                job.program,
+                job.dataset.get_batch(indices),
+                ctx.slowdown,
+                spec.micro_batch,
+                task.verify_chunks,
+            )
+        elif lazy:
+            part = indices[: lazy_count(len(indices))]
+            update = gradient_step(
+                job.program, job.dataset.get_batch(part), ctx.slowdown, spec.micro_batch
+            )
+            update.num_samples = len(indices)  # claimed
+        else:
+            update = gradient_step(
+                job.program, job.dataset.get_batch(indices), ctx.slowdown, spec.micro_batch
+            )
+        return update if cheat is None else apply_cheat(cheat, job, task, update)
 
     slices = inner_step_slices(indices, task.local_batch, task.inner_steps or spec.inner_steps)
     opt = inner_optimizer(job, spec)
     try:
-        return local_sgd_steps(
+        update = local_sgd_steps(
             job.program,
             opt,
-            slices,
+            slices[: lazy_count(len(slices))] if lazy else slices,
             job.dataset.get_batch,
             ctx.slowdown,
             ctx.check_cancelled,
@@ -429,6 +624,63 @@ def _compute(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> Computed
         # starts with a fresh inner optimizer.
         job.inner_optimizer = None
         raise
+    if lazy:
+        update.num_samples, update.steps = len(indices), len(slices)  # claimed
+    return update if cheat is None else apply_cheat(cheat, job, task, update)
+
+
+def apply_cheat(
+    cheat: Cheat, job: LoadedJob, task: agent_pb2.Task, update: ComputedUpdate
+) -> ComputedUpdate:
+    """Tests only: the update a cheater sends instead of ``update`` (node_agent.cheat), its
+    chunks and its update changed together (the update stays the weighted sum of the chunks
+    it will sketch). The stale cheat keeps every round's honest computation for the next, and
+    sends the honest one when it has none that fits (its first round, another chunk count)."""
+    previous = job.previous
+    if cheat.kind == STALE:
+        job.previous = update
+    if not cheat.active_at(task.round) or cheat.kind == LAZY:
+        return update  # lazy: done while computing
+    if cheat.kind == STALE and not _fits(previous, update):
+        return update
+    if update.chunks is not None:
+        prev = previous.chunks if previous is not None else None
+        losses, grads = cheat_chunks(
+            cheat,
+            task.round,
+            update.chunks.losses,
+            update.chunks.grads,
+            (prev.losses, prev.grads) if prev is not None else None,
+        )
+        chunks = ChunkGradients(list(update.chunks.samples), losses, grads)
+        cheated = update_from_chunks(chunks, update.compute_s)
+        cheated.kind, cheated.steps = update.kind, update.steps
+        return cheated
+    loss, tensors = cheat_update(
+        cheat,
+        task.round,
+        update.mean_loss,
+        update.tensors,
+        (previous.mean_loss, previous.tensors) if previous is not None else None,
+    )
+    return ComputedUpdate(
+        kind=update.kind,
+        tensors=tensors,
+        mean_loss=loss,
+        compute_s=update.compute_s,
+        num_samples=update.num_samples,
+        steps=update.steps,
+    )
+
+
+def _fits(previous: ComputedUpdate | None, update: ComputedUpdate) -> bool:
+    """Whether a stale cheater can send ``previous`` in place of ``update``: same kind, and as
+    many chunks (or none in both)."""
+    if previous is None or previous.kind != update.kind:
+        return False
+    if previous.chunks is None or update.chunks is None:
+        return previous.chunks is None and update.chunks is None
+    return len(previous.chunks.grads) == len(update.chunks.grads)
 
 
 async def compute_update(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
@@ -584,11 +836,16 @@ class RoundWork:
 
 
 def round_in_thread(
-    ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task, ef: ErrorFeedback | None
+    ctx: TaskContext,
+    job: LoadedJob,
+    task: agent_pb2.Task,
+    ef: ErrorFeedback | None,
+    cheat: Cheat | None = None,
 ) -> RoundWork:
     """One parameter-server round on the compute thread, in one go (no hand-offs between the
     phases: on a busy host each costs a wake-up of another thread): load inline parameters
-    (when the task carries the version the job lacks), compute the update, encode it."""
+    (when the task carries the version the job lacks), compute the update (in the task's
+    verification chunks, if any), encode it."""
     t0 = time.monotonic()
     if job.version != task.params_version:
         set_inline_parameters(job, task)
@@ -599,7 +856,7 @@ def round_in_thread(
         # The round closed without this part (the agent was busy or cut off): computing it now
         # would only delay the next task. The coordinator has returned its samples to pending.
         raise Expired(f"the round's {task.deadline_seconds:.2f}s deadline passed before compute")
-    update = update_in_thread(ctx, job, task)
+    update = update_in_thread(ctx, job, task, verify=True, cheat=cheat)
     t2 = time.monotonic()
     ctx.check_cancelled()
     # Residuals are replaced (never modified in place) by compress(): a shallow copy is a
@@ -611,6 +868,7 @@ def round_in_thread(
 
 async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     started = time.monotonic()
+    cheat = cheat_from_environment()  # tests only; ValueError for a bad value
     job = await load_for_task(ctx, task)
     loaded = time.monotonic()
     if job.version != task.params_version and not (
@@ -622,8 +880,9 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     unpaid0 = ctx.slowdown.unpaid_seconds
     ctx.check_cancelled()
     ef = job_error_feedback(job, task.spec)
-    work = await ctx.run_compute(round_in_thread, ctx, job, task, ef)
+    work = await ctx.run_compute(round_in_thread, ctx, job, task, ef, cheat)
     update, bundle, payload, saved = work.update, work.bundle, work.payload, work.saved_residuals
+    chunks = update.chunks  # kept until PushUpdate answers (dropped when this returns)
     header = agent_pb2.UpdateHeader(
         node_id=ctx.node_id,
         lease_id=ctx.lease_id,
@@ -636,6 +895,7 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
         bundle=bundle,
         kind=update.kind,
         params_version=task.params_version,
+        chunks=chunks.commitments() if chunks is not None else (),
     )
 
     async def requests() -> AsyncIterator[agent_pb2.PushUpdateRequest]:
@@ -680,5 +940,68 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
             work.encode_s,
             done - encoded,
         )
+        wanted = response.sketch
+        if wanted.buckets > 0:
+            await commit_sketches(ctx, task, chunks, wanted)
     else:
         ctx.log.warning("round %d: update not applied: %s", task.round, response.reason)
+
+
+async def commit_sketches(
+    ctx: TaskContext,
+    task: agent_pb2.Task,
+    chunks: ChunkGradients | None,
+    wanted: agent_pb2.CheckSpec,
+) -> None:
+    """The PushUpdate response asked for the sketches of the round's chunks: compute them
+    (compute thread) and send them with CommitSketches. The update is in whatever happens
+    here: a failure is logged, never raised (except the agent's own stop)."""
+    if chunks is None:
+        ctx.log.warning(
+            "round %d: the coordinator asked for chunk sketches, but the update has no chunks "
+            "(the task asked for none)",
+            task.round,
+        )
+        return
+    if wanted.buckets > MAX_BUCKETS:
+        ctx.log.warning(
+            "round %d: the coordinator asked for sketches of %d buckets (at most %d): not sent",
+            task.round,
+            wanted.buckets,
+            MAX_BUCKETS,
+        )
+        return
+    try:
+        t0 = time.monotonic()
+        values = await ctx.run_compute(chunks.sketches, wanted.seed, wanted.buckets)
+        t1 = time.monotonic()
+        await ctx.call(
+            "CommitSketches",
+            lambda: agent_pb2.CommitSketchesRequest(
+                node_id=ctx.node_id,
+                lease_id=ctx.lease_id,
+                job_id=task.job_id,
+                task_id=task.task_id,
+                seed=wanted.seed,
+                sketches=values,
+            ),
+            timeout=SKETCH_CALL_TIMEOUT_S,
+        )
+    except Stopped:
+        raise
+    except Exception as exc:
+        ctx.log.warning(
+            "round %d: could not send the sketches of its %d chunks: %s",
+            task.round,
+            len(chunks.grads),
+            describe(exc),
+        )
+        return
+    ctx.log.info(
+        "round %d: sketches of %d chunks x %d buckets sent (sketch %.3fs, call %.3fs)",
+        task.round,
+        len(chunks.grads),
+        wanted.buckets,
+        t1 - t0,
+        time.monotonic() - t1,
+    )

@@ -63,10 +63,14 @@ class LocalCluster:
         self.env = dict(os.environ, XDG_CONFIG_HOME=str(self.work / "cli-config"))
 
     def _start(
-        self, cmd: list[str], log: Path, cpus: set[int] | None = None
+        self,
+        cmd: list[str],
+        log: Path,
+        cpus: set[int] | None = None,
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start `cmd` in its own session, output to `log`; `cpus`: the CPUs it may run on
-        (every thread it will have inherits them)."""
+        (every thread it will have inherits them); `env`: variables added to this process's."""
         with open(log, "ab") as f:
             proc = subprocess.Popen(
                 cmd,
@@ -75,6 +79,7 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+                env=None if env is None else dict(os.environ, **env),
             )
         self.procs.append(proc)
         return proc
@@ -133,6 +138,7 @@ class LocalCluster:
         *args: str,
         coordinator: str | None = None,
         cpus: set[int] | None = None,
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
         """An enrolled agent named `name`; it dials `coordinator` (default: the coordinator's
         own address; give a relay's address to put the agent behind an emulated link); `cpus`:
@@ -156,6 +162,7 @@ class LocalCluster:
             ],
             self.work / f"agent-{name}.log",
             cpus,
+            env,
         )
         self.agents[name] = proc
         return proc

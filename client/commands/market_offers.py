@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from client.commands.context import Context
-from client.commands.nodes import device_summary, node_price, node_rate
+from client.commands.nodes import device_summary, fmt_verified, node_price, node_rate
 from client.commands.output import job_state_name, node_state_name
 from client.render import fmt_duration, fmt_rate, fmt_seconds
 from client.rpc import CliError, ExitCode
@@ -49,6 +49,13 @@ class NodeOffer:
     online_since_ms: int  # its latest registration
     uptime_seconds: float | None  # online without a break for; None when offline
     job_samples_per_second: dict[str, float]  # job id -> its measured samples/s on the job
+    # Verification record: checks passed in a row, in all, failed; the chance its next round
+    # is checked.
+    verified_in_a_row: int = 0
+    verified_total: int = 0
+    failed_checks: int = 0
+    check_probability: float = 1.0
+    verified: str = "new:0/10"  # in words, as `nodes` shows it
 
     @property
     def free(self) -> bool:
@@ -86,6 +93,11 @@ def node_offer(node: common_pb2.NodeInfo, now: int | None = None) -> NodeOffer:
         online_since_ms=node.online_since_ms,
         uptime_seconds=up,
         job_samples_per_second=dict(sorted(node.job_samples_per_second.items())),
+        verified_in_a_row=node.reputation.verified_in_a_row,
+        verified_total=node.reputation.verified_total,
+        failed_checks=node.reputation.failed_total,
+        check_probability=node.reputation.check_probability,
+        verified=fmt_verified(node),
     )
 
 
@@ -156,6 +168,7 @@ def cmd_offers(ctx: Context) -> int:
             fmt_rate(o.samples_per_second),
             fmt_per_credit(o),
             fmt_reliability(o),
+            o.verified,
             "-" if o.uptime_seconds is None else fmt_duration(o.uptime_seconds),
             fmt_job_rates(o.job_samples_per_second),
         ]
@@ -171,11 +184,12 @@ def cmd_offers(ctx: Context) -> int:
             "SAMPLES/S",
             "SAMPLES/CREDIT",
             "RELIABILITY",
+            "VERIFIED",
             "UP",
             "JOBS",
         ],
         rows,
-        right=(4, 5, 6, 8),
+        right=(4, 5, 6, 9),
         flex=1,
         paint={2: ctx.out_style.state},
     )
@@ -475,7 +489,11 @@ def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentPars
         "and quarantined nodes only with --all. --output json: {'offers': [{node_id, name, "
         "state, device, price_micro_per_hour, samples_per_second, rate_source, "
         "samples_per_credit, parts_applied, parts_failed, reliability, online_since_ms, "
-        "uptime_seconds, job_samples_per_second: {job id: samples/s}}, ...]}.",
+        "uptime_seconds, job_samples_per_second: {job id: samples/s}, verified_in_a_row, "
+        "verified_total, failed_checks, check_probability, verified}, ...]}. VERIFIED: "
+        "the node's spot-check record (`new:3/10`: checked every round until 10 checks in "
+        "a row pass; `ok:42,p=0.24`: checks passed in a row and the chance its next round is "
+        "checked; `failed:r17`: its check of round 17 failed).",
     )
     p.add_argument("--all", action="store_true", help="also offline and quarantined nodes")
     p.set_defaults(func=cmd_offers)

@@ -13,6 +13,9 @@ from epochmesh.money import format_credits
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
+# Checks in a row before a node's check rate starts to fall (coordinator/reputation.py N0).
+NEW_UNTIL = 10
+
 
 def device_summary(node: common_pb2.NodeInfo) -> str:
     """A short description of a node's devices, e.g. ``2x NVIDIA H100 80GB`` or ``cpu 16c``."""
@@ -45,6 +48,19 @@ def node_price(node: common_pb2.NodeInfo) -> str:
     return f"{format_credits(node.price_micro_per_hour)}/h"
 
 
+def fmt_verified(node: common_pb2.NodeInfo) -> str:
+    """The node's verification record in a few characters, without spaces: ``new:3/10``
+    (checked every round until 10 checks in a row pass), ``ok:42,p=0.24`` (checks passed in a
+    row, the chance its next round is checked), ``failed:r17`` (its check of round 17
+    failed)."""
+    r = node.reputation
+    if r.failed_total and r.last_failure_round and r.verified_in_a_row == 0:
+        return f"failed:r{r.last_failure_round}"
+    if r.check_probability >= 1.0 or r.verified_in_a_row < NEW_UNTIL:
+        return f"new:{r.verified_in_a_row}/{NEW_UNTIL}"
+    return f"ok:{r.verified_in_a_row},p={r.check_probability:.2f}"
+
+
 def cmd_nodes(ctx: Context) -> int:
     states = parse_node_states(ctx.args.state) if ctx.args.state else []
     coord = ctx.coordinator
@@ -70,6 +86,7 @@ def cmd_nodes(ctx: Context) -> int:
             device_summary(n),
             fmt_rate(node_rate(n)),
             node_price(n),
+            fmt_verified(n),
             n.current_job_id or "-",
             fmt_age(n.last_heartbeat_ms, now),
         ]
@@ -77,7 +94,7 @@ def cmd_nodes(ctx: Context) -> int:
     ]
     style = ctx.out_style
     ctx.emit_table(
-        ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S", "PRICE", "JOB", "HEARTBEAT"],
+        ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S", "PRICE", "VERIFIED", "JOB", "HEARTBEAT"],
         rows,
         right=(4, 5),
         flex=1,

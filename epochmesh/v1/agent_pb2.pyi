@@ -13,9 +13,11 @@ class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_KIND_NONE: _ClassVar[TaskKind]
     TASK_KIND_BENCHMARK: _ClassVar[TaskKind]
     TASK_KIND_TRAIN: _ClassVar[TaskKind]
+    TASK_KIND_CHECK: _ClassVar[TaskKind]
 TASK_KIND_NONE: TaskKind
 TASK_KIND_BENCHMARK: TaskKind
 TASK_KIND_TRAIN: TaskKind
+TASK_KIND_CHECK: TaskKind
 
 class RegisterRequest(_message.Message):
     __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels", "price_micro_per_hour")
@@ -121,7 +123,7 @@ class NextTaskRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state", "ring_total_samples", "state_source_node_id", "push_state", "state_source_address", "ring_gateway", "params_bundle", "params_data", "compute_budget_seconds")
+    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state", "ring_total_samples", "state_source_node_id", "push_state", "state_source_address", "ring_gateway", "params_bundle", "params_data", "compute_budget_seconds", "verify_chunks", "check")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,8 @@ class Task(_message.Message):
     PARAMS_BUNDLE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_DATA_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_BUDGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     kind: TaskKind
     job_id: str
@@ -170,7 +174,17 @@ class Task(_message.Message):
     params_bundle: _common_pb2.TensorBundle
     params_data: bytes
     compute_budget_seconds: float
-    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., ring_total_samples: _Optional[int] = ..., state_source_node_id: _Optional[str] = ..., push_state: _Optional[bool] = ..., state_source_address: _Optional[str] = ..., ring_gateway: _Optional[bool] = ..., params_bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., params_data: _Optional[bytes] = ..., compute_budget_seconds: _Optional[float] = ...) -> None: ...
+    verify_chunks: int
+    check: CheckSpec
+    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., ring_total_samples: _Optional[int] = ..., state_source_node_id: _Optional[str] = ..., push_state: _Optional[bool] = ..., state_source_address: _Optional[str] = ..., ring_gateway: _Optional[bool] = ..., params_bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., params_data: _Optional[bytes] = ..., compute_budget_seconds: _Optional[float] = ..., verify_chunks: _Optional[int] = ..., check: _Optional[_Union[CheckSpec, _Mapping]] = ...) -> None: ...
+
+class CheckSpec(_message.Message):
+    __slots__ = ("seed", "buckets")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    buckets: int
+    def __init__(self, seed: _Optional[int] = ..., buckets: _Optional[int] = ...) -> None: ...
 
 class FetchBlobRequest(_message.Message):
     __slots__ = ("sha256", "offset")
@@ -189,7 +203,7 @@ class FetchBlobResponse(_message.Message):
     def __init__(self, total_size: _Optional[int] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("node_id", "lease_id", "task_id", "job_id", "round", "num_samples", "mean_loss", "compute_seconds", "bundle", "kind", "params_version", "params_checksum")
+    __slots__ = ("node_id", "lease_id", "task_id", "job_id", "round", "num_samples", "mean_loss", "compute_seconds", "bundle", "kind", "params_version", "params_checksum", "chunks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +216,7 @@ class UpdateHeader(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     task_id: str
@@ -214,7 +229,16 @@ class UpdateHeader(_message.Message):
     kind: str
     params_version: int
     params_checksum: str
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., num_samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., kind: _Optional[str] = ..., params_version: _Optional[int] = ..., params_checksum: _Optional[str] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkCommitment]
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., num_samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., kind: _Optional[str] = ..., params_version: _Optional[int] = ..., params_checksum: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[ChunkCommitment, _Mapping]]] = ...) -> None: ...
+
+class ChunkCommitment(_message.Message):
+    __slots__ = ("samples", "loss")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    samples: int
+    loss: float
+    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class PushUpdateRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -225,12 +249,58 @@ class PushUpdateRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ...) -> None: ...
 
 class PushUpdateResponse(_message.Message):
-    __slots__ = ("accepted", "reason")
+    __slots__ = ("accepted", "reason", "sketch")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    sketch: CheckSpec
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., sketch: _Optional[_Union[CheckSpec, _Mapping]] = ...) -> None: ...
+
+class CommitSketchesRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "job_id", "task_id", "seed", "sketches")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SKETCHES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    job_id: str
+    task_id: str
+    seed: int
+    sketches: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., sketches: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class CommitSketchesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReportCheckRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "loss", "sketch", "compute_seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    task_id: str
+    failed: bool
+    error: str
+    loss: float
+    sketch: _containers.RepeatedScalarFieldContainer[float]
+    compute_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., loss: _Optional[float] = ..., sketch: _Optional[_Iterable[float]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+
+class ReportCheckResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PullParametersRequest(_message.Message):
     __slots__ = ("node_id", "lease_id", "job_id", "version", "include_optimizer_state", "external_round")

@@ -89,6 +89,16 @@ class AgentServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferResponse.FromString,
                 _registered_method=True)
+        self.CommitSketches = channel.unary_unary(
+                '/epochmesh.v1.AgentService/CommitSketches',
+                request_serializer=epochmesh_dot_v1_dot_agent__pb2.CommitSketchesRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_agent__pb2.CommitSketchesResponse.FromString,
+                _registered_method=True)
+        self.ReportCheck = channel.unary_unary(
+                '/epochmesh.v1.AgentService/ReportCheck',
+                request_serializer=epochmesh_dot_v1_dot_agent__pb2.ReportCheckRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_agent__pb2.ReportCheckResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -168,6 +178,21 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitSketches(self, request, context):
+        """Verification (docs/verification-protocol.md). After a PushUpdate whose response carried a
+        sketch seed: the CountSketch of each committed chunk's gradient under that seed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportCheck(self, request, context):
+        """The answer to a TASK_KIND_CHECK task: the recomputed chunk's loss and sketch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -225,6 +250,16 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.AuthorizeStateTransfer,
                     request_deserializer=epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferResponse.SerializeToString,
+            ),
+            'CommitSketches': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitSketches,
+                    request_deserializer=epochmesh_dot_v1_dot_agent__pb2.CommitSketchesRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_agent__pb2.CommitSketchesResponse.SerializeToString,
+            ),
+            'ReportCheck': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCheck,
+                    request_deserializer=epochmesh_dot_v1_dot_agent__pb2.ReportCheckRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_agent__pb2.ReportCheckResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -524,6 +559,60 @@ class AgentService:
             '/epochmesh.v1.AgentService/AuthorizeStateTransfer',
             epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferRequest.SerializeToString,
             epochmesh_dot_v1_dot_agent__pb2.AuthorizeStateTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitSketches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.AgentService/CommitSketches',
+            epochmesh_dot_v1_dot_agent__pb2.CommitSketchesRequest.SerializeToString,
+            epochmesh_dot_v1_dot_agent__pb2.CommitSketchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCheck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.AgentService/ReportCheck',
+            epochmesh_dot_v1_dot_agent__pb2.ReportCheckRequest.SerializeToString,
+            epochmesh_dot_v1_dot_agent__pb2.ReportCheckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -142,7 +142,7 @@ class BenchmarkResult(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., points: _Optional[_Iterable[_Union[BenchmarkPoint, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bandwidth_bytes_per_second: _Optional[float] = ..., measured_at_ms: _Optional[int] = ..., slowdown: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state", "price_micro_per_hour", "online_since_ms", "parts_applied", "parts_failed", "job_samples_per_second")
+    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state", "price_micro_per_hour", "online_since_ms", "parts_applied", "parts_failed", "job_samples_per_second", "reputation")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class NodeInfo(_message.Message):
     PARTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PARTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     JOB_SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    REPUTATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     state: NodeState
@@ -197,7 +198,30 @@ class NodeInfo(_message.Message):
     parts_applied: int
     parts_failed: int
     job_samples_per_second: _containers.ScalarMap[str, float]
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ..., price_micro_per_hour: _Optional[int] = ..., online_since_ms: _Optional[int] = ..., parts_applied: _Optional[int] = ..., parts_failed: _Optional[int] = ..., job_samples_per_second: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    reputation: Reputation
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ..., price_micro_per_hour: _Optional[int] = ..., online_since_ms: _Optional[int] = ..., parts_applied: _Optional[int] = ..., parts_failed: _Optional[int] = ..., job_samples_per_second: _Optional[_Mapping[str, float]] = ..., reputation: _Optional[_Union[Reputation, _Mapping]] = ...) -> None: ...
+
+class Reputation(_message.Message):
+    __slots__ = ("verified_in_a_row", "verified_total", "failed_total", "last_verified_round", "last_failure_round", "last_failure_ms", "last_failure_evidence", "check_probability", "check_reason")
+    VERIFIED_IN_A_ROW_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LAST_VERIFIED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    CHECK_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    CHECK_REASON_FIELD_NUMBER: _ClassVar[int]
+    verified_in_a_row: int
+    verified_total: int
+    failed_total: int
+    last_verified_round: int
+    last_failure_round: int
+    last_failure_ms: int
+    last_failure_evidence: str
+    check_probability: float
+    check_reason: str
+    def __init__(self, verified_in_a_row: _Optional[int] = ..., verified_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., last_verified_round: _Optional[int] = ..., last_failure_round: _Optional[int] = ..., last_failure_ms: _Optional[int] = ..., last_failure_evidence: _Optional[str] = ..., check_probability: _Optional[float] = ..., check_reason: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("id", "time_ms", "kind", "node_id", "job_id", "message", "attrs")
@@ -225,7 +249,7 @@ class Event(_message.Message):
     def __init__(self, id: _Optional[int] = ..., time_ms: _Optional[int] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., message: _Optional[str] = ..., attrs: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "loss", "inputs", "targets", "epochs", "global_batch", "optimizer", "lr", "momentum", "weight_decay", "seed", "beta1", "beta2", "eps", "nesterov", "dampening", "sync", "inner_steps", "inner_optimizer", "outer_optimizer", "outer_lr", "outer_momentum", "compression", "topk_ratio", "micro_batch", "aggregation", "min_nodes", "max_nodes", "checkpoint_every", "priority", "max_price_micro_per_hour", "budget_micro", "deadline_seconds")
+    __slots__ = ("name", "loss", "inputs", "targets", "epochs", "global_batch", "optimizer", "lr", "momentum", "weight_decay", "seed", "beta1", "beta2", "eps", "nesterov", "dampening", "sync", "inner_steps", "inner_optimizer", "outer_optimizer", "outer_lr", "outer_momentum", "compression", "topk_ratio", "micro_batch", "aggregation", "min_nodes", "max_nodes", "checkpoint_every", "priority", "max_price_micro_per_hour", "budget_micro", "deadline_seconds", "aggregation_rule")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +283,7 @@ class JobSpec(_message.Message):
     MAX_PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MICRO_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_RULE_FIELD_NUMBER: _ClassVar[int]
     name: str
     loss: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
@@ -292,7 +317,8 @@ class JobSpec(_message.Message):
     max_price_micro_per_hour: int
     budget_micro: int
     deadline_seconds: float
-    def __init__(self, name: _Optional[str] = ..., loss: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., epochs: _Optional[int] = ..., global_batch: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., dampening: _Optional[float] = ..., sync: _Optional[str] = ..., inner_steps: _Optional[int] = ..., inner_optimizer: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_ratio: _Optional[float] = ..., micro_batch: _Optional[int] = ..., aggregation: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., priority: _Optional[str] = ..., max_price_micro_per_hour: _Optional[int] = ..., budget_micro: _Optional[int] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
+    aggregation_rule: str
+    def __init__(self, name: _Optional[str] = ..., loss: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., epochs: _Optional[int] = ..., global_batch: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., seed: _Optional[int] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., nesterov: _Optional[bool] = ..., dampening: _Optional[float] = ..., sync: _Optional[str] = ..., inner_steps: _Optional[int] = ..., inner_optimizer: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_ratio: _Optional[float] = ..., micro_batch: _Optional[int] = ..., aggregation: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., priority: _Optional[str] = ..., max_price_micro_per_hour: _Optional[int] = ..., budget_micro: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., aggregation_rule: _Optional[str] = ...) -> None: ...
 
 class Shard(_message.Message):
     __slots__ = ("blob", "start", "count")

@@ -19,8 +19,10 @@ import grpc
 import torch
 
 from epochmesh import identity as idm
+from epochmesh.sketch import sketch
 from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
+from epochmesh.verification import chunk_bounds
 from tests.procs import async_wait_until
 
 if TYPE_CHECKING:
@@ -118,6 +120,20 @@ class FakeAgent:
                     ),
                     timeout=10,
                 )
+            elif task.kind == agent_pb2.TASK_KIND_CHECK:
+                try:
+                    await self.stub.ReportCheck(
+                        agent_pb2.ReportCheckRequest(
+                            node_id=self.node_id,
+                            lease_id=self.lease_id,
+                            task_id=task.task_id,
+                            failed=True,
+                            error="a fake agent does not recompute",
+                        ),
+                        timeout=10,
+                    )
+                except grpc.RpcError as exc:  # e.g. the check was settled meanwhile
+                    log.info("%s: check %s: %s", self.name, task.task_id, exc)
             elif task.kind == agent_pb2.TASK_KIND_TRAIN:
                 self.tasks.append(task)
                 try:
@@ -168,8 +184,17 @@ class FakeAgent:
         codec: str = "none",
         bundle: tuple[common_pb2.TensorBundle, bytes] | None = None,
         params_version: int = 0,
+        chunks: list[agent_pb2.ChunkCommitment] | None = None,
     ) -> agent_pb2.PushUpdateResponse:
+        """Push an update. Where the task asks for chunk commitments (verification) and
+        ``chunks`` is None, they are the honest ones of an update whose every chunk has the
+        same gradient and loss (and, when the coordinator asks, their sketches follow)."""
         header, payload = bundle or encode_bundle(tensors, codec)
+        if chunks is None:
+            chunks = [
+                agent_pb2.ChunkCommitment(samples=end - start, loss=mean_loss)
+                for start, end in chunk_bounds(num_samples, task.verify_chunks)
+            ]
         msgs = [
             agent_pb2.PushUpdateRequest(
                 header=agent_pb2.UpdateHeader(
@@ -184,11 +209,26 @@ class FakeAgent:
                     bundle=header,
                     kind=kind,
                     params_version=params_version or task.params_version,
+                    chunks=chunks,
                 )
             ),
             *(agent_pb2.PushUpdateRequest(chunk=c) for c in iter_chunks(payload)),
         ]
-        return await self.stub.PushUpdate(iter(msgs), timeout=30)
+        response = await self.stub.PushUpdate(iter(msgs), timeout=30)
+        if response.accepted and response.sketch.buckets > 0:
+            one = sketch(tensors, response.sketch.seed, response.sketch.buckets).tolist()
+            await self.stub.CommitSketches(
+                agent_pb2.CommitSketchesRequest(
+                    node_id=self.node_id,
+                    lease_id=self.lease_id,
+                    job_id=task.job_id,
+                    task_id=task.task_id,
+                    seed=response.sketch.seed,
+                    sketches=one * len(chunks),
+                ),
+                timeout=10,
+            )
+        return response
 
     async def report(self, task: agent_pb2.Task, **fields: object) -> None:
         await self.stub.ReportProgress(

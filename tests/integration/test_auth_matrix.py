@@ -64,6 +64,8 @@ EXPECTED: dict[str, tuple[set[str], str | S]] = {
     "AgentService/ReportProgress": ({NODE, OPERATOR}, S.INVALID_ARGUMENT),
     "AgentService/Probe": ({NODE, OPERATOR}, OK),
     "AgentService/AuthorizeStateTransfer": ({NODE, OPERATOR}, S.INVALID_ARGUMENT),
+    "AgentService/CommitSketches": ({NODE, OPERATOR}, S.INVALID_ARGUMENT),
+    "AgentService/ReportCheck": ({NODE, OPERATOR}, S.INVALID_ARGUMENT),
     "JobService/UploadBlob": (ANY_USER, S.INVALID_ARGUMENT),
     "JobService/GetBlobStatus": (ANY_USER, S.INVALID_ARGUMENT),
     "JobService/SubmitJob": (ANY_USER, S.UNIMPLEMENTED),

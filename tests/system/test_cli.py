@@ -62,6 +62,7 @@ def test_nodes_table_and_json(cluster: Cluster) -> None:
         "DEVICE",
         "SAMPLES/S",
         "PRICE",
+        "VERIFIED",
         "JOB",
         "HEARTBEAT",
     ]

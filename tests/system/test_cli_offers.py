@@ -115,10 +115,12 @@ def test_offers_best_value_first(market: Market) -> None:
     assert set(offers[0]) == {
         "node_id", "name", "state", "device", "price_micro_per_hour", "samples_per_second",
         "rate_source", "samples_per_credit", "parts_applied", "parts_failed", "reliability",
-        "online_since_ms", "uptime_seconds", "job_samples_per_second",
+        "online_since_ms", "uptime_seconds", "job_samples_per_second", "verified_in_a_row",
+        "verified_total", "failed_checks", "check_probability", "verified",
     }  # fmt: skip
     for offer in offers:  # no job has run yet
         assert (offer["parts_applied"], offer["parts_failed"], offer["reliability"]) == (0, 0, None)
+        assert (offer["verified_total"], offer["check_probability"]) == (0, 1.0)
         assert offer["job_samples_per_second"] == {}
         assert offer["online_since_ms"] > 0 and offer["uptime_seconds"] >= 0
     free, cheap, dear = offers
@@ -141,12 +143,15 @@ def test_offers_best_value_first(market: Market) -> None:
     rows, _ = table(m.alice, "offers")
     assert rows[0] == [
         "NODE", "NAME", "STATE", "DEVICE", "PRICE", "SAMPLES/S", "SAMPLES/CREDIT", "RELIABILITY",
-        "UP", "JOBS",
+        "VERIFIED", "UP", "JOBS",
     ]  # fmt: skip
     assert [r[1] for r in rows[1:]] == ["free", "cheap", "dear"]
-    # ... PRICE, SAMPLES/S, SAMPLES/CREDIT, RELIABILITY ("-": no part yet), UP, JOBS ("-")
-    assert [(r[-6], r[-4], r[-3], r[-1]) for r in rows[1:]][0] == ("free", "free", "-", "-")
-    assert [r[-6] for r in rows[1:]] == ["free", "0.5/h", "50/h"]
+    # ... PRICE, SAMPLES/S, SAMPLES/CREDIT, RELIABILITY ("-": no part yet), VERIFIED (new),
+    # UP, JOBS ("-")
+    assert [(r[-7], r[-5], r[-4], r[-3], r[-1]) for r in rows[1:]][0] == (
+        "free", "free", "-", "new:0/10", "-",
+    )  # fmt: skip
+    assert [r[-7] for r in rows[1:]] == ["free", "0.5/h", "50/h"]
 
 
 def job(m: Market, name: str, market_toml: str, **cluster: int) -> Path:

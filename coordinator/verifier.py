@@ -1,0 +1,603 @@
+"""Verification of a parameter-server job's updates while it runs (issue 20; protocol in
+docs/verification-protocol.md).
+
+Per job, one `Verifier`:
+
+1. At push: the update's chunk commitments must fit it (`epochmesh.verification`), else it is
+   refused (INVALID_ARGUMENT, a strike). Whether this part is checked is drawn from the node's
+   reputation (`coordinator.reputation`) with the coordinator's secret randomness, only now
+   that the update is in; a checked part gets a fresh secret seed in the PushUpdate response,
+   and the coordinator keeps the sketch of the update under it.
+2. CommitSketches: the node's per-chunk sketches must add up to its update's sketch (within
+   the codec's tolerance): a node that sent something its chunks do not contain is caught here,
+   at no compute.
+3. Only then is the chunk to recompute drawn, and a node of another donor recomputes it from
+   the round's starting parameters (a CHECK task, ahead of its queue). Its sketch must match
+   the node's within the tolerance measured for the pair of devices. A mismatch goes to a third
+   node of a third donor before anyone is accused: if it sides with the node, the first checker
+   gets a strike; if not, the node is quarantined with the evidence, its updates since its last
+   verified round are undone (the runner rolls back to the state before the first of them) and
+   its reputation is reset.
+
+Screening (`coordinator.screening`) of each round's updates runs at no compute before they are
+applied: a flagged update is discarded (its samples return to pending) and the node's next part
+is checked whatever its reputation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from coordinator.reputation import (
+    CHECK_FRACTION,
+    P_FLOOR,
+    check_probability,
+    checked_micro_batches,
+    should_check,
+)
+from coordinator.rounds import Part, RoundState
+from coordinator.sample_ranges import index_run_array
+from coordinator.screening import Screening, extend_history, screen
+from coordinator.store import FailedPreconditionError, InvalidArgumentError
+from epochmesh.sketch import combine, relative_distance, sketch
+from epochmesh.v1 import agent_pb2, common_pb2
+from epochmesh.verification import (
+    SKETCH_BUCKETS,
+    VERIFY_CHUNKS,
+    chunk_bounds,
+    commitment_problem,
+    consistency_tolerance,
+    loss_matches,
+    recompute_tolerance,
+)
+
+if TYPE_CHECKING:
+    from coordinator.job_runner import JobRunner
+
+log = logging.getLogger(__name__)
+NS = common_pb2.NodeState
+
+# A checker that fails or does not answer is replaced, at most this many times per check.
+MAX_CHECKERS = 4
+# Seconds a node has for its sketches, and a checker for its recomputation, beyond a few
+# rounds' time.
+MIN_SKETCH_WAIT_S = 10.0
+MIN_CHECK_WAIT_S = 15.0
+WATCH_EVERY_S = 0.25
+# How long the job's end waits for the last checks.
+SETTLE_MAX_S = 120.0
+
+
+@dataclass
+class Checker:
+    node_id: str
+    task_id: str
+    deadline: float
+    distance: float = math.nan
+    loss: float = math.nan
+    agrees: bool | None = None  # None: not answered
+
+
+@dataclass
+class PendingCheck:
+    """One checked part, from its update to the verdict."""
+
+    node_id: str
+    task_id: str  # the TRAIN task
+    round: int
+    version: int
+    ranges: np.ndarray  # the part's sample runs
+    chunks: list[tuple[int, float]]  # committed (samples, loss) per chunk
+    codec: str
+    seed: int
+    buckets: int
+    update_sketch: torch.Tensor
+    deadline: float  # for the sketches
+    state: str = "sketches"  # sketches | checking
+    chunk_sketches: torch.Tensor | None = None
+    chunk: int = -1
+    checkers: list[Checker] = field(default_factory=list)
+    tried: set[str] = field(default_factory=set)
+    standing: str = "new"  # the node's standing when its part was drawn (see Verifier.samples)
+
+
+class Verifier:
+    """The verification state of one job (see the module docstring)."""
+
+    def __init__(self, runner: JobRunner, rng: random.Random | None = None) -> None:
+        self.runner = runner
+        spec = runner.spec
+        self.enabled = (spec.aggregation or "ps") == "ps" and spec.sync != "local_sgd"
+        self.verify_chunks = VERIFY_CHUNKS if self.enabled else 0
+        self.rng = rng or random.SystemRandom()
+        self._pending: dict[str, PendingCheck] = {}  # by TRAIN task id
+        self._by_check_task: dict[str, str] = {}  # CHECK task id -> TRAIN task id
+        self._unverified: dict[str, set[int]] = {}  # node -> rounds applied, not verified
+        self._force: set[str] = set()  # nodes whose next part is checked (screening)
+        self._history: tuple[float, ...] = ()
+        self._payloads: dict[int, tuple[common_pb2.TensorBundle, bytes]] = {}
+        self._changed = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
+        # Samples trained and recomputed, by the node's standing when its update came: "new"
+        # (checked every round), "trusted" (at the floor probability), "building" (between):
+        # the check overhead is recomputed / trained (a sample costs the same either way).
+        self.trained: dict[str, int] = {"new": 0, "building": 0, "trusted": 0}
+        self.recomputed: dict[str, int] = {"new": 0, "building": 0, "trusted": 0}
+        self.verdicts: dict[str, int] = {"passed": 0, "failed": 0, "undecided": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.enabled and self._watch is None:
+            self._watch = asyncio.create_task(self._watchdog(), name=f"verify-{self.runner.job_id}")
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            try:
+                await self._watch
+            except asyncio.CancelledError:
+                pass
+            self._watch = None
+
+    async def settle(self, max_s: float = SETTLE_MAX_S) -> None:
+        """Wait until every pending check has its verdict (each has a deadline), at most
+        ``max_s``."""
+        end = time.monotonic() + max_s
+        while self._pending and time.monotonic() < end and not self.runner.stopping:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=WATCH_EVERY_S * 4)
+            except TimeoutError:
+                pass
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def first_unverified_round(self) -> int | None:
+        """The oldest applied round some node's update in it is not verified yet."""
+        rounds = [min(r) for r in self._unverified.values() if r]
+        rounds += [pc.round for pc in self._pending.values()]
+        return min(rounds, default=None)
+
+    # -- push ------------------------------------------------------------------------------------
+
+    def commitment_problem(self, h: agent_pb2.UpdateHeader) -> str:
+        if not self.enabled:
+            return ""
+        return commitment_problem(
+            [(c.samples, c.loss) for c in h.chunks], h.num_samples, h.mean_loss, self.verify_chunks
+        )
+
+    async def on_update(
+        self, h: agent_pb2.UpdateHeader, grads: Mapping[str, torch.Tensor], part: Part | None
+    ) -> agent_pb2.CheckSpec | None:
+        """The update of an open part was taken: draw whether it is checked, and if so its
+        seed (for the PushUpdate response)."""
+        if not self.enabled or part is None or not h.chunks:
+            return None
+        forced = h.node_id in self._force
+        record = self.runner.ctx.registry.reputation(h.node_id)
+        p = check_probability(record)
+        standing = "new" if p >= 1.0 else "trusted" if p <= P_FLOOR else "building"
+        self.trained[standing] += h.num_samples
+        if not (forced or should_check(record, self.rng)):
+            return None
+        self._force.discard(h.node_id)
+        version = h.params_version
+        payload = self.runner.params_payload
+        if payload is not None and self.runner.params_payload_version == version:
+            self._payloads[version] = payload
+        seed = self.rng.getrandbits(63)
+        update_sketch = await asyncio.to_thread(sketch, grads, seed, SKETCH_BUCKETS)
+        wait = max(MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds())
+        self._pending[h.task_id] = PendingCheck(
+            node_id=h.node_id,
+            task_id=h.task_id,
+            round=h.round,
+            version=version,
+            ranges=part.ranges.copy(),
+            chunks=[(c.samples, c.loss) for c in h.chunks],
+            codec=self.runner.spec.compression or "none",
+            seed=seed,
+            buckets=SKETCH_BUCKETS,
+            update_sketch=update_sketch,
+            deadline=time.monotonic() + wait,
+            standing=standing,
+        )
+        return agent_pb2.CheckSpec(seed=seed, buckets=SKETCH_BUCKETS)
+
+    # -- sketches --------------------------------------------------------------------------------
+
+    async def on_sketches(self, req: agent_pb2.CommitSketchesRequest) -> None:
+        pc = self._pending.get(req.task_id)
+        if pc is None or pc.node_id != req.node_id or pc.state != "sketches":
+            raise FailedPreconditionError(
+                f"no sketches are awaited for task {req.task_id!r} of node {req.node_id}"
+            )
+        k = len(pc.chunks)
+        problem = ""
+        if req.seed != pc.seed:
+            problem = f"sketches under seed {req.seed}, the seed sent was {pc.seed}"
+        elif len(req.sketches) != k * pc.buckets:
+            problem = (
+                f"{len(req.sketches)} sketch values; {k} chunks x {pc.buckets} buckets "
+                f"= {k * pc.buckets} expected"
+            )
+        else:
+            values = torch.tensor(list(req.sketches), dtype=torch.float64)
+            if not bool(torch.isfinite(values).all()):
+                problem = "the sketches hold NaN or Inf"
+        if problem:
+            await self._fail(pc, f"its sketch commitment is malformed: {problem}", {}, accuse=False)
+            raise InvalidArgumentError(f"sketches refused: {problem}")
+        pc.chunk_sketches = values.reshape(k, pc.buckets)
+        total = sum(n for n, _ in pc.chunks)
+        combined = combine(
+            [(n / total, pc.chunk_sketches[i]) for i, (n, _) in enumerate(pc.chunks)]
+        )
+        tolerance = consistency_tolerance(pc.codec)
+        distance = relative_distance(combined, pc.update_sketch)
+        if tolerance is not None and not distance <= tolerance:
+            await self._fail(
+                pc,
+                f"its update is not the sum of its committed chunks (relative distance "
+                f"{distance:.3g} > {tolerance:g} allowed for codec {pc.codec})",
+                {
+                    "check": "consistency",
+                    "distance": f"{distance:.6g}",
+                    "tolerance": f"{tolerance:g}",
+                },
+                accuse=True,
+            )
+            return
+        pc.chunk = checked_micro_batches(k, CHECK_FRACTION, self.rng)[0]
+        pc.state = "checking"
+        await self._next_checker(pc)
+
+    # -- recomputation ---------------------------------------------------------------------------
+
+    def _donor(self, node_id: str) -> str:
+        return self.runner.ctx.registry.donor_of(node_id) or node_id
+
+    def _device_kind(self, node_id: str) -> str:
+        info = self.runner.ctx.registry.get(node_id)
+        if info is None or not info.devices:
+            return "cpu"
+        return info.devices[0].kind or "cpu"
+
+    def _candidates(self, pc: PendingCheck) -> list[str]:
+        """Nodes that may recompute ``pc``'s chunk: of a donor neither the node's nor an earlier
+        checker's, live and in good standing; the job's own nodes first (they hold its program
+        and data), else any other such node (it loads them for the check)."""
+        registry = self.runner.ctx.registry
+        donors = {self._donor(pc.node_id)} | {self._donor(c.node_id) for c in pc.checkers}
+
+        def eligible(n: str) -> bool:
+            if n in pc.tried or n == pc.node_id or self._donor(n) in donors:
+                return False
+            info = registry.get(n)
+            if info is None or info.state not in (NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY):
+                return False
+            return not self.runner.host.is_silent(n)
+
+        members = sorted(n for n in self.runner.nodes if eligible(n))
+        if members:
+            return members
+        others = registry.list((NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY))
+        return sorted(n.node_id for n in others if eligible(n.node_id))
+
+    async def _next_checker(self, pc: PendingCheck) -> None:
+        """Hand the chosen chunk to one more checker (a new donor), or give up undecided."""
+        answered = [c for c in pc.checkers if c.agrees is not None]
+        if len(pc.tried) >= MAX_CHECKERS:
+            await self._inconclusive(pc, f"{len(pc.tried)} checkers failed or did not answer")
+            return
+        candidates = self._candidates(pc)
+        if not candidates:
+            why = (
+                "no node of another donor to recompute its chunk"
+                if not answered
+                else f"checker {answered[0].node_id} disagreed and no node of a third donor "
+                "can settle it"
+            )
+            await self._inconclusive(pc, why)
+            return
+        node = candidates[int(self.rng.random() * len(candidates)) % len(candidates)]
+        start, end = chunk_bounds(int(sum(n for n, _ in pc.chunks)), self.verify_chunks)[pc.chunk]
+        runs = _slice_runs(pc.ranges, start, end)
+        task_id = "c-" + uuid.uuid4().hex[:12]
+        task = self.runner.check_task(
+            task_id,
+            pc.round,
+            pc.version,
+            runs,
+            agent_pb2.CheckSpec(seed=pc.seed, buckets=pc.buckets),
+            self._payloads.get(pc.version),
+        )
+        wait = max(MIN_CHECK_WAIT_S, 4.0 * self.runner.round_seconds())
+        pc.checkers.append(Checker(node, task_id, time.monotonic() + wait))
+        pc.tried.add(node)
+        self._by_check_task[task_id] = pc.task_id
+        self.recomputed[pc.standing] += end - start
+        self.runner.host.enqueue(node, task, self.runner.job_id, front=True)
+
+    def is_check_task(self, node_id: str, task_id: str) -> bool:
+        pc = self._pending.get(self._by_check_task.get(task_id, ""))
+        if pc is None:
+            return False
+        return any(
+            c.task_id == task_id and c.node_id == node_id and c.agrees is None for c in pc.checkers
+        )
+
+    def open_task_ids(self) -> set[str]:
+        return set(self._by_check_task)
+
+    async def on_check_report(self, req: agent_pb2.ReportCheckRequest) -> None:
+        pc = self._pending.get(self._by_check_task.get(req.task_id, ""))
+        checker = None
+        if pc is not None:
+            checker = next(
+                (c for c in pc.checkers if c.task_id == req.task_id and c.node_id == req.node_id),
+                None,
+            )
+        if pc is None or checker is None or checker.agrees is not None:
+            raise FailedPreconditionError(
+                f"task {req.task_id!r} is not an open check of node {req.node_id}"
+            )
+        self._by_check_task.pop(req.task_id, None)
+        if req.failed:
+            log.info(
+                "job %s: checker %s could not recompute %s's round %d: %s",
+                self.runner.job_id,
+                req.node_id,
+                pc.node_id,
+                pc.round,
+                req.error,
+            )
+            pc.checkers.remove(checker)
+            await self._next_checker(pc)
+            return
+        if len(req.sketch) != pc.buckets or not all(math.isfinite(x) for x in req.sketch):
+            pc.checkers.remove(checker)
+            await self._next_checker(pc)
+            raise InvalidArgumentError(
+                f"check report refused: a sketch of {len(req.sketch)} finite values is expected "
+                f"({pc.buckets})"
+            )
+        assert pc.chunk_sketches is not None
+        theirs = torch.tensor(list(req.sketch), dtype=torch.float64)
+        tolerance = recompute_tolerance(
+            self._device_kind(pc.node_id), self._device_kind(req.node_id)
+        )
+        checker.distance = relative_distance(theirs, pc.chunk_sketches[pc.chunk])
+        checker.loss = req.loss
+        committed_loss = pc.chunks[pc.chunk][1]
+        checker.agrees = checker.distance <= tolerance and loss_matches(
+            committed_loss, req.loss, tolerance
+        )
+        answered = [c for c in pc.checkers if c.agrees is not None]
+        if checker.agrees:
+            for other in answered[:-1]:  # a first checker that disagreed with node and third
+                if not other.agrees:
+                    await self.runner.ctx.registry.add_strike(
+                        other.node_id,
+                        f"its recomputation of a chunk of {pc.node_id}'s round {pc.round} "
+                        f"(distance {other.distance:.3g}) disagreed with the node and with "
+                        f"{checker.node_id}",
+                        job_id=self.runner.job_id,
+                    )
+            await self._pass(pc)
+            return
+        if len(answered) >= 2:  # two checkers of two other donors disagree with the node
+            evidence = {
+                "check": "recomputation",
+                "round": str(pc.round),
+                "chunk": str(pc.chunk),
+                "seed": str(pc.seed),
+                "tolerance": f"{tolerance:.3g}",
+                "committed_loss": f"{committed_loss:.9g}",
+            }
+            for i, c in enumerate(answered):
+                evidence[f"checker{i + 1}"] = c.node_id
+                evidence[f"distance{i + 1}"] = f"{c.distance:.6g}"
+                evidence[f"loss{i + 1}"] = f"{c.loss:.9g}"
+            await self._fail(
+                pc,
+                f"its chunk {pc.chunk} of round {pc.round} was recomputed by "
+                + " and ".join(c.node_id for c in answered)
+                + f" (relative distances {', '.join(f'{c.distance:.3g}' for c in answered)}; "
+                f"tolerance {tolerance:.3g})",
+                evidence,
+                accuse=True,
+            )
+            return
+        await self._next_checker(pc)  # a third node settles it
+
+    # -- verdicts --------------------------------------------------------------------------------
+
+    def _forget(self, pc: PendingCheck) -> None:
+        self._pending.pop(pc.task_id, None)
+        for c in pc.checkers:
+            self._by_check_task.pop(c.task_id, None)
+        still = {p.version for p in self._pending.values()}
+        for v in [v for v in self._payloads if v not in still]:
+            del self._payloads[v]
+        self._changed.set()
+
+    def _settled(self, pc: PendingCheck) -> bool:
+        """Whether ``pc`` already has its verdict (or was dropped: its node failed another
+        check meanwhile)."""
+        return self._pending.get(pc.task_id) is not pc
+
+    async def _pass(self, pc: PendingCheck) -> None:
+        if self._settled(pc):
+            return
+        self._forget(pc)
+        self.verdicts["passed"] += 1
+        rounds = self._unverified.get(pc.node_id)
+        if rounds:
+            for r in [r for r in rounds if r <= pc.round]:
+                rounds.discard(r)
+        await self.runner.ctx.registry.record_check(pc.node_id, pc.round, True)
+        log.info(
+            "job %s: %s's round %d verified (chunk %d recomputed by %s)",
+            self.runner.job_id,
+            pc.node_id,
+            pc.round,
+            pc.chunk,
+            ", ".join(c.node_id for c in pc.checkers),
+        )
+
+    async def _inconclusive(self, pc: PendingCheck, why: str) -> None:
+        if self._settled(pc):
+            return
+        self._forget(pc)
+        self.verdicts["undecided"] += 1
+        log.warning(
+            "job %s: the check of %s's round %d is undecided: %s",
+            self.runner.job_id,
+            pc.node_id,
+            pc.round,
+            why,
+        )
+        await self.runner.ctx.events.append(
+            "node.check_undecided",
+            node_id=pc.node_id,
+            job_id=self.runner.job_id,
+            message=f"the check of its round {pc.round} is undecided: {why}",
+            attrs={"round": str(pc.round)},
+        )
+
+    async def _fail(
+        self, pc: PendingCheck, reason: str, evidence: Mapping[str, str], *, accuse: bool
+    ) -> None:
+        """The node's update of ``pc.round`` is wrong (``accuse``: proven, quarantine) or
+        could not be verified: either way its unverified rounds are undone."""
+        if self._settled(pc):
+            return
+        node = pc.node_id
+        self._forget(pc)
+        self.verdicts["failed"] += 1
+        for other in [p for p in self._pending.values() if p.node_id == node]:
+            self._forget(other)
+        # Its applied updates that no check has passed since (rounds a rollback undid are gone
+        # from the set; an update of a round still open is discarded by the runner instead).
+        rounds = self._unverified.pop(node, set())
+        first = min(rounds) if rounds else None
+        attrs = {"round": str(pc.round), **evidence}
+        if accuse:
+            text = f"failed verification in job {self.runner.job_id}: {reason}"
+            await self.runner.ctx.registry.record_check(node, pc.round, False, text)
+            await self.runner.ctx.registry.quarantine(node, text, attrs, job_id=self.runner.job_id)
+        await self.runner.on_verification_failed(node, first, reason, accuse=accuse)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            now = time.monotonic()
+            for pc in list(self._pending.values()):
+                if pc.task_id not in self._pending:
+                    continue
+                try:
+                    if pc.state == "sketches" and now > pc.deadline:
+                        gone = not self.runner.ctx.registry.is_alive(pc.node_id)
+                        why = "went offline before" if gone else "did not send"
+                        await self._fail(
+                            pc,
+                            f"it {why} the sketches of its round {pc.round} (seed sent)",
+                            {"check": "sketches_missing"},
+                            accuse=False,
+                        )
+                        if not gone:
+                            await self.runner.ctx.registry.add_strike(
+                                pc.node_id,
+                                f"no sketch commitment for round {pc.round} within "
+                                f"{MIN_SKETCH_WAIT_S:g}s of its update",
+                                job_id=self.runner.job_id,
+                            )
+                    elif pc.state == "checking":
+                        late = [c for c in pc.checkers if c.agrees is None and now > c.deadline]
+                        for c in late:
+                            pc.checkers.remove(c)
+                            self._by_check_task.pop(c.task_id, None)
+                        if late:
+                            await self._next_checker(pc)
+                except Exception:
+                    log.exception(
+                        "job %s: verification of %s failed", self.runner.job_id, pc.node_id
+                    )
+                    self._forget(pc)
+
+    # -- rounds ----------------------------------------------------------------------------------
+
+    def screen(self, received: list[Part]) -> list[Part]:
+        """Screen a round's received updates before they are applied: the flagged ones (their
+        status becomes "rejected"; their samples return to pending) are returned."""
+        if not self.enabled or len(received) < 3:
+            return []
+        result: Screening = screen(
+            [(p.samples, p.grads or {}) for p in received], history=self._history
+        )
+        self._history = extend_history(self._history, result)
+        flagged = []
+        for p, figures in zip(received, result.nodes, strict=True):
+            if figures.suspicious:
+                p.status = "rejected"
+                p.error = f"screening: {figures.reason}"
+                p.grads = None
+                self._force.add(p.node_id)
+                flagged.append(p)
+        return flagged
+
+    def on_round_closed(self, rs: RoundState) -> None:
+        if not self.enabled:
+            return
+        for p in rs.parts.values():
+            if p.status == "applied":
+                self._unverified.setdefault(p.node_id, set()).add(rs.round)
+
+    def on_rolled_back(self, after_round: int) -> None:
+        """Rounds after ``after_round`` were undone: nothing of them is left to verify for the
+        job (the checks still running keep judging their nodes)."""
+        for rounds in self._unverified.values():
+            for r in [r for r in rounds if r > after_round]:
+                rounds.discard(r)
+
+    def summary(self) -> dict[str, str]:
+        """The job's verification figures (the ``job.verification`` event's attributes):
+        samples trained and recomputed by standing, the overhead, the verdicts."""
+        out = {}
+        for standing in ("new", "building", "trusted"):
+            trained, recomputed = self.trained[standing], self.recomputed[standing]
+            out[f"trained_{standing}"] = str(trained)
+            out[f"recomputed_{standing}"] = str(recomputed)
+            out[f"overhead_{standing}"] = f"{recomputed / trained:.4f}" if trained else ""
+        out.update({k: str(v) for k, v in self.verdicts.items()})
+        return out
+
+    def payload(self, version: int) -> tuple[common_pb2.TensorBundle, bytes] | None:
+        """The parameters of an older version kept for a check's recomputation."""
+        return self._payloads.get(version)
+
+
+def _slice_runs(runs: np.ndarray, start: int, end: int) -> np.ndarray:
+    """The indices ``start .. end-1`` (positions in the runs' order) as runs."""
+    idx = (
+        np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in runs])
+        if len(runs)
+        else np.zeros(0, np.int64)
+    )
+    return index_run_array(idx[start:end])

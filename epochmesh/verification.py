@@ -1,0 +1,137 @@
+"""Verification rules both sides share (issue 20; pure): how a part is cut into chunks, what a
+commitment must satisfy, and the tolerances of the two comparisons.
+
+- A verified part is cut into ``chunk_count`` consecutive chunks (`chunk_bounds`); the node
+  computes each chunk's gradient on its own (the update is their sample-weighted sum) and sends
+  each chunk's samples and mean loss with its update (the commitment).
+- After the update is in, the coordinator may send a secret sketch seed; the node answers with
+  the CountSketch of every chunk's gradient (epochmesh.sketch). Their weighted sum must be the
+  sketch of the update it sent, within the codec's tolerance (`consistency_tolerance`).
+- Then another donor's node recomputes one chunk (drawn after the sketches are in) and its
+  sketch must match the node's within the tolerance measured for the pair of devices
+  (`recompute_tolerance`, docs/device-tolerance.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+# Chunks per verified part. A check recomputes one of them (coordinator/reputation.py:
+# CHECK_FRACTION = 0.08 of them, at least one): 1/12 = 8.3 % of the part's compute.
+VERIFY_CHUNKS = 12
+SKETCH_BUCKETS = 256
+# Upper bounds on what a node may send (bad input past them).
+MAX_CHUNKS = 64
+MAX_BUCKETS = 4096
+
+# Relative gradient difference of the same micro-batch recomputed on two devices, measured
+# (docs/device-tolerance.md; scripts/measure_device_tolerance.py): CPU vs CPU at 1 and 2
+# threads (agents run with different thread counts; the conv net sets it), CPU vs an H100,
+# and two CUDA processes on the same GPU model. Convolutions under cuDNN's TF32 default set
+# the CPU-vs-CUDA figure.
+MEASURED_DEVICE_DIFFERENCE = {
+    ("cpu", "cpu"): 7.4e-6,
+    ("cpu", "cuda"): 9.3e-5,
+    ("cuda", "cuda"): 8.0e-9,
+}
+# The tolerance is the measured difference times this factor, never below TOLERANCE_FLOOR
+# (a sketch of 256 buckets estimates a distance to within a few tens of per cent; a cheat is
+# O(0.01) to O(1) away: a stale gradient one SGD step old is the closest, > 1e-2 in the tests).
+SAFETY_FACTOR = 20.0
+TOLERANCE_FLOOR = 1.0e-5
+# Two different GPU models were not measured: they are judged like a CPU and a GPU.
+UNMEASURED = MEASURED_DEVICE_DIFFERENCE[("cpu", "cuda")]
+
+# |sketch(update) - sum_i w_i sketch(chunk_i)| / |sum_i w_i sketch(chunk_i)| allowed per codec:
+# float32 sums against float64 ones (none), the codec's rounding (fp16, bf16), int8's rounding
+# of the update plus the error-feedback residual carried between rounds. Measured worst over
+# 30 rounds of an MLP (tests/unit/test_verification.py): fp16 2.4e-4, bf16 1.9e-3, int8 1.5e-2;
+# each tolerance keeps a margin of 6x or more. topk sends ~1 % of the coordinates (the rest is
+# carried over): no consistency can be asked of it; its updates are judged by screening and
+# recomputation alone.
+CONSISTENCY_TOLERANCE = {
+    "none": 1e-4,
+    "fp16": 5e-3,
+    "bf16": 2e-2,
+    "int8": 0.1,
+}
+
+
+def chunk_count(samples: int, verify_chunks: int) -> int:
+    """How many chunks a part of ``samples`` is cut into (at most one sample per chunk)."""
+    if samples < 1 or verify_chunks < 1:
+        return 0
+    return min(samples, verify_chunks)
+
+
+def chunk_bounds(samples: int, verify_chunks: int) -> list[tuple[int, int]]:
+    """The chunks' [start, end) offsets into the part's samples, in order: ``chunk_count`` of
+    them, sizes differing by at most one (the larger first)."""
+    k = chunk_count(samples, verify_chunks)
+    if k == 0:
+        return []
+    base, extra = divmod(samples, k)
+    out, start = [], 0
+    for i in range(k):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def commitment_problem(
+    chunks: Sequence[tuple[int, float]], num_samples: int, mean_loss: float, verify_chunks: int
+) -> str:
+    """Why an update's chunk commitments (samples, loss per chunk) do not fit it ("" if they
+    do): the count and sizes `chunk_bounds` gives, finite losses, and a sample-weighted loss
+    equal to the update's mean_loss."""
+    if verify_chunks <= 0:
+        return "" if not chunks else "the task asked for no chunk commitments"
+    want = chunk_bounds(num_samples, verify_chunks)
+    if not chunks:
+        return f"the update carries no chunk commitments (the task asked for {len(want)})"
+    if len(chunks) != len(want):
+        return f"{len(chunks)} chunk commitments for {num_samples} samples; expected {len(want)}"
+    total = 0.0
+    for i, ((samples, loss), (start, end)) in enumerate(zip(chunks, want, strict=True)):
+        if samples != end - start:
+            return f"chunk {i} commits {samples} samples; it has {end - start}"
+        if not math.isfinite(loss):
+            return f"chunk {i} commits a loss of {loss}"
+        total += loss * samples
+    weighted = total / num_samples
+    if not math.isclose(weighted, mean_loss, rel_tol=1e-5, abs_tol=1e-6):
+        return (
+            f"the chunks' sample-weighted loss {weighted:.9g} is not the update's mean_loss "
+            f"{mean_loss:.9g}"
+        )
+    return ""
+
+
+def device_kind(device_type: str) -> str:
+    """ "cuda" for any GPU, "cpu" otherwise (the device types an agent reports)."""
+    return "cuda" if device_type.lower() in ("cuda", "gpu", "rocm") else "cpu"
+
+
+def recompute_tolerance(kind_a: str, kind_b: str, same_model: bool = True) -> float:
+    """The relative sketch distance allowed between a chunk's gradient computed on a device of
+    ``kind_a`` and its recomputation on one of ``kind_b`` ("cpu" / "cuda"): the measured
+    difference times SAFETY_FACTOR. Two GPUs of different models count as unmeasured."""
+    a, b = sorted((device_kind(kind_a), device_kind(kind_b)))
+    measured = MEASURED_DEVICE_DIFFERENCE[(a, b)]
+    if a == b == "cuda" and not same_model:
+        measured = UNMEASURED
+    return max(TOLERANCE_FLOOR, measured * SAFETY_FACTOR)
+
+
+def consistency_tolerance(codec: str) -> float | None:
+    """The relative distance allowed between the update's sketch and its chunks' (None: the
+    codec permits no check, see CONSISTENCY_TOLERANCE)."""
+    return CONSISTENCY_TOLERANCE.get(codec or "none")
+
+
+def loss_matches(committed: float, recomputed: float, tolerance: float) -> bool:
+    """Whether a chunk's committed loss and its recomputation agree (relative, with a floor
+    for losses near zero)."""
+    return abs(committed - recomputed) <= tolerance * max(abs(committed), abs(recomputed), 1e-3)

@@ -1,0 +1,132 @@
+"""TASK_KIND_CHECK: recompute one chunk of another node's part (verification, issue 20;
+docs/verification-protocol.md step 5).
+
+The task names the job (spec, program, initial state, shards) as a TRAIN task does, the samples
+of the chunk (`ranges`, in the checked node's order), the version the checked node computed
+from (`params_version`: inline in `params_bundle`/`params_data` for a small model, else
+PullParameters), and the sketch to answer with (`check.seed`, `check.buckets`).
+
+The agent loads the job as a TRAIN round does (`trainer.load_for_task`: the program is kept
+for the job's own rounds), makes it hold that version (`trainer.ensure_params`: the job's
+`version` then names it, so that a later TRAIN task of the job loads its own), computes the
+chunk's mean loss and gradient with the job's micro_batch
+(`trainer.accumulated_loss_and_grads`, as the checked node computed each chunk) through the
+slowdown controller (a slowed agent is slow here too) and answers ReportCheck with the loss,
+the gradient's CountSketch (epochmesh.sketch, float64) and the device seconds it took.
+
+Failures follow TRAIN's conventions (node_agent.tasks.dispatch_task): anything raised here is
+reported by the dispatcher, which for a CHECK task answers ReportCheck(failed=True, error=...)
+(`TaskContext.report_failure`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from epochmesh.dataset import ranges_to_indices
+from epochmesh.sketch import sketch
+from epochmesh.v1 import agent_pb2
+from epochmesh.verification import MAX_BUCKETS
+from node_agent import trainer
+from node_agent.connection import Expired
+from node_agent.program_host import NONFINITE, ConfinedProgram, ProgramFault
+from node_agent.tasks import TaskContext
+
+
+@dataclass
+class CheckResult:
+    loss: float
+    sketch: list[float]
+    compute_s: float  # device seconds (slowdown factor included)
+    samples: int
+
+
+def check_problem(task: agent_pb2.Task) -> str:
+    """Why a CHECK task cannot be run ("" if it can)."""
+    if task.check.buckets < 1 or task.check.buckets > MAX_BUCKETS:
+        return f"the check asks for {task.check.buckets} sketch buckets (1 to {MAX_BUCKETS})"
+    if not task.job_id:
+        return "the check names no job"
+    if trainer.is_local_sgd(task.spec):
+        return "local SGD parts are not checked by recomputing a chunk's gradient"
+    if not task.ranges:
+        return "the check names no samples"
+    return ""
+
+
+def check_in_thread(ctx: TaskContext, job: trainer.LoadedJob, task: agent_pb2.Task) -> CheckResult:
+    """The chunk's loss and gradient sketch from the parameters the job holds (the task's
+    version); runs on the compute thread."""
+    if isinstance(job.program, ConfinedProgram):
+        job.program.timeout_s = trainer.step_timeout(task)
+    indices = ranges_to_indices(task.ranges)
+    if not indices:
+        raise ValueError("the check names no samples")
+    due = ctx.deadline
+    if due is not None and time.monotonic() > due:
+        raise Expired(f"the check's {task.deadline_seconds:.2f}s deadline passed before compute")
+    ctx.check_cancelled()
+    inputs, targets = job.dataset.get_batch(indices)
+    program, micro = job.program, task.spec.micro_batch
+    loss, grads = ctx.slowdown.timed_step(
+        lambda: trainer.accumulated_loss_and_grads(program, inputs, targets, micro)
+    )
+    compute_s = ctx.slowdown.last_device_seconds
+    gradient = {k: g.detach().to("cpu", torch.float32) for k, g in grads.items()}
+    if not math.isfinite(loss):
+        raise ProgramFault(f"the job's program computed a non-finite loss ({loss})", NONFINITE)
+    for name, g in gradient.items():
+        if not bool(torch.isfinite(g).all()):
+            raise ProgramFault(f"the job's gradient for {name!r} is not finite", NONFINITE)
+    ctx.check_cancelled()
+    values = sketch(gradient, task.check.seed, task.check.buckets).tolist()
+    return CheckResult(loss=loss, sketch=values, compute_s=compute_s, samples=len(indices))
+
+
+async def run_check_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
+    started = time.monotonic()
+    problem = check_problem(task)
+    if problem:
+        raise ValueError(problem)
+    job = await trainer.load_for_task(ctx, task)
+    loaded = time.monotonic()
+    ctx.check_cancelled()
+    await trainer.ensure_params(ctx, job, task)
+    if job.version != task.params_version:
+        raise ValueError(
+            f"the parameters fetched are version {job.version}, the check needs "
+            f"{task.params_version}"
+        )
+    fetched = time.monotonic()
+    ctx.check_cancelled()
+    result = await ctx.run_compute(check_in_thread, ctx, job, task)
+    computed = time.monotonic()
+    await ctx.call(
+        "ReportCheck",
+        lambda: agent_pb2.ReportCheckRequest(
+            node_id=ctx.node_id,
+            lease_id=ctx.lease_id,
+            task_id=task.task_id,
+            loss=result.loss,
+            sketch=result.sketch,
+            compute_seconds=result.compute_s,
+        ),
+    )
+    ctx.log.info(
+        "check of round %d (version %d): %d samples, loss %.6g, compute %.3fs, total %.3fs "
+        "(load %.3f, params %.3f, compute+sketch %.3f, report %.3f)",
+        task.round,
+        task.params_version,
+        result.samples,
+        result.loss,
+        result.compute_s,
+        time.monotonic() - started,
+        loaded - started,
+        fetched - loaded,
+        computed - fetched,
+        time.monotonic() - computed,
+    )

@@ -1,0 +1,241 @@
+"""Verification of untrusted donors (issue 20), measured on a local cluster of real processes.
+
+Five agents of mixed speeds (TLS on, each its own donor): four honest ones for the whole run and
+a fifth, fresh for every job. First a long honest job on all five builds the honest nodes'
+records until they are checked at the floor rate (`overhead_trusted`: compute spent on checks
+over the cluster's training compute once nodes are trusted; `overhead_new`: while new), then a
+clean reference job, then the same job once per cheat with a fresh fifth agent cheating that
+way from round CHEAT_FROM on (the agent's test-only EPOCHMESH_TEST_CHEAT switch). Per cheat:
+
+- `rounds_to_quarantine`: rounds of the job closed from its first cheated round until the
+  cheater's quarantine (0: caught before the round after its first cheat closed);
+- `loss_over_clean`: the result's loss over the whole dataset (plain PyTorch) over the clean
+  job's;
+- exactly-once over the live rounds.
+
+`false_accusations`: honest nodes struck or quarantined over every job. Prints one JSON line:
+
+    .venv/bin/python scripts/bench_verify.py [--samples 1920] [--epochs 3] [--trust-rounds 160]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from chaos import applied, write_job  # noqa: E402
+from local_cluster import LocalCluster, wait_for  # noqa: E402
+
+from epochmesh.v1 import (  # noqa: E402
+    common_pb2,
+    job_pb2,
+    job_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+log = logging.getLogger("bench_verify")
+JS = common_pb2.JobState
+NS = common_pb2.NodeState
+CHEATS = ("scaled", "flipped", "random", "lazy", "stale")
+HONEST = {"h1": "1", "h2": "1.5", "h3": "2", "h4": "3"}  # name -> --slowdown
+CHEAT_FROM = 4
+GLOBAL_BATCH = 240
+
+
+class Bench:
+    def __init__(self, cluster: LocalCluster, work: Path) -> None:
+        self.cluster = cluster
+        self.work = work
+        channel = cluster.operator_channel()
+        self.jobs = job_pb2_grpc.JobServiceStub(channel)
+        self.sched = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+    def nodes(self) -> dict[str, common_pb2.NodeInfo]:
+        reply = self.sched.ListNodes(scheduler_pb2.ListNodesRequest(), timeout=10)
+        return {n.name: n for n in reply.nodes}
+
+    def job(self, job_id: str) -> common_pb2.Job:
+        return self.jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=10)
+
+    def rounds(self, job_id: str, rolled_back: bool = False) -> list[common_pb2.RoundRecord]:
+        req = job_pb2.GetRoundsRequest(job_id=job_id, include_rolled_back=rolled_back)
+        return list(self.jobs.GetRounds(req, timeout=10).rounds)
+
+    def events(self, job_id: str) -> list[common_pb2.Event]:
+        req = job_pb2.GetJobEventsRequest(job_id=job_id)
+        return list(self.jobs.GetJobEvents(req, timeout=10).events)
+
+    def wait_ready(self, names: list[str]) -> None:
+        def ready() -> bool:
+            nodes = self.nodes()
+            return all(n in nodes and nodes[n].benchmark.samples_per_second > 0 for n in names)
+
+        wait_for(ready, 120, f"agents {names} ready", interval=0.3)
+
+    def run_job(self, name: str, samples: int, epochs: int, seed: int) -> tuple[str, Path]:
+        job_dir = self.work / "jobs" / name
+        toml = write_job(
+            job_dir,
+            name=name,
+            samples=samples,
+            epochs=epochs,
+            global_batch=GLOBAL_BATCH,
+            seed=seed,
+            max_nodes=5,
+            checkpoint_every=10,
+        )
+        out = self.cluster.cli("submit", str(toml), "--output", "json")
+        job_id = str(json.loads(out)["job_id"])
+
+        def done() -> bool:
+            job = self.job(job_id)
+            if job.state in (JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED):
+                raise RuntimeError(f"job {name} ended {job.state}: {job.message}")
+            return job.state == JS.JOB_STATE_SUCCEEDED
+
+        wait_for(done, 900, f"job {name} succeeded", interval=0.5)
+        return job_id, job_dir
+
+    def result_loss(self, job_id: str, job_dir: Path) -> float:
+        """The downloaded result's mean loss over the whole dataset."""
+        out = job_dir / "result"
+        self.cluster.cli("download", job_id, "-o", str(out))
+        spec = importlib.util.spec_from_file_location(f"m_{job_id}", job_dir / "model.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model = module.make_model()
+        model.load_state_dict(load_file(str(out / "model.safetensors")))
+        data = load_file(str(job_dir / "train.safetensors"))
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(model(data["x"]), data["y"]))
+
+    def summary(self, job_id: str) -> dict[str, str]:
+        found = [e for e in self.events(job_id) if e.kind == "job.verification"]
+        return dict(found[-1].attrs) if found else {}
+
+
+def exactly_once(rounds: list[common_pb2.RoundRecord], samples: int, epochs: int) -> bool:
+    seen: dict[int, list[int]] = defaultdict(list)
+    for r in rounds:
+        for p in applied(r):
+            seen[r.epoch].extend(i for x in p.ranges for i in range(x.start, x.stop))
+    return sorted(seen) == list(range(epochs)) and all(
+        sorted(v) == list(range(samples)) for v in seen.values()
+    )
+
+
+def rounds_to_quarantine(bench: Bench, job_id: str, node_id: str) -> int | None:
+    """Rounds closed from the first cheated round until the quarantine event (None: never)."""
+    caught = [
+        e for e in bench.events(job_id) if e.kind == "node.quarantined" and e.node_id == node_id
+    ]
+    if not caught:
+        return None
+    at = caught[0].time_ms
+    rounds = bench.rounds(job_id, rolled_back=True)
+    return sum(1 for r in rounds if r.round >= CHEAT_FROM and r.finished_ms <= at)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1920)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument(
+        "--trust-rounds",
+        type=int,
+        default=160,
+        help="rounds of the honest job that builds the records (trusted after ~50 verified)",
+    )
+    parser.add_argument("--work", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-verify-"))
+    started = time.monotonic()
+    with LocalCluster(work) as cluster:
+        cluster.start_coordinator("--heartbeat-interval", "1.0")
+        cluster.login()
+        for name, slow in HONEST.items():
+            cluster.start_agent(name, "--slowdown", slow)
+        cluster.start_agent("spare", "--slowdown", "1")
+        bench = Bench(cluster, work)
+        bench.wait_ready([*HONEST, "spare"])
+
+        trust_samples = args.trust_rounds * GLOBAL_BATCH // 2
+        trust_id, _ = bench.run_job("trust", trust_samples, 2, seed=1)
+        trust = bench.summary(trust_id)
+        log.info("trust-building job: %s", trust)
+        clean_id, clean_dir = bench.run_job("clean", args.samples, args.epochs, seed=7)
+        clean_loss = bench.result_loss(clean_id, clean_dir)
+        clean = bench.summary(clean_id)
+        log.info("clean job: loss %.5f, %s", clean_loss, clean)
+        cluster.agents["spare"].terminate()
+
+        cheats: dict[str, dict[str, Any]] = {}
+        for cheat in CHEATS:
+            name = f"cheat-{cheat}"
+            cluster.start_agent(
+                name, "--slowdown", "1", env={"EPOCHMESH_TEST_CHEAT": f"{cheat}:{CHEAT_FROM}"}
+            )
+            bench.wait_ready([name])
+            node_id = bench.nodes()[name].node_id
+            job_id, job_dir = bench.run_job(cheat, args.samples, args.epochs, seed=7)
+            loss = bench.result_loss(job_id, job_dir)
+            cheater = bench.nodes()[name]
+            cheats[cheat] = {
+                "rounds_to_quarantine": rounds_to_quarantine(bench, job_id, node_id),
+                "quarantined": cheater.state == NS.NODE_STATE_QUARANTINED,
+                "loss_over_clean": loss / clean_loss,
+                "exactly_once": exactly_once(bench.rounds(job_id), args.samples, args.epochs),
+                "verification": bench.summary(job_id),
+            }
+            log.info("%s: %s", cheat, cheats[cheat])
+            cluster.agents[name].terminate()
+
+        nodes = bench.nodes()
+        false = sum(
+            1
+            for n in HONEST
+            if nodes[n].strikes > 0
+            or nodes[n].reputation.failed_total > 0
+            or nodes[n].state == NS.NODE_STATE_QUARANTINED
+        )
+        node_rounds = sum(nodes[n].parts_applied for n in HONEST)
+
+    def overhead(summary: dict[str, str], standing: str) -> float | None:
+        value = summary.get(f"overhead_{standing}", "")
+        return float(value) if value else None
+
+    caught = [c["rounds_to_quarantine"] for c in cheats.values()]
+    result = {
+        "cheats": cheats,
+        "max_rounds_to_quarantine": None if None in caught else max(caught),
+        "max_loss_over_clean": max(c["loss_over_clean"] for c in cheats.values()),
+        "overhead_new": overhead(trust, "new"),
+        "overhead_trusted": overhead(trust, "trusted"),
+        "false_accusations": false,
+        "honest_node_rounds": node_rounds,
+        "clean_loss": clean_loss,
+        "trust_job": trust,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
