@@ -79,6 +79,7 @@ class ParameterServerRounds:
             return
         round_id, parts, deadline = self.runner.plan_parts(nodes)
         await self.runner.ensure_params_payload()
+        self.runner.verifier.round_started(self.version, self.runner.params_payload)
         rs = RoundState(
             round=round_id,
             epoch=self.runner.ledger.epoch,
@@ -167,17 +168,16 @@ class ParameterServerRounds:
         received = sorted(
             (p for p in rs.parts.values() if p.status == "received"), key=lambda p: p.node_id
         )
-        # Screening (coordinator/verifier.py): an update far from the others' robust centre
-        # is discarded before it can do harm; its node's next part is checked.
-        for p in self.runner.verifier.screen(received):
-            log.warning(
-                "job %s round %d: %s's update discarded (%s)",
+        # Screening (coordinator/verifier.py): a node whose update lies far from the others'
+        # robust centre has its next part checked.
+        for p, why in self.runner.verifier.screen(received):
+            log.info(
+                "job %s round %d: screening flagged %s (%s); its next part is checked",
                 self.runner.job_id,
                 rs.round,
                 p.node_id,
-                p.error,
+                why,
             )
-        received = [p for p in received if p.status == "received"]
         if received:
             contributions = [(p.samples, p.grads or {}) for p in received]
 

@@ -27,6 +27,11 @@ loaded as an agent loads it, batches of 1 and 2 samples run through it) in a con
 (`epochmesh.program_inspection`), after the archive passed validation: a model that crashes
 Python (a segmentation fault, an abort) fails with a one-line SpecError, not a dead process.
 
+Export cache: `build_job(..., cache=ExportCache)` (the CLI's submit) first looks the program up
+by a key of everything that decides it and the checks' verdict (`_cache_key`,
+`epochmesh.export_cache`); a hit skips the export, the eager run and the load-back check (the
+archive check agents run is still applied), and a successful build stores its program.
+
 Errors are SpecError (ExportError for export failures) with a message saying what to change.
 """
 
@@ -53,9 +58,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from epochmesh.errors import ExportError, ProgramError, SpecError
+from epochmesh.export_cache import ExportCache, cache_key, model_sources, safetensors_digest
 from epochmesh.program import initial_state_metadata, validate_program_archive
 from epochmesh.program_inspection import (
     START_TIMEOUT_S,
+    TEST_FAULT_ENV,
     ChildProcess,
     InspectionLimits,
     PendingInspection,
@@ -98,6 +105,7 @@ class PackedJob:
     spec_toml: str
     num_parameters: int = 0
     state_names: list[str] = field(default_factory=list)
+    program_from_cache: bool = False  # build_job found the program in its ExportCache
 
 
 class LossWrapper(nn.Module):
@@ -131,12 +139,15 @@ def build_job(
     *,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     verify: bool = True,
+    cache: ExportCache | None = None,
 ) -> PackedJob:
     """Import model.py, export model+loss, and shard the dataset.
 
     shard_samples: samples per shard; default so that a shard is about `shard_bytes` (at
     least one sample). verify: load the exported program back (as an agent does) and run
-    batches of 1 and 2 samples through it.
+    batches of 1 and 2 samples through it. cache: where to look for the program first (same
+    key: the export, the eager run and the load-back check are skipped; `_cache_key`) and to
+    store it after a successful build; None (the default) always exports.
     """
     spec = common_pb2.JobSpec()
     spec.CopyFrom(loaded.spec)
@@ -146,9 +157,14 @@ def build_job(
     data = load_dataset(loaded.data_path, list(spec.inputs), list(spec.targets))
     num_samples = next(iter(data.values())).shape[0]
 
+    if cache is not None and os.environ.get(TEST_FAULT_ENV):
+        cache = None  # the load-back check is made to misbehave: it must run
+    key = ""
+    cached: bytes | None = None
     with contextlib.ExitStack() as children:
         pending: PendingInspection | None = None
         with importable(loaded.model_path.parent):
+            modules_before = set(sys.modules)
             module = import_model_file(loaded.model_path)
             try:
                 loss_fn = _pick_loss(module, spec, loaded.model_path.name)
@@ -160,16 +176,30 @@ def build_job(
 
                 wrapper = LossWrapper(model, loss_fn, len(spec.inputs))
                 example = _example_batch(data, list(spec.inputs) + list(spec.targets))
-                # Both children start now and import torch while this process exports.
-                eager = children.enter_context(EagerCheck(loaded.model_path, spec, example))
-                if verify:
-                    pending = children.enter_context(PendingInspection())
-                program = _export_checked(wrapper, example, eager)
+                if cache is not None:
+                    imported = [sys.modules[m] for m in set(sys.modules) - modules_before]
+                    try:
+                        key = _cache_key(
+                            loaded, spec, initial_state, example, num_samples, imported, verify
+                        )
+                    except Exception as e:  # the cache never fails a build: export instead
+                        log.warning("export cache off for this build: %s", e)
+                    cached = _cached_program(cache, key) if key else None
+                if cached is None:
+                    # Both children start now and import torch while this process exports.
+                    eager = children.enter_context(EagerCheck(loaded.model_path, spec, example))
+                    if verify:
+                        pending = children.enter_context(PendingInspection())
+                    program = _export_checked(wrapper, example, eager)
+                else:
+                    program = cached
             finally:
                 sys.modules.pop(module.__name__, None)
 
         if pending is not None:
             _verify(pending, program, initial_state, data, spec)
+    if cache is not None and key and cached is None:
+        cache.put(key, program)  # exported and checked: the next build of this model reuses it
 
     names = list(dict.fromkeys([*spec.inputs, *spec.targets]))
     if shard_samples is None:
@@ -184,10 +214,11 @@ def build_job(
         )
         shards.append((start, count, blob))
     log.info(
-        "packed job %r: %d parameters, program %d bytes, %d samples in %d shards",
+        "packed job %r: %d parameters, program %d bytes%s, %d samples in %d shards",
         spec.name,
         num_parameters,
         len(program),
+        " (from the export cache)" if cached is not None else "",
         num_samples,
         len(shards),
     )
@@ -200,6 +231,7 @@ def build_job(
         spec_toml=loaded.toml_text,
         num_parameters=num_parameters,
         state_names=state_names,
+        program_from_cache=cached is not None,
     )
 
 
@@ -333,6 +365,70 @@ def _example_batch(data: dict[str, torch.Tensor], order: list[str]) -> tuple[tor
             t = t.repeat(2, *([1] * (t.dim() - 1)))
         out.append(t.clone())
     return tuple(out)
+
+
+def _cache_key(
+    loaded: LoadedSpec,
+    spec: common_pb2.JobSpec,
+    initial_state: bytes,
+    example: tuple[torch.Tensor, ...],
+    num_samples: int,
+    imported: list[ModuleType],
+    verify: bool,
+) -> str:
+    """The export cache's key of this build ("" when the model's folder is too big to key):
+    the model's sources and what it imported, the loss, the initial state (make_model() with
+    the seed), and the example batch (dtypes, shapes and values: the export traces it, the
+    eager run and the load-back check run it), with the environment (`cache_key`)."""
+    sources = model_sources(
+        loaded.model_path.parent,
+        exclude=[loaded.data_path, *_spec_files(loaded)],
+        modules=imported,
+    )
+    if sources is None:
+        return ""
+    return cache_key(
+        {
+            "model_file": loaded.model_path.name,
+            "sources": sources,
+            "loss": spec.loss,
+            "num_inputs": len(spec.inputs),
+            "num_targets": len(spec.targets),
+            "initial_state": safetensors_digest(initial_state),
+            "example": safetensors_digest(
+                to_safetensors({str(i): t for i, t in enumerate(example)})
+            ),
+            "trial_samples": min(num_samples, EXAMPLE_BATCH),
+            "verify": verify,
+            "torch": [torch.__version__, torch.version.git_version, str(torch.get_default_dtype())],
+        }
+    )
+
+
+def _spec_files(loaded: LoadedSpec) -> list[Path]:
+    """The job.toml of `loaded` (its folder's .toml files holding exactly its text): the key
+    has the fields of it that matter, not its name, epochs or learning rate."""
+    out = []
+    for path in loaded.base_dir.glob("*.toml"):
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            if path.stat().st_size <= 1 << 20 and path.read_text("utf-8") == loaded.toml_text:
+                out.append(path)
+    return out
+
+
+def _cached_program(cache: ExportCache, key: str) -> bytes | None:
+    """The cached program of `key` if it still passes the archive check agents run."""
+    program = cache.get(key)
+    if program is None:
+        log.debug("export cache: no entry %s", key[:16])
+        return None
+    try:
+        validate_program_archive(program)
+    except ProgramError as e:
+        log.info("export cache: entry %s is refused now (%s); exporting again", key[:16], e)
+        return None
+    log.info("export cache: reusing the program of entry %s", key[:16])
+    return program
 
 
 class EagerCheck:

@@ -20,6 +20,12 @@ from collections.abc import Sequence
 # Chunks per verified part. A check recomputes one of them (coordinator/reputation.py:
 # CHECK_FRACTION = 0.08 of them, at least one): 1/12 = 8.3 % of the part's compute.
 VERIFY_CHUNKS = 12
+# A chunk holds at least this many samples (a part of fewer than 2 x 12 samples has fewer
+# chunks): a pass of the program has a fixed cost (~1.5 ms for the tests' MLP on this host's
+# CPU), and one-sample chunks made a slow node's small part cost it twice its compute, which
+# moved the split by speed; a checked chunk of a small part is then a larger share of it, of
+# a part that is itself small.
+MIN_CHUNK_SAMPLES = 2
 SKETCH_BUCKETS = 256
 # Upper bounds on what a node may send (bad input past them).
 MAX_CHUNKS = 64
@@ -59,10 +65,11 @@ CONSISTENCY_TOLERANCE = {
 
 
 def chunk_count(samples: int, verify_chunks: int) -> int:
-    """How many chunks a part of ``samples`` is cut into (at most one sample per chunk)."""
+    """How many chunks a part of ``samples`` is cut into: ``verify_chunks``, fewer when a
+    chunk would hold less than MIN_CHUNK_SAMPLES, at least one."""
     if samples < 1 or verify_chunks < 1:
         return 0
-    return min(samples, verify_chunks)
+    return max(1, min(verify_chunks, samples // MIN_CHUNK_SAMPLES))
 
 
 def chunk_bounds(samples: int, verify_chunks: int) -> list[tuple[int, int]]:

@@ -9,7 +9,8 @@ TF32 off), and the same device twice. Per pair: the largest relative L2 distance
 two gradients (|g1 - g2| / |g1|), the smallest cosine similarity, the largest relative loss
 difference. One JSON line (`--out FILE` also writes it there).
 
-    .venv/bin/python scripts/measure_device_tolerance.py     # CPU only: CPU vs CPU
+    .venv/bin/python scripts/measure_device_tolerance.py     # CPU only: CPU vs CPU (also at 1
+                                                              # thread against all of them)
 """
 
 from __future__ import annotations
@@ -125,6 +126,12 @@ def main() -> int:
             x, y = data(args.batch, g)
             cpu = gradient(model, x, y, "cpu")
             pairs.setdefault("cpu_vs_cpu", []).append(compare(cpu, gradient(model, x, y, "cpu")))
+            # Agents run with different thread counts (--threads): 1 thread against the many.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            one = gradient(model, x, y, "cpu")
+            torch.set_num_threads(threads)
+            pairs.setdefault("cpu_1_thread_vs_cpu", []).append(compare(cpu, one))
             for dev in cudas:
                 torch.backends.cudnn.allow_tf32 = tf32_default
                 torch.backends.cuda.matmul.allow_tf32 = False  # torch's default

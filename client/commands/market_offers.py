@@ -492,8 +492,8 @@ def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentPars
         "uptime_seconds, job_samples_per_second: {job id: samples/s}, verified_in_a_row, "
         "verified_total, failed_checks, check_probability, verified}, ...]}. VERIFIED: "
         "the node's spot-check record (`new:3/10`: checked every round until 10 checks in "
-        "a row pass; `ok:42,p=0.24`: checks passed in a row and the chance its next round is "
-        "checked; `failed:r17`: its check of round 17 failed).",
+        "a row pass; `42@0.24`: checks passed in a row and the chance its next round is "
+        "checked; `fail:r17`: its check of round 17 failed).",
     )
     p.add_argument("--all", action="store_true", help="also offline and quarantined nodes")
     p.set_defaults(func=cmd_offers)

@@ -15,6 +15,8 @@ from epochmesh.v1 import common_pb2, scheduler_pb2
 
 # Checks in a row before a node's check rate starts to fall (coordinator/reputation.py N0).
 NEW_UNTIL = 10
+# A job id's prefix shown in the table ("j-" and 6 hex: `status` accepts unique prefixes).
+JOB_ID_SHOWN = 8
 
 
 def device_summary(node: common_pb2.NodeInfo) -> str:
@@ -49,16 +51,15 @@ def node_price(node: common_pb2.NodeInfo) -> str:
 
 
 def fmt_verified(node: common_pb2.NodeInfo) -> str:
-    """The node's verification record in a few characters, without spaces: ``new:3/10``
-    (checked every round until 10 checks in a row pass), ``ok:42,p=0.24`` (checks passed in a
-    row, the chance its next round is checked), ``failed:r17`` (its check of round 17
-    failed)."""
+    """The node's verification record in at most 8 characters, without spaces: ``new:3/10``
+    (checked every round until 10 checks in a row pass), ``42@0.24`` (checks passed in a row,
+    the chance its next round is checked), ``fail:r17`` (its check of round 17 failed)."""
     r = node.reputation
     if r.failed_total and r.last_failure_round and r.verified_in_a_row == 0:
-        return f"failed:r{r.last_failure_round}"
+        return f"fail:r{r.last_failure_round}"
     if r.check_probability >= 1.0 or r.verified_in_a_row < NEW_UNTIL:
         return f"new:{r.verified_in_a_row}/{NEW_UNTIL}"
-    return f"ok:{r.verified_in_a_row},p={r.check_probability:.2f}"
+    return f"{r.verified_in_a_row}@{r.check_probability:.2f}"
 
 
 def cmd_nodes(ctx: Context) -> int:
@@ -87,17 +88,17 @@ def cmd_nodes(ctx: Context) -> int:
             fmt_rate(node_rate(n)),
             node_price(n),
             fmt_verified(n),
-            n.current_job_id or "-",
+            n.current_job_id[:JOB_ID_SHOWN] or "-",
             fmt_age(n.last_heartbeat_ms, now),
         ]
         for n in nodes
     ]
     style = ctx.out_style
     ctx.emit_table(
-        ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S", "PRICE", "VERIFIED", "JOB", "HEARTBEAT"],
+        ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S", "PRICE", "CHECKS", "JOB", "SEEN"],
         rows,
         right=(4, 5),
-        flex=1,
+        flex=3,  # the device summary gives way first in a narrow terminal
         paint={2: style.state},
     )
     return ExitCode.OK
@@ -130,7 +131,12 @@ def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentPars
         "nodes",
         parents=common,
         help="list nodes",
-        description="List the nodes known to the coordinator.",
+        description="List the nodes known to the coordinator: state, device, samples/s "
+        "(observed, else the reference benchmark's), price, CHECKS (the spot-check record: "
+        "new:3/10 while new and checked every round, 42@0.24 for 42 checks passed in a row "
+        "and a 0.24 chance its next round is checked, fail:r17 after a failed check), its job "
+        "(an id prefix) and when its last heartbeat was SEEN. --output json gives every "
+        "field, the record under reputation.",
     )
     p.add_argument(
         "--state",

@@ -6,7 +6,9 @@ Steps, each failing with a one-line message and a stable exit code:
    closest valid key), bad values, missing model or dataset file -> exit 2;
 2. connect to the coordinator (unreachable -> exit 4, within seconds);
 3. run ``make_model()`` here, export model + loss with torch.export and pack the dataset into
-   shards (``epochmesh.packaging.build_job``; a model that cannot be exported -> exit 2);
+   shards (``epochmesh.packaging.build_job``; a model that cannot be exported -> exit 2); a
+   program exported and checked before with the same key comes from the export cache
+   (``epochmesh.export_cache``; ``--no-cache`` exports anyway and refreshes the entry);
 4. upload the program, the initial parameters and the shards, resumably, with progress on
    stderr (blobs the coordinator already holds are skipped);
 5. SubmitJob; print the job id (or the job as JSON) on stdout; with ``--watch``, follow it.
@@ -55,19 +57,22 @@ def load_checked(path: Path) -> Any:
 
 def pack(loaded: Any, path: Path, ctx: Context) -> Any:
     from epochmesh.errors import SpecError
+    from epochmesh.export_cache import ExportCache
     from epochmesh.packaging import build_job
 
     if not ctx.json:
         ctx.note("exporting the model and packing the dataset...")
     t0 = time.monotonic()
+    cache = ExportCache.default(reuse=not getattr(ctx.args, "no_cache", False))
     try:
-        packed = build_job(loaded)
+        packed = build_job(loaded, cache=cache)
     except SpecError as err:  # ExportError is a SpecError
         raise _spec_error(err, path) from None
     if not ctx.json:
+        reused = "; the exported program came from the cache" if packed.program_from_cache else ""
         ctx.note(
             f"packed {packed.num_samples} samples into {len(packed.shards)} shards "
-            f"in {fmt_duration(time.monotonic() - t0)}"
+            f"in {fmt_duration(time.monotonic() - t0)}{reused}"
         )
     return packed
 
@@ -157,5 +162,12 @@ def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentPars
         "--watch",
         action="store_true",
         help="follow the job until it ends (exit 0 succeeded, 5 failed or cancelled)",
+    )
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="export and check the model even when the export cache ($EPOCHMESH_CACHE_DIR, "
+        "else $XDG_CACHE_HOME/epochmesh or ~/.cache/epochmesh) holds its program, and store "
+        "the fresh export in its place",
     )
     p.set_defaults(func=cmd_submit)

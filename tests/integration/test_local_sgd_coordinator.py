@@ -28,6 +28,7 @@ from safetensors.torch import load as st_load
 from coordinator.engine import Engine
 from epochmesh import identity as idm
 from epochmesh.compression import ErrorFeedback
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec
 from epochmesh.tensors import decode_bundle, encode_bundle
@@ -145,7 +146,7 @@ async def test_local_sgd_int8_rounds_match_the_outer_optimizer(tmp_path: Path) -
             "cluster": {"min_nodes": 2, "max_nodes": 2, "checkpoint_every": 2},
         },
     )
-    packed = build_job(load_spec(job_toml))
+    packed = build_job(load_spec(job_toml), cache=ExportCache.default())
     data = make_classification(NUM_SAMPLES)
     pushed: dict = {}
     async with in_process_coordinator(

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from coordinator.engine import Engine
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2
@@ -54,7 +55,7 @@ async def test_memory_cap_binds_only_without_micro_batches(
         NUM_SAMPLES,
         overrides={"train": train, "cluster": {"min_nodes": 2, "max_nodes": 2}},
     )
-    packed = build_job(load_spec(job_toml))
+    packed = build_job(load_spec(job_toml), cache=ExportCache.default())
     assert packed.spec.micro_batch == micro_batch
     async with in_process_coordinator(
         tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=1.0

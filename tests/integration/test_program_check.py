@@ -16,6 +16,7 @@ import pytest
 
 from coordinator.engine import Engine
 from coordinator.server import Coordinator
+from epochmesh.export_cache import ExportCache
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.program import TrainableProgram, read_initial_state
@@ -35,7 +36,7 @@ CHECK_TIMEOUT_S = 2.0
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
     job = write_mlp_job(tmp_path_factory.mktemp("mlp"), num_samples=64)
-    return build_job(load_spec(job), verify=False)
+    return build_job(load_spec(job), verify=False, cache=ExportCache.default())
 
 
 async def upload(jobs: job_pb2_grpc.JobServiceStub, data: bytes) -> common_pb2.BlobRef:

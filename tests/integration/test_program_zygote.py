@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.spec import load_spec
 from node_agent import program_host
@@ -43,7 +44,8 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
-    return build_job(load_spec(write_mlp_job(tmp_path_factory.mktemp("mlp"))))
+    job = write_mlp_job(tmp_path_factory.mktemp("mlp"))
+    return build_job(load_spec(job), cache=ExportCache.default())
 
 
 @pytest.fixture

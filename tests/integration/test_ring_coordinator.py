@@ -21,6 +21,7 @@ import torch
 
 from coordinator.engine import Engine
 from epochmesh import identity as idm
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.spec import load_spec
 from epochmesh.tensors import encode_bundle, params_checksum
@@ -56,7 +57,7 @@ def ring_job(tmp_path: Path, **cluster: object) -> PackedJob:
             "cluster": {"aggregation": "ring", "checkpoint_every": 2, **cluster},
         },
     )
-    return build_job(load_spec(job_toml), verify=False)
+    return build_job(load_spec(job_toml), verify=False, cache=ExportCache.default())
 
 
 class FakeMember:
@@ -330,7 +331,7 @@ async def test_topk_with_a_ring_is_refused(tmp_path: Path) -> None:
         NUM_SAMPLES,
         overrides={"train": {"compression": "topk"}, "cluster": {"aggregation": "ring"}},
     )
-    packed = build_job(load_spec(job_toml), verify=False)
+    packed = build_job(load_spec(job_toml), verify=False, cache=ExportCache.default())
     async with in_process_coordinator(tmp_path / "coord", engine_factory=Engine) as coord:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await submit_packed(coord, packed)

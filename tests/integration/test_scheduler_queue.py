@@ -24,6 +24,7 @@ import torch
 
 from coordinator.engine import Engine
 from epochmesh import identity as idm
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.spec import load_spec
 from epochmesh.v1 import (
@@ -64,7 +65,7 @@ def packed_job(tmp_path: Path, name: str, samples: int, epochs: int) -> PackedJo
             "cluster": {"min_nodes": 1, "max_nodes": 4},
         },
     )
-    return build_job(load_spec(job_toml))
+    return build_job(load_spec(job_toml), cache=ExportCache.default())
 
 
 class Caller:

@@ -62,9 +62,9 @@ def test_nodes_table_and_json(cluster: Cluster) -> None:
         "DEVICE",
         "SAMPLES/S",
         "PRICE",
-        "VERIFIED",
+        "CHECKS",
         "JOB",
-        "HEARTBEAT",
+        "SEEN",
     ]
     assert all(len(line) <= 80 for line in lines)
     names = {line.split()[1] for line in lines[1:]}

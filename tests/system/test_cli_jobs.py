@@ -377,6 +377,8 @@ def test_long_job_download_early_watch_tty_and_cancel(jobs: JobCluster, tmp_path
     job_id = submitted.stdout.strip()
     # The dataset is the short job's: its shard is already on the coordinator, not re-sent.
     assert "blobs already there" in submitted.stderr, submitted.stderr
+    # The model is the short job's too: its exported program comes from the export cache.
+    assert "the exported program came from the cache" in submitted.stderr, submitted.stderr
     assert f"epochmesh watch {job_id}" in submitted.stderr
 
     early = cli.run("download", job_id, "-o", str(tmp_path / "early"))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from epochmesh.errors import ProgramError
+from epochmesh.export_cache import ExportCache
 from epochmesh.optim import build_optimizer
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.program import TrainableProgram, read_initial_state, validate_program_archive
@@ -60,7 +61,8 @@ def data() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def mlp(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
-    return build_job(load_spec(write_mlp_job(tmp_path_factory.mktemp("mlp"), N)))
+    job = write_mlp_job(tmp_path_factory.mktemp("mlp"), N)
+    return build_job(load_spec(job), cache=ExportCache.default())
 
 
 @pytest.fixture(scope="module")

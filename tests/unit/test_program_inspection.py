@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.program_inspection import (
     MAX_ANSWER_BYTES,
@@ -163,7 +164,7 @@ def test_one_line() -> None:
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
     job = write_mlp_job(tmp_path_factory.mktemp("mlp"), num_samples=16)
-    return build_job(load_spec(job), verify=False)
+    return build_job(load_spec(job), verify=False, cache=ExportCache.default())
 
 
 def test_a_good_program_loads_and_runs_its_trial_batches(packed: PackedJob) -> None:

@@ -395,3 +395,19 @@ def test_market_fields_are_validated_on_the_wire() -> None:
     spec.deadline_seconds = float("nan")
     with pytest.raises(SpecError, match="deadline_seconds"):
         validate_job_spec(spec)
+
+
+def test_aggregation_rule_is_optional_checked_and_reads_back() -> None:
+    assert parse(EXAMPLE).aggregation_rule == ""  # mean: the plain-replay default
+    assert "aggregation_rule" not in spec_to_dict(parse(EXAMPLE))["train"]
+    for rule in ("trimmed_mean", "centered_clip"):
+        spec = parse(with_train(f'aggregation_rule = "{rule}"'))
+        assert spec.aggregation_rule == rule
+        validate_job_spec(spec)
+        assert spec_to_dict(spec)["train"]["aggregation_rule"] == rule
+    assert parse(with_train('aggregation_rule = "mean"')).aggregation_rule == ""
+    assert "aggregation_rule must be one of" in error(with_train('aggregation_rule = "median"'))
+    spec = parse(with_train('aggregation_rule = "trimmed_mean"'))
+    spec.aggregation = "ring"
+    with pytest.raises(SpecError, match="parameter server"):
+        validate_job_spec(spec)

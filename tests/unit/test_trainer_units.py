@@ -15,6 +15,7 @@ from torch import nn
 
 from epochmesh.compression import ErrorFeedback, decode
 from epochmesh.dataset import ShardedDataset
+from epochmesh.export_cache import ExportCache
 from epochmesh.optim import build_optimizer
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.program import TrainableProgram
@@ -61,7 +62,7 @@ LOCAL_SGD = {
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
     toml = write_mlp_job(tmp_path_factory.mktemp("mlp"), N, overrides={"train": LOCAL_SGD})
-    return build_job(load_spec(toml))
+    return build_job(load_spec(toml), cache=ExportCache.default())
 
 
 @pytest.fixture
