@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,14 @@ class Bench:
 
         wait_for(ready, 120, f"agents {names} ready", interval=0.3)
 
-    def run_job(self, name: str, samples: int, epochs: int, seed: int) -> tuple[str, Path]:
+    def run_job(
+        self,
+        name: str,
+        samples: int,
+        epochs: int,
+        seed: int,
+        on_poll: Callable[[], None] = lambda: None,
+    ) -> tuple[str, Path]:
         job_dir = self.work / "jobs" / name
         toml = write_job(
             job_dir,
@@ -95,6 +103,7 @@ class Bench:
             epochs=epochs,
             global_batch=GLOBAL_BATCH,
             seed=seed,
+            min_nodes=5,  # every job starts on all five (the cheater from its first round)
             max_nodes=5,
             checkpoint_every=10,
         )
@@ -102,6 +111,7 @@ class Bench:
         job_id = str(json.loads(out)["job_id"])
 
         def done() -> bool:
+            on_poll()
             job = self.job(job_id)
             if job.state in (JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED):
                 raise RuntimeError(f"job {name} ended {job.state}: {job.message}")
@@ -140,15 +150,21 @@ def exactly_once(rounds: list[common_pb2.RoundRecord], samples: int, epochs: int
 
 
 def rounds_to_quarantine(bench: Bench, job_id: str, node_id: str) -> int | None:
-    """Rounds closed from the first cheated round until the quarantine event (None: never)."""
+    """Rounds of the job closed from the cheater's first cheated round (its first part from
+    CHEAT_FROM on; rolled-back rounds count) until its quarantine (None: never caught)."""
     caught = [
         e for e in bench.events(job_id) if e.kind == "node.quarantined" and e.node_id == node_id
     ]
-    if not caught:
-        return None
-    at = caught[0].time_ms
     rounds = bench.rounds(job_id, rolled_back=True)
-    return sum(1 for r in rounds if r.round >= CHEAT_FROM and r.finished_ms <= at)
+    mine = [
+        r.round
+        for r in rounds
+        if r.round >= CHEAT_FROM and any(p.node_id == node_id for p in r.parts)
+    ]
+    if not caught or not mine:
+        return None
+    at, first = caught[0].time_ms, min(mine)
+    return sum(1 for r in rounds if r.round >= first and r.finished_ms <= at)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trust-rounds",
         type=int,
-        default=160,
+        default=320,
         help="rounds of the honest job that builds the records (trusted after ~50 verified)",
     )
     parser.add_argument("--work", type=Path, default=None)
@@ -193,7 +209,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             bench.wait_ready([name])
             node_id = bench.nodes()[name].node_id
-            job_id, job_dir = bench.run_job(cheat, args.samples, args.epochs, seed=7)
+            spare: list[bool] = []
+
+            def replace_the_cheater(name: str = name, spare: list[bool] = spare) -> None:
+                """The job needs five nodes: once the cheater is quarantined, the spare
+                joins in its place."""
+                if not spare and bench.nodes()[name].state == NS.NODE_STATE_QUARANTINED:
+                    cluster.start_agent("spare", "--slowdown", "1")
+                    spare.append(True)
+
+            job_id, job_dir = bench.run_job(
+                cheat, args.samples, args.epochs, seed=7, on_poll=replace_the_cheater
+            )
             loss = bench.result_loss(job_id, job_dir)
             cheater = bench.nodes()[name]
             cheats[cheat] = {
@@ -205,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             }
             log.info("%s: %s", cheat, cheats[cheat])
             cluster.agents[name].terminate()
+            if spare:
+                cluster.agents["spare"].terminate()
+                cluster.agents["spare"].wait()
 
         nodes = bench.nodes()
         false = sum(
@@ -216,17 +246,25 @@ def main(argv: list[str] | None = None) -> int:
         )
         node_rounds = sum(nodes[n].parts_applied for n in HONEST)
 
-    def overhead(summary: dict[str, str], standing: str) -> float | None:
-        value = summary.get(f"overhead_{standing}", "")
-        return float(value) if value else None
+    def overhead(summaries: list[dict[str, str]], standing: str) -> float | None:
+        """Samples recomputed over samples trained by nodes of that standing, summed over
+        the jobs given (a trusted node is checked in a fifth of its rounds: the more rounds,
+        the steadier the figure)."""
+        trained = sum(int(s.get(f"trained_{standing}") or 0) for s in summaries)
+        recomputed = sum(int(s.get(f"recomputed_{standing}") or 0) for s in summaries)
+        return round(recomputed / trained, 4) if trained else None
 
     caught = [c["rounds_to_quarantine"] for c in cheats.values()]
     result = {
         "cheats": cheats,
         "max_rounds_to_quarantine": None if None in caught else max(caught),
         "max_loss_over_clean": max(c["loss_over_clean"] for c in cheats.values()),
-        "overhead_new": overhead(trust, "new"),
-        "overhead_trusted": overhead(trust, "trusted"),
+        # New: the honest nodes' first rounds (the cheat jobs' "new" figures include the
+        # third-node re-checks spent on the cheaters). Trusted: every job.
+        "overhead_new": overhead([trust], "new"),
+        "overhead_trusted": overhead(
+            [trust, clean, *(c["verification"] for c in cheats.values())], "trusted"
+        ),
         "false_accusations": false,
         "honest_node_rounds": node_rounds,
         "clean_loss": clean_loss,

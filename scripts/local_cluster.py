@@ -17,6 +17,7 @@ Every process started is stopped (SIGTERM, then SIGKILL) when the block ends.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,10 @@ from epochmesh.identity import (
 )
 
 BIN = Path(sys.executable).parent
+if not (BIN / "epochmesh-coordinator").exists():  # console scripts elsewhere (a system python)
+    _found = shutil.which("epochmesh-coordinator")
+    if _found:
+        BIN = Path(_found).parent
 T = TypeVar("T")
 
 

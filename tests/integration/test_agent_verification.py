@@ -402,7 +402,7 @@ def test_the_batched_chunk_call_survives_a_crash_of_its_child(
         for (l1, g1), (l2, g2) in zip(first, again, strict=True):
             assert l1 == l2 and all(torch.equal(g1[k], g2[k]) for k in g1)
         # More chunks than before: the region grows.
-        more = prog.chunked_loss_and_grads(inputs, targets, chunk_bounds(30, 30))
+        more = prog.chunked_loss_and_grads(inputs, targets, [(i, i + 1) for i in range(30)])
         assert len(more) == 30 and more[0][0] != first[0][0]
         with pytest.raises(ValueError, match="do not fit"):
             prog.chunked_loss_and_grads(inputs, targets, [(0, 31)])
