@@ -596,10 +596,14 @@ class JobRunner:
                 part.error = f"no heartbeat for more than {silent_s:.2f}s (node unresponsive)"
                 log.info("job %s round %d: %s is silent", self.job_id, rs.round, part.node_id)
 
-    def train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
+    def _shards_of(self, runs: np.ndarray) -> list[common_pb2.Shard]:
+        """The job's shards that hold the samples of ``runs`` (what a task must fetch)."""
         if self._shard_starts is None:
             self._shard_starts = np.array([s.start for s in self.job.shards], dtype=np.int64)
-        shards = [self.job.shards[int(i)] for i in touched_shards(self._shard_starts, part.ranges)]
+        return [self.job.shards[int(i)] for i in touched_shards(self._shard_starts, runs)]
+
+    def train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
+        shards = self._shards_of(part.ranges)
         task = agent_pb2.Task(
             task_id=part.task_id,
             kind=agent_pb2.TASK_KIND_TRAIN,
@@ -971,9 +975,7 @@ class JobRunner:
         """A CHECK task: recompute the samples ``runs`` (a chunk of another node's part of
         ``round_id``) from parameters ``version`` and sketch the gradient (coordinator/
         verifier.py)."""
-        if self._shard_starts is None:
-            self._shard_starts = np.array([s.start for s in self.job.shards], dtype=np.int64)
-        shards = [self.job.shards[int(i)] for i in touched_shards(self._shard_starts, runs)]
+        shards = self._shards_of(runs)
         task = agent_pb2.Task(
             task_id=task_id,
             kind=agent_pb2.TASK_KIND_CHECK,

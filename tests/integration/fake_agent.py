@@ -185,10 +185,12 @@ class FakeAgent:
         bundle: tuple[common_pb2.TensorBundle, bytes] | None = None,
         params_version: int = 0,
         chunks: list[agent_pb2.ChunkCommitment] | None = None,
+        sketches: bool = True,
     ) -> agent_pb2.PushUpdateResponse:
         """Push an update. Where the task asks for chunk commitments (verification) and
         ``chunks`` is None, they are the honest ones of an update whose every chunk has the
-        same gradient and loss (and, when the coordinator asks, their sketches follow)."""
+        same gradient and loss; when the coordinator asks for sketches they follow (unless
+        ``sketches`` is False: the caller sends its own)."""
         header, payload = bundle or encode_bundle(tensors, codec)
         if chunks is None:
             chunks = [
@@ -215,7 +217,7 @@ class FakeAgent:
             *(agent_pb2.PushUpdateRequest(chunk=c) for c in iter_chunks(payload)),
         ]
         response = await self.stub.PushUpdate(iter(msgs), timeout=30)
-        if response.accepted and response.sketch.buckets > 0:
+        if sketches and response.accepted and response.sketch.buckets > 0:
             one = sketch(tensors, response.sketch.seed, response.sketch.buckets).tolist()
             await self.stub.CommitSketches(
                 agent_pb2.CommitSketchesRequest(

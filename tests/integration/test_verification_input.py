@@ -26,6 +26,7 @@ from epochmesh.packaging import build_job
 from epochmesh.sketch import sketch
 from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, job_pb2_grpc
+from epochmesh.verification import chunk_bounds
 from tests.fixtures import write_mlp_job
 from tests.integration.fake_agent import (
     FakeAgent,
@@ -85,7 +86,7 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
                 seen.append(step)
         elif step in ("none", "misfit"):
             # "misfit": the chunks' losses do not average to the update's mean_loss (1.0).
-            chunks = [] if step == "none" else _honest_chunks(task, n, loss=2.0)
+            chunks = [] if step == "none" else _chunks(task, n, loss=2.0)
             try:
                 response = await agent.push(
                     task, grads, kind="gradient", num_samples=n, chunks=chunks
@@ -99,7 +100,9 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
                 assert not response.accepted, "an update without fitting commitments was taken"
         elif step == "malformed":
             # Honest commitments, but sketches of the wrong size.
-            response = await _push_only(agent, task, grads, n, _honest_chunks(task, n))
+            response = await agent.push(
+                task, grads, kind="gradient", num_samples=n, chunks=_chunks(task, n), sketches=False
+            )
             if response.accepted and response.sketch.buckets:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await agent.stub.CommitSketches(
@@ -132,9 +135,11 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
             seen.append(step)
             await agent.push(task, grads, kind="gradient", num_samples=n)
         elif step == "scaled":
-            header_chunks = _honest_chunks(task, n)
+            header_chunks = _chunks(task, n)
             scaled = {k: 100 * v for k, v in grads.items()}
-            response = await _push_only(agent, task, scaled, n, header_chunks)
+            response = await agent.push(
+                task, scaled, kind="gradient", num_samples=n, chunks=header_chunks, sketches=False
+            )
             if response.accepted:
                 assert response.sketch.buckets > 0  # new: every round is checked
                 one = sketch(grads, response.sketch.seed, response.sketch.buckets).tolist()
@@ -193,45 +198,10 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
     assert good.errors == []
 
 
-def _honest_chunks(
-    task: agent_pb2.Task, n: int, loss: float = 1.0
-) -> list[agent_pb2.ChunkCommitment]:
-    from epochmesh.verification import chunk_bounds
-
+def _chunks(task: agent_pb2.Task, n: int, loss: float = 1.0) -> list[agent_pb2.ChunkCommitment]:
+    """Commitments of the right count and sizes, every chunk with ``loss`` (the pushed
+    mean_loss is 1.0: another loss makes them not fit)."""
     return [
         agent_pb2.ChunkCommitment(samples=e - s, loss=loss)
         for s, e in chunk_bounds(n, task.verify_chunks)
     ]
-
-
-async def _push_only(
-    agent: FakeAgent,
-    task: agent_pb2.Task,
-    tensors: dict[str, torch.Tensor],
-    n: int,
-    chunks: list[agent_pb2.ChunkCommitment],
-) -> agent_pb2.PushUpdateResponse:
-    """A push whose sketches the caller sends itself (FakeAgent.push would send honest ones)."""
-    from epochmesh.tensors import encode_bundle, iter_chunks
-
-    header, payload = encode_bundle(tensors)
-    msgs = [
-        agent_pb2.PushUpdateRequest(
-            header=agent_pb2.UpdateHeader(
-                node_id=agent.node_id,
-                lease_id=agent.lease_id,
-                task_id=task.task_id,
-                job_id=task.job_id,
-                round=task.round,
-                num_samples=n,
-                mean_loss=1.0,
-                compute_seconds=0.01,
-                bundle=header,
-                kind="gradient",
-                params_version=task.params_version,
-                chunks=chunks,
-            )
-        ),
-        *(agent_pb2.PushUpdateRequest(chunk=c) for c in iter_chunks(payload)),
-    ]
-    return await agent.stub.PushUpdate(iter(msgs), timeout=30)
