@@ -63,7 +63,9 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
         NUM_SAMPLES,
         overrides={
             "train": {"epochs": 2, "global_batch": GLOBAL_BATCH},
-            "cluster": {"min_nodes": 1, "max_nodes": 2, "checkpoint_every": 2},
+            # Both nodes from the first round (the hostile one must take part); once it is
+            # quarantined a spare takes its place.
+            "cluster": {"min_nodes": 2, "max_nodes": 2, "checkpoint_every": 2},
         },
     )
     packed = build_job(load_spec(job_toml))
@@ -161,6 +163,7 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
     ) as coord:
         good = await FakeAgent(coord, "good", 100.0, honest).start()
         bad = await FakeAgent(coord, "bad", 100.0, hostile).start()
+        spare: FakeAgent | None = None
         try:
             job = await submit_packed(coord, packed)
 
@@ -168,9 +171,8 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
                 info = coord.registry.find(bad.node_id)
                 return info.state == common_pb2.NODE_STATE_QUARANTINED
 
-            await async_wait_until(
-                caught, timeout=60, message=f"the scaled update caught (steps done: {seen})"
-            )
+            await async_wait_until(caught, timeout=60, message="the scaled update caught")
+            spare = await FakeAgent(coord, "spare", 100.0, honest).start()
             await wait_for_job_state(coord, job.job_id, common_pb2.JOB_STATE_SUCCEEDED)
             async with idm.secure_aio_channel(
                 coord.address, coord.issue_identity("operator")
@@ -182,6 +184,8 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
         finally:
             await good.stop()
             await bad.stop()
+            if spare is not None:
+                await spare.stop()
             await asyncio.sleep(0)
 
     assert seen == plan, seen
