@@ -100,6 +100,21 @@ class BilledSamples:
         paid = self._paid.setdefault(epoch, np.zeros(self.num_samples, dtype=bool))
         paid |= self._mask(runs)
 
+    def unpaid(self, epoch: int, runs: np.ndarray) -> np.ndarray:
+        """The indices of ``runs`` the submitter has not paid for in ``epoch``."""
+        mask = self._mask(runs)
+        paid = self._paid.get(epoch)
+        if paid is not None:
+            mask &= ~paid
+        return np.flatnonzero(mask)
+
+    def unmark(self, epoch: int, indices: np.ndarray) -> None:
+        """The submitter's payment for ``indices`` in ``epoch`` was returned to it (the work
+        was found bad): a re-run of them is the submitter's again."""
+        paid = self._paid.get(epoch)
+        if paid is not None:
+            paid[np.asarray(indices, dtype=np.int64)] = False
+
     def forget_before(self, epoch: int) -> None:
         """Epochs before ``epoch`` are done: no sample of theirs runs again."""
         for e in [e for e in self._paid if e < epoch]:

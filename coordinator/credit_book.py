@@ -6,7 +6,8 @@ record it bills, and a `CreditBook` replays stored entries to check every postin
 Accounts: ``mint`` (where granted credits come from: the only account that goes negative, so
 that all balances always sum to zero), ``platform`` (fees in, re-runs out: it may go negative
 too, the operator's loss), ``tenant:<principal>``, ``donor:<principal>`` (one per donor, however
-many nodes it enrolled) and ``escrow:<job>``.
+many nodes it enrolled), ``escrow:<job>`` and ``held:<job>`` (a verified job's pay for updates no
+check has vouched for yet: released to the donor when a check passes, forfeited when one fails).
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ def donor_account(principal: str) -> str:
 
 def escrow_account(job_id: str) -> str:
     return f"escrow:{job_id}"
+
+
+def held_account(job_id: str) -> str:
+    return f"held:{job_id}"
+
+
+# Reasons of the entries that hold, release and forfeit a verified job's pay.
+HELD = "held until verified"
+HELD_RERUN = "re-run held until verified"
+RELEASED = "verified: applied samples"
+FORFEITED = "forfeited: failed verification"
+FORFEITED_RERUN = "forfeited re-run: failed verification"
+FEE_RETURNED = "fee returned: failed verification"
 
 
 @dataclass(frozen=True)
@@ -111,18 +125,25 @@ def fund_escrow(job_id: str, tenant: str, amount: int, at_ms: int, reason: str) 
 
 
 def round_entries(
-    job_id: str, round_id: int, charges: Sequence[PartCharge], at_ms: int
+    job_id: str, round_id: int, charges: Sequence[PartCharge], at_ms: int, hold: bool = False
 ) -> list[Entry]:
     """A round's applied parts billed: each donor's earnings from the job's escrow (samples
     the submitter had not paid for) and from the platform (re-runs), the fee from the escrow
-    to the platform. Zero amounts make no entry."""
+    to the platform. ``hold``: the earnings go to the job's held account instead, until a check
+    vouches for them (:func:`release_entries`) or finds them bad (:func:`forfeit_entries`).
+    Zero amounts make no entry."""
     escrow = escrow_account(job_id)
     out: list[Entry] = []
     for c in charges:
-        donor = donor_account(c.donor)
+        donor = held_account(job_id) if hold else donor_account(c.donor)
         moves = (
-            (escrow, donor, c.submitter_pays, "applied samples"),
-            (PLATFORM, donor, c.platform_pays, "re-run of rolled-back samples"),
+            (escrow, donor, c.submitter_pays, HELD if hold else "applied samples"),
+            (
+                PLATFORM,
+                donor,
+                c.platform_pays,
+                HELD_RERUN if hold else "re-run of rolled-back samples",
+            ),
             (escrow, PLATFORM, c.fee, "platform fee"),
         )
         for src, dst, amount, reason in moves:
@@ -132,6 +153,47 @@ def round_entries(
                     Entry(at_ms, src, dst, amount, reason, job_id, round_id, c.node_id, samples)
                 )
     return out
+
+
+def release_entries(
+    job_id: str, round_id: int, node_id: str, donor: str, amount: int, samples: int, at_ms: int
+) -> list[Entry]:
+    """A node's held pay for its part of ``round_id`` goes to its donor: a check vouched for it
+    (or the job ended without finding it bad)."""
+    if amount <= 0:
+        return []
+    return [
+        Entry(
+            at_ms,
+            held_account(job_id),
+            donor_account(donor),
+            amount,
+            RELEASED,
+            job_id,
+            round_id,
+            node_id,
+            samples,
+        )
+    ]
+
+
+def forfeit_entries(
+    job_id: str, round_id: int, node_id: str, charge: PartCharge, at_ms: int
+) -> list[Entry]:
+    """A node's held pay for its part of ``round_id`` is forfeited (a check found its work
+    bad, and the part was undone): the submitter's share and the fee back to the escrow, a
+    re-run's share back to the platform."""
+    held, escrow = held_account(job_id), escrow_account(job_id)
+    moves = (
+        (held, escrow, charge.submitter_pays, FORFEITED),
+        (held, PLATFORM, charge.platform_pays, FORFEITED_RERUN),
+        (PLATFORM, escrow, charge.fee, FEE_RETURNED),
+    )
+    return [
+        Entry(at_ms, src, dst, amount, reason, job_id, round_id, node_id, charge.samples)
+        for src, dst, amount, reason in moves
+        if amount > 0
+    ]
 
 
 def escrow_needed(charges: Sequence[PartCharge]) -> int:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Collection
 
@@ -375,6 +376,7 @@ class Engine:
                     continue
                 if not runner.task_is_live(node_id, task.task_id):
                     continue
+                runner.part_seen(node_id, task.task_id, "delivered")
                 return task
             event.clear()
             left = deadline - asyncio.get_running_loop().time()
@@ -410,6 +412,7 @@ class Engine:
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgumentError("PushUpdate must start with a header message")
         h = first.header
+        arrived = time.monotonic()
         self.ctx.registry.check_lease(h.node_id, h.lease_id)
         late_runner = self.runners.get(h.job_id)
         if late_runner is not None and late_runner.planner.note_late_update(
@@ -475,7 +478,7 @@ class Engine:
             raise InvalidArgumentError(f"update refused: {exc}") from None
         part = runner.round_state.parts.get(h.node_id) if runner.round_state else None
         reason = runner.submit_update(
-            h.node_id, h.task_id, h.num_samples, h.mean_loss, h.compute_seconds, grads
+            h.node_id, h.task_id, h.num_samples, h.mean_loss, h.compute_seconds, grads, arrived
         )
         response = agent_pb2.PushUpdateResponse(accepted=not reason, reason=reason)
         if not reason:
@@ -552,6 +555,8 @@ class Engine:
         )
         for chunk in iter_chunks(data):
             yield agent_pb2.PullParametersResponse(chunk=chunk)
+        if version == runner.rounds.version:
+            runner.part_seen(req.node_id, "", "pulled")
 
     def authorize_state_transfer(self, job_id: str, source: str, requester: str) -> str | None:
         runner = self.runners.get(job_id)

@@ -8,6 +8,13 @@ and the entries are written in the round record's own transaction (coordinator/r
 The submitter pays each sample of an epoch once: a sample it paid for in a round that a
 coordinator restart rolled back is re-run at the platform's expense.
 
+Verified jobs hold their donors' pay (coordinator/verifier.py): a part's earnings go to the
+job's held account and reach the donor when a check of the node vouches for it (a passed check
+of round r vouches for the node's parts up to r: a failure would have undone all of them) or the
+job ends with no check failed; a failed check forfeits the node's held pay (the submitter's share
+and the fee back to the escrow, a re-run's back to the platform) and the samples it paid for are
+the submitter's to pay again when they are re-run, so that it still pays each sample once.
+
 The price cap: a job with `[market] max_price` uses no node asking more; a job without it uses
 any node if it has a budget, else only donated ones (no budget: it pays nothing).
 """
@@ -15,15 +22,22 @@ any node if it has a budget, else only donated ones (no budget: it pays nothing)
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
 from coordinator.billing import BilledSamples, PartCharge, charge_part, earned_micro
 from coordinator.credit_book import (
+    FEE_RETURNED,
+    FORFEITED,
     Entry,
     escrow_account,
+    forfeit_entries,
     fund_escrow,
+    held_account,
+    release_entries,
     round_entries,
     tenant_account,
 )
@@ -52,6 +66,16 @@ class AboveMaxPrice(Exception):
         self.nodes = nodes
 
 
+@dataclass(frozen=True)
+class Hold:
+    """A node's pay for one applied part, held until a check vouches for it."""
+
+    round: int
+    epoch: int
+    charge: PartCharge
+    unpaid: np.ndarray  # the sample indices the submitter paid for with this part
+
+
 def per_credit(spec: common_pb2.JobSpec) -> bool:
     """Whether the job prefers samples/s per credit (a budget, no deadline) to speed."""
     return spec.budget_micro > 0 and not spec.HasField("deadline_seconds")
@@ -75,6 +99,9 @@ class JobBilling:
         self.donor_of = donor_of  # node id -> the donor whose account it earns for
         self.billed = BilledSamples(job.num_samples)
         self._pending = 0  # charged at round close, not yet written (background records)
+        # Whether donors' pay waits for verification (set by the runner), and what is held.
+        self.hold = False
+        self._holds: dict[str, list[Hold]] = defaultdict(list)
 
     @property
     def job_id(self) -> str:
@@ -92,17 +119,42 @@ class JobBilling:
 
     async def restore(self, store: Store, rounds: Iterable[common_pb2.RoundRecord]) -> None:
         """The samples the submitter paid for: every stored round's applied parts (rolled
-        back too: a round record and its charges are written together); what it spent."""
-        entries = await store.list_ledger_entries(job_id=self.job_id)
+        back too: a round record and its charges are written together), less those whose pay
+        was forfeited; what it spent. Pay still held is released: the checks that would have
+        vouched for it did not survive the restart."""
+        entries = [e for _, e in await store.list_ledger_entries(job_id=self.job_id)]
         self.job.spent_micro = sum(
-            e.amount for _, e in entries if e.from_account == self.escrow and e.reason != "refund"
+            e.amount for e in entries if e.from_account == self.escrow and e.reason != "refund"
+        ) - sum(
+            e.amount
+            for e in entries
+            if e.to_account == self.escrow and e.reason in (FORFEITED, FEE_RETURNED)
         )
         self.job.escrow_micro = self.available()
+        forfeited = {(e.round, e.node_id) for e in entries if e.reason == FORFEITED}
         for r in rounds:
             for p in r.parts:
-                if p.status == "applied":
+                if p.status == "applied" and (r.round, p.node_id) not in forfeited:
                     runs = np.array([(x.start, x.stop) for x in p.ranges], dtype=np.int64)
                     self.billed.mark(r.epoch, runs.reshape(-1, 2))
+        held = held_account(self.job_id)
+        outstanding: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
+        for e in entries:
+            if e.to_account == held:
+                outstanding[(e.round, e.node_id)][0] += e.amount
+                outstanding[(e.round, e.node_id)][1] = max(
+                    outstanding[(e.round, e.node_id)][1], e.samples
+                )
+            elif e.from_account == held:
+                outstanding[(e.round, e.node_id)][0] -= e.amount
+        release: list[Entry] = []
+        for (round_id, node_id), (amount, samples) in sorted(outstanding.items()):
+            release += release_entries(
+                self.job_id, round_id, node_id, self.donor_of(node_id), amount, samples, now_ms()
+            )
+        if release:
+            await self.credits.post(release)
+            log.info("job %s: %d held part(s) released after a restart", self.job_id, len(release))
 
     # -- hand-out -------------------------------------------------------------------------------
 
@@ -141,19 +193,21 @@ class JobBilling:
             if p.status != "applied" or p.samples <= 0:
                 continue
             new, repeat = self.billed.split(epoch, p.ranges)
-            charges.append(
-                charge_part(
-                    p.node_id,
-                    self.donor_of(p.node_id),
-                    p.price,
-                    p.rate,
-                    new + repeat,
-                    repeat,
-                    self.fee_ppm,
-                )
+            charge = charge_part(
+                p.node_id,
+                self.donor_of(p.node_id),
+                p.price,
+                p.rate,
+                new + repeat,
+                repeat,
+                self.fee_ppm,
             )
+            charges.append(charge)
+            if self.hold and charge.earned > 0:
+                unpaid = self.billed.unpaid(epoch, p.ranges)
+                self._holds[p.node_id].append(Hold(round_id, epoch, charge, unpaid))
             self.billed.mark(epoch, p.ranges)
-        entries = round_entries(self.job_id, round_id, charges, now_ms())
+        entries = round_entries(self.job_id, round_id, charges, now_ms(), hold=self.hold)
         taken = sum(e.amount for e in entries if e.from_account == self.escrow)
         self._pending += taken
         self.job.spent_micro += taken
@@ -162,6 +216,57 @@ class JobBilling:
 
     def written(self, entries: Iterable[Entry]) -> None:
         self._pending -= sum(e.amount for e in entries if e.from_account == self.escrow)
+
+    # -- held pay -------------------------------------------------------------------------------
+    # The caller makes sure the rounds' own entries are written first (RoundWriter.written).
+
+    def held(self, node_id: str | None = None) -> int:
+        """Micro-credits held for ``node_id`` (None: every node)."""
+        nodes = self._holds.values() if node_id is None else [self._holds.get(node_id, [])]
+        return sum(h.charge.earned for holds in nodes for h in holds)
+
+    async def release(self, node_id: str, up_to_round: int | None = None) -> int:
+        """A check vouched for ``node_id``'s parts up to ``up_to_round`` (None: all of them):
+        their held pay goes to its donor. The amount."""
+        holds = self._holds.get(node_id, [])
+        due = [h for h in holds if up_to_round is None or h.round <= up_to_round]
+        if not due:
+            return 0
+        at = now_ms()
+        entries = [
+            e
+            for h in due
+            for e in release_entries(
+                self.job_id, h.round, node_id, h.charge.donor, h.charge.earned, h.charge.samples, at
+            )
+        ]
+        await self.credits.post(entries)
+        self._holds[node_id] = [h for h in holds if h not in due]
+        return sum(e.amount for e in entries)
+
+    async def release_all(self, except_nodes: Iterable[str] = ()) -> int:
+        """The job ended: every node's held pay goes to its donor, but ``except_nodes``'."""
+        skip = set(except_nodes)
+        return sum([await self.release(n) for n in list(self._holds) if n not in skip])
+
+    async def forfeit(self, node_id: str) -> int:
+        """A check found ``node_id``'s work bad and its parts were undone: its held pay is
+        forfeited (back to the escrow, a re-run's to the platform, the fee returned) and the
+        samples the submitter paid for with it are its to pay again. The amount forfeited."""
+        holds = self._holds.pop(node_id, [])
+        if not holds:
+            return 0
+        at = now_ms()
+        entries = [
+            e for h in holds for e in forfeit_entries(self.job_id, h.round, node_id, h.charge, at)
+        ]
+        await self.credits.post(entries)
+        for h in holds:
+            self.billed.unmark(h.epoch, h.unpaid)
+        back = sum(e.amount for e in entries if e.to_account == self.escrow)
+        self.job.spent_micro -= back
+        self.job.escrow_micro = self.available()
+        return sum(h.charge.earned for h in holds)
 
     # -- escrow ---------------------------------------------------------------------------------
 

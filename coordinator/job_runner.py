@@ -118,6 +118,7 @@ class JobRunner:
         # Verification (coordinator/verifier.py): a failed check asks for a rollback to the
         # state before this round; the state at the start of recent rounds is kept for it.
         self.verifier = Verifier(self)
+        self.billing.hold = self.verifier.enabled
         self._rollback_before: int | None = None
         self._rollback_reason = ""
         self._snapshots: dict[int, tuple[dict[str, torch.Tensor], CheckpointManifest]] = {}
@@ -234,6 +235,7 @@ class JobRunner:
             except Exception:
                 log.exception("job %s: the last checkpoint could not be written", self.job_id)
             if self.terminal:
+                await self._pay_held()
                 await self._refund()
             await self._release_all()
             self.ended = True
@@ -654,6 +656,7 @@ class JobRunner:
         consumed = {p.node_id: p.samples for p in received if 0 < p.samples < p.assigned}
         self.ledger.commit_round(rs.round, applied, consumed)
         self.verifier.on_round_closed(rs)
+        self.planner.confirm_compute(rs)
         self.node_set.observe(rs)
         self.planner.observe(rs)
         record = rs.record(self.job_id, self.rounds.version, now_ms())
@@ -883,12 +886,19 @@ class JobRunner:
         mean_loss: float,
         compute_s: float,
         grads: Mapping[str, torch.Tensor],
+        arrived: float = 0.0,
     ) -> str:
         """Hand a decoded gradient to the open round; returns "" or why it was not taken."""
         rs = self.round_state
         if rs is None:
             return "the round is closed (the update came after its deadline)"
-        return rs.take_update(node_id, task_id, num_samples, mean_loss, compute_s, grads)
+        return rs.take_update(node_id, task_id, num_samples, mean_loss, compute_s, grads, arrived)
+
+    def part_seen(self, node_id: str, task_id: str, what: str) -> None:
+        """The node took the task of its open part, or pulled the round's parameters
+        (``what``: "delivered" / "pulled"; coordinator/claims.py)."""
+        if self.round_state is not None:
+            self.round_state.seen(node_id, task_id, what)
 
     def on_failure_report(self, req: agent_pb2.ReportProgressRequest) -> None:
         """ReportProgress of one of this job's tasks that failed (else nothing to do)."""
@@ -997,12 +1007,44 @@ class JobRunner:
             task.params_data = payload[1]
         return task
 
+    async def release_pay(self, node_id: str, up_to_round: int) -> None:
+        """A check vouched for ``node_id``'s parts up to ``up_to_round``: the pay held for
+        them goes to its donor (coordinator/job_billing.py)."""
+        try:
+            await self.writer.written()  # the entries that hold it first
+            await self.billing.release(node_id, up_to_round)
+        except Exception:
+            log.exception("job %s: %s's held pay could not be released", self.job_id, node_id)
+
+    async def _pay_held(self) -> None:
+        """The job ended: pay held for nodes no check found wrong goes to their donors."""
+        try:
+            await self.billing.release_all(except_nodes=self.verifier.accused)
+        except Exception:
+            log.exception("job %s: held pay could not be released", self.job_id)
+
     async def on_verification_failed(
         self, node_id: str, first_round: int | None, reason: str, *, accuse: bool
     ) -> None:
         """A check of ``node_id`` failed: its open part is discarded, an accused node leaves
-        the job, and the state goes back to before ``first_round`` (its first update not yet
-        verified; None: none of its updates was applied) at the next safe point."""
+        the job, the state goes back to before ``first_round`` (its first update not yet
+        verified; None: none of its updates was applied) at the next safe point, and the pay
+        held for its undone parts is forfeited."""
+        try:
+            await self.writer.written()
+            forfeited = await self.billing.forfeit(node_id)
+        except Exception:
+            log.exception("job %s: %s's held pay could not be forfeited", self.job_id, node_id)
+            forfeited = 0
+        if forfeited:
+            await self.ctx.events.append(
+                "node.pay_forfeited",
+                node_id=node_id,
+                job_id=self.job_id,
+                message=f"{format_credits(forfeited)} credits held for its unverified parts "
+                f"forfeited: {reason}"[:1024],
+                attrs={"amount_micro": str(forfeited)},
+            )
         rs = self.round_state
         if rs is not None:
             part = rs.parts.get(node_id)

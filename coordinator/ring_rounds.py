@@ -822,6 +822,7 @@ class RingRounds:
                 part.compute_s = req.compute_seconds
                 part.comm_s = req.communicate_seconds
                 part.wall_s = time.monotonic() - part.handed_out
+                part.arrived = time.monotonic()
                 if req.samples_done != part.samples:
                     log.warning(
                         "job %s round %d: %s reports %d samples, its part has %d",

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 
 from coordinator.allocator import quotas, split_batch
+from coordinator.claims import capped_benchmarks, confirmed_compute
 from coordinator.ledger import EpochLedger
 from coordinator.rounds import Part, RoundState
 from coordinator.sample_ranges import index_run_array
@@ -45,7 +47,7 @@ class RoundPlanner:
         self.overhead_s = 0.0
         # Late parts of recent rounds (task -> node, samples, steps): an update that still
         # comes tells how fast the node really was; such figures wait here for the next plan.
-        self._late: dict[str, tuple[str, int, int]] = {}
+        self._late: dict[str, tuple[str, int, int, float]] = {}
         self._late_figures: list[tuple[str, int, int, float]] = []
 
     # -- nodes ------------------------------------------------------------------------------------
@@ -57,7 +59,7 @@ class RoundPlanner:
         # The batch the node will get, roughly: the global batch over the node set it is
         # expected to share it with (at least min_nodes; more as nodes join).
         expected = max(1, self.spec.global_batch // min(peers, max(1, self.spec.max_nodes)))
-        rate = self.bench_rate(node_id, expected)
+        rate = self.believed_bench_rate(node_id, expected)
         result = self.bench[node_id]
         comm = 0.0
         if result.bandwidth_bytes_per_second > 0:
@@ -83,6 +85,24 @@ class RoundPlanner:
             return result.samples_per_second
         best = min(fits, key=lambda p: abs(math.log(p.batch_size / max(1, expected_batch))))
         return best.samples_per_second
+
+    def believed_bench_rate(
+        self, node_id: str, expected_batch: int, nodes: list[str] | None = None
+    ) -> float:
+        """:meth:`bench_rate` capped by what the job observed of its other nodes, or while
+        none is observed by the claims of ``nodes`` (coordinator/claims.py): a benchmark is
+        the node's own word."""
+        observed = {
+            n: self.estimator.estimate(n)
+            for n in self.estimator.nodes
+            if n != node_id and self.estimator.observations(n) > 0
+        }
+        claims = {node_id: self.bench_rate(node_id, expected_batch)}
+        if not observed:
+            for n in nodes or self.estimator.nodes:
+                if n in self.bench and n not in claims:
+                    claims[n] = self.bench_rate(n, expected_batch)
+        return capped_benchmarks(claims, observed)[node_id]
 
     def bench_points(self, node_id: str) -> list[tuple[int, float]]:
         """(batch size, samples/s) of the node's job benchmark: the shape of its step time."""
@@ -122,7 +142,7 @@ class RoundPlanner:
                 comm = self.estimator.comm_estimate(n)
                 self.estimator.add_node(
                     n,
-                    self.bench_rate(n, expected),
+                    self.believed_bench_rate(n, expected, nodes),
                     comm,
                     step_points=self.bench_points(n),
                     rated_batch=expected,
@@ -139,6 +159,11 @@ class RoundPlanner:
             return False
         del self._late[task_id]
         if num_samples == entry[1] > 0 and math.isfinite(compute_s) and compute_s > 0:
+            # Its own figure, but not below what the coordinator saw: the time since the
+            # hand-out less the node's usual time outside compute.
+            if node_id in self.estimator:
+                seen = time.monotonic() - entry[3] - self.estimator.comm_estimate(node_id)
+                compute_s = max(compute_s, seen)
             self._late_figures.append((node_id, num_samples, entry[2], compute_s))
         return True
 
@@ -311,8 +336,37 @@ class RoundPlanner:
 
     def mark_late(self, part: Part, waited_s: float) -> None:
         """The round closed ``waited_s`` after its hand-out without the part."""
-        self._late[part.task_id] = (part.node_id, part.samples, part.inner_steps)
+        self._late[part.task_id] = (part.node_id, part.samples, part.inner_steps, part.handed_out)
         self.estimator.observe_late(part.node_id, part.samples, waited_s)
+
+    def confirm_compute(self, rs: RoundState) -> None:
+        """Replace the compute seconds the round's applied parts report by what the
+        coordinator observed of them (coordinator/claims.py), before anything is fed by
+        them: the estimator, the node's statistics, the round record."""
+        parts = [p for p in rs.parts.values() if p.status == "applied"]
+        believed = confirmed_compute([(p.compute_s, p.window_s()) for p in parts])
+        for p, seconds in zip(parts, believed, strict=True):
+            if seconds > p.compute_s:
+                log.info(
+                    "job %s round %d: %s reported %.4fs of compute; %.4fs observed",
+                    self.job_id,
+                    rs.round,
+                    p.node_id,
+                    p.compute_s,
+                    seconds,
+                )
+                if p.comm_s is not None:
+                    p.comm_s = max(0.0, min(p.comm_s, p.wall_s - seconds))
+            elif seconds < p.compute_s:
+                log.info(
+                    "job %s round %d: %s reported %.4fs of compute in a %.4fs window",
+                    self.job_id,
+                    rs.round,
+                    p.node_id,
+                    p.compute_s,
+                    seconds,
+                )
+            p.compute_s = seconds
 
     def observe(self, rs: RoundState) -> None:
         """Feed the estimator with the applied parts of a closed round."""

@@ -36,6 +36,12 @@ class Part:
     budget_s: float = 0.0
     assigned: int = 0
     handed_out: float = 0.0
+    # What the coordinator saw of the node's work (monotonic seconds, 0: not seen): when the
+    # node took the task, finished pulling the round's parameters, and its update (or ring
+    # progress report) arrived; see coordinator/claims.py.
+    delivered: float = 0.0
+    pulled: float = 0.0
+    arrived: float = 0.0
     grads: dict[str, torch.Tensor] | None = None
     mean_loss: float = float("nan")
     compute_s: float = 0.0
@@ -55,6 +61,13 @@ class Part:
     # micro-credits per hour and its measured samples/s for the job.
     price: int = 0
     rate: float = 0.0
+
+    def window_s(self) -> float:
+        """Seconds between the node having the task and its parameters and its update
+        arriving (0: not observed): the most it can have spent computing."""
+        if self.arrived <= 0:
+            return 0.0
+        return max(0.0, self.arrived - max(self.delivered or self.handed_out, self.pulled))
 
     def communicate_s(self) -> float:
         """Seconds the node spent outside compute for this part (its own figure, else wall
@@ -175,10 +188,12 @@ class RoundState:
         mean_loss: float,
         compute_s: float,
         grads: Mapping[str, torch.Tensor],
+        arrived: float = 0.0,
     ) -> str:
         """A decoded update of the task's part: the part is "received" (a time-boxed part
-        narrowed to the prefix of its ranges the node trained). Returns "" or why the update
-        was not taken (the part is unchanged then)."""
+        narrowed to the prefix of its ranges the node trained). ``arrived``: when its header
+        came (monotonic). Returns "" or why the update was not taken (the part is unchanged
+        then)."""
         part = self._part(node_id, task_id)
         if self.closed:
             return "the round is closed (the update came after its deadline)"
@@ -197,9 +212,17 @@ class RoundState:
         part.mean_loss = mean_loss
         part.compute_s = compute_s
         part.wall_s = time.monotonic() - part.handed_out
+        part.arrived = arrived or time.monotonic()
         part.status = "received"
         self.touch()
         return ""
+
+    def seen(self, node_id: str, task_id: str, what: str) -> None:
+        """The node took the task (``what`` "delivered") or finished pulling the round's
+        parameters ("pulled"), now."""
+        part = self._part(node_id, task_id) if task_id else self.parts.get(node_id)
+        if part is not None and part.status == "pending":
+            setattr(part, what, time.monotonic())
 
     def end_part(self, node_id: str, task_id: str, status: str, error: str) -> None:
         """The task's part ends without an update (``status`` "failed" or "rejected"), if it

@@ -166,6 +166,11 @@ class Verifier:
                 pass
 
     @property
+    def accused(self) -> frozenset[str]:
+        """The nodes this job's checks quarantined."""
+        return frozenset(self._accused)
+
+    @property
     def pending(self) -> int:
         return len(self._pending)
 
@@ -477,6 +482,10 @@ class Verifier:
             for r in [r for r in rounds if r <= pc.round]:
                 rounds.discard(r)
         await self.runner.ctx.registry.record_check(pc.node_id, pc.round, True)
+        # Pay is released up to the round checked, short of any earlier round of the node
+        # whose check is still running (a failure there forfeits what is held from it on).
+        earlier = [p.round - 1 for p in self._pending.values() if p.node_id == pc.node_id]
+        await self.runner.release_pay(pc.node_id, min([pc.round, *earlier]))
         log.info(
             "job %s: %s's round %d verified (chunk %d recomputed by %s)",
             self.runner.job_id,

@@ -151,3 +151,75 @@ async def test_a_node_whose_price_rose_above_the_cap_is_named(ledger: CreditLedg
     capped.spec.max_price_micro_per_hour = PRICE - 1
     with pytest.raises(AboveMaxPrice):
         JobBilling(capped, ledger).price_parts(parts, dict.fromkeys(parts, PRICE), {})
+
+
+async def charged(billing: JobBilling, ledger: CreditLedger, round_id: int, *parts: Part) -> None:
+    by_node = {p.node_id: p for p in parts}
+    billing.price_parts(by_node, dict.fromkeys(by_node, PRICE), dict.fromkeys(by_node, 1000.0))
+    entries = billing.charge_round(0, round_id, parts)
+    await ledger.post(entries)
+    billing.written(entries)
+
+
+async def test_verified_pay_is_held_then_released_or_forfeited(
+    store: SqliteStore, ledger: CreditLedger
+) -> None:
+    billing = JobBilling(job(), ledger, fee_ppm=100_000)
+    billing.hold = True
+    held = f"held:{JOB}"
+    await charged(billing, ledger, 1, part("good", 0, 10), part("cheat", 10, 20))
+    await charged(billing, ledger, 2, part("good", 20, 30), part("cheat", 30, 40))
+    # Nobody is paid yet: 4 parts of 10 samples (100 each) wait in the held account; the
+    # fee went to the platform.
+    assert ledger.balance(held) == 400 and billing.held() == 400
+    assert ledger.balance("donor:good") == 0 and ledger.balance("platform") == 40
+    assert billing.job.spent_micro == 440
+    # A check of good's round 1 vouches for round 1 only.
+    assert await billing.release("good", up_to_round=1) == 100
+    assert ledger.balance("donor:good") == 100 and billing.held("good") == 100
+    # cheat fails a check: both its parts are forfeited, the fee returned.
+    assert await billing.forfeit("cheat") == 200
+    assert ledger.balance("donor:cheat") == 0 and ledger.balance("platform") == 20
+    assert billing.job.spent_micro == 440 - 220
+    assert billing.available() == 1_000 - 440 + 220 == ledger.balance(f"escrow:{JOB}")
+    # The submitter pays for cheat's samples again when they are re-run (not the platform),
+    # and good's stay paid.
+    rerun = {"good": part("good", 10, 25)}
+    billing.price_parts(rerun, {"good": PRICE}, {"good": 1000.0})
+    entries = billing.charge_round(0, 3, rerun.values())
+    assert [(e.from_account, e.to_account, e.amount, e.samples) for e in entries] == [
+        (f"escrow:{JOB}", held, 100, 10),
+        ("platform", held, 50, 5),
+        (f"escrow:{JOB}", "platform", 10, 10),
+    ]
+    await ledger.post(entries)
+    billing.written(entries)
+    # The job ends: what is still held for nodes no check found wrong is paid.
+    assert await billing.release_all(except_nodes={"cheat"}) == 100 + 150
+    assert ledger.balance("donor:good") == 350 and ledger.balance(held) == 0
+    assert sum(ledger.balances().values()) == 0
+    reasons = {e.reason for _, e in await store.list_ledger_entries(job_id=JOB)}
+    assert {"held until verified", "forfeited: failed verification"} <= reasons
+
+
+async def test_pay_held_before_a_restart_is_released_and_forfeits_stay_unpaid(
+    store: SqliteStore, ledger: CreditLedger
+) -> None:
+    billing = JobBilling(job(), ledger)
+    billing.hold = True
+    p1, p2 = part("good", 0, 10), part("cheat", 10, 20)
+    await charged(billing, ledger, 1, p1, p2)
+    await billing.forfeit("cheat")
+    records = [
+        common_pb2.RoundRecord(
+            job_id=JOB, epoch=0, round=1, parts=[part_record(p1), part_record(p2)]
+        )
+    ]
+    restored = JobBilling(job(), ledger)
+    restored.hold = True
+    await restored.restore(store, records)
+    # good's held pay is released (its pending checks did not survive); the forfeited
+    # samples are the submitter's to pay again, good's are paid.
+    assert ledger.balance("donor:good") == 100 and ledger.balance(f"held:{JOB}") == 0
+    assert restored.job.spent_micro == 100 and restored.available() == 900
+    assert restored.billed.split(0, np.array([[0, 20]])) == (10, 10)

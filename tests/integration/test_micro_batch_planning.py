@@ -10,6 +10,7 @@ chunk's activations at a time, so the cap does not bind and the global batch of 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -33,14 +34,23 @@ pytestmark = pytest.mark.timeout(90)
 
 GLOBAL_BATCH = 16
 NUM_SAMPLES = 96  # six rounds
+COMPUTE_S = 0.05
 
 
 async def zero_gradient(agent: FakeAgent, task: agent_pb2.Task) -> None:
     """An update of the right shape and sample count (its values do not matter here), with the
-    same compute time for any batch: equal nodes stay equal in the estimator."""
+    same compute time for any batch: equal nodes stay equal in the estimator. The compute
+    takes the time it reports (the coordinator believes no more than it sees)."""
     _, params = await agent.pull(task.job_id, task.params_version)
     zeros = {n: torch.zeros_like(t) for n, t in params.items()}
-    await agent.push(task, zeros, kind="gradient", num_samples=len(task_indices(task)))
+    await asyncio.sleep(COMPUTE_S)
+    await agent.push(
+        task,
+        zeros,
+        kind="gradient",
+        num_samples=len(task_indices(task)),
+        compute_seconds=COMPUTE_S,
+    )
 
 
 @pytest.mark.parametrize(("micro_batch", "small_batches"), [(0, {4}), (4, {8})])

@@ -199,8 +199,9 @@ def test_prices_budget_pauses_top_ups_a_kill9_and_a_statement_that_adds_up(
     statement = alice.run("statement", "--job", job_id, "--output", "json")
     assert statement.code == 0, statement.stderr
     entries = statement.json()["entries"]
-    escrow = f"escrow:{job_id}"
-    # Per (round, node): the donor's pay and the fee, recomputed from the records.
+    escrow, held = f"escrow:{job_id}", f"held:{job_id}"
+    # Per (round, node): the donor's pay and the fee, recomputed from the records. The job is
+    # verified: pay waits in the held account until a check vouches for it (or the job ends).
     paid: dict[tuple[int, str], int] = defaultdict(int)
     fees: dict[tuple[int, str], int] = defaultdict(int)
     from_escrow: dict[tuple[int, str], int] = defaultdict(int)
@@ -208,7 +209,9 @@ def test_prices_budget_pauses_top_ups_a_kill9_and_a_statement_that_adds_up(
         key = (e["round"], e["node"])
         if e["to"].startswith("donor:"):
             assert e["to"] == f"donor:{donors[e['node']]}", (e, donors)
+            assert e["from"] == held and e["reason"].startswith("verified"), e
             paid[key] += e["amount_micro"]
+        elif e["to"] == held:
             if e["from"] == escrow:
                 from_escrow[key] += e["amount_micro"]
             else:
@@ -249,6 +252,7 @@ def test_prices_budget_pauses_top_ups_a_kill9_and_a_statement_that_adds_up(
     by_account = {b["account"]: b["balance_micro"] for b in balances.json()["balances"]}
     assert sum(by_account.values()) == 0
     assert by_account.get(escrow, 0) == 0
+    assert by_account.get(held, 0) == 0  # every part paid or forfeited
     assert by_account.get(f"escrow:{waiting}", 0) == 0  # the cancelled job's budget came back
     assert by_account[tenant] == granted - spent
     assert by_account["mint"] == -granted
