@@ -257,6 +257,13 @@ class Authorizer:
 
     def authenticate(self, method: str, ctx: grpc.aio.ServicerContext) -> Principal:
         """The verified caller of ``method`` ("Service/Method"); UnauthenticatedError."""
+        return self.authenticate_certificate(method, ctx)[0]
+
+    def authenticate_certificate(
+        self, method: str, ctx: grpc.aio.ServicerContext
+    ) -> tuple[Principal, x509.Certificate]:
+        """The verified caller of ``method`` and the certificate it called with (what
+        RenewCertificate renews); UnauthenticatedError."""
         metadata = ctx.invocation_metadata() or ()
         values = {k: v for k, v in metadata if k in (AUTH_CERT_KEY, AUTH_SIG_KEY, AUTH_TS_KEY)}
         der, sig, ts = values.get(AUTH_CERT_KEY), values.get(AUTH_SIG_KEY), values.get(AUTH_TS_KEY)
@@ -274,8 +281,19 @@ class Authorizer:
             raise UnauthenticatedError(f"certificate refused: {found}")
         principal = found.principal
         now = time.time()
-        if not found.not_before_s <= now <= found.not_after_s:
-            raise UnauthenticatedError("certificate expired or not yet valid")
+        if now > found.not_after_s:
+            raise UnauthenticatedError(
+                f"certificate expired or not yet valid: {principal}'s expired at "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(found.not_after_s))} UTC "
+                "(certificates are renewed before they expire; enroll again with a new join "
+                "token)"
+            )
+        if now < found.not_before_s:
+            raise UnauthenticatedError(
+                "certificate expired or not yet valid: not valid before "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(found.not_before_s))} UTC "
+                "(is this machine's clock right?)"
+            )
         name = method.rsplit("/", 1)[-1]
         key = (der, name, ts, sig)
         if key in self._signatures:
@@ -300,7 +318,7 @@ class Authorizer:
                 self._signatures.popitem(last=False)
         if principal.id in self._revoked:
             raise UnauthenticatedError(f"the certificate of {principal} has been revoked")
-        return principal
+        return principal, found.cert
 
     def check(self, method: str, ctx: grpc.aio.ServicerContext) -> Principal:
         """The caller's principal if it may call ``method``; raises UnauthenticatedError or

@@ -14,6 +14,7 @@ from epochmesh.program_inspection import (
 
 DEFAULT_DATA_DIR = Path(".epochmesh")
 DEFAULT_LISTEN = "127.0.0.1:7070"
+DEFAULT_HTTP_LISTEN = "127.0.0.1:7080"
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 # A lease survives this many missed heartbeats, minus one.
 LEASE_TTL_HEARTBEATS = 3.0
@@ -57,6 +58,15 @@ class CoordinatorConfig:
     # The market: the platform's fee in parts per million of what submitters pay donors,
     # charged on top (donors earn exactly their price).
     platform_fee_ppm: int = 0
+    # The HTTP port: /metrics and the dashboard (coordinator/http_server.py); empty: none.
+    # A port taken is an error when ``http_listen_strict``, else a warning (the command line's
+    # default address: a second coordinator on the machine still starts).
+    http_listen: str = ""
+    http_listen_strict: bool = True
+    # Ask for a login (a join token) even when listening on loopback.
+    http_login: bool = False
+    # Per-job metric series and round statistics outlive their job by this long.
+    metrics_retention_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.platform_fee_ppm <= 1_000_000:
@@ -87,6 +97,10 @@ class CoordinatorConfig:
         if self.program_check_concurrency < 1:
             raise ValueError("program check concurrency must be at least 1")
         parse_listen(self.listen)
+        if self.http_listen:
+            parse_listen(self.http_listen)
+        if not self.metrics_retention_s >= 0:
+            raise ValueError("the metrics retention must be >= 0")
 
     @property
     def lease_ttl(self) -> float:
@@ -105,6 +119,10 @@ class CoordinatorConfig:
     @property
     def addr_file(self) -> Path:
         return self.data_dir / "coordinator.addr"
+
+    @property
+    def http_addr_file(self) -> Path:
+        return self.data_dir / "http.addr"
 
     @property
     def ca_cert_path(self) -> Path:

@@ -232,6 +232,9 @@ class JobBilling:
         due = [h for h in holds if up_to_round is None or h.round <= up_to_round]
         if not due:
             return 0
+        # Taken off the list before anything is awaited: a forfeit or another release that
+        # runs meanwhile sees only what is still held.
+        self._holds[node_id] = [h for h in holds if h not in due]
         at = now_ms()
         entries = [
             e
@@ -240,8 +243,11 @@ class JobBilling:
                 self.job_id, h.round, node_id, h.charge.donor, h.charge.earned, h.charge.samples, at
             )
         ]
-        await self.credits.post(entries)
-        self._holds[node_id] = [h for h in holds if h not in due]
+        try:
+            await self.credits.post(entries)
+        except BaseException:
+            self._holds[node_id] = due + self._holds.get(node_id, [])
+            raise
         return sum(e.amount for e in entries)
 
     async def release_all(self, except_nodes: Iterable[str] = ()) -> int:
@@ -253,14 +259,18 @@ class JobBilling:
         """A check found ``node_id``'s work bad and its parts were undone: its held pay is
         forfeited (back to the escrow, a re-run's to the platform, the fee returned) and the
         samples the submitter paid for with it are its to pay again. The amount forfeited."""
-        holds = self._holds.pop(node_id, [])
+        holds = self._holds.pop(node_id, [])  # before anything is awaited (see release)
         if not holds:
             return 0
         at = now_ms()
         entries = [
             e for h in holds for e in forfeit_entries(self.job_id, h.round, node_id, h.charge, at)
         ]
-        await self.credits.post(entries)
+        try:
+            await self.credits.post(entries)
+        except BaseException:
+            self._holds[node_id] = holds + self._holds.get(node_id, [])
+            raise
         for h in holds:
             self.billed.unmark(h.epoch, h.unpaid)
         back = sum(e.amount for e in entries if e.to_account == self.escrow)

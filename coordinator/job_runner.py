@@ -1017,11 +1017,15 @@ class JobRunner:
             log.exception("job %s: %s's held pay could not be released", self.job_id, node_id)
 
     async def _pay_held(self) -> None:
-        """The job ended: pay held for nodes no check found wrong goes to their donors."""
+        """The job ended: pay held for nodes no check found wrong goes to their donors; what
+        is still held for a node a check found wrong (a part of it applied after its check
+        failed, then undone) is forfeited."""
         try:
+            for node_id in self.verifier.accused:
+                await self.billing.forfeit(node_id)
             await self.billing.release_all(except_nodes=self.verifier.accused)
         except Exception:
-            log.exception("job %s: held pay could not be released", self.job_id)
+            log.exception("job %s: held pay could not be settled", self.job_id)
 
     async def on_verification_failed(
         self, node_id: str, first_round: int | None, reason: str, *, accuse: bool
@@ -1030,21 +1034,6 @@ class JobRunner:
         the job, the state goes back to before ``first_round`` (its first update not yet
         verified; None: none of its updates was applied) at the next safe point, and the pay
         held for its undone parts is forfeited."""
-        try:
-            await self.writer.written()
-            forfeited = await self.billing.forfeit(node_id)
-        except Exception:
-            log.exception("job %s: %s's held pay could not be forfeited", self.job_id, node_id)
-            forfeited = 0
-        if forfeited:
-            await self.ctx.events.append(
-                "node.pay_forfeited",
-                node_id=node_id,
-                job_id=self.job_id,
-                message=f"{format_credits(forfeited)} credits held for its unverified parts "
-                f"forfeited: {reason}"[:1024],
-                attrs={"amount_micro": str(forfeited)},
-            )
         rs = self.round_state
         if rs is not None:
             part = rs.parts.get(node_id)
@@ -1061,6 +1050,21 @@ class JobRunner:
         if accuse:
             self.node_set.went_offline(node_id, f"quarantined: {reason}"[:300])
         self.wake()
+        try:
+            await self.writer.written()
+            forfeited = await self.billing.forfeit(node_id)
+        except Exception:
+            log.exception("job %s: %s's held pay could not be forfeited", self.job_id, node_id)
+            forfeited = 0
+        if forfeited:
+            await self.ctx.events.append(
+                "node.pay_forfeited",
+                node_id=node_id,
+                job_id=self.job_id,
+                message=f"{format_credits(forfeited)} credits held for its unverified parts "
+                f"forfeited: {reason}"[:1024],
+                attrs={"amount_micro": str(forfeited)},
+            )
 
     def _keep_snapshot(self, round_id: int) -> None:
         """Keep the state at the start of round ``round_id`` while a rollback may need it (a

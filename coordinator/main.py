@@ -3,14 +3,16 @@
     epochmesh-coordinator [serve] [--data-dir DIR] [--listen HOST:PORT] ...
 
     epochmesh-coordinator token create --role node|submitter|operator [--ttl 24h]
-                                       [--reusable] [--donor NAME] [--data-dir DIR]
+                                       [--uses N | --reusable] [--cert-ttl 30d]
+                                       [--donor NAME] [--data-dir DIR]
 
 Subcommands: ``serve`` (the default when the first argument is an option or absent) and
 ``token create``, which runs on the coordinator's machine against its data dir (creating the
 CA if the coordinator never ran) and prints one join token on stdout.
 
-TLS is on by default: the first start creates a CA in the data dir (ca.pem, ca.key) and serves
-with it; ``--advertise HOST`` adds names to that certificate; ``--insecure`` serves plaintext
+TLS is on by default: the first start creates a CA in the data dir (ca.pem, ca.key) and a
+server certificate it issues (server.pem, server.key), and refuses to start when only one of
+the CA's files is there; ``--advertise HOST`` adds names to the server certificate; ``--insecure`` serves plaintext
 without authentication (logged as a warning).
 """
 
@@ -28,6 +30,7 @@ from pathlib import Path
 from coordinator.config import (
     DEFAULT_DATA_DIR,
     DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HTTP_LISTEN,
     DEFAULT_LISTEN,
     LEASE_TTL_HEARTBEATS,
     CoordinatorConfig,
@@ -209,6 +212,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="how a round's global batch is split over nodes: in proportion to measured "
         "throughput (default), or equally (a baseline for benchmarks)",
     )
+    parser.add_argument(
+        "--http-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"where to serve /metrics (Prometheus) and the read-only dashboard (default "
+        f"{DEFAULT_HTTP_LISTEN}; port 0 picks a free one, written to DATA_DIR/http.addr; an "
+        "empty value turns HTTP off). Any address but loopback requires a login with a "
+        "submitter or operator join token",
+    )
+    parser.add_argument(
+        "--http-login",
+        action="store_true",
+        help="require the dashboard login on a loopback address too",
+    )
+    parser.add_argument(
+        "--metrics-retention",
+        type=_non_negative_float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long a finished job's metric series and round statistics are kept (default 600)",
+    )
 
 
 def _fee_ppm(text: str) -> int:
@@ -244,6 +268,10 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         program_check_spare=args.program_check_spare,
         scheduler_hold_s=args.scheduler_hold,
         platform_fee_ppm=args.platform_fee,
+        http_listen=DEFAULT_HTTP_LISTEN if args.http_listen is None else args.http_listen.strip(),
+        http_listen_strict=args.http_listen is not None,
+        http_login=args.http_login,
+        metrics_retention_s=args.metrics_retention,
     )
 
 
@@ -300,10 +328,25 @@ def add_token_args(parser: argparse.ArgumentParser) -> None:
         metavar="DURATION",
         help="how long the token stays valid, e.g. 30m, 24h, 7d (default 24h)",
     )
-    create.add_argument(
+    uses = create.add_mutually_exclusive_group()
+    uses.add_argument(
+        "--uses",
+        type=int,
+        default=None,
+        metavar="N",
+        help="may enroll at most N holders until it expires (default: 1, a single use)",
+    )
+    uses.add_argument(
         "--reusable",
         action="store_true",
-        help="may enroll any number of holders until it expires (default: single use)",
+        help="may enroll any number of holders until it expires (prefer --uses N)",
+    )
+    create.add_argument(
+        "--cert-ttl",
+        default=None,
+        metavar="DURATION",
+        help="lifetime of the certificates it enrolls, e.g. 12h, 7d (default 30d, at most 90d, "
+        "the coordinator's maximum); agents renew theirs before it ends",
     )
     create.add_argument(
         "--donor",
@@ -314,28 +357,58 @@ def add_token_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def _create_token(data_dir: Path, role: str, ttl_s: float, reusable: bool, donor: str) -> str:
+async def _create_token(
+    data_dir: Path,
+    role: str,
+    ttl_s: float,
+    reusable: bool,
+    donor: str,
+    max_uses: int = 0,
+    cert_ttl_s: float | None = None,
+) -> str:
     from coordinator.config import CoordinatorConfig
     from coordinator.sqlite_store import SqliteStore
-    from coordinator.tokens import create_token, ensure_ca
+    from coordinator.tokens import DEFAULT_CERT_TTL_S, create_token, ensure_ca
 
     config = CoordinatorConfig(data_dir=data_dir)
     ca = ensure_ca(data_dir)
     store = await SqliteStore.open(config.db_path)
     try:
-        return await create_token(store, ca, role, ttl_s, reusable, donor)
+        return await create_token(
+            store,
+            ca,
+            role,
+            ttl_s,
+            reusable,
+            donor,
+            max_uses=max_uses,
+            cert_ttl_s=DEFAULT_CERT_TTL_S if cert_ttl_s is None else cert_ttl_s,
+        )
     finally:
         await store.close()
 
 
 def run_token(args: argparse.Namespace) -> int:
-    from coordinator.tokens import check_donor, parse_ttl
+    from coordinator.tokens import check_donor, check_uses, parse_cert_ttl, parse_ttl
 
     try:
         ttl_s = parse_ttl(args.ttl)
     except ValueError as exc:
         log.error("invalid --ttl: %s", exc)
         return 2
+    if args.uses is not None:
+        try:
+            check_uses(args.uses)
+        except ValueError as exc:
+            log.error("invalid --uses: %s", exc)
+            return 2
+    cert_ttl_s = None
+    if args.cert_ttl is not None:
+        try:
+            cert_ttl_s = parse_cert_ttl(args.cert_ttl)
+        except ValueError as exc:
+            log.error("invalid --cert-ttl: %s", exc)
+            return 2
     donor = ""
     if args.donor is not None:
         if args.role != "node":
@@ -347,7 +420,11 @@ def run_token(args: argparse.Namespace) -> int:
             log.error("invalid --donor: %s", exc)
             return 2
     try:
-        token = asyncio.run(_create_token(args.data_dir, args.role, ttl_s, args.reusable, donor))
+        token = asyncio.run(
+            _create_token(
+                args.data_dir, args.role, ttl_s, args.reusable, donor, args.uses or 0, cert_ttl_s
+            )
+        )
     except (RuntimeError, CoordinatorError, OSError) as exc:
         log.error("cannot create a token in %s: %s", args.data_dir, exc)
         return 1

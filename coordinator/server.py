@@ -11,8 +11,8 @@ JobService, SchedulerService, grpc.health.v1 and server reflection.
     ...
     await coord.stop()           # health NOT_SERVING, stop accepting, grace, close the store
 
-TLS is on unless ``config.insecure``: the CA in the data dir (coordinator/tokens.py) is the
-server certificate; IdentityService (enrollment) is served; every AgentService, JobService and
+TLS is on unless ``config.insecure``: the CA in the data dir (coordinator/tokens.py) issues the
+server certificate (a key of its own); IdentityService (enrollment) is served; every AgentService, JobService and
 SchedulerService call is authenticated and role-checked first (coordinator/auth.py), and the
 caller's principal is available to handlers through ``coordinator.auth.current_principal()``.
 
@@ -44,18 +44,28 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.agent_service import AgentService
 from coordinator.auth import Authorizer, set_principal
 from coordinator.blobs import BlobStore
+from coordinator.cluster_view import ClusterView
 from coordinator.config import CoordinatorConfig, parse_listen
 from coordinator.credit_ledger import CreditLedger
+from coordinator.dashboard_access import is_loopback_host, login_required
 from coordinator.engine_api import CoordinatorContext, EngineFactory, NullEngine, TrainingEngine
 from coordinator.events import EventLog
+from coordinator.http_server import DashboardBackend, HttpServer
 from coordinator.identity_service import IdentityService
 from coordinator.job_service import JobService
 from coordinator.market_service import MarketService
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.nodes import NodeRegistry
 from coordinator.scheduler_service import SchedulerService
 from coordinator.sqlite_store import SqliteStore
 from coordinator.store import CoordinatorError, InvalidArgumentError
-from coordinator.tokens import CertificateAuthority, ensure_ca, issue_identity
+from coordinator.tokens import (
+    CertificateAuthority,
+    ensure_ca,
+    ensure_data_dir,
+    ensure_server_certificate,
+    issue_identity,
+)
 from epochmesh.errors import CodecError, ProgramError, SpecError
 from epochmesh.grpc_util import SERVER_OPTIONS
 from epochmesh.identity import Identity, coordinator_server_credentials
@@ -281,6 +291,10 @@ class Coordinator:
         # None with --insecure.
         self.ca: CertificateAuthority | None = None
         self.authorizer: Authorizer | None = None
+        # The HTTP port (--http-listen): None when off.
+        self.metrics: CoordinatorMetrics | None = None
+        self.http: HttpServer | None = None
+        self.http_address = ""
 
     @property
     def context(self) -> CoordinatorContext:
@@ -307,10 +321,12 @@ class Coordinator:
     async def _start(self) -> None:
         cfg = self.config
         host, _ = parse_listen(cfg.listen)
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        ensure_data_dir(cfg.data_dir)
         lock = DataDirLock(cfg.lock_file)
         lock.acquire()
         self._cleanup.callback(lock.release)
+        # The trust root first: an incomplete one stops the start before anything is touched.
+        ca = None if cfg.insecure else ensure_ca(cfg.data_dir)
 
         self.store = await SqliteStore.open(cfg.db_path)
         self._cleanup.push_async_callback(self.store.close)
@@ -336,11 +352,14 @@ class Coordinator:
         self.engine = factory(self.context)
         self.registry.add_offline_listener(self.engine.on_node_offline)
 
-        if not cfg.insecure:
-            self.ca = ensure_ca(cfg.data_dir, cfg.advertise)
+        if ca is not None:
+            self.ca = ensure_server_certificate(cfg.data_dir, ca, cfg.advertise)
             self.authorizer = Authorizer(self.ca.cert_pem, await self.store.list_revocations())
         auth = self.authorizer
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        if cfg.http_listen:
+            self.metrics = CoordinatorMetrics()
+        interceptors = [self.metrics.grpc] if self.metrics is not None else []
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self._server = server
         add_service(
             server, AGENT_SERVICE, AgentService(self.registry, self.blobs, self.engine), auth
@@ -357,7 +376,8 @@ class Coordinator:
         )
         if self.ca is not None:
             # No role check: the join token is the credential.
-            add_service(server, IDENTITY_SERVICE, IdentityService(self.store, self.ca, self.events))
+            identity_service = IdentityService(self.store, self.ca, self.events, self.authorizer)
+            add_service(server, IDENTITY_SERVICE, identity_service)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         served = SERVICE_NAMES if self.ca is not None else SERVICE_NAMES[:-1]
@@ -373,7 +393,9 @@ class Coordinator:
                 )
                 port = server.add_insecure_port(cfg.listen)
             else:
-                creds = coordinator_server_credentials(self.ca.cert_pem, self.ca.key_pem)
+                creds = coordinator_server_credentials(
+                    self.ca.cert_pem, self.ca.server_key_pem, self.ca.server_cert_pem
+                )
                 port = server.add_secure_port(cfg.listen, creds)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen on {cfg.listen}: {exc}") from exc
@@ -387,6 +409,8 @@ class Coordinator:
         self._cleanup.push_async_callback(self.registry.stop)
         await self.engine.start()
         self._cleanup.push_async_callback(self.engine.stop)
+        if self.metrics is not None:
+            self._start_http(self.metrics)
         for name in ("", *served):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.events.append(
@@ -402,6 +426,55 @@ class Coordinator:
             cfg.data_dir,
             len(self.registry),
         )
+
+    def _start_http(self, metrics: CoordinatorMetrics) -> None:
+        """The metrics and dashboard port, in threads of its own (coordinator/http_server.py)."""
+        cfg = self.config
+        host, port = parse_listen(cfg.http_listen)
+        login = login_required(host, cfg.http_login, cfg.insecure)
+        authorizer = self.authorizer
+        backend = DashboardBackend(
+            asyncio.get_running_loop(),
+            ClusterView(
+                self.registry,
+                self.store,
+                self.engine,
+                self.credits,
+                retention_s=cfg.metrics_retention_s,
+            ),
+            metrics,
+            self.store,
+            self.ca,
+            login,
+            authorizer.is_revoked if authorizer is not None else (lambda _: False),
+        )
+        http = HttpServer(host, port, backend)
+        try:
+            http.start()
+        except OSError as exc:
+            if cfg.http_listen_strict:
+                raise RuntimeError(
+                    f"cannot listen on --http-listen {cfg.http_listen}: {exc}"
+                ) from exc
+            log.warning(
+                "no metrics or dashboard: cannot listen on %s (%s); pass --http-listen HOST:PORT "
+                "(or an empty value to turn HTTP off)",
+                cfg.http_listen,
+                exc,
+            )
+            return
+        self.http = http
+        self.http_address = http.address
+        self._cleanup.push_async_callback(asyncio.to_thread, http.stop)
+        write_atomically(cfg.http_addr_file, http.address + "\n")
+        self._cleanup.callback(cfg.http_addr_file.unlink, missing_ok=True)
+        log.info(
+            "metrics and dashboard on http://%s/ (%s)",
+            http.address,
+            "login with a join token required" if login else "no login: loopback or --insecure",
+        )
+        if cfg.insecure and not is_loopback_host(host):
+            log.warning("--insecure: the dashboard on %s asks nobody to log in", http.address)
 
     def issue_identity(self, role: str, principal: str = "") -> Identity:
         """A key and certificate for ``role`` straight from this coordinator's CA (tests and

@@ -196,6 +196,14 @@ MIGRATIONS: tuple[Migration, ...] = (
             )""",
         ),
     ),
+    Migration(
+        8,
+        "identities: use limits of reusable tokens and the lifetime of their certificates",
+        (
+            "ALTER TABLE tokens ADD COLUMN max_uses INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE tokens ADD COLUMN cert_ttl_ms INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
 )
 
 LATEST_SCHEMA_VERSION = MIGRATIONS[-1].version
@@ -754,7 +762,7 @@ class SqliteStore(Store):
             try:
                 await db.execute(
                     "INSERT INTO tokens (token_hash, role, created_ms, expires_ms, reusable, uses,"
-                    " donor) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    " donor, max_uses, cert_ttl_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         record.token_hash,
                         record.role,
@@ -763,16 +771,28 @@ class SqliteStore(Store):
                         int(record.reusable),
                         record.uses,
                         record.donor,
+                        record.max_uses,
+                        record.cert_ttl_ms,
                     ),
                 )
             except sqlite3.IntegrityError:
                 raise AlreadyExistsError("token already exists") from None
 
+    _TOKEN_COLUMNS = (
+        "token_hash, role, created_ms, expires_ms, reusable, uses, donor, max_uses, cert_ttl_ms"
+    )
+
+    @staticmethod
+    def _token_of(row: sqlite3.Row) -> TokenRecord:
+        return TokenRecord(
+            row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6], row[7], row[8]
+        )
+
     async def redeem_token(self, token_hash: str, now_ms: int) -> TokenRecord | None:
         async with self._write() as db:
             cur = await db.execute(
                 "UPDATE tokens SET uses = uses + 1 WHERE token_hash = ? AND expires_ms > ?"
-                " AND (reusable = 1 OR uses = 0)",
+                " AND (reusable = 1 OR uses = 0) AND (max_uses = 0 OR uses < max_uses)",
                 (token_hash, now_ms),
             )
             changed = cur.rowcount > 0
@@ -780,13 +800,25 @@ class SqliteStore(Store):
             if not changed:
                 return None
             async with db.execute(
-                "SELECT token_hash, role, created_ms, expires_ms, reusable, uses, donor"
-                " FROM tokens WHERE token_hash = ?",
-                (token_hash,),
+                f"SELECT {self._TOKEN_COLUMNS} FROM tokens WHERE token_hash = ?", (token_hash,)
             ) as cur2:
                 row = await cur2.fetchone()
         assert row is not None
-        return TokenRecord(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6])
+        return self._token_of(row)
+
+    async def get_token(self, token_hash: str) -> TokenRecord | None:
+        row = await self._fetchone(
+            f"SELECT {self._TOKEN_COLUMNS} FROM tokens WHERE token_hash = ?", (token_hash,)
+        )
+        return None if row is None else self._token_of(row)
+
+    async def quarantined_nodes_of_donor(self, donor: str) -> list[str]:
+        rows = await self._fetchall(
+            "SELECT n.node_id FROM nodes n JOIN node_donors d ON d.node_id = n.node_id"
+            " WHERE d.donor = ? AND n.state = ? ORDER BY n.node_id",
+            (donor, int(common_pb2.NODE_STATE_QUARANTINED)),
+        )
+        return [str(r[0]) for r in rows]
 
     async def set_node_donor(self, node_id: str, donor: str) -> None:
         async with self._write() as db:

@@ -201,6 +201,16 @@ class TokenRecord:
     uses: int = 0
     # Role node: the donor whose account its nodes earn for ("": each node its own).
     donor: str = ""
+    # A reusable token's limit on enrollments (0: none until it expires).
+    max_uses: int = 0
+    # Lifetime of the certificates it enrolls (0: the coordinator's default).
+    cert_ttl_ms: int = 0
+
+    def exhausted(self) -> bool:
+        """Whether it may enroll nobody more."""
+        if not self.reusable:
+            return self.uses >= 1
+        return 0 < self.max_uses <= self.uses
 
 
 class Store(ABC):
@@ -386,7 +396,15 @@ class Store(ABC):
     @abstractmethod
     async def redeem_token(self, token_hash: str, now_ms: int) -> TokenRecord | None:
         """Atomically use a token: the record (uses counted) when it exists, has not expired and
-        is reusable or unused; else None and nothing changes."""
+        is reusable (within its ``max_uses``) or unused; else None and nothing changes."""
+
+    @abstractmethod
+    async def get_token(self, token_hash: str) -> TokenRecord | None:
+        """The stored token, used or not (None: unknown)."""
+
+    @abstractmethod
+    async def quarantined_nodes_of_donor(self, donor: str) -> list[str]:
+        """The ids of the QUARANTINED nodes enrolled for ``donor`` (node_donors)."""
 
     @abstractmethod
     async def set_node_donor(self, node_id: str, donor: str) -> None:

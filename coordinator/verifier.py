@@ -477,9 +477,11 @@ class Verifier:
             return
         self._forget(pc)
         self.verdicts["passed"] += 1
+        # Verified: the node's rounds up to this one, but any whose own check still runs.
+        running = {p.round for p in self._pending.values() if p.node_id == pc.node_id}
         rounds = self._unverified.get(pc.node_id)
         if rounds:
-            for r in [r for r in rounds if r <= pc.round]:
+            for r in [r for r in rounds if r <= pc.round and r not in running]:
                 rounds.discard(r)
         await self.runner.ctx.registry.record_check(pc.node_id, pc.round, True)
         # Pay is released up to the round checked, short of any earlier round of the node

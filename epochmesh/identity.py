@@ -1,19 +1,23 @@
 """Identities and TLS for every epochmesh program (pure helpers around `cryptography`).
 
-Trust model (see DESIGN.md section 6):
+Trust model (see DESIGN.md section 6 and docs/trust.md):
 
 - The coordinator owns a certificate authority: an EC P-256 key and a self-signed CA
-  certificate in its data dir (``ca.pem`` / ``ca.key``, 0600). The coordinator serves TLS with
-  that CA certificate itself as its server certificate, so a newcomer that knows only the CA's
-  fingerprint (from its join token) can read the certificate off the TLS handshake
-  (`fetch_server_certificate`, no trust needed yet), check its SHA-256 against the token
-  (`fetch_ca`) and from then on use it as its only root. Clients verify the server under the
-  fixed name `COORDINATOR_NAME` (``grpc.ssl_target_name_override``), which the CA certificate
-  always carries, so the address one dials (an IP, a NAT'd name) does not matter: pinning the
-  CA is what authenticates the coordinator.
+  certificate in its data dir (``ca.pem`` / ``ca.key``, 0600). It serves TLS with a server
+  certificate of its own key (``server.pem`` / ``server.key``) issued by that CA, and sends the
+  CA certificate along in the handshake, so a newcomer that knows only the CA's fingerprint
+  (from its join token) can read the chain off the handshake (`fetch_server_chain`, no trust
+  needed yet), pick the certificate whose SHA-256 the token names (`fetch_ca`) and from then on
+  use it as its only root. (Data dirs of older versions served the CA certificate itself;
+  `fetch_ca` accepts both.) Clients verify the server under the fixed name `COORDINATOR_NAME`
+  (``grpc.ssl_target_name_override``), which the server certificate always carries, so the
+  address one dials (an IP, a NAT'd name) does not matter: pinning the CA is what
+  authenticates the coordinator.
 - Everyone else holds a key pair made locally and a certificate issued by that CA through
   enrollment (CSR + join token): subject CN = principal id, OU = role, plus SAN DNS:<principal>
-  so that peers can verify "this is node X" (`peer_channel_options`).
+  so that peers can verify "this is node X" (`peer_channel_options`). Its lifetime is the join
+  token's (bounded by the coordinator); the holder renews it with its current certificate
+  (`renew_identity`) once `RENEWAL_OPENS_AT` of its lifetime has passed.
 - Calls to the coordinator carry the certificate as call credentials (`CertificateAuth`):
   gRPC's Python server can either require a TLS client certificate on every connection or
   not ask for one at all, and enrollment, health checks and reflection must work without
@@ -30,14 +34,16 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import ipaddress
+import logging
 import os
 import re
 import secrets
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +55,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from epochmesh.grpc_util import CHANNEL_OPTIONS
 
+log = logging.getLogger(__name__)
+
 ROLE_NODE = "node"
 ROLE_SUBMITTER = "submitter"
 ROLE_OPERATOR = "operator"
@@ -58,6 +66,13 @@ ROLES = (ROLE_NODE, ROLE_SUBMITTER, ROLE_OPERATOR)
 COORDINATOR_NAME = "epochmesh-coordinator"
 CA_VALIDITY_DAYS = 3650
 CERT_VALIDITY_DAYS = 365
+SERVER_CERT_VALIDITY_DAYS = 365
+# A certificate may be renewed once this fraction of its lifetime has passed (the coordinator
+# refuses earlier renewals); its holder renews at `RENEW_AT`, leaving time to retry.
+RENEWAL_OPENS_AT = 0.5
+RENEW_AT = 2.0 / 3.0
+# Certificates are valid from this long before they are issued (clocks differ).
+CLOCK_SKEW_S = 300
 TOKEN_PREFIX = "emt1"
 _TOKEN_RE = re.compile(r"^emt1\.([A-Za-z0-9_-]{16,128})\.([0-9a-f]{64})$")
 _PRINCIPAL_RE = re.compile(r"^[a-z][a-z0-9-]{1,62}$")
@@ -122,8 +137,9 @@ def _san_entries(hosts: Sequence[str]) -> list[x509.GeneralName]:
 
 
 def create_ca(hosts: Sequence[str] = (), days: int = CA_VALIDITY_DAYS) -> tuple[bytes, bytes]:
-    """A new self-signed CA (cert PEM, key PEM) that also serves as the coordinator's server
-    certificate: SANs are `COORDINATOR_NAME`, localhost, 127.0.0.1, ::1 and ``hosts``."""
+    """A new self-signed CA (cert PEM, key PEM). Its SANs (`COORDINATOR_NAME`, localhost,
+    127.0.0.1, ::1 and ``hosts``) let coordinators of older versions serve it as their server
+    certificate; this version serves `create_server_certificate`'s."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name(
         [
@@ -166,6 +182,58 @@ def create_ca(hosts: Sequence[str] = (), days: int = CA_VALIDITY_DAYS) -> tuple[
         serialization.NoEncryption(),
     )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def create_server_certificate(
+    ca_cert_pem: bytes,
+    ca_key_pem: bytes,
+    hosts: Sequence[str] = (),
+    days: int = SERVER_CERT_VALIDITY_DAYS,
+) -> tuple[bytes, bytes]:
+    """The coordinator's TLS server certificate (cert PEM, key PEM), with a key of its own,
+    issued by the CA: SANs are `COORDINATOR_NAME`, localhost, 127.0.0.1, ::1 and ``hosts``;
+    EKU serverAuth; it ends no later than the CA."""
+    ca_cert = load_certificate(ca_cert_pem)
+    ca_key = _load_key(ca_key_pem)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _utcnow()
+    sans = _san_entries([COORDINATOR_NAME, "localhost", "127.0.0.1", "::1", *hosts])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    # Not the CA's name: a certificate whose subject equals its issuer's reads
+                    # as self-issued to TLS libraries.
+                    x509.NameAttribute(NameOID.COMMON_NAME, f"{COORDINATOR_NAME} server"),
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "epochmesh"),
+                ]
+            )
+        )
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def key_matches_certificate(key_pem: bytes, cert_pem: bytes) -> bool:
+    """Whether ``key_pem`` is the private key of ``cert_pem``'s public key."""
+    key = _load_key(key_pem)
+    cert = load_certificate(cert_pem)
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return key.public_key().public_bytes(*fmt) == cert.public_key().public_bytes(*fmt)
 
 
 def certificate_hosts(cert_pem: bytes) -> list[str]:
@@ -219,18 +287,22 @@ def sign_csr(
     principal: str,
     role: str,
     days: int = CERT_VALIDITY_DAYS,
+    lifetime_s: float | None = None,
+    issued_at: dt.datetime | None = None,
 ) -> bytes:
     """Issue a client (and peer server) certificate for the CSR's key: CN = principal,
     OU = role, SAN DNS:principal, EKU clientAuth + serverAuth. The CSR's own subject is
-    ignored; its self-signature must verify."""
+    ignored; its self-signature must verify. It is valid from ``issued_at`` (default now; tests
+    back-date it) for ``lifetime_s`` seconds (default ``days``), never beyond the CA."""
     if role not in ROLES:
         raise IdentityError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
     check_principal(principal)
     public_key = check_csr(csr_pem)
     ca_cert = load_certificate(ca_cert_pem)
     ca_key = _load_key(ca_key_pem)
-    now = _utcnow()
-    not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    now = _utcnow() if issued_at is None else issued_at
+    lifetime = dt.timedelta(days=days) if lifetime_s is None else dt.timedelta(seconds=lifetime_s)
+    not_after = min(now + lifetime, ca_cert.not_valid_after_utc)
     cert = (
         x509.CertificateBuilder()
         .subject_name(
@@ -245,7 +317,7 @@ def sign_csr(
         .issuer_name(ca_cert.subject)
         .public_key(public_key)
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_before(now - dt.timedelta(seconds=CLOCK_SKEW_S))
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
@@ -258,6 +330,27 @@ def sign_csr(
         .sign(ca_key, hashes.SHA256())
     )
     return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def issued_and_expires_s(cert: x509.Certificate) -> tuple[float, float]:
+    """(when the certificate was issued, when it expires), Unix seconds: issuance is its
+    ``notBefore`` plus the `CLOCK_SKEW_S` every certificate is back-dated by."""
+    not_before = cert.not_valid_before_utc.timestamp()
+    not_after = cert.not_valid_after_utc.timestamp()
+    return min(not_before + CLOCK_SKEW_S, not_after), not_after
+
+
+def renewal_opens_s(cert: x509.Certificate) -> float:
+    """When the coordinator starts to accept a renewal of ``cert`` (Unix seconds)."""
+    issued, expires = issued_and_expires_s(cert)
+    return issued + RENEWAL_OPENS_AT * (expires - issued)
+
+
+def renewal_due_s(cert_pem: bytes) -> float:
+    """When the holder of ``cert_pem`` should renew it (Unix seconds): at `RENEW_AT` of its
+    lifetime, after the coordinator's window opens and well before it expires."""
+    issued, expires = issued_and_expires_s(load_certificate(cert_pem))
+    return issued + RENEW_AT * (expires - issued)
 
 
 @dataclass(frozen=True)
@@ -330,27 +423,53 @@ def hash_secret(secret: str) -> str:
 # -- files ----------------------------------------------------------------------------------
 
 
-def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write atomically with permissions ``mode`` from the start (never world-readable)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def make_private_dir(directory: Path) -> None:
+    """Create ``directory`` (and missing parents) with mode 0700; an existing one is kept as
+    it is."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the entries of ``directory`` (a new file, a rename) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+
+
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write atomically (a temporary file, fsync, rename, fsync of the directory) with
+    permissions ``mode`` from the start (never world-readable). A missing directory is made
+    0700."""
+    make_private_dir(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 @dataclass(frozen=True)
 class Identity:
-    """A CA certificate to trust plus our own certificate and key (all PEM)."""
+    """A CA certificate to trust plus our own certificate and key (all PEM). ``source``: the
+    directory it was loaded from, if any (`CallSigner` follows a renewed certificate there)."""
 
     ca_pem: bytes
     cert_pem: bytes
     key_pem: bytes
+    source: Path | None = field(default=None, compare=False, repr=False)
 
     @property
     def principal(self) -> Principal:
@@ -367,6 +486,7 @@ class Identity:
                 ca_pem=(directory / CA_FILE).read_bytes(),
                 cert_pem=(directory / CERT_FILE).read_bytes(),
                 key_pem=(directory / KEY_FILE).read_bytes(),
+                source=directory,
             )
         except OSError as exc:
             raise IdentityError(f"cannot read identity in {directory}: {exc}") from None
@@ -387,8 +507,23 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def fetch_server_certificate(address: str, timeout: float = 5.0) -> bytes:
-    """The certificate a TLS server presents (PEM), read without verifying anything."""
+def _unverified_chain_der(tls: ssl.SSLSocket) -> list[bytes]:
+    """The certificates a TLS server sent (leaf first, DER), none of them verified."""
+    public = getattr(tls, "get_unverified_chain", None)  # Python 3.13+
+    if public is not None:
+        return [bytes(c) for c in public()]
+    sslobj: Any = getattr(tls, "_sslobj", None)
+    if sslobj is not None and hasattr(sslobj, "get_unverified_chain"):  # 3.10-3.12
+        import _ssl
+
+        return [c.public_bytes(_ssl.ENCODING_DER) for c in sslobj.get_unverified_chain() or ()]
+    der = tls.getpeercert(binary_form=True)
+    return [der] if der else []
+
+
+def fetch_server_chain(address: str, timeout: float = 5.0) -> list[bytes]:
+    """The certificates a TLS server presents (PEM, leaf first), read without verifying
+    anything."""
     host, port = split_address(address)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
@@ -396,23 +531,41 @@ def fetch_server_certificate(address: str, timeout: float = 5.0) -> bytes:
     context.set_alpn_protocols(["h2"])
     with socket.create_connection((host, port), timeout=timeout) as sock:
         with context.wrap_socket(sock, server_hostname=COORDINATOR_NAME) as tls:
-            der = tls.getpeercert(binary_form=True)
-    if not der:
+            chain = _unverified_chain_der(tls)
+    if not chain:
         raise IdentityError(f"{address} presented no certificate")
-    return ssl.DER_cert_to_PEM_cert(der).encode()
+    return [ssl.DER_cert_to_PEM_cert(der).encode() for der in chain]
+
+
+def fetch_server_certificate(address: str, timeout: float = 5.0) -> bytes:
+    """The certificate a TLS server presents (PEM, its leaf), read without verifying
+    anything."""
+    return fetch_server_chain(address, timeout)[0]
 
 
 def fetch_ca(address: str, expected_fingerprint: str, timeout: float = 5.0) -> bytes:
-    """The coordinator's CA certificate, verified against the fingerprint from a token
-    (IdentityError on a mismatch: someone else answers at that address)."""
-    pem = fetch_server_certificate(address, timeout)
-    got = fingerprint(pem)
-    if not secrets.compare_digest(got, expected_fingerprint.lower()):
-        raise IdentityError(
-            f"the server at {address} presented a certificate with fingerprint {got[:16]}..., "
-            f"not the coordinator's CA {expected_fingerprint[:16]}... named in the token"
-        )
-    return pem
+    """The coordinator's CA certificate, verified against the fingerprint from a token: the
+    certificate of the chain the server presents whose fingerprint the token names, which must
+    have issued the server's own certificate (IdentityError otherwise: someone else answers at
+    that address). A coordinator of an older version presents the CA itself."""
+    chain = fetch_server_chain(address, timeout)
+    expected = expected_fingerprint.lower()
+    for pem in chain:
+        if secrets.compare_digest(fingerprint(pem), expected):
+            if pem != chain[0]:
+                try:
+                    load_certificate(chain[0]).verify_directly_issued_by(load_certificate(pem))
+                except Exception:  # noqa: BLE001 - InvalidSignature, wrong issuer, algorithm
+                    raise IdentityError(
+                        f"the server at {address} presents the coordinator's CA "
+                        f"{expected[:16]}... with a certificate that CA did not issue"
+                    ) from None
+            return pem
+    got = fingerprint(chain[0])
+    raise IdentityError(
+        f"the server at {address} presented a certificate with fingerprint {got[:16]}..., "
+        f"not the coordinator's CA {expected[:16]}... named in the token"
+    )
 
 
 # -- gRPC credentials -------------------------------------------------------------------------
@@ -449,27 +602,82 @@ def auth_payload(method_name: str, ts_ms: str) -> bytes:
 
 class CallSigner:
     """The call credentials of one identity: per method, the certificate (DER), a timestamp and
-    the key's signature over both, signed afresh every `AUTH_SIGNATURE_REUSE_MS`. Thread-safe
-    (two threads may both sign a method at once; either result is valid)."""
+    the key's signature over both, signed afresh every `AUTH_SIGNATURE_REUSE_MS`. An identity
+    loaded from a directory is followed there: when its ``cert.pem`` changes (a renewal), the
+    next call signs with the new certificate and key (checked at most every
+    `RELOAD_CHECK_S`). Thread-safe (two threads may both sign a method at once; either result
+    is valid)."""
+
+    RELOAD_CHECK_S = 1.0
 
     def __init__(self, identity: Identity, reuse_ms: int = AUTH_SIGNATURE_REUSE_MS) -> None:
-        self._der = load_certificate(identity.cert_pem).public_bytes(serialization.Encoding.DER)
-        self._key = _load_key(identity.key_pem)
+        self._material = self._material_of(identity)
         self._reuse_ms = reuse_ms
         self._signed: dict[str, tuple[int, Metadata]] = {}
+        self._source = identity.source
+        self._reload_lock = threading.Lock()
+        self._stamp = self._cert_stamp()
+        self._checked = time.monotonic()
+
+    @staticmethod
+    def _material_of(identity: Identity) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
+        der = load_certificate(identity.cert_pem).public_bytes(serialization.Encoding.DER)
+        return der, _load_key(identity.key_pem)
+
+    def _cert_stamp(self) -> tuple[int, int, int] | None:
+        if self._source is None:
+            return None
+        try:
+            st = os.stat(self._source / CERT_FILE)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _follow_renewal(self) -> None:
+        """Load the identity's directory again if its certificate file changed."""
+        now = time.monotonic()
+        if self._source is None or now - self._checked < self.RELOAD_CHECK_S:
+            return
+        with self._reload_lock:
+            if now - self._checked < self.RELOAD_CHECK_S:
+                return
+            self._checked = now
+            stamp = self._cert_stamp()
+            if stamp is None or stamp == self._stamp:
+                return
+            self._stamp = stamp
+            try:
+                fresh = Identity.load(self._source)
+                if not key_matches_certificate(fresh.key_pem, fresh.cert_pem):
+                    raise IdentityError("its key does not match its certificate")
+                material = self._material_of(fresh)
+            except IdentityError as exc:
+                log.warning(
+                    "keeping the certificate in use: the one now in %s is unusable (%s)",
+                    self._source,
+                    exc,
+                )
+                return
+            if material[0] != self._material[0]:
+                self._material = material
+                self._signed = {}
+                log.info("calls now carry the certificate renewed in %s", self._source)
 
     def metadata(self, method_name: str, now_ms: int | None = None) -> Metadata:
         """The authentication metadata for a call of ``method_name`` (e.g. "Heartbeat")."""
+        self._follow_renewal()
         now = int(time.time() * 1000) if now_ms is None else now_ms
-        cached = self._signed.get(method_name)
+        signed = self._signed
+        cached = signed.get(method_name)
         if cached is not None and 0 <= now - cached[0] < self._reuse_ms:
             return cached[1]
+        der, key = self._material
         ts = str(now)
-        sig = self._key.sign(auth_payload(method_name, ts), ec.ECDSA(hashes.SHA256()))
-        md: Metadata = ((AUTH_CERT_KEY, self._der), (AUTH_SIG_KEY, sig), (AUTH_TS_KEY, ts))
-        if len(self._signed) > 256:  # a client calls a few dozen methods; bound it anyway
-            self._signed.clear()
-        self._signed[method_name] = (now, md)
+        sig = key.sign(auth_payload(method_name, ts), ec.ECDSA(hashes.SHA256()))
+        md: Metadata = ((AUTH_CERT_KEY, der), (AUTH_SIG_KEY, sig), (AUTH_TS_KEY, ts))
+        if len(signed) > 256:  # a client calls a few dozen methods; bound it anyway
+            signed.clear()
+        signed[method_name] = (now, md)
         return md
 
 
@@ -609,12 +817,18 @@ def coordinator_channel_options() -> list[tuple[str, str | int]]:
     return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", COORDINATOR_NAME)]
 
 
-def coordinator_server_credentials(ca_cert_pem: bytes, ca_key_pem: bytes) -> grpc.ServerCredentials:
-    """The coordinator's TLS: the CA certificate as server certificate; client certificates
-    from the CA are verified when presented but not required (enrollment and health work
-    without one; the coordinator's role check refuses everything else)."""
+def coordinator_server_credentials(
+    ca_cert_pem: bytes, key_pem: bytes, cert_pem: bytes | None = None
+) -> grpc.ServerCredentials:
+    """The coordinator's TLS: its server certificate ``cert_pem`` (with its key ``key_pem``)
+    sent together with the CA certificate, so that a newcomer can read the CA off the
+    handshake (`fetch_ca`); without ``cert_pem`` the CA certificate itself (``key_pem`` then
+    being the CA key) as older versions did. Client certificates from the CA are verified when
+    presented but not required (enrollment and health work without one; the coordinator's role
+    check refuses everything else)."""
+    chain = ca_cert_pem if cert_pem is None else cert_pem.rstrip(b"\n") + b"\n" + ca_cert_pem
     return grpc.ssl_server_credentials(
-        [(ca_key_pem, ca_cert_pem)], root_certificates=ca_cert_pem, require_client_auth=False
+        [(key_pem, chain)], root_certificates=ca_cert_pem, require_client_auth=False
     )
 
 
@@ -710,3 +924,29 @@ def enroll_with_token(address: str, token: str, name: str = "", timeout: float =
     identity = Identity(ca_pem=ca_pem, cert_pem=response.certificate_pem, key_pem=key_pem)
     verify_issued_by(identity.cert_pem, ca_pem)
     return identity
+
+
+def renew_identity(address: str, identity: Identity, timeout: float = 10.0) -> Identity:
+    """``identity`` with a new certificate for the same key, asked of the coordinator at
+    ``address`` with the current certificate (accepted once `RENEWAL_OPENS_AT` of its lifetime
+    has passed, until it expires). grpc.RpcError when the coordinator refuses; IdentityError
+    when the answer is not a certificate of this CA for the same principal and key."""
+    from epochmesh.v1 import identity_pb2, identity_pb2_grpc
+
+    request = identity_pb2.RenewCertificateRequest(csr_pem=create_csr(identity.key_pem))
+    with secure_sync_channel(address, identity) as channel:
+        stub = identity_pb2_grpc.IdentityServiceStub(channel)
+        response = stub.RenewCertificate(request, timeout=timeout)
+    renewed = Identity(
+        ca_pem=identity.ca_pem,
+        cert_pem=response.certificate_pem,
+        key_pem=identity.key_pem,
+        source=identity.source,
+    )
+    verify_issued_by(renewed.cert_pem, identity.ca_pem)
+    before, after = identity.principal, renewed.principal
+    if (before.id, before.role) != (after.id, after.role):
+        raise IdentityError(f"the renewed certificate names {after}, not {before}")
+    if not key_matches_certificate(renewed.key_pem, renewed.cert_pem):
+        raise IdentityError("the renewed certificate is not for this key")
+    return renewed

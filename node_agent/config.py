@@ -47,6 +47,8 @@ class AgentConfig:
     peer_listen: str = DEFAULT_PEER_LISTEN
     peer_advertise: str = ""
     no_peer: bool = False
+    # Where to serve Prometheus metrics (--metrics-listen); empty: nowhere.
+    metrics_listen: str = ""
 
     @property
     def cache_dir(self) -> Path:
@@ -170,6 +172,16 @@ def _listen_address(text: str) -> str:
         split_host_port(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--peer-listen: {exc}") from None
+    return text.strip()
+
+
+def _metrics_address(text: str) -> str:
+    if not text.strip():
+        return ""
+    try:
+        split_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--metrics-listen: {exc}") from None
     return text.strip()
 
 
@@ -309,6 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
         "ring job it takes part through the coordinator",
     )
     parser.add_argument(
+        "--metrics-listen",
+        default="",
+        type=_metrics_address,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics (tasks, steps, samples, bytes, device memory, cache "
+        "size) at http://HOST:PORT/metrics (default: none; port 0 picks a free one, logged "
+        "and written to DATA_DIR/metrics.addr)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -341,4 +362,5 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         peer_listen=args.peer_listen or DEFAULT_PEER_LISTEN,
         peer_advertise=args.peer_advertise or "",
         no_peer=args.no_peer,
+        metrics_listen=args.metrics_listen,
     )

@@ -24,7 +24,7 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,7 +32,13 @@ from typing import Any, TypeVar
 import grpc
 
 from epochmesh.grpc_util import CHANNEL_OPTIONS
-from epochmesh.identity import Identity, secure_aio_channel
+from epochmesh.identity import (
+    Identity,
+    auth_interceptors,
+    channel_credentials,
+    coordinator_channel_options,
+    secure_aio_channel,
+)
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from node_agent.benchmark import bandwidth_bytes_per_second
@@ -138,14 +144,30 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def open_channel(address: str, identity: Identity | None = None) -> grpc.aio.Channel:
+def open_channel(
+    address: str,
+    identity: Identity | None = None,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+) -> grpc.aio.Channel:
     """The agent's channel: the shared options plus a short reconnect backoff; TLS with the
-    node's certificate when ``identity`` is given, else plaintext (--insecure)."""
+    node's certificate when ``identity`` is given, else plaintext (--insecure).
+    ``interceptors`` (the metrics' byte counters) come after the authentication's."""
     if identity is None:
-        return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+        return grpc.aio.insecure_channel(
+            address,
+            options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS],
+            interceptors=list(interceptors) or None,
+        )
     # The signed call metadata is added by client interceptors on the event loop (grpc's
     # call-credentials plugin would start a Python thread for every call).
-    return secure_aio_channel(address, identity, RECONNECT_OPTIONS)
+    if not interceptors:
+        return secure_aio_channel(address, identity, RECONNECT_OPTIONS)
+    return grpc.aio.secure_channel(
+        address,
+        channel_credentials(identity.ca_pem),
+        options=[*coordinator_channel_options(), *RECONNECT_OPTIONS],
+        interceptors=[*auth_interceptors(identity), *interceptors],
+    )
 
 
 @dataclass
@@ -173,6 +195,7 @@ class CoordinatorConnection:
         price: Callable[[], int] = lambda: 0,
         backoff_base: float = BACKOFF_BASE_S,
         backoff_cap: float = BACKOFF_CAP_S,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ) -> None:
         self.address = address
         self.data_dir = data_dir
@@ -186,7 +209,7 @@ class CoordinatorConnection:
         self.refused = ""  # why the coordinator refuses this agent's certificate, once it does
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
-        self._channel = open_channel(address, transport_identity(data_dir))
+        self._channel = open_channel(address, transport_identity(data_dir), interceptors)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
         self.node_id = load_node_id(data_dir)
         self.lease_id = ""

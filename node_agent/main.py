@@ -15,7 +15,8 @@ from epochmesh.identity import IdentityError
 from node_agent.cheat import CHEAT_ENV, cheat_from_environment
 from node_agent.config import AgentConfig, parse_args
 from node_agent.devices import DeviceError, select_device
-from node_agent.identity import ensure_identity, set_insecure
+from node_agent.identity import CertificateRenewer, ensure_identity, set_insecure
+from node_agent.metrics import AgentMetrics
 from node_agent.worker import Agent
 
 log = logging.getLogger("node_agent")
@@ -59,6 +60,7 @@ def prepare_identity(config: AgentConfig) -> int:
         log.warning("--insecure: talking plaintext to the coordinator, without a certificate")
         set_insecure(True)
         return 0
+    retry_s = 5.0
     while True:
         try:
             identity = ensure_identity(
@@ -69,13 +71,18 @@ def prepare_identity(config: AgentConfig) -> int:
             return 2
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
+            details = exc.details() if hasattr(exc, "details") else str(exc)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 log.warning(
                     "coordinator %s unreachable (Enroll: %s); retrying", config.coordinator, code
                 )
                 time.sleep(1.0)
                 continue
-            details = exc.details() if hasattr(exc, "details") else str(exc)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the coordinator's rate limit
+                log.warning("enrollment deferred: %s; retrying in %.0f s", details, retry_s)
+                time.sleep(retry_s)
+                retry_s = min(retry_s * 2, 60.0)
+                continue
             log.error("enrollment refused: %s", details)
             return 2
         except ConnectionError as exc:
@@ -85,6 +92,7 @@ def prepare_identity(config: AgentConfig) -> int:
             time.sleep(1.0)
             continue
         log.info("node %s: TLS with a certificate from the coordinator's CA", identity.principal.id)
+        CertificateRenewer(config.data_dir, config.coordinator).start()
         return 0
 
 
@@ -104,7 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     code = prepare_identity(config)
     if code:
         return code
-    agent = Agent(config)
+    metrics = None
+    if config.metrics_listen:
+        metrics = AgentMetrics()
+        try:
+            address = metrics.serve(config.metrics_listen)
+        except (OSError, ValueError) as exc:
+            log.error("cannot serve metrics on --metrics-listen %s: %s", config.metrics_listen, exc)
+            return 2
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        (config.data_dir / "metrics.addr").write_text(address + "\n")
+        log.info("metrics on http://%s/metrics", address)
+    agent = Agent(config, metrics)
     try:
         code = asyncio.run(agent.run())
     except Exception:

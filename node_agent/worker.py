@@ -66,6 +66,7 @@ from node_agent.connection import (
 )
 from node_agent.devices import DeviceError, Discovered, discover_devices
 from node_agent.identity import transport_identity
+from node_agent.metrics import AgentMetrics, process_tree_rss
 from node_agent.peer import PeerServer
 from node_agent.program_host import TEST_FAULT_FILE, ProgramHosts, child_memory_budget
 from node_agent.reference_model import reference_step_factory
@@ -94,8 +95,9 @@ PEER_STOP_GRACE_S = 1.0
 
 
 class Agent:
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, metrics: AgentMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.current: TaskContext | None = None
         self.programs = ProgramHosts("cpu", None, None)  # replaced once the device is known
@@ -236,7 +238,10 @@ class Agent:
             on_registered=self._after_registration,
             on_refused=self._on_refused,
             price=self.price.get,
+            interceptors=self.metrics.interceptors() if self.metrics is not None else (),
         )
+        if self.metrics is not None:
+            self.metrics.watch(config.cache_dir, self._device_memory)
         heartbeats: asyncio.Task[None] | None = None
         try:
             await self._until_drain(self.connection.register())
@@ -571,6 +576,18 @@ class Agent:
             await ctx.report_failure("abandoned: the agent is draining")
         finally:
             self.current = None
+            if self.metrics is not None and job.done():
+                failed = job.cancelled() or job.exception() is not None or ctx.failure_reported
+                self.metrics.task_finished(task, failed, ctx.cancelled.is_set())
+
+    def _device_memory(self) -> tuple[str, int, int]:
+        """(device, bytes in use, bytes in all) for the metrics (a scrape's thread)."""
+        device = self.discovered.torch_device
+        if device.startswith("cuda"):
+            free, total = torch.cuda.mem_get_info(torch.device(device))
+            return device, total - free, total
+        total = self.discovered.selected.total_memory_bytes
+        return device, process_tree_rss(os.getpid()), total
 
     @staticmethod
     def _reap(job: asyncio.Task[None]) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65pochmesh/v1/identity.proto\x12\x0c\x65pochmesh.v1\"=\n\rEnrollRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\"n\n\x0e\x45nrollResponse\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x02 \x01(\x0c\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\nexpires_ms\x18\x05 \x01(\x03\x32V\n\x0fIdentityService\x12\x43\n\x06\x45nroll\x12\x1b.epochmesh.v1.EnrollRequest\x1a\x1c.epochmesh.v1.EnrollResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65pochmesh/v1/identity.proto\x12\x0c\x65pochmesh.v1\"=\n\rEnrollRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\"*\n\x17RenewCertificateRequest\x12\x0f\n\x07\x63sr_pem\x18\x01 \x01(\x0c\"n\n\x0e\x45nrollResponse\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x02 \x01(\x0c\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\nexpires_ms\x18\x05 \x01(\x03\x32\xaf\x01\n\x0fIdentityService\x12\x43\n\x06\x45nroll\x12\x1b.epochmesh.v1.EnrollRequest\x1a\x1c.epochmesh.v1.EnrollResponse\x12W\n\x10RenewCertificate\x12%.epochmesh.v1.RenewCertificateRequest\x1a\x1c.epochmesh.v1.EnrollResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENROLLREQUEST']._serialized_start=45
   _globals['_ENROLLREQUEST']._serialized_end=106
-  _globals['_ENROLLRESPONSE']._serialized_start=108
-  _globals['_ENROLLRESPONSE']._serialized_end=218
-  _globals['_IDENTITYSERVICE']._serialized_start=220
-  _globals['_IDENTITYSERVICE']._serialized_end=306
+  _globals['_RENEWCERTIFICATEREQUEST']._serialized_start=108
+  _globals['_RENEWCERTIFICATEREQUEST']._serialized_end=150
+  _globals['_ENROLLRESPONSE']._serialized_start=152
+  _globals['_ENROLLRESPONSE']._serialized_end=262
+  _globals['_IDENTITYSERVICE']._serialized_start=265
+  _globals['_IDENTITYSERVICE']._serialized_end=440
 # @@protoc_insertion_point(module_scope)

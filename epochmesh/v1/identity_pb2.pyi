@@ -14,6 +14,12 @@ class EnrollRequest(_message.Message):
     name: str
     def __init__(self, token: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., name: _Optional[str] = ...) -> None: ...
 
+class RenewCertificateRequest(_message.Message):
+    __slots__ = ("csr_pem",)
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    csr_pem: bytes
+    def __init__(self, csr_pem: _Optional[bytes] = ...) -> None: ...
+
 class EnrollResponse(_message.Message):
     __slots__ = ("certificate_pem", "ca_pem", "principal", "role", "expires_ms")
     CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]

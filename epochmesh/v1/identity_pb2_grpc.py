@@ -39,6 +39,11 @@ class IdentityServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_identity__pb2.EnrollRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_identity__pb2.EnrollResponse.FromString,
                 _registered_method=True)
+        self.RenewCertificate = channel.unary_unary(
+                '/epochmesh.v1.IdentityService/RenewCertificate',
+                request_serializer=epochmesh_dot_v1_dot_identity__pb2.RenewCertificateRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_identity__pb2.EnrollResponse.FromString,
+                _registered_method=True)
 
 
 class IdentityServiceServicer:
@@ -52,12 +57,28 @@ class IdentityServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewCertificate(self, request, context):
+        """A new certificate for the caller, who authenticates with its current certificate (call
+        credentials, as for every other service: valid, issued by this CA, not revoked). Same
+        principal and role; a lifetime equal to the current one's, bounded by the coordinator's
+        maximum. FAILED_PRECONDITION before half of the current certificate's lifetime has passed;
+        RESOURCE_EXHAUSTED past the rate limit (shared with Enroll).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IdentityServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Enroll': grpc.unary_unary_rpc_method_handler(
                     servicer.Enroll,
                     request_deserializer=epochmesh_dot_v1_dot_identity__pb2.EnrollRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_identity__pb2.EnrollResponse.SerializeToString,
+            ),
+            'RenewCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewCertificate,
+                    request_deserializer=epochmesh_dot_v1_dot_identity__pb2.RenewCertificateRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_identity__pb2.EnrollResponse.SerializeToString,
             ),
     }
@@ -87,6 +108,33 @@ class IdentityService:
             target,
             '/epochmesh.v1.IdentityService/Enroll',
             epochmesh_dot_v1_dot_identity__pb2.EnrollRequest.SerializeToString,
+            epochmesh_dot_v1_dot_identity__pb2.EnrollResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.IdentityService/RenewCertificate',
+            epochmesh_dot_v1_dot_identity__pb2.RenewCertificateRequest.SerializeToString,
             epochmesh_dot_v1_dot_identity__pb2.EnrollResponse.FromString,
             options,
             channel_credentials,

@@ -5,6 +5,7 @@ rebuilt from stored rounds, the refund empties the escrow."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -223,3 +224,19 @@ async def test_pay_held_before_a_restart_is_released_and_forfeits_stay_unpaid(
     assert ledger.balance("donor:good") == 100 and ledger.balance(f"held:{JOB}") == 0
     assert restored.job.spent_micro == 100 and restored.available() == 900
     assert restored.billed.split(0, np.array([[0, 20]])) == (10, 10)
+
+
+async def test_a_release_and_a_forfeit_at_once_move_each_hold_once(
+    store: SqliteStore, ledger: CreditLedger
+) -> None:
+    billing = JobBilling(job(), ledger)
+    billing.hold = True
+    for r in range(1, 5):
+        await charged(billing, ledger, r, part("n1", 10 * r, 10 * r + 10))
+    # A check of round 2 passes while another of the node's checks fails: both post to the
+    # store at once (each awaits its write).
+    released, forfeited = await asyncio.gather(billing.release("n1", 2), billing.forfeit("n1"))
+    assert released + forfeited == 400 and released in (0, 200)
+    assert ledger.balance(f"held:{JOB}") == 0 and billing.held() == 0
+    assert await billing.release_all() == 0
+    assert ledger.balance("donor:n1") == released

@@ -37,7 +37,7 @@ from tests.system.test_fault_tolerance import (
 
 log = logging.getLogger(__name__)
 JS = common_pb2.JobState
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)
 
 SEED = 5
 HOLD_S = 2.0  # the coordinator's --scheduler-hold: B gets its half within a few rounds

@@ -382,7 +382,7 @@ def round_without(
 # -- tests ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_agent_kill9_pauses_the_job_a_new_agent_joins_and_it_rejoins_with_its_cache(
     cluster: Cluster, tmp_path: Path
 ) -> None:

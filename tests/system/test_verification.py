@@ -7,7 +7,9 @@ first cheat; its updates since its last verified round are undone (a `job.rolled
 event); the job succeeds with every sample of every epoch trained exactly once in the live
 rounds, and its result equals a plain PyTorch replay of those rounds — so nothing the cheater
 sent after it began cheating is in the model. No honest node is struck or quarantined, and
-their records show verified rounds.
+their records show verified rounds. Every agent asks a price: pay waits in the job's held
+account until a check vouches for it; the cheater's pay for its undone parts is forfeited,
+never paid out, and the accounts add up.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ pytestmark = pytest.mark.timeout(300)
 N, EPOCHS, BATCH = 480, 3, 96
 CHEAT_FROM = 4  # the first round the cheater cheats in
 HONEST = {"h1": 1, "h2": 2, "h3": 2, "h4": 3}  # name -> slowdown
+PRICE = "10"  # credits per hour, every agent
 
 
 @pytest.fixture
@@ -60,7 +63,9 @@ def coordinator(tmp_path: Path) -> Iterator[CoordinatorProc]:
 
 def start_agents(address: str, tmp_path: Path, cheat: str) -> dict[str, AgentProc]:
     agents = {
-        name: AgentProc(address, tmp_path / name, "--name", name, "--slowdown", str(slow))
+        name: AgentProc(
+            address, tmp_path / name, "--name", name, "--slowdown", str(slow), "--price", PRICE
+        )
         for name, slow in HONEST.items()
     }
     agents["cheat"] = AgentProc(
@@ -70,6 +75,8 @@ def start_agents(address: str, tmp_path: Path, cheat: str) -> dict[str, AgentPro
         "cheat",
         "--slowdown",
         "1",
+        "--price",
+        PRICE,
         env={"EPOCHMESH_TEST_CHEAT": f"{cheat}:{CHEAT_FROM}"},
     )
     wait_until(
@@ -91,9 +98,14 @@ def test_a_cheater_is_caught_undone_and_quarantined_while_honest_nodes_are_verif
         # At least three nodes: two honest ones besides the cheater (a slow one may join late).
         doc: dict[str, Any] = job_doc(cheat, epochs=EPOCHS, seed=5, min_nodes=3, max_nodes=5)
         doc["train"]["global_batch"] = BATCH
+        doc["market"] = {"budget": "2"}
         job_dir = tmp_path / "job"
         write_job(job_dir, MODEL, make_dataset(N), doc)
         alice = Cli(address, tmp_path / "alice", role="submitter")
+        op = Cli(address, tmp_path / "op")
+        whoami = alice.run("whoami", "--output", "json")
+        assert whoami.code == 0, whoami.stderr
+        assert op.run("credits", "grant", f"tenant:{whoami.json()['principal']}", "2").code == 0
         out = alice.run("submit", str(job_dir / "job.toml"), "--output", "json", timeout=120)
         assert out.code == 0, out.stderr
         job_id = str(json.loads(out.stdout)["job_id"])
@@ -124,12 +136,14 @@ def test_a_cheater_is_caught_undone_and_quarantined_while_honest_nodes_are_verif
         # own kept, is an honest update). It joins when its benchmark is in, which on a busy
         # host can be after CHEAT_FROM: its first cheat is its first part from CHEAT_FROM on.
         every_round = all_rounds(jobs, job_id)
-        first_cheat = min(
+        cheater_rounds = sorted(
             r.round
             for r in every_round
             if r.round >= CHEAT_FROM and any(p.node_id == cheater.node_id for p in r.parts)
         )
-        assert first_cheat <= int(evidence["round"]) <= first_cheat + 1, (first_cheat, evidence)
+        first_cheat = cheater_rounds[0]
+        caught_in = int(evidence["round"])
+        assert caught_in in cheater_rounds[:2], (cheater_rounds, evidence)
         if evidence["check"] == "recomputation":
             assert float(evidence["distance1"]) > float(evidence["tolerance"]), evidence
             assert evidence["checker1"] != cheater.node_id != evidence["checker2"]
@@ -140,8 +154,9 @@ def test_a_cheater_is_caught_undone_and_quarantined_while_honest_nodes_are_verif
         assert int(summary["failed"]) == 1 and int(summary["passed"]) > 0, summary
 
         check_exactly_once(live, N, EPOCHS)
-        # (stale's first part from CHEAT_FROM on was honest, and verified: it may stay.)
-        cheated_from = first_cheat + (1 if cheat == "stale" else 0)
+        # (stale's first part from CHEAT_FROM on resends its last update; with none before it,
+        # it is an honest one, verified: it may stay. The round it was caught in is a cheat.)
+        cheated_from = caught_in if cheat == "stale" else first_cheat
         cheats_kept = [
             r.round
             for r in live
@@ -159,6 +174,34 @@ def test_a_cheater_is_caught_undone_and_quarantined_while_honest_nodes_are_verif
         ]
         if applied_cheats:
             assert events_of(events, "job.rolled_back"), (applied_cheats, [e.kind for e in events])
+            forfeits = [
+                e for e in events_of(events, "node.pay_forfeited") if e.node_id == cheater.node_id
+            ]
+            assert forfeits and int(forfeits[0].attrs["amount_micro"]) > 0, forfeits
+        # Pay: held until verified, none of the cheater's cheated parts paid out, every held
+        # credit paid or forfeited, the book balanced.
+        entries = alice.run("statement", "--job", job_id, "--output", "json").json()["entries"]
+        held = f"held:{job_id}"
+        assert {e["from"] for e in entries if e["to"].startswith("donor:")} == {held}
+        paid_cheats = [
+            e["round"]
+            for e in entries
+            if e["to"].startswith("donor:")
+            and e["node"] == cheater.node_id
+            and e["round"] >= cheated_from
+        ]
+        assert not paid_cheats, f"the cheater was paid for its rounds {paid_cheats}"
+        assert any(e["to"].startswith("donor:") and e["node"] != cheater.node_id for e in entries)
+        balances = op.run("balance", "--all", "--output", "json").json()["balances"]
+        by_account = {b["account"]: b["balance_micro"] for b in balances}
+        outstanding: dict[tuple[int, str], int] = {}
+        for e in entries:
+            key = (e["round"], e["node"])
+            sign = (e["to"] == held) - (e["from"] == held)
+            outstanding[key] = outstanding.get(key, 0) + sign * e["amount_micro"]
+        left = {k: v for k, v in outstanding.items() if v}
+        assert by_account.get(held, 0) == 0 and not left, (left, cheater.node_id)
+        assert sum(by_account.values()) == 0, by_account
         # The result is the live rounds replayed in plain PyTorch: nothing undone is in it.
         result = alice.run("download", job_id, "-o", str(tmp_path / "result"), timeout=60)
         assert result.code == 0, result.stderr
