@@ -276,6 +276,16 @@ class Authorizer:
             raise UnauthenticatedError("malformed certificate in the call credentials")
         if not isinstance(sig, bytes) or not isinstance(ts, str):
             raise UnauthenticatedError("the call credentials lack a signature")
+        name = method.rsplit("/", 1)[-1]
+        return self.verify_signed(der, name, ts, sig)
+
+    def verify_signed(
+        self, der: bytes, name: str, ts: str, sig: bytes
+    ) -> tuple[Principal, x509.Certificate]:
+        """The principal whose certificate ``der`` (issued by this CA, valid now, not revoked)
+        signed ``name`` at ``ts`` (within AUTH_MAX_SKEW_MS of now) with ``sig``; the
+        certificate. UnauthenticatedError otherwise. Calls use it (``name``: the method), and
+        dashboard login codes (epochmesh.identity.make_login_code)."""
         found = self._lookup(der)
         if isinstance(found, str):
             raise UnauthenticatedError(f"certificate refused: {found}")
@@ -294,7 +304,6 @@ class Authorizer:
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(found.not_before_s))} UTC "
                 "(is this machine's clock right?)"
             )
-        name = method.rsplit("/", 1)[-1]
         key = (der, name, ts, sig)
         if key in self._signatures:
             # Verified before; only its age is new (verify_call_signature's window check).

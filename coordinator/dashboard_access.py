@@ -8,6 +8,11 @@
   (single use unless ``--reusable``, like an enrollment) for a new user principal of that role,
   and the session carries the gRPC role's rights (a submitter sees only its own jobs). Node
   tokens are refused without being spent. A revoked principal's sessions end at once.
+- A user already logged in with the CLI opens the dashboard as itself: ``epochmesh dashboard``
+  prints a login URL with a code its certificate's key signed (epochmesh.identity
+  make_login_code); the dashboard checks it as it checks a call (issued by this CA, valid, not
+  revoked, signed within AUTH_MAX_SKEW_MS of now) and takes it once: the session is that
+  principal's, with its role.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from coordinator.auth import Authorizer
 from coordinator.cluster_view import Viewer
 from coordinator.store import PermissionDeniedError, Store, UnauthenticatedError
 from coordinator.tokens import CertificateAuthority, new_user_id
@@ -29,6 +35,7 @@ SESSION_COOKIE = "epochmesh_session"
 SESSION_TTL_S = 12 * 3600.0
 MAX_SESSIONS = 10_000
 MAX_TOKEN_CHARS = 256
+MAX_CODE_CHARS = 4096  # a login code carries a certificate (DER, base64)
 
 
 def is_loopback_host(host: str) -> bool:
@@ -121,3 +128,45 @@ async def redeem_login_token(store: Store, ca: CertificateAuthority, token: str)
             )
         role = record.role
     return Session(principal=new_user_id(), role=role, expires_s=0.0)
+
+
+class UsedCodes:
+    """Login codes already taken, kept while their timestamp is within the window a code is
+    accepted in (a code opens one session)."""
+
+    def __init__(self, window_ms: int = identity.AUTH_MAX_SKEW_MS) -> None:
+        self.window_ms = window_ms
+        self._used: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, code: str, ts_ms: int, now: int | None = None) -> bool:
+        """False if ``code`` was taken before."""
+        now = now_ms() if now is None else now
+        with self._lock:
+            for c in [c for c, ts in self._used.items() if abs(now - ts) > self.window_ms]:
+                del self._used[c]
+            if code in self._used:
+                return False
+            self._used[code] = ts_ms
+            return True
+
+
+async def redeem_login_code(authorizer: Authorizer, code: str, used: UsedCodes) -> Session:
+    """The session of the principal that signed the dashboard login ``code`` (run on the
+    coordinator's loop). UnauthenticatedError for a malformed, foreign, expired, revoked or
+    replayed code; PermissionDeniedError for a node's."""
+    code = code.strip()
+    if len(code) > MAX_CODE_CHARS:
+        raise UnauthenticatedError("malformed dashboard login code")
+    try:
+        der, ts, sig = identity.parse_login_code(code)
+    except identity.IdentityError as exc:
+        raise UnauthenticatedError(str(exc)) from None
+    principal, _ = authorizer.verify_signed(der, identity.LOGIN_CODE_METHOD, ts, sig)
+    if principal.role not in (identity.ROLE_SUBMITTER, identity.ROLE_OPERATOR):
+        raise PermissionDeniedError(f"a {principal.role}'s certificate does not open the dashboard")
+    if not used.take(code, int(ts)):
+        raise UnauthenticatedError(
+            "this login code was used already: run `epochmesh dashboard` for a new one"
+        )
+    return Session(principal=principal.id, role=principal.role, expires_s=0.0)

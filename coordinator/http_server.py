@@ -37,18 +37,21 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
+from coordinator.auth import Authorizer
 from coordinator.cluster_view import ClusterState, ClusterView, Viewer
 from coordinator.dashboard_access import (
     SESSION_COOKIE,
     SESSION_TTL_S,
     Session,
     Sessions,
+    UsedCodes,
+    redeem_login_code,
     redeem_login_token,
 )
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import CoordinatorError, Store, require_job_id
 from coordinator.tokens import CertificateAuthority
-from epochmesh.identity import ROLE_OPERATOR
+from epochmesh.identity import LOGIN_CODE_PREFIX, ROLE_OPERATOR
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +104,11 @@ class DashboardBackend:
         ca: CertificateAuthority | None,
         login: bool,
         is_revoked: Callable[[str], bool],
+        authorizer: Authorizer | None = None,
     ) -> None:
         self.loop = loop
+        self.authorizer = authorizer  # checks `epochmesh dashboard` login codes
+        self.used_codes = UsedCodes()
         self.view = view
         self.metrics = metrics
         self.store = store
@@ -145,9 +151,14 @@ class DashboardBackend:
     def log_in(self, token: str) -> tuple[str, Session]:
         if self.ca is None:
             raise HttpError(HTTPStatus.BAD_REQUEST, "this coordinator needs no login")
-        ca = self.ca
+        ca, authorizer = self.ca, self.authorizer
         try:
-            session = self.on_loop(lambda: redeem_login_token(self.store, ca, token))
+            if token.strip().startswith(LOGIN_CODE_PREFIX) and authorizer is not None:
+                session = self.on_loop(
+                    lambda: redeem_login_code(authorizer, token, self.used_codes)
+                )
+            else:
+                session = self.on_loop(lambda: redeem_login_token(self.store, ca, token))
         except CoordinatorError as exc:
             status = (
                 HTTPStatus.FORBIDDEN if exc.code == "PERMISSION_DENIED" else HTTPStatus.UNAUTHORIZED

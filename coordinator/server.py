@@ -447,6 +447,7 @@ class Coordinator:
             self.ca,
             login,
             authorizer.is_revoked if authorizer is not None else (lambda _: False),
+            authorizer,
         )
         http = HttpServer(host, port, backend)
         try:

@@ -31,6 +31,8 @@ Trust model (see DESIGN.md section 6 and docs/trust.md):
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime as dt
 import hashlib
 import ipaddress
@@ -950,3 +952,44 @@ def renew_identity(address: str, identity: Identity, timeout: float = 10.0) -> I
     if not key_matches_certificate(renewed.key_pem, renewed.cert_pem):
         raise IdentityError("the renewed certificate is not for this key")
     return renewed
+
+
+# -- dashboard login codes ------------------------------------------------------------------------
+# A logged-in CLI user opens the dashboard as itself: `epochmesh dashboard` signs a login code
+# with its certificate's key (the call-signature scheme, for the pseudo-method DashboardLogin);
+# the dashboard verifies it like a call, once, within AUTH_MAX_SKEW_MS of its timestamp.
+
+LOGIN_CODE_PREFIX = "eml1."
+LOGIN_CODE_METHOD = "DashboardLogin"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def make_login_code(identity: Identity, now_ms: int | None = None) -> str:
+    """A one-time dashboard login code for ``identity``'s principal."""
+    ts = str(int(time.time() * 1000) if now_ms is None else now_ms)
+    cert = load_certificate(identity.cert_pem)
+    sig = _load_key(identity.key_pem).sign(
+        auth_payload(LOGIN_CODE_METHOD, ts), ec.ECDSA(hashes.SHA256())
+    )
+    der = cert.public_bytes(serialization.Encoding.DER)
+    return f"{LOGIN_CODE_PREFIX}{_b64(der)}.{ts}.{_b64(sig)}"
+
+
+def parse_login_code(code: str) -> tuple[bytes, str, bytes]:
+    """(certificate DER, timestamp, signature) of a login code; IdentityError if malformed."""
+    if not code.startswith(LOGIN_CODE_PREFIX):
+        raise IdentityError("not a dashboard login code")
+    parts = code[len(LOGIN_CODE_PREFIX) :].split(".")
+    if len(parts) != 3 or not parts[1].isdigit():
+        raise IdentityError("malformed dashboard login code")
+    try:
+        return _unb64(parts[0]), parts[1], _unb64(parts[2])
+    except (ValueError, binascii.Error):
+        raise IdentityError("malformed dashboard login code") from None

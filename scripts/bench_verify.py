@@ -94,6 +94,7 @@ class Bench:
         epochs: int,
         seed: int,
         on_poll: Callable[[], None] = lambda: None,
+        train_extra: str = "",
     ) -> tuple[str, Path]:
         job_dir = self.work / "jobs" / name
         toml = write_job(
@@ -106,6 +107,7 @@ class Bench:
             min_nodes=5,  # every job starts on all five (the cheater from its first round)
             max_nodes=5,
             checkpoint_every=10,
+            train_extra=train_extra,
         )
         out = self.cluster.cli("submit", str(toml), "--output", "json")
         job_id = str(json.loads(out)["job_id"])
@@ -177,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         default=320,
         help="rounds of the honest job that builds the records (trusted after ~50 verified)",
     )
+    parser.add_argument(
+        "--mixed-rounds",
+        type=int,
+        default=80,
+        help="rounds of an honest job with micro-batches and int8 updates",
+    )
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -195,6 +203,17 @@ def main(argv: list[str] | None = None) -> int:
         trust_id, _ = bench.run_job("trust", trust_samples, 2, seed=1)
         trust = bench.summary(trust_id)
         log.info("trust-building job: %s", trust)
+        # Honest rounds of another shape: micro-batches and int8 updates (their sketches are
+        # checked against the codec's tolerance).
+        mixed_id, _ = bench.run_job(
+            "mixed",
+            args.mixed_rounds * GLOBAL_BATCH,
+            1,
+            seed=2,
+            train_extra='micro_batch = 16\ncompression = "int8"',
+        )
+        mixed = bench.summary(mixed_id)
+        log.info("micro-batch int8 job: %s", mixed)
         clean_id, clean_dir = bench.run_job("clean", args.samples, args.epochs, seed=7)
         clean_loss = bench.result_loss(clean_id, clean_dir)
         clean = bench.summary(clean_id)
@@ -263,12 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         # third-node re-checks spent on the cheaters). Trusted: every job.
         "overhead_new": overhead([trust], "new"),
         "overhead_trusted": overhead(
-            [trust, clean, *(c["verification"] for c in cheats.values())], "trusted"
+            [trust, mixed, clean, *(c["verification"] for c in cheats.values())], "trusted"
         ),
         "false_accusations": false,
         "honest_node_rounds": node_rounds,
         "clean_loss": clean_loss,
         "trust_job": trust,
+        "mixed_job": mixed,
         "seconds": round(time.monotonic() - started, 1),
     }
     print(json.dumps(result))

@@ -110,8 +110,10 @@ def write_job(
     max_nodes: int = 8,
     checkpoint_every: int = 5,
     lr: float = 0.01,
+    train_extra: str = "",
 ) -> Path:
-    """model.py, train.safetensors and job.toml of the convnet job; returns job.toml."""
+    """model.py, train.safetensors and job.toml of the convnet job; returns job.toml.
+    ``train_extra``: more lines of its [train] table (e.g. 'micro_batch = 16')."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "model.py").write_text(MODEL)
     g = torch.Generator().manual_seed(3)
@@ -123,7 +125,7 @@ def write_job(
         '[model]\nfile = "model.py"\nloss = "cross_entropy"\n\n'
         '[data]\ntrain = "train.safetensors"\ninputs = ["x"]\ntargets = ["y"]\n\n'
         f'[train]\nepochs = {epochs}\nglobal_batch = {global_batch}\noptimizer = "sgd"\n'
-        f"lr = {lr}\nmomentum = 0.9\nseed = {seed}\n\n"
+        f"lr = {lr}\nmomentum = 0.9\nseed = {seed}\n{train_extra}\n"
         f'[cluster]\naggregation = "ps"\nmin_nodes = {min_nodes}\nmax_nodes = {max_nodes}\n'
         f"checkpoint_every = {checkpoint_every}\n"
     )

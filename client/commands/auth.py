@@ -1,4 +1,5 @@
-"""Trust commands: ``login`` (enroll with a join token), ``whoami``, ``revoke`` (operators)."""
+"""Trust commands: ``login`` (enroll with a join token), ``whoami``, ``dashboard`` (a login URL
+for the web dashboard as the stored identity), ``revoke`` (operators)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import grpc
 from client.commands.context import Context
 from client.config import credentials_dir, load_credentials, save_login
 from client.rpc import CliError, ExitCode, error_from_rpc
-from epochmesh.identity import IdentityError, enroll_with_token
+from epochmesh.identity import (
+    AUTH_MAX_SKEW_MS,
+    IdentityError,
+    enroll_with_token,
+    make_login_code,
+)
 from epochmesh.v1 import scheduler_pb2
 
 
@@ -62,6 +68,41 @@ def cmd_whoami(ctx: Context) -> int:
     return ExitCode.OK
 
 
+DEFAULT_DASHBOARD_PORT = 7080
+
+
+def dashboard_url(coordinator_address: str, url: str) -> str:
+    """The dashboard's base URL: ``url`` if given, else the coordinator's host on the
+    default --http-listen port."""
+    if url:
+        if not url.startswith(("http://", "https://")):
+            raise CliError(ExitCode.USAGE, f"invalid --url {url!r}: give http://HOST:PORT")
+        return url.rstrip("/")
+    host = coordinator_address.rpartition(":")[0] or coordinator_address
+    host = host.strip("[]")
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{DEFAULT_DASHBOARD_PORT}"
+
+
+def cmd_dashboard(ctx: Context) -> int:
+    identity = load_credentials()
+    if identity is None:
+        raise CliError(ExitCode.AUTH, "not logged in", "run `epochmesh login --token TOKEN` first")
+    base = dashboard_url(ctx.address.address, ctx.args.url or "")
+    code = make_login_code(identity)
+    url = f"{base}/login#code={code}"
+    expires = AUTH_MAX_SKEW_MS // 1000
+    if ctx.json:
+        ctx.emit_json({"url": url, "code": code, "expires_in_seconds": expires})
+    else:
+        ctx.emit(url)
+        ctx.note(
+            f"open it within {expires // 60} minutes to see the dashboard as "
+            f"{identity.principal.role} {identity.principal.id} (it logs in once)"
+        )
+    return ExitCode.OK
+
+
 def cmd_revoke(ctx: Context) -> int:
     ref = ctx.args.principal.strip()
     principal = ref if ref.startswith("u-") else ctx.get_node(ref).node_id
@@ -96,6 +137,20 @@ def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentPars
 
     p = sub.add_parser("whoami", parents=common, help="show the stored identity")
     p.set_defaults(func=cmd_whoami)
+
+    p = sub.add_parser(
+        "dashboard",
+        parents=common,
+        help="print a login URL for the web dashboard as the stored identity",
+        description="Print a URL that logs the web dashboard in as the stored identity (your "
+        "jobs, with your role): a one-time code signed with your key, good for five minutes.",
+    )
+    p.add_argument(
+        "--url",
+        default="",
+        help="the dashboard's base URL (default: the coordinator's host, port 7080)",
+    )
+    p.set_defaults(func=cmd_dashboard)
 
     p = sub.add_parser(
         "revoke",

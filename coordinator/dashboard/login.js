@@ -1,5 +1,6 @@
 "use strict";
-document.getElementById("login-form").addEventListener("submit", async (event) => {
+const form = document.getElementById("login-form");
+form.addEventListener("submit", async (event) => {
   event.preventDefault();
   const error = document.getElementById("login-error");
   error.hidden = true;
@@ -21,3 +22,12 @@ document.getElementById("login-form").addEventListener("submit", async (event) =
   error.textContent = message;
   error.hidden = false;
 });
+
+// `epochmesh dashboard` opens /login#code=...: log in with it at once (the fragment never
+// reaches the server's logs), then forget it.
+const fromCli = new URLSearchParams(window.location.hash.slice(1)).get("code");
+if (fromCli) {
+  history.replaceState(null, "", window.location.pathname);
+  document.getElementById("token").value = fromCli;
+  form.requestSubmit();
+}

@@ -23,7 +23,13 @@ import pytest
 
 from coordinator.server import Coordinator
 from coordinator.tokens import create_token
-from epochmesh.identity import enroll_with_token
+from epochmesh.identity import (
+    AUTH_MAX_SKEW_MS,
+    LOGIN_CODE_PREFIX,
+    enroll_with_token,
+    make_login_code,
+)
+from epochmesh.timeutil import now_ms
 from epochmesh.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -312,3 +318,56 @@ async def test_metrics_stay_bounded_as_jobs_come_and_go(tmp_path: Path) -> None:
         assert (
             sample(text, "epochmesh_round_duration_seconds_bucket", job=live.job_id, le="0.5") == 1
         )
+
+
+async def test_a_cli_user_opens_the_dashboard_as_itself(tmp_path: Path) -> None:
+    """`epochmesh dashboard`'s login code: the session is the CLI identity's own principal
+    (its jobs, its role), the code opens one session, and a stale, forged, node's or revoked
+    one opens none."""
+    async with in_process_coordinator(
+        tmp_path / "c", http_listen="127.0.0.1:0", http_login=True
+    ) as coord:
+        assert coord.ca is not None
+
+        async def log_in(code: str) -> Reply:
+            return await fetch(coord, "/api/login", "POST", json.dumps({"token": code}).encode())
+
+        token = await create_token(coord.store, coord.ca, "submitter", 3600)
+        alice = await asyncio.to_thread(enroll_with_token, coord.address, token)
+        mine = await coord.store.create_job(common_pb2.Job(name="mine"), owner=alice.principal.id)
+        theirs = await coord.store.create_job(common_pb2.Job(name="theirs"), owner="u-other")
+
+        code = make_login_code(alice)
+        login = await log_in(code)
+        assert login.status == 200, login.text
+        body = login.json()
+        assert isinstance(body, dict)
+        assert (body["principal"], body["role"]) == (alice.principal.id, "submitter")
+        cookie = {"Cookie": login.headers["Set-Cookie"].split(";", 1)[0]}
+        assert (await fetch(coord, f"/api/jobs/{mine.job_id}", headers=cookie)).status == 200
+        assert (await fetch(coord, f"/api/jobs/{theirs.job_id}", headers=cookie)).status == 404
+
+        replay = await log_in(code)
+        assert replay.status == 401 and "used already" in replay.text
+        stale = make_login_code(alice, now_ms=now_ms() - AUTH_MAX_SKEW_MS - 60_000)
+        assert (await log_in(stale)).status == 401
+        forged = code[: -len(code.rsplit(".", 1)[1])] + "AAAA"
+        assert (await log_in(forged)).status == 401
+        for malformed in (LOGIN_CODE_PREFIX, LOGIN_CODE_PREFIX + "a.b.c", LOGIN_CODE_PREFIX * 900):
+            assert (await log_in(malformed)).status in (400, 401, 413), malformed
+        # Another coordinator's user is nobody here.
+        async with in_process_coordinator(tmp_path / "other") as other:
+            assert other.ca is not None
+            foreign_token = await create_token(other.store, other.ca, "submitter", 3600)
+            foreign = await asyncio.to_thread(enroll_with_token, other.address, foreign_token)
+        assert (await log_in(make_login_code(foreign))).status == 401
+        # A node's certificate does not open the dashboard.
+        node_token = await create_token(coord.store, coord.ca, "node", 3600)
+        node = await asyncio.to_thread(enroll_with_token, coord.address, node_token)
+        assert (await log_in(make_login_code(node))).status == 403
+        # A revoked user's codes open nothing.
+        async with aio_channel_for(coord.address) as ch:
+            sched = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            await sched.Revoke(scheduler_pb2.RevokeRequest(principal=alice.principal.id))
+        assert (await log_in(make_login_code(alice))).status == 401
+        assert (await fetch(coord, "/api/overview", headers=cookie)).status == 401

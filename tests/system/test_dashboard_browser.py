@@ -3,7 +3,8 @@ through selenium) against a real coordinator (``--http-login``, so the page asks
 token as it does beyond loopback), two real agents and jobs of two tenants submitted with the
 ``epochmesh`` CLI.
 
-The submitter logs in with a token, sees both agents and its own job but nothing of the other
+The submitter, logged in with the CLI, opens the URL `epochmesh dashboard` prints (logged in as
+itself, no join token of its own), sees both agents and its own job but nothing of the other
 tenant's job (not in the list, not on a node, its page a 404), watches the loss chart gain
 points as rounds land, and no page logs a console error. The job page's screenshot is saved
 (to ``$EPOCHMESH_SCREENSHOT_DIR`` when set, which is how docs/dashboard-job.png is made).
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import write_mlp_job
-from tests.procs import start_coordinator, token_for, wait_until
+from tests.procs import start_coordinator, wait_until
 from tests.system.test_cli_support import (
     AgentProc,
     Cli,
@@ -103,9 +104,6 @@ def test_dashboard_in_headless_chromium(tmp_path: Path, browser: object) -> None
         pytest.skip("coordinator without training engine")
     from selenium.webdriver.common.by import By
 
-    from client.config import save_login
-    from coordinator.tokens import ensure_ca, issue_identity
-
     driver = browser
     started = time.monotonic()
     root = tmp_path
@@ -138,26 +136,24 @@ def test_dashboard_in_headless_chromium(tmp_path: Path, browser: object) -> None
         other_job = _submit(other, root, "other-tenants-job", epochs=1, priority="low")
         timings = {"other submitted": time.monotonic() - started}
 
-        # Log in as a submitter with a join token, as a remote user would.
-        driver.get(base + "/")  # type: ignore[attr-defined]
-        token_box = driver.find_element(By.ID, "token")  # type: ignore[attr-defined]
-        token = token_for(coord.address, "submitter")
-        assert token
-        token_box.send_keys(token)
-        driver.find_element(By.ID, "login").click()  # type: ignore[attr-defined]
+        # A submitter logged in with the CLI submits a job, then opens the dashboard as itself
+        # with the URL `epochmesh dashboard` prints (a one-time code signed with its key; the
+        # login page takes it from the URL's fragment).
+        mine = Cli(coord.address, root / "tenant-a", role="submitter")
+        job_id = _submit(mine, root, "dashboard-demo", epochs=200, priority="high")
+        me = mine.run("whoami", "--output", "json").json()["principal"]
+        link = mine.run("dashboard", "--url", base, "--output", "json")
+        assert link.code == 0, link.stderr
+        driver.get(link.json()["url"])  # type: ignore[attr-defined]
 
         def whoami() -> str:
             found = driver.find_elements(By.CSS_SELECTOR, "#whoami[data-principal]")  # type: ignore[attr-defined]
             return found[0].get_attribute("data-principal") if found else ""
 
         principal = str(wait_until(whoami, timeout=20, message="no login"))
+        assert principal == me, (principal, me)
         timings["logged in"] = time.monotonic() - started
         driver.get_log("browser")  # type: ignore[attr-defined]  # the 401 of the login page
-        # The browser's principal submits a job with the CLI (its certificate from the CA).
-        ca = ensure_ca(root / "coord")
-        mine = Cli(coord.address, root / "tenant-a", role=None)
-        save_login(issue_identity(ca, "submitter", principal), coord.address, mine.env())
-        job_id = _submit(mine, root, "dashboard-demo", epochs=200, priority="high")
         timings["submitted"] = time.monotonic() - started
         # The job page: the loss chart gains points as rounds land.
         driver.get(f"{base}/jobs/{job_id}")  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from client.commands.auth import dashboard_url
 from client.commands.output import (
     closest,
     edit_distance,
@@ -392,3 +393,12 @@ def test_tenant_rows_join_weights_and_live_jobs() -> None:
     ]
     (row,) = queue_rows(reply.jobs[:1])
     assert row == ["j-1", "-", "u-a", "normal", "unspecified", "1.50", "2/0", "-"]
+
+
+def test_the_dashboard_url_is_the_coordinators_host_or_the_one_given() -> None:
+    assert dashboard_url("10.0.0.5:7070", "") == "http://10.0.0.5:7080"
+    assert dashboard_url("[::1]:7070", "") == "http://[::1]:7080"
+    assert dashboard_url("c.example:7070", "https://dash.example/") == "https://dash.example"
+    with pytest.raises(CliError) as info:
+        dashboard_url("c.example:7070", "dash.example:80")
+    assert info.value.code == ExitCode.USAGE and "http://HOST:PORT" in info.value.message
