@@ -532,9 +532,11 @@ class Verifier:
         for other in [p for p in self._pending.values() if p.node_id == node]:
             self._forget(other)
         # Its applied updates that no check has passed since (rounds a rollback undid are gone
-        # from the set; an update of a round still open is discarded by the runner instead).
-        rounds = self._unverified.pop(node, set())
-        first = min(rounds) if rounds else None
+        # from the set), and the update of the round checked: it may be applied by now, or be
+        # being applied (the round's apply runs in a thread and had taken it already), however
+        # early it was caught; undoing that round costs one round when it was not.
+        rounds = self._unverified.pop(node, set()) | {pc.round}
+        first = min(rounds)
         attrs = {"round": str(pc.round), **evidence}
         if accuse:
             text = f"failed verification in job {self.runner.job_id}: {reason}"

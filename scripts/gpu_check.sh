@@ -19,7 +19,7 @@ pinned() { grep -E "^$1==" constraints.txt | head -1; }
 if [[ "${1:-}" == "wheels" ]]; then
     pyver=${PYVER:-3.12}
     mkdir -p .whl
-    for name in grpcio grpcio-health-checking grpcio-reflection protobuf aiosqlite \
+    for name in grpcio grpcio-health-checking grpcio-reflection protobuf aiosqlite prometheus-client \
         cryptography cffi pycparser; do
         spec=$(pinned "$name") || spec=$name
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
