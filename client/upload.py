@@ -2,9 +2,10 @@
 
 For every distinct blob (by sha256) the uploader first asks ``GetBlobStatus``:
 
-- a blob the coordinator already holds completely is skipped (nothing is sent);
-- a partial upload continues from ``received_bytes``;
-- otherwise the whole blob is streamed: one header, then chunks of at most 1 MiB.
+- a blob the coordinator already holds completely for this user is skipped (nothing is sent);
+- a partial upload of this user's continues from ``received_bytes``;
+- otherwise (NOT_FOUND: nothing of this user's, whatever others hold) the whole blob is
+  streamed: one header, then chunks of at most 1 MiB.
 
 A connection lost during an upload is retried (up to ``attempts`` times, with a short
 backoff), each time resuming from what the coordinator reports it holds.
@@ -30,7 +31,14 @@ log = logging.getLogger(__name__)
 # (bytes done so far, bytes in total) -> None
 ProgressFn = Callable[[int, int], None]
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS)
+# DEADLINE_EXCEEDED: the coordinator closed a stream that stalled (--upload-idle-timeout),
+# keeping its bytes; the upload resumes from them.
+_RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 
 
 class _Interrupted(Exception):

@@ -199,6 +199,18 @@ class AgentService:
         require_sha256(req.sha256)
         if req.offset < 0:
             raise InvalidArgumentError(f"offset must not be negative, got {req.offset}")
+        # A node reads only its jobs' blobs; decided before the blob is looked up, so the
+        # answer says nothing about blobs of others.
+        principal = current_principal()
+        if (
+            principal is not None
+            and principal.role == ROLE_NODE
+            and not self._engine.may_fetch_blob(principal.id, req.sha256)
+        ):
+            raise PermissionDeniedError(
+                f"node {principal.id} may fetch only the blobs of the jobs it works for or has "
+                f"a check of; blob {req.sha256} is not one of them"
+            )
         async for offset, data, total in self._blobs.read_chunks(req.sha256, req.offset):
             yield agent_pb2.FetchBlobResponse(
                 total_size=total, chunk=common_pb2.DataChunk(offset=offset, data=data)

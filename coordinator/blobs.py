@@ -2,10 +2,19 @@
 
 A blob becomes visible (readable, listed, deduplicated) only after its bytes have been hashed
 and match their sha256, the file is fsynced and renamed into place, and the store records it.
-Uploads in progress live under DATA_DIR/blobs/partial/<sha> (with <sha>.size holding the
-announced size) and can be resumed from the bytes held. A hash mismatch at the end of an upload
-discards the partial and is answered DATA_LOSS (the bytes were corrupted somewhere: start again
-from offset 0).
+Uploads in progress live under DATA_DIR/blobs/partial/<uploader>/<sha> (with <sha>.size
+holding the announced size; <uploader> is a hash of the uploader's identity), so that two
+uploaders of the same blob never touch each other's bytes, and can be resumed from the bytes
+held. A hash mismatch at the end of an upload discards the partial and is answered DATA_LOSS
+(the bytes were corrupted somewhere: start again from offset 0). A partial upload not written
+to for `UploadLimits.partial_ttl_s` is deleted (swept at start and periodically).
+
+Blobs belong to their uploaders (table blob_owners) and to the jobs that use them (job_blobs):
+a submitter sees, resumes and names only those (`BlobCaller`); operators and --insecure
+callers see every blob. A caller who uploads a blob stored already but not its own sends the
+bytes like anyone (that is its proof of holding them); the copy is not stored twice. Each
+identity may hold `UploadLimits.quota_bytes` in the blobs it uploaded plus the announced sizes
+of its partial uploads.
 
 At open, the directory and the store are reconciled: a blob file the store does not know (a
 crash between rename and record) is verified and recorded, or deleted if its bytes are wrong; a
@@ -22,11 +31,14 @@ import hashlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from coordinator.auth import current_principal
+from coordinator.config import CoordinatorConfig
 from coordinator.events import EventLog
 from coordinator.store import (
     AbortedError,
@@ -39,6 +51,8 @@ from coordinator.store import (
     ResourceExhaustedError,
     Store,
 )
+from coordinator.stream_caps import StreamCaps
+from epochmesh.identity import ROLE_OPERATOR
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import common_pb2
 
@@ -88,6 +102,55 @@ class BlobStatus:
     size: int  # announced size of a partial upload; the size of a complete blob; else 0
 
 
+@dataclass(frozen=True)
+class BlobCaller:
+    """Who reaches for a blob: an identity (a principal id; "" with --insecure) and whether it
+    may see every blob (operators, --insecure) or only its own and its jobs' ones."""
+
+    identity: str
+    full_access: bool
+
+    @classmethod
+    def current(cls) -> BlobCaller:
+        """The caller of the RPC being handled (coordinator/auth.py)."""
+        principal = current_principal()
+        if principal is None:
+            return cls("", True)
+        return cls(principal.id, principal.role == ROLE_OPERATOR)
+
+
+@dataclass(frozen=True)
+class UploadLimits:
+    """Per-identity storage quota (bytes of uploaded blobs plus announced sizes of partial
+    uploads), concurrent upload streams per identity and in all, how long an upload stream
+    may stay silent, and how long a partial upload lives without a write."""
+
+    quota_bytes: int
+    max_streams: int
+    max_streams_total: int
+    idle_timeout_s: float
+    partial_ttl_s: float
+
+    @classmethod
+    def from_config(cls, config: CoordinatorConfig) -> UploadLimits:
+        return cls(
+            quota_bytes=config.blob_quota_bytes,
+            max_streams=config.max_upload_streams,
+            max_streams_total=config.max_upload_streams_total,
+            idle_timeout_s=config.upload_idle_timeout_s,
+            partial_ttl_s=config.partial_upload_ttl_s,
+        )
+
+    @property
+    def sweep_interval_s(self) -> float:
+        return min(max(self.partial_ttl_s / 4, 0.05), 600.0)
+
+
+def uploader_key(identity: str) -> str:
+    """The folder name of an identity's partial uploads (any identity, a safe name)."""
+    return hashlib.sha256(b"uploader:" + identity.encode()).hexdigest()[:32]
+
+
 class BlobStore:
     def __init__(
         self,
@@ -96,25 +159,89 @@ class BlobStore:
         *,
         max_blob_bytes: int,
         events: EventLog | None = None,
+        limits: UploadLimits | None = None,
     ) -> None:
         self.root = Path(root)
         self.partial_dir = self.root / "partial"
         self.max_blob_bytes = max_blob_bytes
+        self.limits = limits or UploadLimits.from_config(CoordinatorConfig())
+        # Concurrent UploadBlob streams (the service holds one for each call).
+        self.streams = StreamCaps(
+            "UploadBlob",
+            self.limits.max_streams,
+            self.limits.max_streams_total,
+            "--max-upload-streams",
+        )
         self._store = store
         self._events = events
-        self._active: set[str] = set()
+        self._active: set[tuple[str, str]] = set()  # (uploader key, sha256)
+        # Held while partial uploads are opened (quota reserved) and while they are swept.
+        self._partials_lock = asyncio.Lock()
+        # Serializes publishing: two uploaders of one blob store it once.
+        self._publish_lock = asyncio.Lock()
+        self._sweeper: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Create the directories, drop leftovers of interrupted writes, reconcile."""
+        """Create the directories, drop leftovers of interrupted writes, reconcile, delete
+        expired partial uploads, and sweep them periodically from now on."""
         await asyncio.to_thread(self._prepare_dirs)
         await self._reconcile()
+        await self.sweep_partials()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
 
     def _prepare_dirs(self) -> None:
         self.partial_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in self.partial_dir.glob("tmp-*"):
-            leftover.unlink(missing_ok=True)
+        for leftover in self.partial_dir.iterdir():
+            if leftover.name.startswith("tmp-"):
+                leftover.unlink(missing_ok=True)
+            elif leftover.is_file():  # a partial upload of before per-uploader folders
+                leftover.unlink(missing_ok=True)
+                log.info("deleted partial upload %s: it has no uploader", leftover.name)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.limits.sweep_interval_s)
+            try:
+                await self.sweep_partials()
+            except OSError:
+                log.exception("sweeping partial uploads failed")
+
+    async def sweep_partials(self) -> int:
+        """Delete partial uploads not written to for the TTL (none in progress); how many."""
+        async with self._partials_lock:
+            active = set(self._active)
+            removed = await asyncio.to_thread(self._sweep_sync, active, time.time())
+        if removed:
+            log.info(
+                "deleted %d partial upload(s) idle for over %gs", removed, self.limits.partial_ttl_s
+            )
+        return removed
+
+    def _sweep_sync(self, active: set[tuple[str, str]], now: float) -> int:
+        removed = 0
+        for folder in self.partial_dir.iterdir():
+            if not folder.is_dir():
+                continue
+            for path in list(folder.iterdir()):
+                sha = path.name.removesuffix(".size")
+                if (folder.name, sha) in active:
+                    continue
+                data, meta = folder / sha, folder / f"{sha}.size"
+                written = max(_mtime(data), _mtime(meta))
+                if now - written > self.limits.partial_ttl_s:
+                    removed += int(data.exists())
+                    data.unlink(missing_ok=True)
+                    meta.unlink(missing_ok=True)
+        return removed
 
     async def _reconcile(self) -> None:
         on_disk = await asyncio.to_thread(self._scan)
@@ -150,11 +277,11 @@ class BlobStore:
     def path(self, sha256: str) -> Path:
         return self.root / sha256[:2] / sha256
 
-    def _partial(self, sha256: str) -> Path:
-        return self.partial_dir / sha256
+    def _partial(self, key: str, sha256: str) -> Path:
+        return self.partial_dir / key / sha256
 
-    def _partial_meta(self, sha256: str) -> Path:
-        return self.partial_dir / f"{sha256}.size"
+    def _partial_meta(self, key: str, sha256: str) -> Path:
+        return self.partial_dir / key / f"{sha256}.size"
 
     async def get(self, sha256: str) -> BlobRecord | None:
         return await self._store.get_blob(sha256)
@@ -162,36 +289,75 @@ class BlobStore:
     async def exists(self, sha256: str) -> bool:
         return await self._store.get_blob(sha256) is not None
 
+    async def visible(self, sha256: str, caller: BlobCaller) -> bool:
+        """Whether the blob is stored and the caller may see it: it uploaded it, one of its
+        jobs uses it, or it sees every blob."""
+        if caller.full_access:
+            return await self.exists(sha256)
+        return await self._store.blob_visible_to(sha256, caller.identity)
+
     def uploads_in_progress(self) -> set[str]:
-        return set(self._active)
+        return {sha for _, sha in self._active}
 
     async def stats(self) -> BlobStats:
         return await self._store.blob_stats()
 
-    async def status(self, sha256: str) -> BlobStatus:
+    async def status(self, sha256: str, caller: BlobCaller) -> BlobStatus | None:
+        """The blob as the caller sees it: complete (one it may see), the caller's own partial
+        upload, or None (nothing of the caller's: NOT_FOUND, whether or not others hold it)."""
         require_sha256(sha256)
-        record = await self._store.get_blob(sha256)
-        if record is not None:
-            return BlobStatus(complete=True, received_bytes=record.size, size=record.size)
-        held, size = await asyncio.to_thread(self._partial_state, sha256)
+        if await self.visible(sha256, caller):
+            record = await self._store.get_blob(sha256)
+            if record is not None:
+                return BlobStatus(complete=True, received_bytes=record.size, size=record.size)
+        key = uploader_key(caller.identity)
+        held, size = await asyncio.to_thread(self._partial_state, key, sha256)
+        if size == 0 and not self._partial_meta(key, sha256).exists():
+            return None
         return BlobStatus(complete=False, received_bytes=held, size=size)
 
-    def _partial_state(self, sha256: str) -> tuple[int, int]:
+    def _partial_state(self, key: str, sha256: str) -> tuple[int, int]:
         try:
-            held = self._partial(sha256).stat().st_size
-            size = int(self._partial_meta(sha256).read_text())
+            held = self._partial(key, sha256).stat().st_size
+            size = int(self._partial_meta(key, sha256).read_text())
         except (FileNotFoundError, ValueError):
             return 0, 0
         return held, size
 
+    def _reserved_sync(self, key: str, but: str) -> int:
+        """The announced sizes of an uploader's partial uploads, but the one of ``but``."""
+        total = 0
+        folder = self.partial_dir / key
+        if not folder.is_dir():
+            return 0
+        for meta in folder.glob("*.size"):
+            if meta.name.removesuffix(".size") == but:
+                continue
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                total += int(meta.read_text())
+        return total
+
+    async def _check_quota(self, caller: BlobCaller, key: str, sha256: str, size: int) -> None:
+        owned = await self._store.owned_blob_bytes(caller.identity)
+        reserved = await asyncio.to_thread(self._reserved_sync, key, sha256)
+        quota = self.limits.quota_bytes
+        if owned + reserved + size > quota:
+            raise ResourceExhaustedError(
+                f"storage quota exceeded: each identity may hold {quota} bytes of uploaded blobs "
+                f"and partial uploads (--blob-quota-bytes); you hold {owned} bytes of blobs and "
+                f"{reserved} bytes of other partial uploads, this blob needs {size}"
+            )
+
     # -- uploads --------------------------------------------------------------------------------
 
-    async def begin_upload(self, sha256: str, size: int, offset: int) -> Upload | BlobRecord:
-        """Start (offset 0) or resume (offset = bytes held) an upload. Returns the existing
-        record if the blob is already stored (nothing to upload). Errors: InvalidArgumentError
-        (bad sha/size/offset), ResourceExhaustedError (size over the limit),
-        FailedPreconditionError (offset differs from the bytes held), AbortedError (another
-        upload of the same blob is in progress)."""
+    async def begin_upload(
+        self, sha256: str, size: int, offset: int, caller: BlobCaller
+    ) -> Upload | BlobRecord:
+        """Start (offset 0) or resume (offset = bytes held) the caller's upload. Returns the
+        record if the caller may see the blob already (nothing to upload). Errors:
+        InvalidArgumentError (bad sha/size/offset), ResourceExhaustedError (size over the
+        limit, or the caller's quota), FailedPreconditionError (offset differs from the bytes
+        held), AbortedError (the caller's other upload of the same blob is in progress)."""
         require_sha256(sha256)
         if size < 0:
             raise InvalidArgumentError(f"size must not be negative, got {size}")
@@ -199,28 +365,47 @@ class BlobStore:
             raise InvalidArgumentError(f"offset {offset} is outside the blob (size {size})")
         if size > self.max_blob_bytes:
             raise ResourceExhaustedError(
-                f"blob of {size} bytes exceeds the limit of {self.max_blob_bytes} bytes"
+                f"blob of {size} bytes exceeds the limit of {self.max_blob_bytes} bytes "
+                "(--max-blob-bytes)"
             )
-        record = await self._store.get_blob(sha256)
-        if record is not None:
-            if record.size != size:
-                raise InvalidArgumentError(
-                    f"blob {sha256} is stored with size {record.size}, not {size}"
-                )
-            return record
-        if sha256 in self._active:
+        if await self.visible(sha256, caller):
+            record = await self._store.get_blob(sha256)
+            if record is not None:
+                if record.size != size:
+                    raise InvalidArgumentError(
+                        f"blob {sha256} is stored with size {record.size}, not {size}"
+                    )
+                return record
+        key = uploader_key(caller.identity)
+        if (key, sha256) in self._active:
             raise AbortedError(f"an upload of blob {sha256} is already in progress: retry later")
-        self._active.add(sha256)
+        self._active.add((key, sha256))
         try:
-            upload = Upload(self, sha256, size)
-            await asyncio.to_thread(upload._open, offset)
+            async with self._partials_lock:
+                await self._check_quota(caller, key, sha256, size)
+                upload = Upload(self, key, caller.identity, sha256, size)
+                await asyncio.to_thread(upload._open, offset)
         except BaseException:
-            self._active.discard(sha256)
+            self._active.discard((key, sha256))
             raise
         return upload
 
-    async def _commit_file(self, sha256: str, size: int, src: Path) -> BlobRecord:
-        """Move a verified, fsynced file into place and record it."""
+    async def _publish(self, sha256: str, size: int, src: Path, owner: str) -> BlobRecord:
+        """A verified, fsynced upload of ``owner``: placed and recorded, or, when the blob is
+        stored already (another uploader's), discarded; ``owner`` owns it either way."""
+        async with self._publish_lock:
+            record = await self._store.get_blob(sha256)
+            if record is None:
+                return await self._commit_file(sha256, size, src, owner=owner)
+            await asyncio.to_thread(src.unlink, missing_ok=True)
+            await self._store.add_blob_owner(sha256, owner)
+        log.info("blob %s uploaded again, by %s: stored once", sha256, owner or "-")
+        return record
+
+    async def _commit_file(
+        self, sha256: str, size: int, src: Path, owner: str | None = None
+    ) -> BlobRecord:
+        """Move a verified, fsynced file into place and record it (with its uploader)."""
         final = self.path(sha256)
 
         def place() -> None:
@@ -229,7 +414,10 @@ class BlobStore:
             _fsync_dir(final.parent)
 
         await asyncio.to_thread(place)
-        record = await self._store.add_blob(sha256, size)
+        async with self._store.transaction():
+            record = await self._store.add_blob(sha256, size)
+            if owner is not None:
+                await self._store.add_blob_owner(sha256, owner)
         if self._events is not None:
             await self._events.append(
                 "blob.stored",
@@ -241,24 +429,26 @@ class BlobStore:
 
     # -- blobs the coordinator makes itself -----------------------------------------------------
 
-    async def put_bytes(self, data: bytes) -> common_pb2.BlobRef:
-        """Store bytes made by the coordinator (checkpoints, results); no size limit applies."""
+    async def put_bytes(self, data: bytes, owner: str | None = None) -> common_pb2.BlobRef:
+        """Store bytes made by the coordinator (checkpoints, results); no size limit or quota
+        applies. ``owner``: an identity that owns the blob from now on (None: nobody)."""
         sha = hashlib.sha256(data).hexdigest()
-        if await self._store.get_blob(sha) is not None:
-            return common_pb2.BlobRef(sha256=sha, size=len(data))
-        tmp = self.partial_dir / f"tmp-{secrets.token_hex(8)}"
+        if await self._store.get_blob(sha) is None:
+            tmp = self.partial_dir / f"tmp-{secrets.token_hex(8)}"
 
-        def write() -> None:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            def write() -> None:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
 
-        try:
-            await asyncio.to_thread(write)
-            await self._commit_file(sha, len(data), tmp)
-        finally:
-            tmp.unlink(missing_ok=True)
+            try:
+                await asyncio.to_thread(write)
+                await self._commit_file(sha, len(data), tmp, owner=owner)
+            finally:
+                tmp.unlink(missing_ok=True)
+        elif owner is not None:
+            await self._store.add_blob_owner(sha, owner)
         return common_pb2.BlobRef(sha256=sha, size=len(data))
 
     async def put_file(self, src: Path) -> common_pb2.BlobRef:
@@ -329,12 +519,21 @@ class BlobStore:
             f.close()
 
 
-class Upload:
-    """One upload of one blob; use as ``async with`` so the file and the lock are released.
-    Chunks must arrive in order: ``write(offset, data)`` with offset == ``received``."""
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
-    def __init__(self, blobs: BlobStore, sha256: str, size: int) -> None:
+
+class Upload:
+    """One uploader's upload of one blob; use as ``async with`` so the file and the lock are
+    released. Chunks must arrive in order: ``write(offset, data)`` with offset == ``received``."""
+
+    def __init__(self, blobs: BlobStore, key: str, owner: str, sha256: str, size: int) -> None:
         self._blobs = blobs
+        self._key = key
+        self.owner = owner
         self.sha256 = sha256
         self.size = size
         self.received = 0
@@ -343,6 +542,14 @@ class Upload:
         self._closed = False
         self._inflight: concurrent.futures.Future[None] | None = None
 
+    @property
+    def _path(self) -> Path:
+        return self._blobs._partial(self._key, self.sha256)
+
+    @property
+    def _meta(self) -> Path:
+        return self._blobs._partial_meta(self._key, self.sha256)
+
     async def _run(self, fn: Callable[[], None]) -> None:
         """Run file work off the loop; if the caller is cancelled, the work still finishes
         before `close` touches the file."""
@@ -350,13 +557,13 @@ class Upload:
         await asyncio.wrap_future(self._inflight)
 
     def _open(self, offset: int) -> None:
-        partial = self._blobs._partial(self.sha256)
-        meta = self._blobs._partial_meta(self.sha256)
+        partial, meta = self._path, self._meta
         if offset == 0:
+            partial.parent.mkdir(exist_ok=True)
             meta.write_text(str(self.size))
             self._file = open(partial, "wb")
             return
-        held, size = self._blobs._partial_state(self.sha256)
+        held, size = self._blobs._partial_state(self._key, self.sha256)
         if size != self.size or held != offset:
             if size and size != self.size:
                 detail = f"the partial upload announced size {size}, not {self.size}"
@@ -420,7 +627,6 @@ class Upload:
                 f"blob {self.sha256} is incomplete: {self.received} of {self.size} bytes"
             )
         digest = self._hash.hexdigest()
-        partial = self._blobs._partial(self.sha256)
 
         def sync_and_close() -> None:
             assert self._file is not None
@@ -436,13 +642,15 @@ class Upload:
                 "the upload is discarded, start again from offset 0"
             )
         # Shielded: a client going away now must not leave the blob half published.
-        record = await asyncio.shield(self._blobs._commit_file(self.sha256, self.size, partial))
-        self._blobs._partial_meta(self.sha256).unlink(missing_ok=True)
+        record = await asyncio.shield(
+            self._blobs._publish(self.sha256, self.size, self._path, self.owner)
+        )
+        self._meta.unlink(missing_ok=True)
         return record
 
     def _discard(self) -> None:
-        self._blobs._partial(self.sha256).unlink(missing_ok=True)
-        self._blobs._partial_meta(self.sha256).unlink(missing_ok=True)
+        self._path.unlink(missing_ok=True)
+        self._meta.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._closed:
@@ -455,7 +663,7 @@ class Upload:
             with contextlib.suppress(OSError):
                 self._file.flush()
             self._file.close()
-        self._blobs._active.discard(self.sha256)
+        self._blobs._active.discard((self._key, self.sha256))
 
     async def __aenter__(self) -> Upload:
         return self

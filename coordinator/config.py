@@ -16,6 +16,7 @@ DEFAULT_DATA_DIR = Path(".epochmesh")
 DEFAULT_LISTEN = "127.0.0.1:7070"
 DEFAULT_HTTP_LISTEN = "127.0.0.1:7080"
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
+DEFAULT_BLOB_QUOTA_BYTES = 50 << 30
 # A lease survives this many missed heartbeats, minus one.
 LEASE_TTL_HEARTBEATS = 3.0
 
@@ -67,6 +68,28 @@ class CoordinatorConfig:
     http_login: bool = False
     # Per-job metric series and round statistics outlive their job by this long.
     metrics_retention_s: float = 600.0
+    # Uploads (coordinator/blobs.py): bytes each identity may hold in blobs it uploaded plus
+    # its partial uploads; concurrent UploadBlob streams per identity and in all; an upload
+    # stream silent this long is closed (its bytes kept for a resume); a partial upload not
+    # written to for this long is deleted (swept at start and every ttl/4, at most 10 min).
+    blob_quota_bytes: int = DEFAULT_BLOB_QUOTA_BYTES
+    max_upload_streams: int = 8
+    max_upload_streams_total: int = 256
+    upload_idle_timeout_s: float = 60.0
+    partial_upload_ttl_s: float = 24 * 3600.0
+    # WatchJob and WatchEvents streams open at once, per identity and in all.
+    max_watch_streams: int = 32
+    max_watch_streams_total: int = 1024
+    # Retention (coordinator/garbage_collector.py, a pass at start and every gc_interval_s):
+    # checkpoints kept per job not ended (and the newest one a verification rollback may still
+    # need; an ended job keeps its last); unreferenced blobs deleted after gc_blob_grace_s
+    # (gc_checkpoint_grace_s for the tensors of a dropped checkpoint); events older than
+    # event_retention_s deleted, except those of jobs not ended (0: kept forever).
+    keep_checkpoints: int = 3
+    gc_interval_s: float = 300.0
+    gc_blob_grace_s: float = 24 * 3600.0
+    gc_checkpoint_grace_s: float = 10.0
+    event_retention_s: float = 30 * 86400.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.platform_fee_ppm <= 1_000_000:
@@ -101,6 +124,22 @@ class CoordinatorConfig:
             parse_listen(self.http_listen)
         if not self.metrics_retention_s >= 0:
             raise ValueError("the metrics retention must be >= 0")
+        if self.blob_quota_bytes <= 0:
+            raise ValueError("the blob quota must be positive")
+        if min(self.max_upload_streams, self.max_upload_streams_total) < 1:
+            raise ValueError("the upload stream caps must be at least 1")
+        if min(self.max_watch_streams, self.max_watch_streams_total) < 1:
+            raise ValueError("the watch stream caps must be at least 1")
+        if not self.upload_idle_timeout_s > 0:
+            raise ValueError("the upload idle timeout must be positive")
+        if self.keep_checkpoints < 1:
+            raise ValueError("at least one checkpoint per job must be kept")
+        if not self.gc_interval_s > 0:
+            raise ValueError("the garbage collection interval must be positive")
+        if not min(self.gc_blob_grace_s, self.gc_checkpoint_grace_s, self.event_retention_s) >= 0:
+            raise ValueError("grace and retention periods must be >= 0")
+        if not self.partial_upload_ttl_s > 0:
+            raise ValueError("the partial upload TTL must be positive")
 
     @property
     def lease_ttl(self) -> float:

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Collection
 
 from coordinator.allocator import segments, split_batch
+from coordinator.blobs import BlobCaller, require_sha256
 from coordinator.cluster_scheduler import JobPlan, Plan
 from coordinator.credit_book import InsufficientCredits, fund_escrow, tenant_account
 from coordinator.engine_api import CoordinatorContext, Ctx
@@ -38,9 +39,9 @@ from epochmesh.errors import CodecError, SpecError
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.money import format_credits
 from epochmesh.program_inspection import InspectionLimits, ProgramInspector, Verdict
+from epochmesh.safetensors_file import read_safetensors_header
 from epochmesh.spec import DEFAULT_PRIORITY, PRIORITIES, validate_job_spec
 from epochmesh.tensors import DTYPES, BundleAssembler, iter_chunks
-from epochmesh.tensors import _safetensors_header as safetensors_header
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
 from epochmesh.verification import MAX_CHUNKS
@@ -68,6 +69,12 @@ KIND_CHECKPOINT = "checkpoint"
 def job_codec(spec: common_pb2.JobSpec) -> str:
     """The wire codec of a job's updates (gradients or pseudo-gradients)."""
     return spec.compression or "none"
+
+
+def job_blob_shas(job: common_pb2.Job) -> list[str]:
+    """The blobs a job's nodes fetch: its program, initial state and shards."""
+    refs = [job.program.sha256, job.initial_state.sha256, *(s.blob.sha256 for s in job.shards)]
+    return [sha for sha in dict.fromkeys(refs) if sha]
 
 
 def check_update_codecs(bundle: common_pb2.TensorBundle, spec: common_pb2.JobSpec) -> None:
@@ -98,6 +105,8 @@ class Engine:
         self._left_by: dict[str, tuple[str, str, str]] = {}
         self._scheduler_events: list[tuple[str, str, str, str]] = []
         self.task_owner: dict[str, tuple[str, str]] = {}  # task_id -> (node_id, job_id)
+        # job_id -> the blobs its nodes may fetch (may_fetch_blob; a job's refs never change).
+        self._blob_shas: dict[str, frozenset[str]] = {}
         # Heartbeat times loaded from the store after a restart are old: nobody is judged
         # silent for a gap that began before this engine started.
         self.started_ms = now_ms()
@@ -558,6 +567,24 @@ class Engine:
         if version == runner.rounds.version:
             runner.part_seen(req.node_id, "", "pulled")
 
+    def may_fetch_blob(self, node_id: str, sha256: str) -> bool:
+        """Whether the node may fetch the blob: one of a job that holds the node, or whose
+        check the node has to run (the rule of pull_parameters)."""
+        claimed = self.claims.get(node_id)
+        for job_id, runner in self.runners.items():
+            if job_id != claimed and not runner.verifier.checks_on(node_id):
+                continue
+            shas = self._blob_shas.get(job_id)
+            if shas is None:
+                if len(self._blob_shas) > 2 * len(self.runners) + 16:
+                    self._blob_shas = {
+                        j: b for j, b in self._blob_shas.items() if j in self.runners
+                    }
+                shas = self._blob_shas[job_id] = frozenset(job_blob_shas(runner.job))
+            if sha256 in shas:
+                return True
+        return False
+
     def authorize_state_transfer(self, job_id: str, source: str, requester: str) -> str | None:
         runner = self.runners.get(job_id)
         if runner is None:
@@ -580,11 +607,17 @@ class Engine:
     # -- JobService -----------------------------------------------------------------------------
 
     async def _require_blob(self, ref: common_pb2.BlobRef, what: str) -> None:
+        """The blob is stored and the submitter may name it: it uploaded it or one of its jobs
+        uses it (operators: any). A blob of others looks like one never uploaded."""
         if not ref.sha256:
             raise InvalidArgumentError(f"{what}: no blob given")
+        require_sha256(ref.sha256, f"{what} sha256")
         record = await self.ctx.blobs.get(ref.sha256)
-        if record is None:
-            raise FailedPreconditionError(f"{what}: blob {ref.sha256} is not uploaded")
+        if record is None or not await self.ctx.blobs.visible(ref.sha256, BlobCaller.current()):
+            raise FailedPreconditionError(
+                f"{what}: blob {ref.sha256} is not uploaded (a job names only blobs its "
+                "submitter uploaded or its earlier jobs use)"
+            )
         if ref.size and ref.size != record.size:
             raise InvalidArgumentError(
                 f"{what}: blob {ref.sha256} has {record.size} bytes, not {ref.size}"
@@ -655,6 +688,7 @@ class Engine:
         try:
             async with self.ctx.store.transaction():
                 job = await self.ctx.store.create_job(job, owner="")
+                await self.ctx.store.add_job_blobs(job.job_id, job_blob_shas(job))
                 if budget > 0:
                     entry = fund_escrow(job.job_id, job.owner, budget, now_ms(), "budget")
                     await self.ctx.credits.post([entry])
@@ -691,11 +725,13 @@ class Engine:
         return runner.job
 
     async def _check_shards(self, req: job_pb2.SubmitJobRequest, spec: common_pb2.JobSpec) -> None:
+        """Each shard's safetensors header (only the header is read) names the job's tensors
+        with the samples the shard declares."""
         names = list(dict.fromkeys([*spec.inputs, *spec.targets]))
         for i, shard in enumerate(req.shards):
-            data = await self.ctx.blobs.read_bytes(shard.blob.sha256)
+            path = self.ctx.blobs.path(shard.blob.sha256)
             try:
-                header = safetensors_header(data)
+                header = await asyncio.to_thread(read_safetensors_header, path)
             except CodecError as exc:
                 raise InvalidArgumentError(f"shard {i}: {exc}") from None
             for name in names:

@@ -107,6 +107,10 @@ class TrainingEngine(Protocol):
         """None when `requester` was told to fetch job `job_id`'s state from node `source`
         (ring mode), else why not."""
 
+    def may_fetch_blob(self, node_id: str, sha256: str) -> bool:
+        """FetchBlob hot path (no I/O): whether the node may fetch the blob, one of a job it
+        works for or has a check of (operators are not asked)."""
+
     # -- JobService ------------------------------------------------------------------------------
     async def submit_job(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job: ...
 
@@ -229,6 +233,9 @@ class NullEngine:
 
     def authorize_state_transfer(self, job_id: str, source: str, requester: str) -> str | None:
         raise UnimplementedError(NOT_AVAILABLE)
+
+    def may_fetch_blob(self, node_id: str, sha256: str) -> bool:
+        return False  # no jobs: a node has no blob to fetch
 
     async def submit_job(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job:
         raise UnimplementedError(NOT_AVAILABLE)

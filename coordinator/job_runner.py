@@ -1066,6 +1066,14 @@ class JobRunner:
                 attrs={"amount_micro": str(forfeited)},
             )
 
+    def rollback_floor(self) -> int | None:
+        """The oldest round a verification rollback may still undo (read-only; the garbage
+        collector keeps the newest checkpoint from before it): None when none may be."""
+        if not self.verifier.enabled:
+            return None
+        rounds = [self._rollback_before, self.verifier.first_unverified_round()]
+        return min((r for r in rounds if r is not None), default=None)
+
     def _keep_snapshot(self, round_id: int) -> None:
         """Keep the state at the start of round ``round_id`` while a rollback may need it (a
         copy of the parameters and optimizer state; older ones go once no update after them

@@ -16,26 +16,45 @@ others are chunks of at most 1 MiB whose offsets follow each other from the head
 - The stream ends early: OK with ``received_bytes`` (< size) and an empty ``blob``: resume
   later from received_bytes. A call cut off (cancelled, connection lost) keeps the bytes
   written so far for the same purpose.
-- Another upload of the same blob in progress: ABORTED.
+- Another upload of the same blob by the same identity in progress: ABORTED.
+- Uploads are per identity (coordinator/blobs.py): a blob stored already but not the caller's
+  (not uploaded by it, not used by its jobs) is not answered at once: the caller sends its
+  bytes like anyone; two identities' partial uploads of one blob never touch each other.
+- Limits (RESOURCE_EXHAUSTED naming them): the identity's storage quota (--blob-quota-bytes),
+  concurrent upload streams per identity and in all (--max-upload-streams[-total]). A stream
+  silent for --upload-idle-timeout is closed with DEADLINE_EXCEEDED; the bytes received are
+  kept for a resume. Partial uploads not written to for --partial-upload-ttl are deleted.
+
+GetBlobStatus answers NOT_FOUND for anything the caller may not see (a blob of others, or
+none at all: the two look the same). WatchJob streams count against the per-identity cap of
+watch streams shared with WatchEvents (--max-watch-streams).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING
 
 import grpc
 
-from coordinator.auth import owner_filter, require_job_access, require_priority_change
-from coordinator.blobs import BlobStore, Upload, require_sha256
+from coordinator.auth import (
+    current_principal_id,
+    owner_filter,
+    require_job_access,
+    require_priority_change,
+)
+from coordinator.blobs import BlobCaller, BlobStore, Upload, require_sha256
 from coordinator.engine_api import TrainingEngine
 from coordinator.store import (
+    DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
     Store,
     is_job_id,
     require_job_id,
 )
+from coordinator.stream_caps import StreamCaps
 from epochmesh.spec import DEFAULT_PRIORITY, PRIORITIES
 from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
 
@@ -124,11 +143,42 @@ def get_queue(engine: TrainingEngine) -> scheduler_pb2.GetQueueResponse:
     )
 
 
+def watch_caps(per_identity: int = 32, total: int = 1024) -> StreamCaps:
+    """The cap of WatchJob and WatchEvents streams (one, shared by both services)."""
+    return StreamCaps("WatchJob/WatchEvents", per_identity, total, "--max-watch-streams")
+
+
+async def _next_part(
+    messages: AsyncIterator[job_pb2.UploadBlobRequest], idle_s: float, upload: Upload | None
+) -> job_pb2.UploadBlobRequest | None:
+    """The stream's next message (None at its end); DEADLINE_EXCEEDED after ``idle_s`` of
+    silence (the bytes received so far are kept)."""
+    try:
+        async with asyncio.timeout(idle_s):
+            return await anext(messages, None)
+    except TimeoutError:
+        if upload is None:
+            raise DeadlineExceededError(
+                f"UploadBlob sent no header within {idle_s:g}s (--upload-idle-timeout): closed"
+            ) from None
+        raise DeadlineExceededError(
+            f"UploadBlob stream silent for {idle_s:g}s (--upload-idle-timeout): closed; "
+            f"{upload.received} bytes of blob {upload.sha256} are held, resume at that offset"
+        ) from None
+
+
 class JobService:
-    def __init__(self, store: Store, blobs: BlobStore, engine: TrainingEngine) -> None:
+    def __init__(
+        self,
+        store: Store,
+        blobs: BlobStore,
+        engine: TrainingEngine,
+        watchers: StreamCaps | None = None,
+    ) -> None:
         self._store = store
         self._blobs = blobs
         self._engine = engine
+        self._watchers = watchers or watch_caps()
 
     async def _check_owner(self, job_id: str) -> None:
         """Before handing a job RPC to the engine: a submitter may touch only its own jobs
@@ -142,19 +192,26 @@ class JobService:
     async def UploadBlob(
         self, request_iterator: AsyncIterator[job_pb2.UploadBlobRequest], ctx: Ctx
     ) -> job_pb2.UploadBlobResponse:
-        messages = aiter(request_iterator)
-        first = await anext(messages, None)
+        caller = BlobCaller.current()
+        with self._blobs.streams.hold(caller.identity):
+            return await self._upload(aiter(request_iterator), caller)
+
+    async def _upload(
+        self, messages: AsyncIterator[job_pb2.UploadBlobRequest], caller: BlobCaller
+    ) -> job_pb2.UploadBlobResponse:
+        idle_s = self._blobs.limits.idle_timeout_s
+        first = await _next_part(messages, idle_s, None)
         if first is None:
             raise InvalidArgumentError("empty UploadBlob stream: send the header first")
         if first.WhichOneof("part") != "header":
             raise InvalidArgumentError("the first UploadBlob message must be the header")
         header = first.header
-        started = await self._blobs.begin_upload(header.sha256, header.size, header.offset)
+        started = await self._blobs.begin_upload(header.sha256, header.size, header.offset, caller)
         if not isinstance(started, Upload):
             ref = common_pb2.BlobRef(sha256=started.sha256, size=started.size)
             return job_pb2.UploadBlobResponse(blob=ref, received_bytes=started.size)
         async with started as upload:
-            async for msg in messages:
+            while (msg := await _next_part(messages, idle_s, upload)) is not None:
                 if msg.WhichOneof("part") != "chunk":
                     raise InvalidArgumentError("only the first UploadBlob message is a header")
                 await upload.write(msg.chunk.offset, msg.chunk.data)
@@ -168,7 +225,12 @@ class JobService:
         self, req: job_pb2.GetBlobStatusRequest, ctx: Ctx
     ) -> job_pb2.GetBlobStatusResponse:
         require_sha256(req.sha256)
-        status = await self._blobs.status(req.sha256)
+        status = await self._blobs.status(req.sha256, BlobCaller.current())
+        if status is None:
+            raise NotFoundError(
+                f"no blob {req.sha256} of yours: a caller sees the blobs it uploaded or its "
+                "jobs use, and its own partial uploads"
+            )
         return job_pb2.GetBlobStatusResponse(
             complete=status.complete, received_bytes=status.received_bytes, size=status.size
         )
@@ -186,8 +248,9 @@ class JobService:
         self, req: job_pb2.WatchJobRequest, ctx: Ctx
     ) -> AsyncIterator[job_pb2.JobUpdate]:
         await self._check_owner(req.job_id)
-        async for update in self._engine.watch_job(req, ctx):
-            yield update
+        with self._watchers.hold(current_principal_id()):
+            async for update in self._engine.watch_job(req, ctx):
+                yield update
 
     async def CancelJob(self, req: job_pb2.CancelJobRequest, ctx: Ctx) -> common_pb2.Job:
         await self._check_owner(req.job_id)

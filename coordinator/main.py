@@ -28,6 +28,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from coordinator.config import (
+    DEFAULT_BLOB_QUOTA_BYTES,
     DEFAULT_DATA_DIR,
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HTTP_LISTEN,
@@ -43,6 +44,7 @@ from epochmesh.program_inspection import (
     DEFAULT_MEMORY_BASE_BYTES,
     DEFAULT_TIMEOUT_S,
 )
+from epochmesh.timeutil import duration_seconds
 
 log = logging.getLogger("coordinator")
 
@@ -126,6 +128,56 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_BLOB_BYTES,
         metavar="BYTES",
         help=f"largest blob accepted by UploadBlob (default {DEFAULT_MAX_BLOB_BYTES})",
+    )
+    parser.add_argument(
+        "--blob-quota-bytes",
+        type=_positive_int,
+        default=DEFAULT_BLOB_QUOTA_BYTES,
+        metavar="BYTES",
+        help="bytes each identity may hold in uploaded blobs and partial uploads "
+        f"(default {DEFAULT_BLOB_QUOTA_BYTES})",
+    )
+    parser.add_argument(
+        "--max-upload-streams",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="concurrent UploadBlob streams per identity (default 8)",
+    )
+    parser.add_argument(
+        "--max-upload-streams-total",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="concurrent UploadBlob streams in all (default 256)",
+    )
+    parser.add_argument(
+        "--upload-idle-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="an upload stream silent this long is closed, its bytes kept (default 60)",
+    )
+    parser.add_argument(
+        "--partial-upload-ttl",
+        type=_positive_float,
+        default=24 * 3600.0,
+        metavar="SECONDS",
+        help="a partial upload not written to this long is deleted (default 86400)",
+    )
+    parser.add_argument(
+        "--max-watch-streams",
+        type=_positive_int,
+        default=32,
+        metavar="N",
+        help="concurrent WatchJob/WatchEvents streams per identity (default 32)",
+    )
+    parser.add_argument(
+        "--max-watch-streams-total",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="concurrent WatchJob/WatchEvents streams in all (default 1024)",
     )
     parser.add_argument(
         "--shutdown-grace",
@@ -233,6 +285,59 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a finished job's metric series and round statistics are kept (default 600)",
     )
+    add_retention_args(parser)
+
+
+def _duration(text: str) -> float:
+    value = duration_seconds(text)
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a duration >= 0 such as 90, 30s, 15m, 2h or 30d, got {text!r}"
+        )
+    return value
+
+
+def add_retention_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the garbage collector (coordinator/garbage_collector.py)."""
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=_positive_int,
+        default=3,
+        metavar="N",
+        help="checkpoints kept per job not ended, besides the one a verification rollback may "
+        "still need; an ended job keeps its last one and its result (default 3)",
+    )
+    parser.add_argument(
+        "--event-retention",
+        type=_duration,
+        default=30 * 86400.0,
+        metavar="DURATION",
+        help="events older than this are deleted, except those of jobs not ended; 0 keeps "
+        "them forever (default 30d)",
+    )
+    parser.add_argument(
+        "--gc-interval",
+        type=_duration,
+        default=300.0,
+        metavar="DURATION",
+        help="garbage collection runs at start and this often (default 300s)",
+    )
+    parser.add_argument(
+        "--gc-grace",
+        type=_duration,
+        default=24 * 3600.0,
+        metavar="DURATION",
+        help="a blob no job or checkpoint names is deleted once this old: an upload not yet "
+        "submitted, the tensors of a checkpoint cut short by a crash (default 24h)",
+    )
+    parser.add_argument(
+        "--gc-checkpoint-grace",
+        type=_duration,
+        default=10.0,
+        metavar="DURATION",
+        help="the tensors of a checkpoint the retention dropped are deleted this long after, "
+        "when nothing names them again (default 10s)",
+    )
 
 
 def _fee_ppm(text: str) -> int:
@@ -256,6 +361,13 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         heartbeat_interval_s=args.heartbeat_interval,
         lease_ttl_s=args.lease_ttl,
         max_blob_bytes=args.max_blob_bytes,
+        blob_quota_bytes=args.blob_quota_bytes,
+        max_upload_streams=args.max_upload_streams,
+        max_upload_streams_total=args.max_upload_streams_total,
+        upload_idle_timeout_s=args.upload_idle_timeout,
+        partial_upload_ttl_s=args.partial_upload_ttl,
+        max_watch_streams=args.max_watch_streams,
+        max_watch_streams_total=args.max_watch_streams_total,
         shutdown_grace_s=args.shutdown_grace,
         split=args.split,
         log_level=args.log_level,
@@ -272,6 +384,11 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         http_listen_strict=args.http_listen is not None,
         http_login=args.http_login,
         metrics_retention_s=args.metrics_retention,
+        keep_checkpoints=args.keep_checkpoints,
+        event_retention_s=args.event_retention,
+        gc_interval_s=args.gc_interval,
+        gc_blob_grace_s=args.gc_grace,
+        gc_checkpoint_grace_s=args.gc_checkpoint_grace,
     )
 
 

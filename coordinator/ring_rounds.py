@@ -12,7 +12,9 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,6 +53,8 @@ OPTIM_PREFIX = "optim/"
 _CHECKSUM = re.compile(r"^[0-9a-f]{64}$")
 
 
+# The revocation list handed to ring members is read from the store at most this often.
+REVOKED_REFRESH_S = 1.0
 # How long past its task's deadline a node sent to a peer for state may still fetch it.
 STATE_GRANT_GRACE_S = 60.0
 
@@ -69,6 +73,67 @@ class RingAttempt:
     deadline_s: float
     started: float = field(default_factory=time.monotonic)
     external_sum: tuple[common_pb2.TensorBundle, bytes] | None = None
+
+
+class Agreement(Enum):
+    """What the members' parameter checksums after a ring step decide (`checksum_verdict`)."""
+
+    AGREED = "agreed"  # every member holds the same bits: the round commits
+    EJECT = "eject"  # a strict majority agrees: the others are struck and the round retried
+    RETRY = "retry"  # no majority, first time this round: retried once with the same members
+    FAIL = "fail"  # no majority again: the job stops rather than train on divergent replicas
+
+
+@dataclass(frozen=True)
+class ChecksumVerdict:
+    agreement: Agreement
+    agreed: str  # the winning checksum ("" without a majority)
+    minority: tuple[str, ...]  # members whose checksum lost (EJECT), sorted
+    reason: str
+
+
+def checksum_verdict(checksums: Mapping[str, str], retried_tie: bool) -> ChecksumVerdict:
+    """Decide on the members' checksums after the step (member -> sha256 hex).
+
+    Honest members all-reduce to bit-identical sums (epochmesh.ring), so they report one
+    checksum; a member that reports another one stepped differently or lies. A checksum held by
+    a strict majority of the members wins and the other members are ejected. Without one (two
+    members that disagree, a tie, or as many checksums as members) nobody can be blamed: the
+    round is retried once with the same members (a transient fault clears), and a second
+    disagreement (`retried_tie`) stops the job.
+    """
+    groups: dict[str, list[str]] = {}
+    for node, checksum in sorted(checksums.items()):
+        groups.setdefault(checksum, []).append(node)
+    what = "; ".join(f"{c[:16]}: {', '.join(ns)}" for c, ns in groups.items())
+    if len(groups) <= 1:
+        return ChecksumVerdict(Agreement.AGREED, next(iter(groups), ""), (), "checksums agree")
+    best = max(groups, key=lambda c: (len(groups[c]), c))
+    n = len(checksums)
+    if 2 * len(groups[best]) > n:
+        minority = tuple(sorted(node for c, ns in groups.items() if c != best for node in ns))
+        return ChecksumVerdict(
+            Agreement.EJECT,
+            best,
+            minority,
+            f"{len(groups[best])} of {n} members agree on checksum {best[:16]}; "
+            f"{', '.join(minority)} reported another ({what})",
+        )
+    if not retried_tie:
+        return ChecksumVerdict(
+            Agreement.RETRY,
+            "",
+            (),
+            f"no majority among the {n} members' checksums ({what}); retrying the round once "
+            "with the same members",
+        )
+    return ChecksumVerdict(
+        Agreement.FAIL,
+        "",
+        (),
+        f"no majority among the {n} members' checksums after a retry ({what}); the job stops "
+        "rather than train on divergent replicas",
+    )
 
 
 @dataclass
@@ -107,6 +172,9 @@ class RingRounds:
         self.links: dict[tuple[str, str], tuple[float, float]] = {}
         # The last round ran on nodes the scheduler had given away, to keep the state first.
         self._kept_state_round = False
+        # Revoked node ids handed to the members with their tasks, and when they were read.
+        self._revoked: list[str] = []
+        self._revoked_at = -math.inf
 
     # -- versions and state ---------------------------------------------------------------------
 
@@ -314,7 +382,10 @@ class RingRounds:
                 and (self.runner.rounds_applied + 1) % self.runner.spec.checkpoint_every == 0
             )
         )
+        await self._refresh_revoked()
         outcome = "failed"
+        retried_tie = False
+        verdict: ChecksumVerdict | None = None
         for number in range(MAX_ATTEMPTS):
             survivors = [p for p in parts.values() if p.status not in DEAD]
             if not any(p.member for p in survivors):
@@ -325,13 +396,29 @@ class RingRounds:
                 break
             await self.runner.notify()
             outcome = await self._wait_attempt(rs)
+            note = ""
+            if outcome == "ok":
+                verdict = checksum_verdict(self._checksums(rs), retried_tie)
+                if verdict.agreement is Agreement.FAIL:
+                    outcome = "diverged"
+                elif verdict.agreement is not Agreement.AGREED:
+                    outcome = "failed"
+                    note = verdict.reason
+                    if verdict.agreement is Agreement.RETRY:
+                        retried_tie = True
+                    else:
+                        await self._eject(rs, verdict)
             if outcome != "failed":
                 break
-            await self._retire_culprits(rs, last=number == MAX_ATTEMPTS - 1)
+            await self._retire_culprits(rs, last=number == MAX_ATTEMPTS - 1, note=note)
         rs.closed = True
         rs.waited_s = time.monotonic() - rs.started
         if outcome == "ok":
             await self._succeed(rs)
+            return
+        if outcome == "diverged":
+            assert verdict is not None
+            await self._diverged(rs, verdict)
             return
         self.runner.ledger.abort_round(round_id)
         self.runner.round_state = None
@@ -340,7 +427,7 @@ class RingRounds:
             return
         if outcome == "no state":
             await self._rollback(f"no live ring member holds version {v}")
-        elif outcome != "diverged":
+        else:
             await self.runner.ctx.events.append(
                 "round.aborted",
                 job_id=self.runner.job_id,
@@ -352,6 +439,17 @@ class RingRounds:
             )
         self.runner.host.round_finished(self.runner.job_id, self.runner.benchmark_task_ids())
         await self.runner.notify()
+
+    async def _refresh_revoked(self) -> None:
+        """The revoked node ids the members' PeerServices refuse (Task.revoked_node_ids): the
+        store's revocations that name nodes (read at most every REVOKED_REFRESH_S)."""
+        now = time.monotonic()
+        if now - self._revoked_at < REVOKED_REFRESH_S:
+            return
+        self._revoked_at = now
+        registry = self.runner.ctx.registry
+        revoked = await self.runner.ctx.store.list_revocations()
+        self._revoked = sorted(p for p in revoked if registry.get(p) is not None)
 
     async def _without_suspects(self, nodes: list[str]) -> list[str]:
         """``nodes`` less the recent culprits; [] (after waiting a little) when the rest could
@@ -448,6 +546,7 @@ class RingRounds:
                 )
             )
             task.ring_total_samples = att.total
+            task.revoked_node_ids.extend(self._revoked)
             task.push_state = n == att.push_state_node
             task.ring_gateway = n == att.gateway
             self._set_source(task, n, sources.get(n), deadline)
@@ -581,8 +680,40 @@ class RingRounds:
         )
         return True
 
-    async def _retire_culprits(self, rs: RoundState, last: bool) -> None:
-        """After a failed attempt: take the nodes that failed out of the round and say so."""
+    def _checksums(self, rs: RoundState) -> dict[str, str]:
+        att = self.attempt
+        assert att is not None
+        return {n: rs.parts[n].checksum for n in att.order}
+
+    async def _eject(self, rs: RoundState, verdict: ChecksumVerdict) -> None:
+        """The members whose checksum lost to the majority's leave the round with a strike
+        (`_retire_culprits` then takes them out: their samples return to pending)."""
+        for n in verdict.minority:
+            p = rs.parts[n]
+            reason = (
+                f"job {self.runner.job_id} round {rs.round}: its parameter checksum after the "
+                f"ring step ({p.checksum[:16]}) differs from the majority's "
+                f"({verdict.agreed[:16]})"
+            )
+            p.status = "rejected"
+            p.error = f"diverged from the majority: {verdict.reason}"[:500]
+            log.warning("job %s: ejecting %s: %s", self.runner.job_id, n, reason)
+            await self.runner.ctx.registry.add_strike(n, reason, job_id=self.runner.job_id)
+        await self.runner.ctx.events.append(
+            "round.diverged",
+            job_id=self.runner.job_id,
+            message=f"round {rs.round}: {verdict.reason}; the minority is ejected with a strike",
+            attrs={
+                "round": str(rs.round),
+                "agreed": verdict.agreed,
+                "ejected": ",".join(verdict.minority),
+                **{f"checksum.{n}": c for n, c in self._checksums(rs).items()},
+            },
+        )
+
+    async def _retire_culprits(self, rs: RoundState, last: bool, note: str = "") -> None:
+        """After a failed attempt: take the nodes that failed out of the round and say so
+        (`note`: why, when no node is to blame)."""
         att = self.attempt
         assert att is not None
         nodes = att.order + att.externals
@@ -613,7 +744,9 @@ class RingRounds:
             self.holds.pop(n, None)
             self.runner.note_failure(n, why)
         survivors = [n for n in att.order if n not in reasons]
-        what = "; ".join(f"{n} {why}" for n, why in sorted(reasons.items())) or "no node named"
+        what = "; ".join(f"{n} {why}" for n, why in sorted(reasons.items())) or (
+            note or "no node named"
+        )
         if last:
             message = (
                 f"round {rs.round} attempt {att.number + 1} failed ({what}); that was the last "
@@ -643,10 +776,7 @@ class RingRounds:
         assert att is not None
         t0 = time.monotonic()
         members = [rs.parts[n] for n in att.order]
-        checksums = {p.node_id: p.checksum for p in members}
-        if len(set(checksums.values())) != 1:
-            await self._diverged(rs, checksums)
-            return
+        assert len({p.checksum for p in members}) == 1, "run_round commits agreed rounds only"
         agreed = members[0].checksum
         new_version = rs.version + 1
         loaded = False
@@ -666,15 +796,9 @@ class RingRounds:
         self.pushed = None
         await self.runner.close_round(rs, t0)
 
-    async def _diverged(self, rs: RoundState, checksums: dict[str, str]) -> None:
-        groups: dict[str, list[str]] = {}
-        for n, c in sorted(checksums.items()):
-            groups.setdefault(c, []).append(n)
-        what = "; ".join(f"{c[:16]}: {', '.join(ns)}" for c, ns in groups.items())
-        message = (
-            f"replicas diverged in round {rs.round}: the members' parameter checksums after the "
-            f"step differ ({what}); the job stops rather than train on divergent replicas"
-        )
+    async def _diverged(self, rs: RoundState, verdict: ChecksumVerdict) -> None:
+        checksums = self._checksums(rs)
+        message = f"replicas diverged in round {rs.round}: {verdict.reason}"
         log.error("job %s: %s", self.runner.job_id, message)
         self.runner.ledger.abort_round(rs.round)
         self.runner.round_state = None
@@ -971,4 +1095,11 @@ class RingRounds:
         return encode_bundle(out)
 
 
-__all__ = ["MAX_ATTEMPTS", "RingAttempt", "RingRounds"]
+__all__ = [
+    "MAX_ATTEMPTS",
+    "Agreement",
+    "ChecksumVerdict",
+    "RingAttempt",
+    "RingRounds",
+    "checksum_verdict",
+]

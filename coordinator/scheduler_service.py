@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Collection
 
 import grpc
 
-from coordinator.auth import Authorizer, owner_filter, require_job_access
+from coordinator.auth import Authorizer, current_principal_id, owner_filter, require_job_access
 from coordinator.blobs import BlobStore
 from coordinator.engine_api import TrainingEngine
 from coordinator.events import EventLog
-from coordinator.job_service import get_job, get_queue, list_jobs
+from coordinator.job_service import get_job, get_queue, list_jobs, watch_caps
 from coordinator.nodes import NodeRegistry, is_node_id, state_name
 from coordinator.store import (
     CoordinatorError,
@@ -26,6 +26,7 @@ from coordinator.store import (
     check_text,
     is_job_id,
 )
+from coordinator.stream_caps import StreamCaps
 from coordinator.tokens import USER_ID_PREFIX
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
@@ -55,6 +56,7 @@ class SchedulerService:
         events: EventLog,
         engine: TrainingEngine,
         authorizer: Authorizer | None = None,
+        watchers: StreamCaps | None = None,
     ) -> None:
         self._registry = registry
         self._store = store
@@ -62,6 +64,8 @@ class SchedulerService:
         self._events = events
         self._engine = engine
         self._authorizer = authorizer
+        # WatchEvents streams per identity (shared with JobService.WatchJob).
+        self._watchers = watchers or watch_caps()
         self._started = time.monotonic()
 
     def _node(self, id_or_name: str) -> common_pb2.NodeInfo:
@@ -122,14 +126,15 @@ class SchedulerService:
             raise InvalidArgumentError(f"too many kinds ({len(req.kinds)} > {MAX_KIND_FILTERS})")
         for kind in req.kinds:
             check_text(kind, "kind", max_len=64, required=True)
-        async for event in self._events.watch(
-            req.since_id,
-            node_id=node_id,
-            job_id=req.job_id,
-            kinds=list(req.kinds),
-            follow=req.follow,
-        ):
-            yield event
+        with self._watchers.hold(current_principal_id()):
+            async for event in self._events.watch(
+                req.since_id,
+                node_id=node_id,
+                job_id=req.job_id,
+                kinds=list(req.kinds),
+                follow=req.follow,
+            ):
+                yield event
 
     async def Cordon(self, req: scheduler_pb2.NodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
         return await self._registry.cordon(self._node(req.node_id).node_id)

@@ -43,22 +43,28 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.agent_service import AgentService
 from coordinator.auth import Authorizer, set_principal
-from coordinator.blobs import BlobStore
+from coordinator.blobs import BlobStore, UploadLimits
 from coordinator.cluster_view import ClusterView
 from coordinator.config import CoordinatorConfig, parse_listen
 from coordinator.credit_ledger import CreditLedger
 from coordinator.dashboard_access import is_loopback_host, login_required
 from coordinator.engine_api import CoordinatorContext, EngineFactory, NullEngine, TrainingEngine
 from coordinator.events import EventLog
+from coordinator.garbage_collector import (
+    GarbageCollector,
+    engine_rollback_floor,
+    retention_policy,
+)
 from coordinator.http_server import DashboardBackend, HttpServer
 from coordinator.identity_service import IdentityService
-from coordinator.job_service import JobService
+from coordinator.job_service import JobService, watch_caps
 from coordinator.market_service import MarketService
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.nodes import NodeRegistry
 from coordinator.scheduler_service import SchedulerService
 from coordinator.sqlite_store import SqliteStore
 from coordinator.store import CoordinatorError, InvalidArgumentError
+from coordinator.stream_caps import StreamCaps
 from coordinator.tokens import (
     CertificateAuthority,
     ensure_ca,
@@ -286,6 +292,9 @@ class Coordinator:
         self.registry: NodeRegistry
         self.credits: CreditLedger
         self.engine: TrainingEngine
+        # WatchJob and WatchEvents streams open now (per identity, capped).
+        self.watchers: StreamCaps
+        self.gc: GarbageCollector | None = None
         self.health: health.aio.HealthServicer
         self._server: grpc.aio.Server
         # None with --insecure.
@@ -334,9 +343,14 @@ class Coordinator:
         await self.events.start()
         self._cleanup.callback(self.events.close)
         self.blobs = BlobStore(
-            cfg.blob_dir, self.store, max_blob_bytes=cfg.max_blob_bytes, events=self.events
+            cfg.blob_dir,
+            self.store,
+            max_blob_bytes=cfg.max_blob_bytes,
+            events=self.events,
+            limits=UploadLimits.from_config(cfg),
         )
         await self.blobs.start()
+        self._cleanup.push_async_callback(self.blobs.stop)
         self.registry = NodeRegistry(
             self.store,
             self.events,
@@ -364,11 +378,16 @@ class Coordinator:
         add_service(
             server, AGENT_SERVICE, AgentService(self.registry, self.blobs, self.engine), auth
         )
-        add_service(server, JOB_SERVICE, JobService(self.store, self.blobs, self.engine), auth)
+        watchers = self.watchers = watch_caps(cfg.max_watch_streams, cfg.max_watch_streams_total)
+        add_service(
+            server, JOB_SERVICE, JobService(self.store, self.blobs, self.engine, watchers), auth
+        )
         add_service(
             server,
             SCHEDULER_SERVICE,
-            SchedulerService(self.registry, self.store, self.blobs, self.events, self.engine, auth),
+            SchedulerService(
+                self.registry, self.store, self.blobs, self.events, self.engine, auth, watchers
+            ),
             auth,
         )
         add_service(
@@ -409,6 +428,15 @@ class Coordinator:
         self._cleanup.push_async_callback(self.registry.stop)
         await self.engine.start()
         self._cleanup.push_async_callback(self.engine.stop)
+        self.gc = GarbageCollector(
+            self.store,
+            self.blobs,
+            retention_policy(cfg),
+            interval_s=cfg.gc_interval_s,
+            rollback_floor=engine_rollback_floor(self.engine),
+        )
+        self.gc.start()
+        self._cleanup.push_async_callback(self.gc.stop)
         if self.metrics is not None:
             self._start_http(self.metrics)
         for name in ("", *served):

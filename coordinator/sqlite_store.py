@@ -204,6 +204,30 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE tokens ADD COLUMN cert_ttl_ms INTEGER NOT NULL DEFAULT 0",
         ),
     ),
+    Migration(
+        9,
+        "blob ownership: who uploaded each blob, which jobs use it",
+        (
+            """CREATE TABLE blob_owners (
+                sha256 TEXT NOT NULL,
+                owner TEXT NOT NULL,
+                created_ms INTEGER NOT NULL,
+                PRIMARY KEY (sha256, owner)
+            )""",
+            "CREATE INDEX blob_owners_owner ON blob_owners (owner)",
+            """CREATE TABLE job_blobs (
+                job_id TEXT NOT NULL,
+                sha256 TEXT NOT NULL,
+                PRIMARY KEY (job_id, sha256)
+            )""",
+            "CREATE INDEX job_blobs_sha256 ON job_blobs (sha256)",
+        ),
+    ),
+    Migration(
+        10,
+        "retention: events found by age",
+        ("CREATE INDEX IF NOT EXISTS events_time ON events (time_ms)",),
+    ),
 )
 
 LATEST_SCHEMA_VERSION = MIGRATIONS[-1].version
@@ -524,8 +548,32 @@ class SqliteStore(Store):
         return events
 
     async def last_event_id(self) -> int:
-        row = await self._fetchone("SELECT MAX(id) FROM events")
+        # The AUTOINCREMENT counter too: retention may have deleted the newest events' rows.
+        row = await self._fetchone(
+            "SELECT MAX(COALESCE((SELECT MAX(id) FROM events), 0),"
+            " COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0))"
+        )
         return int(row[0]) if row is not None and row[0] is not None else 0
+
+    async def prune_events(
+        self, before_ms: int, *, keep_job_states: Collection[int] = (), limit: int = 10_000
+    ) -> int:
+        sql = "SELECT id FROM events WHERE time_ms < ?"
+        params: list[object] = [before_ms]
+        if keep_job_states:
+            sql += (
+                " AND (job_id = '' OR job_id NOT IN (SELECT job_id FROM jobs"
+                f" WHERE state IN ({_placeholders(len(keep_job_states))})))"
+            )
+            params.extend(int(s) for s in keep_job_states)
+        if limit > 0:
+            sql += " LIMIT ?"
+            params.append(limit)
+        async with self._write() as db:
+            cur = await db.execute(f"DELETE FROM events WHERE id IN ({sql})", params)
+            n = cur.rowcount
+            await cur.close()
+        return int(n)
 
     async def count_events(self) -> int:
         row = await self._fetchone("SELECT COUNT(*) FROM events")
@@ -573,6 +621,46 @@ class SqliteStore(Store):
         row = await self._fetchone("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM blobs")
         assert row is not None
         return BlobStats(count=int(row[0]), total_bytes=int(row[1]))
+
+    # -- blob ownership -------------------------------------------------------------------------
+
+    async def add_blob_owner(self, sha256: str, owner: str) -> None:
+        async with self._write() as db:
+            await db.execute(
+                "INSERT INTO blob_owners (sha256, owner, created_ms) VALUES (?, ?, ?)"
+                " ON CONFLICT (sha256, owner) DO NOTHING",
+                (sha256, owner, now_ms()),
+            )
+
+    async def blob_visible_to(self, sha256: str, owner: str) -> bool:
+        row = await self._fetchone(
+            """SELECT 1 FROM blobs WHERE sha256 = ? AND (
+                EXISTS (SELECT 1 FROM blob_owners o WHERE o.sha256 = blobs.sha256 AND o.owner = ?)
+                OR EXISTS (SELECT 1 FROM job_blobs jb JOIN jobs j ON j.job_id = jb.job_id
+                           WHERE jb.sha256 = blobs.sha256 AND j.owner = ?))""",
+            (sha256, owner, owner),
+        )
+        return row is not None
+
+    async def owned_blob_bytes(self, owner: str) -> int:
+        row = await self._fetchone(
+            "SELECT COALESCE(SUM(b.size), 0) FROM blob_owners o JOIN blobs b"
+            " ON b.sha256 = o.sha256 WHERE o.owner = ?",
+            (owner,),
+        )
+        return int(row[0]) if row is not None else 0
+
+    async def add_job_blobs(self, job_id: str, sha256s: Collection[str]) -> None:
+        async with self._write() as db:
+            await db.executemany(
+                "INSERT INTO job_blobs (job_id, sha256) VALUES (?, ?)"
+                " ON CONFLICT (job_id, sha256) DO NOTHING",
+                [(job_id, sha) for sha in dict.fromkeys(sha256s)],
+            )
+
+    async def job_blobs(self, job_id: str) -> set[str]:
+        rows = await self._fetchall("SELECT sha256 FROM job_blobs WHERE job_id = ?", (job_id,))
+        return {str(r[0]) for r in rows}
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -729,6 +817,29 @@ class SqliteStore(Store):
             n = cur.rowcount
             await cur.close()
         return int(n)
+
+    async def list_checkpoints(self, job_id: str = "") -> list[tuple[str, int, bytes]]:
+        sql = "SELECT job_id, round, manifest FROM checkpoints"
+        params: list[object] = []
+        if job_id:
+            sql += " WHERE job_id = ?"
+            params.append(job_id)
+        sql += " ORDER BY job_id, round"
+        rows = await self._fetchall(sql, params)
+        return [(str(r[0]), int(r[1]), bytes(r[2])) for r in rows]
+
+    async def drop_checkpoints(self, job_id: str, rounds: Collection[int]) -> list[bytes]:
+        dropped: list[bytes] = []
+        if not rounds:
+            return dropped
+        async with self._write() as db:
+            for r in sorted(set(rounds)):
+                async with db.execute(
+                    "DELETE FROM checkpoints WHERE job_id = ? AND round = ? RETURNING manifest",
+                    (job_id, int(r)),
+                ) as cur:
+                    dropped.extend(bytes(row[0]) for row in await cur.fetchall())
+        return dropped
 
     # -- per-job engine state -------------------------------------------------------------------
 

@@ -60,6 +60,10 @@ class DataLossError(CoordinatorError):
     code = "DATA_LOSS"
 
 
+class DeadlineExceededError(CoordinatorError):
+    code = "DEADLINE_EXCEEDED"
+
+
 class UnavailableError(CoordinatorError):
     code = "UNAVAILABLE"
 
@@ -291,6 +295,14 @@ class Store(ABC):
     @abstractmethod
     async def count_events(self) -> int: ...
 
+    @abstractmethod
+    async def prune_events(
+        self, before_ms: int, *, keep_job_states: Collection[int] = (), limit: int = 10_000
+    ) -> int:
+        """Delete up to ``limit`` (0: all) events older than ``before_ms``, except those of jobs
+        whose state is in ``keep_job_states``; returns how many. Event ids are never reused:
+        `last_event_id` stays where it was."""
+
     # -- blobs ----------------------------------------------------------------------------------
 
     @abstractmethod
@@ -309,6 +321,27 @@ class Store(ABC):
 
     @abstractmethod
     async def blob_stats(self) -> BlobStats: ...
+
+    # -- blob ownership: who uploaded a blob, which jobs use it ----------------------------------
+
+    @abstractmethod
+    async def add_blob_owner(self, sha256: str, owner: str) -> None:
+        """Record that ``owner`` uploaded the blob (idempotent)."""
+
+    @abstractmethod
+    async def blob_visible_to(self, sha256: str, owner: str) -> bool:
+        """Whether the blob is stored and ``owner`` uploaded it or one of its jobs uses it."""
+
+    @abstractmethod
+    async def owned_blob_bytes(self, owner: str) -> int:
+        """The total size of the stored blobs ``owner`` uploaded (its storage quota's use)."""
+
+    @abstractmethod
+    async def add_job_blobs(self, job_id: str, sha256s: Collection[str]) -> None:
+        """Record the blobs a job uses (its program, initial state and shards)."""
+
+    @abstractmethod
+    async def job_blobs(self, job_id: str) -> set[str]: ...
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -375,6 +408,16 @@ class Store(ABC):
     async def drop_checkpoints_after(self, job_id: str, round: int) -> int:
         """Forget the checkpoints of ``job_id`` after ``round`` (a rollback to ``round`` made
         them history); returns how many."""
+
+    @abstractmethod
+    async def list_checkpoints(self, job_id: str = "") -> list[tuple[str, int, bytes]]:
+        """(job_id, round, manifest) of the checkpoints of ``job_id`` (empty: of every job),
+        ordered by job and round."""
+
+    @abstractmethod
+    async def drop_checkpoints(self, job_id: str, rounds: Collection[int]) -> list[bytes]:
+        """Forget the checkpoints of ``job_id`` at ``rounds`` (retention); the manifests of
+        those that were there."""
 
     # -- per-job engine state -------------------------------------------------------------------
 

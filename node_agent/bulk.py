@@ -12,7 +12,9 @@ Handshake (one connection per ring attempt, sender = the left neighbour):
    PeerService. That RPC is authenticated exactly like PushChunks (under mutual TLS the caller's
    certificate must name ``from_node_id``; a known attempt must have it as left neighbour) and
    answers the `BulkListener`'s port and a one-time token (32 random bytes, valid
-   ``token_ttl_s``), bound to (job, round, attempt, from_node_id).
+   ``token_ttl_s``), bound to (job, round, attempt, from_node_id). Tokens are issued only for
+   attempts this node has a task of, to their left neighbour, at most `MAX_TOKENS_PER_PEER`
+   unused ones per peer (RESOURCE_EXHAUSTED beyond).
 2. The sender connects to that port on the host of the receiver's PeerService address. With
    identities the socket speaks TLS: the receiver presents its node certificate (the sender
    checks that it names the expected node id, as `peer_channel` does) and requires one from the
@@ -20,7 +22,9 @@ Handshake (one connection per ring attempt, sender = the left neighbour):
    agents) the socket is plaintext, as gRPC is then.
 3. The sender sends ``MAGIC + token``; the receiver answers OK, or an error reply (a wrong,
    used or expired token: UNAUTHENTICATED; another node's certificate: PERMISSION_DENIED) and
-   closes. Anything going wrong up to here makes the sender fall back to PushChunks for this
+   closes. The TLS handshake and the token must arrive within `HANDSHAKE_TIMEOUT_S` of the
+   accept, and at most `MAX_HANDSHAKES` connections may be that far at once (others are closed
+   at once). Anything going wrong up to here makes the sender fall back to PushChunks for this
    attempt (`node_agent.ring_allreduce`).
 
 Frames (sender to receiver): ``<u32 head_len><u32 payload_len>`` then ``head`` (a serialized
@@ -66,6 +70,7 @@ from node_agent.peer import (
     AttemptExpired,
     ChunkRejected,
     RingKey,
+    TooManyTokens,
     WireError,
     _varint,
     failed_id_of,
@@ -78,6 +83,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAGIC = b"EMB1"
+# A connection must complete its TLS handshake and present its token within this many seconds
+# of the accept, and at most MAX_HANDSHAKES connections may be at that stage at once: a caller
+# that connects and says nothing holds a slot only that long.
+HANDSHAKE_TIMEOUT_S = 3.0
+MAX_HANDSHAKES = 16
+# Unused bulk tokens one peer may hold at once (a left neighbour needs one per attempt).
+MAX_TOKENS_PER_PEER = 4
 TOKEN_BYTES = 32
 MAX_HEAD_BYTES = 4096
 MAX_DETAILS_BYTES = 2048
@@ -514,10 +526,12 @@ class BulkListener:
         *,
         identity: idm.Identity | None = None,
         token_ttl_s: float = 10.0,
-        handshake_timeout_s: float = 10.0,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         idle_timeout_s: float = 600.0,
         max_connections: int = 64,
         max_tokens: int = 1024,
+        max_tokens_per_peer: int = MAX_TOKENS_PER_PEER,
+        max_handshakes: int = MAX_HANDSHAKES,
     ) -> None:
         self.service = service
         self.host = host
@@ -527,6 +541,9 @@ class BulkListener:
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
         self.max_tokens = max_tokens
+        self.max_tokens_per_peer = max_tokens_per_peer
+        self.max_handshakes = max_handshakes
+        self.handshaking = 0  # connections that have not presented a valid token yet
         self.port = 0
         self._grants: OrderedDict[bytes, _Grant] = OrderedDict()
         self._sock: socket.socket | None = None
@@ -537,13 +554,22 @@ class BulkListener:
     # -- tokens --------------------------------------------------------------------------------
 
     def issue(self, key: RingKey, from_node_id: str) -> tuple[bytes, float]:
-        """A one-time token for `from_node_id`'s stream of attempt `key`, and its lifetime."""
+        """A one-time token for `from_node_id`'s stream of attempt `key`, and its lifetime;
+        TooManyTokens when that node holds `max_tokens_per_peer` unused ones already."""
         now = time.monotonic()
         while self._grants:
             oldest = next(iter(self._grants.values()))
             if oldest.expires > now and len(self._grants) < self.max_tokens:
                 break
             self._grants.popitem(last=False)
+        held = sum(
+            1 for g in self._grants.values() if g.from_node_id == from_node_id and g.expires > now
+        )
+        if held >= self.max_tokens_per_peer:
+            raise TooManyTokens(
+                f"node {from_node_id!r} holds {held} unused bulk tokens of this peer (at most "
+                f"{self.max_tokens_per_peer} per peer)"
+            )
         token = secrets.token_bytes(TOKEN_BYTES)
         self._grants[token] = _Grant(key, from_node_id, now + self.token_ttl_s)
         return token, self.token_ttl_s
@@ -601,7 +627,17 @@ class BulkListener:
                 log.warning("bulk socket accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            if len(self._handlers) >= self.max_connections:
+            if (
+                len(self._handlers) >= self.max_connections
+                or self.handshaking >= self.max_handshakes
+            ):
+                log.debug(
+                    "bulk connection refused: %d open, %d before their token (limits %d, %d)",
+                    len(self._handlers),
+                    self.handshaking,
+                    self.max_connections,
+                    self.max_handshakes,
+                )
                 sock.close()
                 continue
             task = loop.create_task(self._serve(sock), name="bulk-stream")
@@ -611,11 +647,17 @@ class BulkListener:
     async def _serve(self, sock: socket.socket) -> None:
         _configure(sock)
         conn: _Conn = _TlsConn(sock, self._ssl) if self._ssl is not None else _Conn(sock)
+        # Counted from the accept: the TLS handshake and the token must come within
+        # handshake_timeout_s, and at most max_handshakes connections wait for theirs.
+        self.handshaking += 1
         try:
-            async with asyncio.timeout(self.handshake_timeout_s):
-                await conn.handshake()
-                hello = bytearray(len(MAGIC) + TOKEN_BYTES)
-                await conn.recv_exactly(memoryview(hello))
+            try:
+                async with asyncio.timeout(self.handshake_timeout_s):
+                    await conn.handshake()
+                    hello = bytearray(len(MAGIC) + TOKEN_BYTES)
+                    await conn.recv_exactly(memoryview(hello))
+            finally:
+                self.handshaking -= 1
             if bytes(hello[: len(MAGIC)]) != MAGIC:
                 return  # not our protocol: just close
             grant = self._take(bytes(hello[len(MAGIC) :]))
@@ -626,6 +668,14 @@ class BulkListener:
                 return
             if self._ssl is not None:
                 principal = conn.peer_principal()
+                if principal is not None and principal.id in self.service.revoked:
+                    await self._refuse(
+                        conn,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        f"the certificate of node {principal.id!r} has been revoked (the "
+                        "coordinator's revocation list)",
+                    )
+                    return
                 if (
                     principal is None
                     or principal.role != idm.ROLE_NODE
@@ -729,9 +779,12 @@ class BulkListener:
                 if chunk.phase == ABORT_PHASE:
                     data = scratch[:payload_len]
                     await conn.recv_exactly(data)
-                    receiver.on_abort(
-                        failed_id_of(replace(chunk, payload=data)), grant.from_node_id
-                    )
+                    failed_id = failed_id_of(replace(chunk, payload=data))
+                    if failed_id not in receiver.members:
+                        raise WireError(
+                            f"the abort names {failed_id!r}, not a member of attempt {key}"
+                        )
+                    receiver.on_abort(failed_id, grant.from_node_id)
                     end_reason = "it reported a failure"
                     break
                 if chunk.key != key:
@@ -740,12 +793,14 @@ class BulkListener:
                     raise WireError("from_node_id changed mid-stream")
                 try:
                     target = receiver.bulk_target(chunk, payload_len, scratch)
+                    await conn.recv_exactly(target)
+                    receiver.bulk_received(target)
                 except ChunkRejected as exc:
+                    # The sender is the failed node: the refusal names it, so that it does not
+                    # blame this node for ending its stream.
                     end_reason = f"sent a bad chunk: {exc}"
-                    error = (exc.code, str(exc), None)
+                    error = (exc.code, str(exc), grant.from_node_id)
                     return
-                await conn.recv_exactly(target)
-                receiver.bulk_received(target)
                 received += payload_len
                 service.received_bytes += payload_len
                 service.received_chunks += 1

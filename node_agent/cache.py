@@ -8,6 +8,11 @@
   and any write to the file changes ctime, which no user can set back. A corrupted entry is
   therefore detected the next time a task opens it, deleted and fetched again.
 - Hashing runs in a worker thread, so heartbeats keep flowing while a large blob is checked.
+- A size cap (``max_bytes``, the agent's --cache-max-bytes): after each download, entries are
+  evicted least recently used first (and partial downloads nobody resumes, oldest first) until
+  the cache fits. An entry used in the last ``protect_s`` seconds or being fetched is never
+  evicted (a task may be about to read it), so the cache can exceed the cap by what tasks use
+  at once. Recency lives in memory; at start the entries are ranked by their download time.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import hashlib
 import logging
 import os
 import re
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -29,6 +36,8 @@ FetchFn = Callable[[str, int], AsyncIterator[agent_pb2.FetchBlobResponse]]
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _HASH_BLOCK = 4 << 20
+PART_SUFFIX = ".part"
+DEFAULT_PROTECT_S = 60.0
 
 _FileKey = tuple[int, int, int, int]
 
@@ -63,22 +72,116 @@ def validate_ref(ref: common_pb2.BlobRef) -> str:
 
 
 class BlobCache:
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_bytes: int | None = None,
+        protect_s: float = DEFAULT_PROTECT_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``max_bytes`` None: no cap. ``clock``: wall-clock seconds (compared with mtimes)."""
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError("the cache's size cap must be positive")
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.protect_s = protect_s
+        self._clock = clock
         self._verified: dict[str, _FileKey] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Complete entries, least recently used first: sha256 -> (size, last use).
+        self._lru: OrderedDict[str, tuple[int, float]] = OrderedDict()
         # Counters, for logs and tests.
         self.hits = 0
         self.downloads = 0
         self.corrupt_entries = 0
         self.bytes_fetched = 0
+        self.evictions = 0
+        self._scan()
+        self.evict()  # the cap may have been lowered since the last start
+
+    # -- size cap -------------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        found = []
+        for path in self.root.iterdir():
+            if not _SHA256_RE.match(path.name):
+                continue
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            found.append((st.st_mtime, path.name, st.st_size))
+        for mtime, sha, size in sorted(found):
+            self._lru[sha] = (size, mtime)
+
+    def _touch(self, sha: str, size: int) -> None:
+        self._lru[sha] = (size, self._clock())
+        self._lru.move_to_end(sha)
+
+    def entries(self) -> list[str]:
+        """The complete entries, least recently used first."""
+        return list(self._lru)
+
+    def _parts(self) -> list[tuple[float, Path, int]]:
+        out = []
+        for path in self.root.glob("*" + PART_SUFFIX):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            out.append((st.st_mtime, path, st.st_size))
+        return sorted(out)
+
+    def total_bytes(self) -> int:
+        """Bytes held: complete entries and partial downloads."""
+        return sum(size for size, _ in self._lru.values()) + sum(n for _, _, n in self._parts())
+
+    def _busy(self, sha: str) -> bool:
+        lock = self._locks.get(sha)
+        return lock is not None and lock.locked()
+
+    def evict(self) -> int:
+        """Evict until the cache fits its cap (see the module's docstring); bytes freed."""
+        if self.max_bytes is None:
+            return 0
+        parts = self._parts()
+        total = sum(size for size, _ in self._lru.values()) + sum(n for _, _, n in parts)
+        freed = 0
+        recent = self._clock() - self.protect_s
+        for mtime, path, size in parts:
+            if total <= self.max_bytes:
+                return freed
+            if mtime >= recent or self._busy(path.name.removesuffix(PART_SUFFIX)):
+                continue
+            path.unlink(missing_ok=True)
+            total, freed = total - size, freed + size
+            log.info("cache: dropped the partial download %s (%d bytes)", path.name, size)
+        for sha, (size, used) in list(self._lru.items()):
+            if total <= self.max_bytes:
+                break
+            if used >= recent or self._busy(sha):
+                continue
+            self.path_for(sha).unlink(missing_ok=True)
+            del self._lru[sha]
+            self._verified.pop(sha, None)
+            self.evictions += 1
+            total, freed = total - size, freed + size
+            log.info("cache: evicted blob %s (%d bytes, least recently used)", sha, size)
+        if total > self.max_bytes:
+            log.warning(
+                "cache holds %d bytes, over its cap of %d: the rest is in use",
+                total,
+                self.max_bytes,
+            )
+        return freed
 
     def path_for(self, sha256: str) -> Path:
         return self.root / sha256
 
     def part_path_for(self, sha256: str) -> Path:
-        return self.root / f"{sha256}.part"
+        return self.root / f"{sha256}{PART_SUFFIX}"
 
     async def lookup(self, ref: common_pb2.BlobRef) -> Path | None:
         """The path of an intact entry, or None. A corrupt entry is deleted (and None returned)."""
@@ -88,16 +191,19 @@ class BlobCache:
         if key is None:
             return None
         if self._verified.get(sha) == key:
+            self._touch(sha, key[0])
             return path
         ok = ref.size in (0, key[0]) and await asyncio.to_thread(sha256_file, path) == sha
         if ok and _file_key(path) == key:
             self._verified[sha] = key
+            self._touch(sha, key[0])
             return path
         if ok:
             return await self.lookup(ref)  # changed while hashing: look again
         self.corrupt_entries += 1
         log.warning("cache entry %s is corrupt (size or sha256 mismatch): fetching it again", sha)
         self._verified.pop(sha, None)
+        self._lru.pop(sha, None)
         path.unlink(missing_ok=True)
         return None
 
@@ -114,7 +220,9 @@ class BlobCache:
             if path is not None:
                 self.hits += 1
                 return path
-            return await self._download(sha, ref.size, fetch)
+            path = await self._download(sha, ref.size, fetch)
+            self.evict()  # under the lock: never the entry just fetched
+            return path
 
     async def _download(self, sha: str, expected_size: int, fetch: FetchFn) -> Path:
         part = self.part_path_for(sha)
@@ -162,6 +270,7 @@ class BlobCache:
         key = _file_key(path)
         if key is not None:
             self._verified[sha] = key
+            self._touch(sha, key[0])
         self.downloads += 1
         log.info("cached blob %s (%d bytes)", sha, offset)
         return path

@@ -12,6 +12,7 @@ from epochmesh.money import parse_credits
 
 BENCHMARK_MODES = ("full", "quick", "off")
 DEFAULT_PEER_LISTEN = "127.0.0.1:0"
+DEFAULT_CACHE_MAX_BYTES = 20 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -49,6 +50,8 @@ class AgentConfig:
     no_peer: bool = False
     # Where to serve Prometheus metrics (--metrics-listen); empty: nowhere.
     metrics_listen: str = ""
+    # The blob cache's size cap (--cache-max-bytes; least recently used entries go first).
+    cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES
 
     @property
     def cache_dir(self) -> Path:
@@ -255,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="emulate a smaller device: a batch whose peak memory exceeds this counts as OOM",
     )
     parser.add_argument(
+        "--cache-max-bytes",
+        default=DEFAULT_CACHE_MAX_BYTES,
+        type=_size_arg,
+        metavar="BYTES",
+        help="cap of the blob cache in DATA_DIR/cache, e.g. 20GiB (the default): the least "
+        "recently used blobs are deleted past it (those in use stay)",
+    )
+    parser.add_argument(
         "--benchmark",
         default="full",
         choices=BENCHMARK_MODES,
@@ -363,4 +374,5 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         peer_advertise=args.peer_advertise or "",
         no_peer=args.no_peer,
         metrics_listen=args.metrics_listen,
+        cache_max_bytes=args.cache_max_bytes,
     )

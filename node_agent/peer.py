@@ -7,14 +7,21 @@ Server side (`PeerServer` wraps a grpc.aio server with this service, health and 
   that `ring_allreduce` registered for that key in the `RingMailbox`. A stream may arrive before
   its slot (the neighbour finished its gradient first): it then waits, bounded by `join_timeout_s`,
   without reading on (gRPC flow control holds the sender back). Chunks are applied as they
-  arrive, straight into the caller's buffer: nothing is queued. Refusals: an attempt older than
-  the newest one seen for the job, or one whose slot closed, or none that registered in time:
-  FAILED_PRECONDITION; a second stream for the same slot: ALREADY_EXISTS; malformed chunks:
-  INVALID_ARGUMENT; too many streams waiting: RESOURCE_EXHAUSTED. When the slot fails, the next
+  arrive, straight into the caller's buffer: nothing is queued. Only attempts this node was
+  given a task of (`RingMailbox.announce`, by the ring trainer when the task arrives) are taken:
+  a stream for another one waits `announce_wait_s` for the task at most. Refusals: an attempt
+  older than the newest one seen for the job, or one whose slot closed, or one not announced
+  or registered in time, or a sender that is not its left neighbour: FAILED_PRECONDITION; a
+  second stream for the same slot: ALREADY_EXISTS; malformed chunks (NaN/Inf included):
+  INVALID_ARGUMENT; too many streams, in all or of one peer: RESOURCE_EXHAUSTED. When the slot fails, the next
   chunk is answered with FAILED_PRECONDITION and trailing metadata ``epochmesh-failed-node``
   naming the failed node, so the sender learns who failed instead of blaming this node.
   A chunk with phase ``"abort"`` (its ``chunk.data`` is the failed node's id, UTF-8) reports a
-  failure of that attempt, in-band on a data stream or as a stream of its own.
+  failure of that attempt, in-band on a data stream or as a stream of its own: taken only for
+  an open attempt (announced here and not over: FAILED_PRECONDITION otherwise), from one of its
+  members (PERMISSION_DENIED) and naming one (INVALID_ARGUMENT); nothing is stored for later.
+  Callers whose certificate is on the coordinator's revocation list (it comes with ring tasks,
+  `PeerService.add_revoked`) are refused with UNAUTHENTICATED on every method.
 - ``TransferState``: parameters and optimizer state from a provider callback, as a header
   (`TensorBundle`) and 1 MiB chunks; `fetch_state` is the joiner's side.
 - ``Ping``: echoes the payload; `ping` and `probe_link` measure round trip and bandwidth. A
@@ -46,13 +53,14 @@ share a machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -364,6 +372,15 @@ class RingStatus:
     failed_node_id: str  # the node the attempt found failed ("" while it has not failed)
 
 
+@dataclass(frozen=True)
+class Announcement:
+    """An attempt this node takes part in: its members and this node's left neighbour."""
+
+    members: frozenset[str]
+    left_node_id: str
+    expires: float  # time.monotonic()
+
+
 class AttemptExpired(Exception):
     """The (job, round, attempt) is over on this node (finished, failed or superseded)."""
 
@@ -379,10 +396,15 @@ class RingMailbox:
     and fail the slot as soon as it registers.
     """
 
-    def __init__(self, *, max_pending_aborts: int = 256, max_jobs: int = 1024) -> None:
+    def __init__(
+        self, *, max_pending_aborts: int = 256, max_jobs: int = 1024, max_announced: int = 256
+    ) -> None:
         self._slots: dict[RingKey, RingReceiver] = {}
         self._current: OrderedDict[str, tuple[int, int]] = OrderedDict()  # job -> (round, att.)
         self._aborts: OrderedDict[RingKey, tuple[str, str]] = OrderedDict()
+        # Attempts the coordinator announced to this node (ring tasks it received), by key.
+        self._announced: OrderedDict[RingKey, Announcement] = OrderedDict()
+        self._max_announced = max_announced
         # Failed node of attempts whose slot closed after a failure, for neighbours that ask.
         self._failed: OrderedDict[RingKey, str] = OrderedDict()
         self._changed = asyncio.Event()
@@ -393,6 +415,54 @@ class RingMailbox:
         job_id, round_, attempt = key
         current = self._current.get(job_id)
         return current is not None and key not in self._slots and (round_, attempt) <= current
+
+    def announce(self, key: RingKey, node_ids: Sequence[str], rank: int, ttl_s: float) -> None:
+        """The coordinator gave this node a task of attempt `key` (ring `node_ids`, this node
+        at `rank`): its left neighbour may connect, and its members may report failures, from
+        now until the slot closes (or `ttl_s` passes without one)."""
+        n = len(node_ids)
+        if n < 1 or not 0 <= rank < n or self.is_expired(key):
+            return
+        now = time.monotonic()
+        for k in [k for k, a in self._announced.items() if a.expires <= now]:
+            del self._announced[k]
+        self._announced[key] = Announcement(
+            frozenset(node_ids), node_ids[(rank - 1) % n], now + max(ttl_s, 1.0)
+        )
+        self._announced.move_to_end(key)
+        while len(self._announced) > self._max_announced:
+            self._announced.popitem(last=False)
+        self._notify()
+
+    def attempt(self, key: RingKey) -> Announcement | None:
+        """Members and left neighbour of an open attempt (its slot is registered, or it was
+        announced and is not over); None otherwise."""
+        receiver = self._slots.get(key)
+        if receiver is not None:
+            return Announcement(receiver.members, receiver.left_node_id, math.inf)
+        if self.is_expired(key):
+            return None
+        ann = self._announced.get(key)
+        if ann is None or ann.expires <= time.monotonic():
+            return None
+        return ann
+
+    async def wait_open(self, key: RingKey, timeout: float) -> Announcement | None:
+        """`attempt(key)` once it is open (None after `timeout` s); AttemptExpired if over."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ann = self.attempt(key)
+            if ann is not None:
+                return ann
+            if self.is_expired(key):
+                raise AttemptExpired(f"ring attempt {key} is over on this node")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return None
 
     def register(self, receiver: RingReceiver) -> None:
         """Open the slot (replacing the job's previous one) and apply a pending abort."""
@@ -412,6 +482,7 @@ class RingMailbox:
     def unregister(self, receiver: RingReceiver) -> None:
         if self._slots.get(receiver.key) is receiver:
             del self._slots[receiver.key]
+            self._announced.pop(receiver.key, None)
             failed = receiver.failed_node()
             if failed is not None:
                 self._failed[receiver.key] = failed
@@ -433,12 +504,14 @@ class RingMailbox:
         return self._slots.get(key)
 
     def abort(self, key: RingKey, failed_node_id: str, reporter: str) -> None:
-        """Route an abort report to its slot, or remember it until the slot registers."""
+        """Route an abort report to its slot, or remember it until the slot registers. Only
+        for an open attempt (`attempt`; the caller checked that the reporter and the failed
+        node are members): a report for any other attempt is dropped."""
         receiver = self._slots.get(key)
         if receiver is not None:
             receiver.on_abort(failed_node_id, reporter)
             return
-        if self.is_expired(key):
+        if self.attempt(key) is None:
             return
         self._aborts[key] = (failed_node_id, reporter)
         while len(self._aborts) > self._max_pending_aborts:
@@ -495,7 +568,21 @@ class BulkIssuer(Protocol):
     port: int
 
     def issue(self, key: RingKey, from_node_id: str) -> tuple[bytes, float]:
-        """A one-time token for `from_node_id`'s stream of attempt `key`, and its lifetime."""
+        """A one-time token for `from_node_id`'s stream of attempt `key`, and its lifetime;
+        TooManyTokens past the per-peer cap."""
+
+
+class TooManyTokens(Exception):
+    """A peer holds as many unused bulk tokens as it may (RESOURCE_EXHAUSTED)."""
+
+
+# How long a ring stream for an attempt this node was not (yet) given a task of waits for the
+# coordinator's task to arrive here; OpenBulk waits less (the sender falls back to PushChunks).
+ANNOUNCE_WAIT_S = 10.0
+OPEN_BULK_WAIT_S = 2.0
+# Ring streams (PushChunks, OpenBulk calls) one peer may have open here at once: a left
+# neighbour needs one per job, plus an abort report now and then.
+MAX_STREAMS_PER_PEER = 4
 
 
 class PeerService:
@@ -509,6 +596,8 @@ class PeerService:
         state_authorizer: StateAuthorizer | None = None,
         join_timeout_s: float = 60.0,
         max_streams: int = 64,
+        max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
+        announce_wait_s: float = ANNOUNCE_WAIT_S,
         verify_callers: bool = False,
     ) -> None:
         """`verify_callers`: the server runs mutual TLS, so check that the certificate of a
@@ -521,7 +610,12 @@ class PeerService:
         self.state_authorizer = state_authorizer
         self.join_timeout_s = join_timeout_s
         self.max_streams = max_streams
+        self.max_streams_per_peer = max_streams_per_peer
+        self.announce_wait_s = announce_wait_s
         self._streams = 0
+        self._peer_streams: dict[str, int] = {}
+        # Node ids whose certificates the coordinator revoked (its list, from heartbeats).
+        self.revoked: frozenset[str] = frozenset()
         self.bulk: BulkIssuer | None = None  # set by PeerServer when its bulk socket listens
         self.received_bytes = 0  # payload bytes of data chunks applied, all time
         self.received_chunks = 0
@@ -556,13 +650,22 @@ class PeerService:
 
     # -- PushChunks ----------------------------------------------------------------------------
 
+    def add_revoked(self, node_ids: Iterable[str]) -> None:
+        """Node ids from the coordinator's revocation list (it comes with every ring task;
+        revocations are never lifted): callers with these ids are refused from now on."""
+        new = frozenset(node_ids) - self.revoked
+        if new:
+            log.info("refusing revoked node certificate(s): %s", ", ".join(sorted(new)))
+            self.revoked |= new
+
     async def push_chunks(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> peer_pb2.RingAck:
         if self._streams >= self.max_streams:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this peer already handles {self._streams} ring streams",
+                f"this peer already handles {self._streams} ring streams (at most "
+                f"{self.max_streams})",
             )
         self._streams += 1
         try:
@@ -573,6 +676,28 @@ class PeerService:
         finally:
             self._streams -= 1
 
+    @contextlib.asynccontextmanager
+    async def _peer_stream(
+        self, peer: str, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        """Count one open stream or call of `peer`; RESOURCE_EXHAUSTED past the per-peer cap."""
+        held = self._peer_streams.get(peer, 0)
+        if held >= self.max_streams_per_peer:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"node {peer!r} already has {held} ring streams open on this peer (at most "
+                f"{self.max_streams_per_peer} per peer)",
+            )
+        self._peer_streams[peer] = held + 1
+        try:
+            yield
+        finally:
+            left = self._peer_streams.get(peer, 1) - 1
+            if left > 0:
+                self._peer_streams[peer] = left
+            else:
+                self._peer_streams.pop(peer, None)
+
     async def _push_chunks(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> peer_pb2.RingAck:
@@ -582,14 +707,39 @@ class PeerService:
         except StopAsyncIteration:
             return peer_pb2.RingAck(received_bytes=0)
         await self._check_caller(first, context)
-        if first.phase == ABORT_PHASE:
-            return await self._abort_stream(first, iterator, context)
+        async with self._peer_stream(first.from_node_id, context):
+            if first.phase == ABORT_PHASE:
+                return await self._abort_stream(first, iterator, context)
+            return await self._data_stream(first, iterator, context)
 
+    async def _data_stream(
+        self,
+        first: RingChunkView,
+        iterator: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
+    ) -> peer_pb2.RingAck:
         key = first.key
         try:
             remaining = context.time_remaining()
             wait = self.join_timeout_s if remaining is None else min(self.join_timeout_s, remaining)
-            receiver = await self.mailbox.wait_for(key, max(0.0, wait))
+            wait = max(0.0, wait)
+            # Only an attempt the coordinator gave this node a task of, from its left neighbour.
+            ann = await self.mailbox.wait_open(key, min(self.announce_wait_s, wait))
+            if ann is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"ring attempt {key} was not announced to this node by the coordinator "
+                    f"within {min(self.announce_wait_s, wait):.1f}s (streams are taken only "
+                    "for attempts of this node's ring tasks)",
+                )
+            assert ann is not None
+            if first.from_node_id != ann.left_node_id:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"node {first.from_node_id!r} is not this node's left neighbour "
+                    f"({ann.left_node_id!r}) in attempt {key}",
+                )
+            receiver = await self.mailbox.wait_for(key, wait)
         except AttemptExpired as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             raise
@@ -629,7 +779,12 @@ class PeerService:
                 if failed is not None:
                     await _abort_failed(context, key, failed)
                 if chunk.phase == ABORT_PHASE:
-                    receiver.on_abort(failed_id_of(chunk), chunk.from_node_id)
+                    failed_id = failed_id_of(chunk)
+                    if failed_id not in receiver.members:
+                        raise WireError(
+                            f"the abort names {failed_id!r}, not a member of attempt {key}"
+                        )
+                    receiver.on_abort(failed_id, chunk.from_node_id)
                     break
                 if chunk.key != key:
                     receiver.on_stream_end(f"switched to attempt {chunk.key} mid-stream")
@@ -646,7 +801,12 @@ class PeerService:
                     receiver.on_chunk(chunk)
                 except ChunkRejected as exc:
                     receiver.on_stream_end(f"sent a bad chunk: {exc}")
-                    await context.abort(exc.code, str(exc))
+                    # Naming the sender as the failed node: it does not blame this node then.
+                    await context.abort(
+                        exc.code,
+                        str(exc),
+                        trailing_metadata=((FAILED_NODE_KEY, first.from_node_id),),
+                    )
                 received += len(chunk.payload)
                 self.received_bytes += len(chunk.payload)
                 self.received_chunks += 1
@@ -663,15 +823,27 @@ class PeerService:
     async def _check_caller(self, chunk: RingChunkView, context: grpc.aio.ServicerContext) -> None:
         await self._check_sender(chunk.from_node_id, context)
 
-    async def _check_sender(self, from_node_id: str, context: grpc.aio.ServicerContext) -> None:
-        if not self.verify_callers:
-            return
+    async def _caller(self, context: grpc.aio.ServicerContext, what: str) -> idm.Principal:
+        """The calling node (mutual TLS): PERMISSION_DENIED for another role, UNAUTHENTICATED
+        for a certificate on the coordinator's revocation list."""
         principal = idm.peer_principal(context)
         if principal is None or principal.role != idm.ROLE_NODE:
             await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, "ring streams take a node certificate"
+                grpc.StatusCode.PERMISSION_DENIED, f"{what} take a node certificate"
             )
         assert principal is not None
+        if principal.id in self.revoked:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"the certificate of node {principal.id!r} has been revoked (the coordinator's "
+                "revocation list)",
+            )
+        return principal
+
+    async def _check_sender(self, from_node_id: str, context: grpc.aio.ServicerContext) -> None:
+        if not self.verify_callers:
+            return
+        principal = await self._caller(context, "ring streams")
         if principal.id != from_node_id:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -702,18 +874,32 @@ class PeerService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "round and attempt are >= 0")
         await self._check_sender(request.from_node_id, context)
         key: RingKey = (request.job_id, request.round, request.attempt)
-        receiver = self.mailbox.get(key)
-        if receiver is None and self.mailbox.is_expired(key):
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"ring attempt {key} is over on this node"
-            )
-        if receiver is not None and request.from_node_id != receiver.left_node_id:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"node {request.from_node_id!r} is not this node's left neighbour "
-                f"({receiver.left_node_id!r}) in attempt {key}",
-            )
-        token, ttl = self.bulk.issue(key, request.from_node_id)
+        async with self._peer_stream(request.from_node_id, context):
+            remaining = context.time_remaining()
+            wait = OPEN_BULK_WAIT_S if remaining is None else min(OPEN_BULK_WAIT_S, remaining)
+            try:
+                ann = await self.mailbox.wait_open(key, max(0.0, wait))
+            except AttemptExpired as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                raise
+            if ann is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"ring attempt {key} was not announced to this node by the coordinator "
+                    "(bulk tokens are issued only for attempts of this node's ring tasks)",
+                )
+            assert ann is not None
+            if request.from_node_id != ann.left_node_id:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"node {request.from_node_id!r} is not this node's left neighbour "
+                    f"({ann.left_node_id!r}) in attempt {key}",
+                )
+            try:
+                token, ttl = self.bulk.issue(key, request.from_node_id)
+            except TooManyTokens as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                raise
         return peer_pb2.OpenBulkResponse(port=self.bulk.port, token=token, expires_in_s=ttl)
 
     async def _abort_stream(
@@ -729,13 +915,26 @@ class PeerService:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "an abort stream carries only abort chunks"
                 )
-            receiver = self.mailbox.get(chunk.key)
-            if receiver is not None and chunk.from_node_id not in receiver.members:
+            ann = self.mailbox.attempt(chunk.key)
+            if ann is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"ring attempt {chunk.key} is not open on this node: aborts are taken only "
+                    "for attempts of this node's ring tasks that are not over",
+                )
+            assert ann is not None
+            if chunk.from_node_id not in ann.members:
                 await context.abort(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"node {chunk.from_node_id!r} is not a member of ring attempt {chunk.key}",
                 )
-            self.mailbox.abort(chunk.key, failed_id_of(chunk), chunk.from_node_id)
+            failed = failed_id_of(chunk)
+            if failed not in ann.members:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the abort names {failed!r}, not a member of ring attempt {chunk.key}",
+                )
+            self.mailbox.abort(chunk.key, failed, chunk.from_node_id)
             n += 1
             try:
                 chunk = parse_checked_ring_chunk(await anext(iterator))
@@ -762,12 +961,7 @@ class PeerService:
         if not request.job_id or len(request.job_id) > MAX_ID_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
         if self.verify_callers:
-            principal = idm.peer_principal(context)
-            if principal is None or principal.role != idm.ROLE_NODE:
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED, "state transfers go to nodes only"
-                )
-            assert principal is not None
+            principal = await self._caller(context, "state transfers")
             if request.node_id and request.node_id != principal.id:
                 await context.abort(
                     grpc.StatusCode.PERMISSION_DENIED,
@@ -821,6 +1015,8 @@ class PeerService:
     async def ping(
         self, request: peer_pb2.PingRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PingResponse:
+        if self.verify_callers:
+            await self._caller(context, "pings")
         if not request.job_id:
             return peer_pb2.PingResponse(payload=request.payload)
         st = self.mailbox.status((request.job_id, request.round, request.attempt))

@@ -425,15 +425,33 @@ def preload() -> None:
         importlib.import_module(name)
 
 
-def open_cuda_libraries(device: str) -> None:
-    """Open the driver and the libraries torch loads lazily (cuBLAS at the first matrix
-    product, cuDNN at the first convolution) while files may still be opened: after
-    confinement a program's first step could not load them."""
-    x = torch.ones(1, 1, 4, 4, device=device, requires_grad=True)
-    w = torch.ones(1, 1, 3, 3, device=device, requires_grad=True)
-    y = torch.nn.functional.conv2d(x, w).flatten(1) @ torch.ones(4, 2, device=device)
-    y.sum().backward()
-    torch.cuda.synchronize(device)
+def warm_up_device_libraries(device: str) -> tuple[str, ...]:
+    """On a CUDA device, open the driver and the libraries torch loads lazily (cuBLAS and
+    cuBLASLt at the first matrix products, cuDNN at the first convolution, with their backward
+    kernels) while files may still be opened: after confinement (Landlock, the open-file and
+    memory limits) a program's first step could not load them. A 1x1 convolution, two
+    products (plain and with a bias) and their gradients, then a synchronize. Returns what it
+    opened, e.g. ("cuda:0", "cublas", "cudnn 90100"); on a CPU nothing (no torch op runs)."""
+    if not device.startswith("cuda"):
+        return ()
+    dev = torch.device(device)
+    if dev.index is not None:
+        torch.cuda.set_device(dev)  # the context on this device, not on cuda:0
+    opened = [str(dev) if dev.index is not None else f"cuda:{torch.cuda.current_device()}"]
+    x = torch.randn(2, 3, 4, 4, device=dev, requires_grad=True)
+    w = torch.randn(3, 3, device=dev, requires_grad=True)
+    b = torch.zeros(3, device=dev, requires_grad=True)
+    rows = x.flatten(2).transpose(1, 2)  # (2, 16, 3)
+    loss = (rows @ w).square().mean() + torch.nn.functional.linear(rows, w, b).square().mean()
+    opened.append("cublas")
+    cudnn = torch.backends.cudnn
+    if cudnn.is_available() and cudnn.enabled:
+        k = torch.randn(3, 3, 1, 1, device=dev, requires_grad=True)
+        loss = loss + torch.nn.functional.conv2d(x, k).square().mean()
+        opened.append(f"cudnn {cudnn.version()}")
+    loss.backward()
+    torch.cuda.synchronize(dev)
+    return tuple(opened)
 
 
 def run(fd: int, parent: int) -> int:
@@ -447,8 +465,7 @@ def run(fd: int, parent: int) -> int:
     hello, _ = read_message(sock)
     threads = hello.get("threads")
     device = str(hello.get("device", "cpu"))
-    if device.startswith("cuda"):
-        open_cuda_libraries(device)
+    libraries = warm_up_device_libraries(device)  # before confinement; nothing on a CPU
     preload()  # already done in the zygote
 
     memory = hello.get("memory_bytes")
@@ -464,7 +481,13 @@ def run(fd: int, parent: int) -> int:
     )
     if type(threads) is int and threads > 0:
         torch.set_num_threads(threads)  # after confinement: its pool starts under Landlock
-    ready = {"ok": True, "confinement": report.describe(), "pid": os.getpid(), "data_base": base}
+    ready = {
+        "ok": True,
+        "confinement": report.describe(),
+        "pid": os.getpid(),
+        "data_base": base,
+        "device_libraries": list(libraries),
+    }
     send_message(sock, ready)
     serve(sock, ProgramRunner())
     return 0

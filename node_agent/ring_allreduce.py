@@ -391,6 +391,18 @@ def _chunk_offsets(codec: str, chunks: Sequence[tuple[int, int]]) -> list[int]:
     return out
 
 
+def _require_finite(values: np.ndarray, e: _Expect) -> None:
+    """As the parameter server refuses NaN/Inf in updates: a chunk that carries any is refused
+    (INVALID_ARGUMENT), which fails the attempt naming the neighbour that sent it (its own
+    addend entered the partial sum there: every hop checks what it receives)."""
+    if not np.isfinite(values).all():
+        raise ChunkRejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{e.phase} step {e.step} segment {e.segment} at offset {e.offset} holds NaN or "
+            "Inf values",
+        )
+
+
 class _ReceiveSlot:
     """Applies the left neighbour's chunks, in schedule order, to the buffer."""
 
@@ -457,6 +469,8 @@ class _ReceiveSlot:
         e = self._expect[self.pos]
         if self.codec != "none" or e.reduce:
             self._apply(e, payload)
+        else:  # landed in place: check what arrived
+            _require_finite(self._buf[e.lo : e.hi], e)
         self._advance(len(payload))
 
     def _check(self, chunk: RingChunkView, nbytes: int) -> _Expect:
@@ -496,6 +510,7 @@ class _ReceiveSlot:
         dst = self._buf[e.lo : e.hi]
         if self.codec == "none":
             src = np.frombuffer(payload, dtype=np.float32)
+            _require_finite(src, e)
             if e.reduce:
                 np.add(dst, src, out=dst)
             else:
@@ -505,6 +520,7 @@ class _ReceiveSlot:
                 decoded = compression.decode(payload, self.codec, (e.hi - e.lo,))
             except CodecError as exc:
                 raise ChunkRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            _require_finite(decoded.numpy(), e)
             if e.reduce:
                 self._tbuf[e.lo : e.hi].add_(decoded)
             else:
@@ -877,8 +893,15 @@ class _RingRun:
             )
         except (TimeoutError, grpc.aio.AioRpcError, ValueError):
             return own
+        if st.failed_node_id == self.me:  # it refused what this node sent
+            return RingPeerFailed(
+                self.me,
+                details or "refused by the right neighbour",
+                reported_by=self.right,
+                key=self.key,
+            )
         # Only another member can have failed (a peer's answer is not trusted beyond that).
-        if st.failed_node_id in self.members and st.failed_node_id not in (self.me, self.right):
+        if st.failed_node_id in self.members and st.failed_node_id != self.right:
             return RingPeerFailed(
                 st.failed_node_id, "reported failed", reported_by=self.right, key=self.key
             )

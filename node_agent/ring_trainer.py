@@ -83,6 +83,8 @@ MAX_RING_JOBS = trainer.MAX_LOADED_JOBS
 DEFAULT_STEP_DEADLINE_S = 30.0
 # Lower bound of the join timeout and of coordinator calls made during a ring round.
 MIN_CALL_TIMEOUT_S = 5.0
+# An announced attempt stays open this long past its task's deadline when it never starts here.
+ANNOUNCE_GRACE_S = 60.0
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -121,6 +123,10 @@ def unflatten(buffer: torch.Tensor, shapes: Shapes) -> dict[str, torch.Tensor]:
         out[name] = buffer[offset : offset + n].view(shape)
         offset += n
     return out
+
+
+def _all_finite(buffer: torch.Tensor) -> bool:
+    return bool(torch.isfinite(buffer).all())
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -460,6 +466,16 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     peers = [
         (n, a) for n, a in zip(ring.node_ids, ring.peer_addresses, strict=False) if n != ctx.node_id
     ]
+    # This node takes streams, bulk tokens and abort reports for this attempt from its members
+    # from now on (not for attempts it has no task of), and refuses revoked certificates.
+    transport.mailbox.announce(
+        (task.job_id, int(task.round), attempt),
+        list(ring.node_ids),
+        int(ring.rank),
+        max(task.deadline_seconds, 0.0) + ANNOUNCE_GRACE_S,
+    )
+    if runtime.server is not None:
+        runtime.server.service.add_revoked(task.revoked_node_ids)
     runtime.links.refresh(peers, transport.probe)  # background; reported with the outcome
     peer_ids = [n for n, _ in peers]
 
@@ -501,6 +517,19 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
         external = await pull_external_sum(ctx, state, task)
         buffer.add_(external)
 
+    if not await ctx.run_compute(_all_finite, buffer):
+        # Refused here as the parameter server refuses it: the neighbours would blame this
+        # node for it anyway (every hop checks what it receives), so it says so itself.
+        ctx.failure_reported = True
+        await ctx.report_progress(
+            failed=True,
+            error="this node's update holds NaN or Inf values",
+            failed_peer_node_id=ctx.node_id,
+            ring_attempt=attempt,
+            peer_links=runtime.links.report(peer_ids),
+            compute_seconds=cached.compute_s,
+        )
+        return
     deadline_s = ring.deadline_seconds if ring.deadline_seconds > 0 else DEFAULT_STEP_DEADLINE_S
     due = ctx.deadline
     join_s = max(deadline_s, MIN_CALL_TIMEOUT_S, (due - time.monotonic()) if due else 0.0)

@@ -229,7 +229,7 @@ class Agent:
                 return EXIT_CONFIG
         else:
             log.info("--no-peer: no PeerService; ring jobs go through the coordinator")
-        self.cache = BlobCache(config.cache_dir)
+        self.cache = BlobCache(config.cache_dir, max_bytes=config.cache_max_bytes)
         self.connection = CoordinatorConnection(
             config.coordinator,
             config.data_dir,

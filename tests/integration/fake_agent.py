@@ -242,14 +242,17 @@ class FakeAgent:
 
 
 async def submit_packed(coord: Coordinator, packed: PackedJob) -> common_pb2.Job:
-    """Put the job's blobs into the coordinator's blob store and submit it over gRPC."""
-    program = await coord.blobs.put_bytes(packed.program)
-    state = await coord.blobs.put_bytes(packed.initial_state)
+    """Put the job's blobs into the coordinator's blob store (owned by a new submitter) and
+    submit it over gRPC as that submitter."""
+    submitter = coord.issue_identity("submitter")
+    owner = submitter.principal.id
+    program = await coord.blobs.put_bytes(packed.program, owner=owner)
+    state = await coord.blobs.put_bytes(packed.initial_state, owner=owner)
     shards = []
     for start, count, data in packed.shards:
-        ref = await coord.blobs.put_bytes(data)
+        ref = await coord.blobs.put_bytes(data, owner=owner)
         shards.append(common_pb2.Shard(blob=ref, start=start, count=count))
-    async with idm.secure_aio_channel(coord.address, coord.issue_identity("submitter")) as ch:
+    async with idm.secure_aio_channel(coord.address, submitter) as ch:
         jobs = job_pb2_grpc.JobServiceStub(ch)
         return await jobs.SubmitJob(
             job_pb2.SubmitJobRequest(

@@ -13,11 +13,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.main import build_parser, config_from_args
 from coordinator.sqlite_store import SqliteStore
+from epochmesh.identity import Identity, coordinator_channel_options, identity_credentials
 from epochmesh.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -27,15 +29,29 @@ from epochmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from tests.procs import console_script, start_coordinator, sync_channel_for, wait_until
+from tests.procs import (
+    console_script,
+    identity_for,
+    start_coordinator,
+    sync_channel_for,
+    wait_until,
+)
 
 MIB = 1 << 20
 NS = common_pb2.NodeState
 
 
 class Client:
-    def __init__(self, address: str) -> None:
-        self.channel = sync_channel_for(address)
+    def __init__(self, address: str, identity: Identity | None = None) -> None:
+        """A client as the helpers' operator, or as ``identity`` (the same user across a
+        restart: partial uploads are per identity)."""
+        if identity is None:
+            self.channel = sync_channel_for(address)
+        else:
+            creds = identity_credentials(identity)
+            self.channel = grpc.secure_channel(
+                address, creds, options=coordinator_channel_options()
+            )
         self.agent = agent_pb2_grpc.AgentServiceStub(self.channel)
         self.jobs = job_pb2_grpc.JobServiceStub(self.channel)
         self.sched = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
@@ -101,7 +117,8 @@ def test_kill9_and_restart_keeps_nodes_jobs_blobs_events(tmp_path: Path) -> None
     data_dir = tmp_path / "data"
     args = ("--heartbeat-interval", "0.3", "--lease-ttl", "4")
     with start_coordinator(data_dir, *args) as proc:
-        c = Client(proc.address)
+        operator = identity_for(proc.address)
+        c = Client(proc.address, operator)
         alive = c.register("alive")
         cordoned = c.register("cordoned")
         silent = c.register("silent")
@@ -123,7 +140,7 @@ def test_kill9_and_restart_keeps_nodes_jobs_blobs_events(tmp_path: Path) -> None
         assert proc.proc is not None and proc.proc.returncode == -signal.SIGKILL
         proc.restart()
 
-        c = Client(proc.address)
+        c = Client(proc.address, operator)
         # Known nodes keep their lease across the restart: agents carry on heartbeating.
         assert c.heartbeat(alive).state == NS.NODE_STATE_ONLINE
         assert c.heartbeat(cordoned).state == NS.NODE_STATE_CORDONED

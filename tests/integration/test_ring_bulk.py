@@ -52,8 +52,12 @@ async def _token(
     identity: Identity | None = None,
     key: tuple[str, int, int] = ("job", 0, 0),
     from_node_id: str | None = None,
+    announce: bool = True,
 ) -> peer_pb2.OpenBulkResponse:
-    """OpenBulk on node `target`, called with node `as_node`'s certificate (or `identity`)."""
+    """OpenBulk on node `target`, called with node `as_node`'s certificate (or `identity`);
+    `announce`: first give `target` the attempt, as its ring task does (ring of all peers)."""
+    if announce:
+        peers.servers[target].mailbox.announce(key, peers.ids, target, 60.0)
     ident = identity if identity is not None else peers.transports[as_node]._identity
     async with peer_channel(peers.addresses[target], peers.ids[target], ident) as ch:
         stub = peer_pb2_grpc.PeerServiceStub(ch)

@@ -317,6 +317,9 @@ async def test_a_checksum_mismatch_stops_the_job(tmp_path: Path) -> None:
                 await a.stop()
     assert final.state == common_pb2.JOB_STATE_FAILED
     assert "diverged" in final.message
+    # Two members have no majority: retried once with both, then the job stops.
+    assert "no majority" in final.message and "after a retry" in final.message
+    assert len([e for e in events if e.kind == "round.retried"]) == 1
     diverged = [e for e in events if e.kind == "job.diverged"]
     assert len(diverged) == 1
     checksums = {k: v for k, v in diverged[0].attrs.items() if k.startswith("checksum.")}

@@ -81,10 +81,12 @@ class Caller:
 
     async def submit(self, packed: PackedJob) -> common_pb2.Job:
         blobs = self.coord.blobs
-        program = await blobs.put_bytes(packed.program)
-        state = await blobs.put_bytes(packed.initial_state)
+        program = await blobs.put_bytes(packed.program, owner=self.id)
+        state = await blobs.put_bytes(packed.initial_state, owner=self.id)
         shards = [
-            common_pb2.Shard(blob=await blobs.put_bytes(data), start=start, count=count)
+            common_pb2.Shard(
+                blob=await blobs.put_bytes(data, owner=self.id), start=start, count=count
+            )
             for start, count, data in packed.shards
         ]
         return await self.jobs.SubmitJob(

@@ -45,6 +45,7 @@ class ScriptedEngine(NullEngine):
         super().__init__(context)
         self.queues: defaultdict[str, asyncio.Queue[agent_pb2.Task]] = defaultdict(asyncio.Queue)
         self.handed: dict[str, str] = {}  # task id -> node id
+        self.blobs_of: defaultdict[str, set[str]] = defaultdict(set)  # of tasks handed out
         self.benchmarks: list[tuple[str, common_pb2.BenchmarkResult]] = []
         self.progress: list[agent_pb2.ReportProgressRequest] = []
         self.cancelled: set[str] = set()
@@ -72,6 +73,8 @@ class ScriptedEngine(NullEngine):
         if get.done():
             task = get.result()
             self.handed[task.task_id] = req.node_id
+            refs = [task.program, task.initial_state, *(s.blob for s in task.shards)]
+            self.blobs_of[req.node_id].update(r.sha256 for r in refs if r.sha256)
             self.polls_at[task.task_id] = self.polls[req.node_id]
             return task
         get.cancel()
@@ -102,6 +105,9 @@ class ScriptedEngine(NullEngine):
 
     def cancel_task(self, node_id: str, task_id: str) -> bool:
         return task_id in self.cancelled
+
+    def may_fetch_blob(self, node_id: str, sha256: str) -> bool:
+        return sha256 in self.blobs_of[node_id]
 
     async def report_progress(
         self, req: agent_pb2.ReportProgressRequest, ctx: object
