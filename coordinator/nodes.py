@@ -452,7 +452,11 @@ class NodeRegistry:
         """Count a strike against the node (it sent an update the coordinator refused: wrong
         shape, dtype or size, NaN/Inf, ...): a ``node.strike`` event, and at ``limit``
         strikes the node is QUARANTINED (no more work; it survives re-registration) with a
-        ``node.quarantined`` event. An unknown node is ignored (returns an empty NodeInfo)."""
+        ``node.quarantined`` event. Strikes count against the node's donor too (a named donor
+        of its join token): at ``limit`` strikes over all the donor's nodes, the one struck
+        last is quarantined, so that a fresh certificate (a node enrolled again with the
+        donor's token) does not wipe the record. An unknown node is ignored (returns an empty
+        NodeInfo)."""
         node = self._nodes.get(node_id)
         if node is None:
             log.warning("strike for unknown node %s ignored: %s", node_id, reason)
@@ -460,22 +464,38 @@ class NodeRegistry:
         info = node.info
         info.strikes += 1
         reason = reason[:512]
+        donor = self._donors.get(node_id, "")
+        donor_strikes = self.donor_strikes(donor) if donor else info.strikes
         attrs = {"strikes": str(info.strikes), "limit": str(limit), "reason": reason}
-        await self._persist(
-            node, "node.strike", f"strike {info.strikes}/{limit}: {reason}", attrs, job_id=job_id
-        )
-        if info.strikes >= limit and info.state != QUARANTINED:
+        if donor:
+            attrs.update({"donor": donor, "donor_strikes": str(donor_strikes)})
+        text = f"strike {info.strikes}/{limit}: {reason}"
+        if donor and donor_strikes != info.strikes:
+            text = f"strike {info.strikes} ({donor_strikes}/{limit} of donor {donor}): {reason}"
+        await self._persist(node, "node.strike", text, attrs, job_id=job_id)
+        if max(info.strikes, donor_strikes) >= limit and info.state != QUARANTINED:
             info.state = QUARANTINED
             info.return_state = QUARANTINED
+            whose = (
+                f"{info.strikes} strikes"
+                if info.strikes >= limit
+                else f"{donor_strikes} strikes of its donor {donor}'s nodes"
+            )
             await self._persist(
                 node,
                 "node.quarantined",
-                f"quarantined after {info.strikes} strikes (last: {reason})",
+                f"quarantined after {whose} (last: {reason})",
                 attrs,
                 job_id=job_id,
             )
-            log.warning("node %s quarantined after %d strikes: %s", node_id, info.strikes, reason)
+            log.warning("node %s quarantined after %s: %s", node_id, whose, reason)
         return _copy(info)
+
+    def donor_strikes(self, donor: str) -> int:
+        """Strikes of every node (live or not) enrolled for the named ``donor``."""
+        return sum(
+            n.info.strikes for nid, n in self._nodes.items() if self._donors.get(nid) == donor
+        )
 
     async def quarantine(
         self, node_id: str, reason: str, attrs: Mapping[str, str], *, job_id: str = ""

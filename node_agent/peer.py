@@ -712,6 +712,34 @@ class PeerService:
                 return await self._abort_stream(first, iterator, context)
             return await self._data_stream(first, iterator, context)
 
+    async def _announced_from_left(
+        self,
+        key: RingKey,
+        from_node_id: str,
+        wait_s: float,
+        what: str,
+        context: grpc.aio.ServicerContext,
+    ) -> Announcement:
+        """The attempt ``key`` once the coordinator announced it to this node (within
+        ``wait_s``), with ``from_node_id`` its left neighbour there; else the call is aborted
+        (FAILED_PRECONDITION naming the rule). AttemptExpired if the attempt is over."""
+        ann = await self.mailbox.wait_open(key, wait_s)
+        if ann is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"ring attempt {key} was not announced to this node by the coordinator "
+                f"within {wait_s:.1f}s ({what} are taken only for attempts of this node's ring "
+                "tasks)",
+            )
+        assert ann is not None
+        if from_node_id != ann.left_node_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {from_node_id!r} is not this node's left neighbour "
+                f"({ann.left_node_id!r}) in attempt {key}",
+            )
+        return ann
+
     async def _data_stream(
         self,
         first: RingChunkView,
@@ -724,21 +752,9 @@ class PeerService:
             wait = self.join_timeout_s if remaining is None else min(self.join_timeout_s, remaining)
             wait = max(0.0, wait)
             # Only an attempt the coordinator gave this node a task of, from its left neighbour.
-            ann = await self.mailbox.wait_open(key, min(self.announce_wait_s, wait))
-            if ann is None:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"ring attempt {key} was not announced to this node by the coordinator "
-                    f"within {min(self.announce_wait_s, wait):.1f}s (streams are taken only "
-                    "for attempts of this node's ring tasks)",
-                )
-            assert ann is not None
-            if first.from_node_id != ann.left_node_id:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"node {first.from_node_id!r} is not this node's left neighbour "
-                    f"({ann.left_node_id!r}) in attempt {key}",
-                )
+            await self._announced_from_left(
+                key, first.from_node_id, min(self.announce_wait_s, wait), "streams", context
+            )
             receiver = await self.mailbox.wait_for(key, wait)
         except AttemptExpired as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -878,23 +894,12 @@ class PeerService:
             remaining = context.time_remaining()
             wait = OPEN_BULK_WAIT_S if remaining is None else min(OPEN_BULK_WAIT_S, remaining)
             try:
-                ann = await self.mailbox.wait_open(key, max(0.0, wait))
+                await self._announced_from_left(
+                    key, request.from_node_id, max(0.0, wait), "bulk tokens", context
+                )
             except AttemptExpired as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 raise
-            if ann is None:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"ring attempt {key} was not announced to this node by the coordinator "
-                    "(bulk tokens are issued only for attempts of this node's ring tasks)",
-                )
-            assert ann is not None
-            if request.from_node_id != ann.left_node_id:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"node {request.from_node_id!r} is not this node's left neighbour "
-                    f"({ann.left_node_id!r}) in attempt {key}",
-                )
             try:
                 token, ttl = self.bulk.issue(key, request.from_node_id)
             except TooManyTokens as exc:

@@ -92,11 +92,11 @@ async def test_another_tenant_learns_nothing_and_names_nothing(
     # A blob her job uses is hers to name again, even one she did not upload herself.
     assert await coord.blobs.visible(sha(shard), _caller(alice))
 
-    # Mallory gets the blob only by sending all of its bytes: then it is hers too, stored once.
-    before = await coord.blobs.stats()
+    # Mallory gets the blob only by sending all of its bytes: then it is hers too, stored once
+    # (one `blob.stored` event; the store's totals are no measure here: alice's queued job may
+    # write its first checkpoint meanwhile).
     ref = await mallory.put(shard)
     assert ref.size == len(shard)
-    assert await coord.blobs.stats() == before
     events = await coord.store.list_events(kinds=["blob.stored"])
     assert [e.attrs["sha256"] for e in events].count(sha(shard)) == 1
     assert (await mallory.status(sha(shard))).complete

@@ -9,6 +9,8 @@ NodeRegistry), whatever engine refuses the update.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 from coordinator.engine_api import CoordinatorContext, NullEngine
 from coordinator.nodes import DEFAULT_STRIKE_LIMIT
 from coordinator.store import InvalidArgumentError
+from coordinator.tokens import create_token
 from epochmesh import identity as idm
 from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -130,3 +133,53 @@ async def test_a_forged_header_earns_no_strike(tmp_path: Path) -> None:
                 await agent.PushUpdate(iter(_push(reg.node_id, "wrong", bad)), timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert coord.registry.find(reg.node_id).strikes == 0
+
+
+async def test_strikes_follow_the_donor_across_fresh_certificates(tmp_path: Path) -> None:
+    """A donor whose node earned strikes cannot wipe them by enrolling a fresh node with its
+    token: the strikes count over the donor's nodes, the node struck at the limit is
+    quarantined, and the donor enrolls no more nodes; another donor's node is untouched."""
+    wrong = {"w": torch.ones(3, 4), "b": torch.zeros(3)}
+    async with in_process_coordinator(
+        tmp_path / "d", engine_factory=_GradientEngine, lease_ttl_s=60.0
+    ) as coord:
+        assert coord.ca is not None
+        shady = await create_token(coord.store, coord.ca, "node", 3600, True, donor="shady")
+        honest = await create_token(coord.store, coord.ca, "node", 3600, True, donor="honest")
+
+        async def enrolled(
+            token: str, name: str
+        ) -> tuple[agent_pb2_grpc.AgentServiceStub, str, str, idm.Identity]:
+            ident = await asyncio.to_thread(idm.enroll_with_token, coord.address, token)
+            ch = await stack.enter_async_context(idm.secure_aio_channel(coord.address, ident))
+            agent = agent_pb2_grpc.AgentServiceStub(ch)
+            reg = await agent.Register(agent_pb2.RegisterRequest(name=name), timeout=10)
+            return agent, reg.node_id, reg.lease_id, ident
+
+        async def strike(agent: agent_pb2_grpc.AgentServiceStub, node_id: str, lease: str) -> None:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await agent.PushUpdate(iter(_push(node_id, lease, wrong)), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        async with contextlib.AsyncExitStack() as stack:
+            first, first_id, first_lease, _ = await enrolled(shady, "shady-1")
+            other, other_id, other_lease, _ = await enrolled(honest, "honest-1")
+            for _ in range(DEFAULT_STRIKE_LIMIT - 1):
+                await strike(first, first_id, first_lease)
+            await strike(other, other_id, other_lease)
+            # A fresh certificate with the same donor's token: one more strike is its donor's
+            # last.
+            fresh, fresh_id, fresh_lease, _ = await enrolled(shady, "shady-2")
+            assert fresh_id != first_id
+            assert coord.registry.find(fresh_id).state != common_pb2.NODE_STATE_QUARANTINED
+            await strike(fresh, fresh_id, fresh_lease)
+            info = coord.registry.find(fresh_id)
+            assert info.strikes == 1 and info.state == common_pb2.NODE_STATE_QUARANTINED
+            assert coord.registry.donor_strikes("shady") == DEFAULT_STRIKE_LIMIT
+            # The honest donor's node, struck once, works on.
+            assert coord.registry.find(other_id).state == common_pb2.NODE_STATE_ONLINE
+            # And the quarantined donor enrolls no further node.
+            with pytest.raises(grpc.RpcError) as refused:
+                await asyncio.to_thread(idm.enroll_with_token, coord.address, shady)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+            assert "quarantined" in str(refused.value.details())  # type: ignore[attr-defined]
