@@ -18,7 +18,8 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# Three workers on two cores: the suite's tests mostly wait on the processes they start
-# (coordinators, agents, CLI calls); work stealing keeps the long system tests from ending up
-# last on one worker. EPOCHMESH_TEST_WORKERS overrides the count.
-exec .venv/bin/python -m pytest -q -n "${EPOCHMESH_TEST_WORKERS:-3}" --dist worksteal "$@"
+# Two workers: the suite's tests mostly wait on the processes they start (coordinators, agents,
+# CLI calls), so two run side by side on two cores (three only slowed each test down); the
+# longest tests go first, one at a time per worker (tests/conftest.py), so that no long scenario
+# runs alone at the end. EPOCHMESH_TEST_WORKERS overrides the count.
+exec .venv/bin/python -m pytest -q -n "${EPOCHMESH_TEST_WORKERS:-2}" --dist load --maxschedchunk 1 "$@"
