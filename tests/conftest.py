@@ -10,8 +10,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
 from epochmesh.export_cache import ENV_CACHE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,36 +52,3 @@ def pytest_unconfigure() -> None:
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
         os.environ.pop(ENV_CACHE_DIR, None)
         _CACHE_DIR = None
-
-
-# The longest test files, longest first (wall seconds on two cores, `--durations`): run first,
-# one test at a time per worker (scripts/test.sh: --maxschedchunk 1), so that the two workers
-# end together instead of one long scenario running alone at the end.
-SLOW_FIRST = (
-    "tests/system/test_cluster_scheduling.py",
-    "tests/system/test_training.py",
-    "tests/system/test_fault_tolerance.py",
-    "tests/integration/test_verification_input.py",
-    "tests/system/test_ring_preemption.py",
-    "tests/system/test_agent_peer.py",
-    "tests/system/test_verification.py",
-    "tests/system/test_market.py",
-    "tests/system/test_local_sgd.py",
-    "tests/system/test_dashboard_browser.py",
-    "tests/system/test_cli_allocation.py",
-    "tests/system/test_wan_training.py",
-    "tests/system/test_ring_training.py",
-    "tests/system/test_program_faults.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    order = {path: i for i, path in enumerate(SLOW_FIRST)}
-
-    def rank(item: pytest.Item) -> tuple[int, int]:
-        path = item.nodeid.split("::", 1)[0]
-        if path in order:
-            return (0, order[path])
-        return (1, 0) if path.startswith("tests/system/") else (2, 0)
-
-    items.sort(key=rank)  # stable: each file's tests keep their order
