@@ -66,9 +66,10 @@ class AboveMaxPrice(Exception):
         self.nodes = nodes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Hold:
-    """A node's pay for one applied part, held until a check vouches for it."""
+    """A node's pay for one applied part, held until a check vouches for it (compared by
+    identity: one per part)."""
 
     round: int
     epoch: int
