@@ -18,8 +18,8 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# Two workers: the suite's tests mostly wait on the processes they start (coordinators, agents,
-# CLI calls). Measured on these 2 cores: one worker ~21 min, two ~17.5 min, three ~17.5 min
-# (each test slower), two with the longest tests first ~17.3 min: the suite is ~25 CPU-minutes.
-# EPOCHMESH_TEST_WORKERS overrides the count.
-exec .venv/bin/python -m pytest -q -n "${EPOCHMESH_TEST_WORKERS:-2}" "$@"
+# One process by default. EPOCHMESH_TEST_WORKERS=2 runs two pytest-xdist workers: measured on
+# these 2 cores, one worker ~21 min, two ~17.5 min, three ~17.5 min (each test slower; the suite
+# is ~25 CPU-minutes), but under the doubled load a timing-sensitive system test (a share
+# within 20 % of its speed, a kill -9 landing mid-round) failed in most two-worker runs.
+exec .venv/bin/python -m pytest -q -n "${EPOCHMESH_TEST_WORKERS:-0}" "$@"
