@@ -36,7 +36,7 @@ from tests.integration.fake_agent import (
 )
 from tests.procs import async_wait_until, in_process_coordinator
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 # 16 rounds: enough for the longest plan even when updates come late on a busy host (a late
 # step is tried again; the job must not end before the plan's last step).
@@ -173,9 +173,9 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
                 info = coord.registry.find(bad.node_id)
                 return info.state == common_pb2.NODE_STATE_QUARANTINED
 
-            await async_wait_until(caught, timeout=60, message="the scaled update caught")
+            await async_wait_until(caught, timeout=150, message="the scaled update caught")
             spare = await FakeAgent(coord, "spare", 100.0, honest).start()
-            await wait_for_job_state(coord, job.job_id, common_pb2.JOB_STATE_SUCCEEDED)
+            await wait_for_job_state(coord, job.job_id, common_pb2.JOB_STATE_SUCCEEDED, timeout=120)
             async with idm.secure_aio_channel(
                 coord.address, coord.issue_identity("operator")
             ) as ch:
