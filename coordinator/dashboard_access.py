@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from coordinator.auth import Authorizer
 from coordinator.cluster_view import Viewer
 from coordinator.store import PermissionDeniedError, Store, UnauthenticatedError
-from coordinator.tokens import CertificateAuthority, new_user_id
+from coordinator.tokens import CertificateAuthority, join_token_hash, new_user_id
 from epochmesh import identity
 from epochmesh.timeutil import now_ms
 
@@ -110,14 +110,9 @@ async def redeem_login_token(store: Store, ca: CertificateAuthority, token: str)
     token = token.strip()
     if not token or len(token) > MAX_TOKEN_CHARS:
         raise UnauthenticatedError("a join token is required")
-    try:
-        secret, fingerprint = identity.parse_token(token)
-    except identity.IdentityError as exc:
-        raise UnauthenticatedError(str(exc)) from None
-    if fingerprint != ca.fingerprint:
-        raise UnauthenticatedError("the token was issued by another coordinator (CA mismatch)")
+    token_hash = join_token_hash(ca, token)
     async with store.transaction():
-        record = await store.redeem_token(identity.hash_secret(secret), now_ms())
+        record = await store.redeem_token(token_hash, now_ms())
         if record is None:
             raise UnauthenticatedError("join token unknown, already used, or expired")
         if record.role not in (identity.ROLE_SUBMITTER, identity.ROLE_OPERATOR):

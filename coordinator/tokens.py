@@ -362,18 +362,24 @@ def token_cert_ttl_s(record: TokenRecord) -> float:
     return min(max(ttl, MIN_CERT_TTL_S), MAX_CERT_TTL_S)
 
 
-async def enroll(store: Store, ca: CertificateAuthority, token: str, csr_pem: bytes) -> Enrollment:
-    """Redeem ``token`` and sign ``csr_pem``. UnauthenticatedError for a token that is
-    malformed, for another coordinator, unknown, expired, used or used up (the message says
-    which); InvalidArgumentError for a bad CSR (the token is then not used)."""
+def join_token_hash(ca: CertificateAuthority, token: str) -> str:
+    """The stored hash of a join token of this CA; UnauthenticatedError for a malformed token
+    or one another coordinator issued."""
     try:
         secret, fingerprint = identity.parse_token(token)
     except identity.IdentityError as exc:
         raise UnauthenticatedError(str(exc)) from None
     if fingerprint != ca.fingerprint:
         raise UnauthenticatedError("the token was issued by another coordinator (CA mismatch)")
+    return identity.hash_secret(secret)
+
+
+async def enroll(store: Store, ca: CertificateAuthority, token: str, csr_pem: bytes) -> Enrollment:
+    """Redeem ``token`` and sign ``csr_pem``. UnauthenticatedError for a token that is
+    malformed, for another coordinator, unknown, expired, used or used up (the message says
+    which); InvalidArgumentError for a bad CSR (the token is then not used)."""
+    token_hash = join_token_hash(ca, token)
     _check_csr(csr_pem)  # before the token is spent
-    token_hash = identity.hash_secret(secret)
     async with store.transaction():
         now = now_ms()
         record = await store.redeem_token(token_hash, now)
