@@ -69,7 +69,7 @@ def alive(pid: int) -> bool:
     """Running (a zombie nobody has reaped yet counts as gone)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone between the open and the read
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 

@@ -102,8 +102,13 @@ def test_a_crashing_program_fails_its_task_and_the_agent_lives_on(
             overrides={"train": {"epochs": epochs}, "cluster": {"min_nodes": 1}},
         )
         job_id = submit(coordinator, job_toml)
-        # Once crashy trains, its program's next step crashes its child (SIGSEGV).
-        wait_until(lambda: ": gradient of" in crashy.log_text(), timeout=120, message="no rounds")
+        # Once both train (a crash while crashy holds the job alone is the job's fault by every
+        # node's word: the job fails), crashy's program's next step crashes its child (SIGSEGV).
+        wait_until(
+            lambda: all(": gradient of" in a.log_text() for a in (crashy, steady)),
+            timeout=120,
+            message="the two agents did not both train",
+        )
         (tmp_path / "crashy" / TEST_FAULT_FILE).write_text("crash")
         wait_state(coordinator, job_id, "succeeded")
         log = crashy.log_text()
