@@ -22,6 +22,7 @@ from coordinator.store import (
     PermissionDeniedError,
     check_text,
 )
+from coordinator.stream_caps import StreamCaps, fetch_caps
 from epochmesh.errors import CodecError
 from epochmesh.identity import ROLE_NODE
 from epochmesh.limits import MAX_CHUNK_BYTES
@@ -89,10 +90,17 @@ async def _own_updates(
 
 
 class AgentService:
-    def __init__(self, registry: NodeRegistry, blobs: BlobStore, engine: TrainingEngine) -> None:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        blobs: BlobStore,
+        engine: TrainingEngine,
+        fetchers: StreamCaps | None = None,
+    ) -> None:
         self._registry = registry
         self._blobs = blobs
         self._engine = engine
+        self._fetchers = fetchers or fetch_caps()
 
     async def Register(
         self, req: agent_pb2.RegisterRequest, ctx: Ctx
@@ -211,10 +219,11 @@ class AgentService:
                 f"node {principal.id} may fetch only the blobs of the jobs it works for or has "
                 f"a check of; blob {req.sha256} is not one of them"
             )
-        async for offset, data, total in self._blobs.read_chunks(req.sha256, req.offset):
-            yield agent_pb2.FetchBlobResponse(
-                total_size=total, chunk=common_pb2.DataChunk(offset=offset, data=data)
-            )
+        with self._fetchers.hold(principal.id if principal is not None else ""):
+            async for offset, data, total in self._blobs.read_chunks(req.sha256, req.offset):
+                yield agent_pb2.FetchBlobResponse(
+                    total_size=total, chunk=common_pb2.DataChunk(offset=offset, data=data)
+                )
 
     async def PushUpdate(
         self, request_iterator: AsyncIterator[agent_pb2.PushUpdateRequest], ctx: Ctx

@@ -80,6 +80,10 @@ class CoordinatorConfig:
     # WatchJob and WatchEvents streams open at once, per identity and in all.
     max_watch_streams: int = 32
     max_watch_streams_total: int = 1024
+    # FetchBlob (nodes) and DownloadResult (submitters) streams open at once, per identity
+    # and in all.
+    max_fetch_streams: int = 8
+    max_fetch_streams_total: int = 256
     # Retention (coordinator/garbage_collector.py, a pass at start and every gc_interval_s):
     # checkpoints kept per job not ended (and the newest one a verification rollback may still
     # need; an ended job keeps its last); unreferenced blobs deleted after gc_blob_grace_s
@@ -130,6 +134,8 @@ class CoordinatorConfig:
             raise ValueError("the upload stream caps must be at least 1")
         if min(self.max_watch_streams, self.max_watch_streams_total) < 1:
             raise ValueError("the watch stream caps must be at least 1")
+        if min(self.max_fetch_streams, self.max_fetch_streams_total) < 1:
+            raise ValueError("the fetch stream caps must be at least 1")
         if not self.upload_idle_timeout_s > 0:
             raise ValueError("the upload idle timeout must be positive")
         if self.keep_checkpoints < 1:

@@ -54,7 +54,7 @@ from coordinator.store import (
     is_job_id,
     require_job_id,
 )
-from coordinator.stream_caps import StreamCaps
+from coordinator.stream_caps import StreamCaps, fetch_caps
 from epochmesh.spec import DEFAULT_PRIORITY, PRIORITIES
 from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
 
@@ -174,11 +174,13 @@ class JobService:
         blobs: BlobStore,
         engine: TrainingEngine,
         watchers: StreamCaps | None = None,
+        fetchers: StreamCaps | None = None,
     ) -> None:
         self._store = store
         self._blobs = blobs
         self._engine = engine
         self._watchers = watchers or watch_caps()
+        self._fetchers = fetchers or fetch_caps()
 
     async def _check_owner(self, job_id: str) -> None:
         """Before handing a job RPC to the engine: a submitter may touch only its own jobs
@@ -260,8 +262,9 @@ class JobService:
         self, req: job_pb2.DownloadResultRequest, ctx: Ctx
     ) -> AsyncIterator[job_pb2.DownloadResultResponse]:
         await self._check_owner(req.job_id)
-        async for part in self._engine.download_result(req, ctx):
-            yield part
+        with self._fetchers.hold(current_principal_id()):
+            async for part in self._engine.download_result(req, ctx):
+                yield part
 
     async def GetRounds(self, req: job_pb2.GetRoundsRequest, ctx: Ctx) -> job_pb2.GetRoundsResponse:
         await self._check_owner(req.job_id)

@@ -180,6 +180,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="concurrent WatchJob/WatchEvents streams in all (default 1024)",
     )
     parser.add_argument(
+        "--max-fetch-streams",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="concurrent FetchBlob/DownloadResult streams per identity (default 8)",
+    )
+    parser.add_argument(
+        "--max-fetch-streams-total",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="concurrent FetchBlob/DownloadResult streams in all (default 256)",
+    )
+    parser.add_argument(
         "--shutdown-grace",
         type=float,
         default=5.0,
@@ -368,6 +382,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         partial_upload_ttl_s=args.partial_upload_ttl,
         max_watch_streams=args.max_watch_streams,
         max_watch_streams_total=args.max_watch_streams_total,
+        max_fetch_streams=args.max_fetch_streams,
+        max_fetch_streams_total=args.max_fetch_streams_total,
         shutdown_grace_s=args.shutdown_grace,
         split=args.split,
         log_level=args.log_level,

@@ -64,7 +64,7 @@ from coordinator.nodes import NodeRegistry
 from coordinator.scheduler_service import SchedulerService
 from coordinator.sqlite_store import SqliteStore
 from coordinator.store import CoordinatorError, InvalidArgumentError
-from coordinator.stream_caps import StreamCaps
+from coordinator.stream_caps import StreamCaps, fetch_caps
 from coordinator.tokens import (
     CertificateAuthority,
     ensure_ca,
@@ -294,6 +294,7 @@ class Coordinator:
         self.engine: TrainingEngine
         # WatchJob and WatchEvents streams open now (per identity, capped).
         self.watchers: StreamCaps
+        self.fetchers: StreamCaps
         self.gc: GarbageCollector | None = None
         self.health: health.aio.HealthServicer
         self._server: grpc.aio.Server
@@ -375,12 +376,19 @@ class Coordinator:
         interceptors = [self.metrics.grpc] if self.metrics is not None else []
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self._server = server
+        fetchers = self.fetchers = fetch_caps(cfg.max_fetch_streams, cfg.max_fetch_streams_total)
         add_service(
-            server, AGENT_SERVICE, AgentService(self.registry, self.blobs, self.engine), auth
+            server,
+            AGENT_SERVICE,
+            AgentService(self.registry, self.blobs, self.engine, fetchers),
+            auth,
         )
         watchers = self.watchers = watch_caps(cfg.max_watch_streams, cfg.max_watch_streams_total)
         add_service(
-            server, JOB_SERVICE, JobService(self.store, self.blobs, self.engine, watchers), auth
+            server,
+            JOB_SERVICE,
+            JobService(self.store, self.blobs, self.engine, watchers, fetchers),
+            auth,
         )
         add_service(
             server,

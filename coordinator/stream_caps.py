@@ -2,6 +2,8 @@
 
 `StreamCaps.hold(identity)` counts a stream while it is open and refuses one past either cap
 with RESOURCE_EXHAUSTED naming the limit and the flag that sets it. No I/O, no clock.
+`fetch_caps()`: the cap shared by FetchBlob (nodes) and DownloadResult (submitters), streams
+that each hold a stored file open.
 """
 
 from __future__ import annotations
@@ -61,3 +63,8 @@ class StreamCaps:
             yield
         finally:
             self.release(identity)
+
+
+def fetch_caps(per_identity: int = 8, total: int = 256) -> StreamCaps:
+    """Caps of the streams that read stored bytes out: FetchBlob and DownloadResult."""
+    return StreamCaps("FetchBlob/DownloadResult", per_identity, total, "--max-fetch-streams")

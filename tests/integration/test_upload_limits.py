@@ -20,7 +20,7 @@ import pytest
 from coordinator.engine import Engine
 from coordinator.server import Coordinator
 from epochmesh.packaging import PackedJob
-from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
+from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
 from tests.integration.blob_calls import MIB, Party, S, chunks, header, refused, sha, tiny_job
 from tests.procs import async_wait_until, in_process_coordinator
 
@@ -205,6 +205,45 @@ async def test_watch_streams_are_capped_per_identity(tmp_path: Path, packed: Pac
 
 def _watching(coord: Coordinator, party: Party) -> int:
     return coord.watchers.open_streams(party.id)
+
+
+async def test_fetch_streams_are_capped_per_identity(tmp_path: Path) -> None:
+    """FetchBlob streams each hold a stored file open: a caller holding two (read one chunk,
+    then silent: flow control keeps the server's side open) gets RESOURCE_EXHAUSTED for a
+    third, another caller fetches as before, and a closed stream frees its slot."""
+    async with in_process_coordinator(
+        tmp_path / "coord", max_fetch_streams=2, max_fetch_streams_total=8
+    ) as coord:
+        alice, hog, other = await parties(coord, "submitter", "operator", "operator")
+        try:
+            big = os.urandom(48 * MIB)  # far more than the HTTP/2 windows hold in flight
+            digest = (await alice.put(big)).sha256
+            small = await alice.put(b"small blob")
+
+            def fetch(party: Party) -> grpc.aio.UnaryStreamCall[object, object]:
+                return party.agent.FetchBlob(agent_pb2.FetchBlobRequest(sha256=digest), timeout=60)
+
+            held = [fetch(hog) for _ in range(2)]
+            for call in held:
+                assert (await call.read()).chunk.offset == 0
+            await refused(
+                fetch(hog).read(),
+                S.RESOURCE_EXHAUSTED,
+                "at most 2 per identity",
+                "--max-fetch-streams",
+            )
+            assert await other.fetch(small.sha256) == b"small blob"
+            held[0].cancel()
+            await async_wait_until(lambda: _fetching(coord, hog) == 1, timeout=10)
+            assert await hog.fetch(small.sha256) == b"small blob"
+            held[1].cancel()
+        finally:
+            for party in (alice, hog, other):
+                await party.close()
+
+
+def _fetching(coord: Coordinator, party: Party) -> int:
+    return coord.fetchers.open_streams(party.id)
 
 
 async def test_submit_reads_only_the_headers_of_shards(tmp_path: Path, packed: PackedJob) -> None:

@@ -41,12 +41,26 @@ pytestmark = pytest.mark.timeout(300)
 # 16 rounds: enough for the longest plan even when updates come late on a busy host (a late
 # step is tried again; the job must not end before the plan's last step).
 NUM_SAMPLES, GLOBAL_BATCH = 192, 24
+# Both agents compute at the speed their benchmark says and report what they took: the
+# planner keeps them equal, so the hostile node's part is a required share of every round (a
+# node that answers in no time would be measured far faster than its benchmark, and the other
+# left a best-effort part below one sample, taken only when it happens to come first).
+RATE = 100.0
+
+
+async def compute(task: agent_pb2.Task) -> float:
+    seconds = len(task_indices(task)) / RATE
+    await asyncio.sleep(seconds)
+    return seconds
 
 
 async def honest(agent: FakeAgent, task: agent_pb2.Task) -> None:
     _, params = await agent.pull(task.job_id, task.params_version)
     grads = {n: torch.full_like(t, 0.01) for n, t in params.items()}
-    await agent.push(task, grads, kind="gradient", num_samples=len(task_indices(task)))
+    took = await compute(task)
+    await agent.push(
+        task, grads, kind="gradient", num_samples=len(task_indices(task)), compute_seconds=took
+    )
 
 
 @pytest.mark.parametrize(
@@ -81,11 +95,14 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
         n = len(task_indices(task))
         _, params = await agent.pull(task.job_id, task.params_version)
         grads = {k: torch.full_like(t, 0.01) for k, t in params.items()}
+        took = await compute(task)
         step = plan[len(seen)] if len(seen) < len(plan) else "honest"
         # A step counts once the coordinator judged it: an update that came after its round's
         # deadline (a slow pull on a busy host) is only noted as late; the step is tried again.
         if step == "honest":
-            response = await agent.push(task, grads, kind="gradient", num_samples=n)
+            response = await agent.push(
+                task, grads, kind="gradient", num_samples=n, compute_seconds=took
+            )
             if response.accepted and len(seen) < len(plan):
                 seen.append(step)
         elif step in ("none", "misfit"):
@@ -93,7 +110,7 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
             chunks = [] if step == "none" else _chunks(task, n, loss=2.0)
             try:
                 response = await agent.push(
-                    task, grads, kind="gradient", num_samples=n, chunks=chunks
+                    task, grads, kind="gradient", num_samples=n, compute_seconds=took, chunks=chunks
                 )
             except grpc.aio.AioRpcError as err:
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
@@ -105,7 +122,13 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
         elif step == "malformed":
             # Honest commitments, but sketches of the wrong size.
             response = await agent.push(
-                task, grads, kind="gradient", num_samples=n, chunks=_chunks(task, n), sketches=False
+                task,
+                grads,
+                kind="gradient",
+                num_samples=n,
+                compute_seconds=took,
+                chunks=_chunks(task, n),
+                sketches=False,
             )
             if response.accepted and response.sketch.buckets:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -137,12 +160,18 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
                 )
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             seen.append(step)
-            await agent.push(task, grads, kind="gradient", num_samples=n)
+            await agent.push(task, grads, kind="gradient", num_samples=n, compute_seconds=took)
         elif step == "scaled":
             header_chunks = _chunks(task, n)
             scaled = {k: 100 * v for k, v in grads.items()}
             response = await agent.push(
-                task, scaled, kind="gradient", num_samples=n, chunks=header_chunks, sketches=False
+                task,
+                scaled,
+                kind="gradient",
+                num_samples=n,
+                compute_seconds=took,
+                chunks=header_chunks,
+                sketches=False,
             )
             if response.accepted:
                 assert response.sketch.buckets > 0  # new: every round is checked
@@ -163,8 +192,8 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
     async with in_process_coordinator(
         tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=1.0, lease_ttl_s=30.0
     ) as coord:
-        good = await FakeAgent(coord, "good", 100.0, honest).start()
-        bad = await FakeAgent(coord, "bad", 100.0, hostile).start()
+        good = await FakeAgent(coord, "good", RATE, honest).start()
+        bad = await FakeAgent(coord, "bad", RATE, hostile).start()
         spare: FakeAgent | None = None
         try:
             job = await submit_packed(coord, packed)
@@ -174,7 +203,7 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
                 return info.state == common_pb2.NODE_STATE_QUARANTINED
 
             await async_wait_until(caught, timeout=150, message="the scaled update caught")
-            spare = await FakeAgent(coord, "spare", 100.0, honest).start()
+            spare = await FakeAgent(coord, "spare", RATE, honest).start()
             await wait_for_job_state(coord, job.job_id, common_pb2.JOB_STATE_SUCCEEDED, timeout=120)
             async with idm.secure_aio_channel(
                 coord.address, coord.issue_identity("operator")
