@@ -22,6 +22,7 @@ import grpc
 
 from client.commands import (
     auth,
+    blobs,
     cluster,
     jobs,
     market,
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     auth.register(sub, [common])
     market.register(sub, [common])
     market_offers.register(sub, [common])
+    blobs.register(sub, [common])
     return parser
 
 

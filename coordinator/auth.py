@@ -90,6 +90,7 @@ POLICY: dict[str, frozenset[str]] = {
         for m in (
             "UploadBlob",
             "GetBlobStatus",
+            "DeleteBlob",
             "SubmitJob",
             "GetJob",
             "ListJobs",

@@ -40,6 +40,7 @@ from typing import BinaryIO
 from coordinator.auth import current_principal
 from coordinator.config import CoordinatorConfig
 from coordinator.events import EventLog
+from coordinator.retention import LIVE_STATES, job_references
 from coordinator.store import (
     AbortedError,
     BlobRecord,
@@ -426,6 +427,67 @@ class BlobStore:
             )
         log.info("blob %s stored (%d bytes)", sha256, size)
         return record
+
+    # -- giving blobs up -------------------------------------------------------------------------
+
+    async def delete(self, sha256: str, caller: BlobCaller) -> tuple[int, bool]:
+        """The caller gives the blob up (DeleteBlob): its hold on it (an operator's: everyone's)
+        and its partial upload of it go, and the bytes go too once nobody holds the blob and no
+        job in progress uses it (an ended job that named it keeps only its record). Returns
+        (bytes no longer counted against the caller's quota, whether the bytes went).
+
+        NotFoundError when the caller holds neither the blob nor a partial upload of it (a blob
+        of others looks like none); FailedPreconditionError while the caller's upload of it is
+        under way or a job in progress of the caller's (an operator's: any) uses it."""
+        require_sha256(sha256)
+        key = uploader_key(caller.identity)
+        if (key, sha256) in self._active:
+            raise FailedPreconditionError(
+                f"your upload of blob {sha256} is in progress: end it before deleting the blob"
+            )
+        async with self._publish_lock:
+            record = await self._store.get_blob(sha256)
+            owners = await self._store.blob_owners(sha256) if record is not None else set()
+            holds = record is not None and (caller.identity in owners or caller.full_access)
+            partial = await asyncio.to_thread(self._partial_meta(key, sha256).exists)
+            if not holds and not partial:
+                raise NotFoundError(
+                    f"no blob {sha256} of yours: you may delete the blobs you uploaded and "
+                    "your partial uploads"
+                )
+            users = [
+                j for j in await self._store.list_jobs(LIVE_STATES) if sha256 in job_references(j)
+            ]
+            mine = [j.job_id for j in users if caller.full_access or j.owner == caller.identity]
+            if holds and mine:
+                raise FailedPreconditionError(
+                    f"blob {sha256} is used by your job(s) in progress ({', '.join(mine)}): "
+                    "cancel them or wait for their end before deleting it"
+                )
+            await asyncio.to_thread(self._drop_partial, key, sha256)
+            if not holds:
+                return 0, False
+            assert record is not None
+            dropping = owners if caller.full_access else {caller.identity}
+            await self._store.remove_blob_owners(sha256, dropping)
+            released = record.size if caller.identity in owners else 0
+            if owners - dropping or users:
+                log.info("blob %s given up by %s; others still hold it", sha256, caller.identity)
+                return released, False
+            await self._store.remove_blob(sha256)
+            await asyncio.to_thread(self.path(sha256).unlink, missing_ok=True)
+        if self._events is not None:
+            await self._events.append(
+                "blob.deleted",
+                message=f"blob {sha256[:12]} deleted ({record.size} bytes) by its last holder",
+                attrs={"sha256": sha256, "size": str(record.size)},
+            )
+        log.info("blob %s deleted (%d bytes) by %s", sha256, record.size, caller.identity or "-")
+        return released, True
+
+    def _drop_partial(self, key: str, sha256: str) -> None:
+        self._partial(key, sha256).unlink(missing_ok=True)
+        self._partial_meta(key, sha256).unlink(missing_ok=True)
 
     # -- blobs the coordinator makes itself -----------------------------------------------------
 

@@ -25,6 +25,9 @@ others are chunks of at most 1 MiB whose offsets follow each other from the head
   silent for --upload-idle-timeout is closed with DEADLINE_EXCEEDED; the bytes received are
   kept for a resume. Partial uploads not written to for --partial-upload-ttl are deleted.
 
+DeleteBlob (coordinator/blobs.py BlobStore.delete): the caller's hold on a blob it uploaded
+goes (its quota freed), and the bytes once nobody holds it and no job in progress uses it.
+
 GetBlobStatus answers NOT_FOUND for anything the caller may not see (a blob of others, or
 none at all: the two look the same). WatchJob streams count against the per-identity cap of
 watch streams shared with WatchEvents (--max-watch-streams).
@@ -236,6 +239,12 @@ class JobService:
         return job_pb2.GetBlobStatusResponse(
             complete=status.complete, received_bytes=status.received_bytes, size=status.size
         )
+
+    async def DeleteBlob(
+        self, req: job_pb2.DeleteBlobRequest, ctx: Ctx
+    ) -> job_pb2.DeleteBlobResponse:
+        released, deleted = await self._blobs.delete(req.sha256, BlobCaller.current())
+        return job_pb2.DeleteBlobResponse(released_bytes=released, deleted=deleted)
 
     async def SubmitJob(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job:
         return await self._engine.submit_job(req, ctx)

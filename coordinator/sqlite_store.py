@@ -642,6 +642,20 @@ class SqliteStore(Store):
         )
         return row is not None
 
+    async def blob_owners(self, sha256: str) -> set[str]:
+        rows = await self._fetchall("SELECT owner FROM blob_owners WHERE sha256 = ?", (sha256,))
+        return {str(r[0]) for r in rows}
+
+    async def remove_blob_owners(self, sha256: str, owners: Collection[str]) -> int:
+        async with self._write() as db:
+            cur = await db.executemany(
+                "DELETE FROM blob_owners WHERE sha256 = ? AND owner = ?",
+                [(sha256, owner) for owner in dict.fromkeys(owners)],
+            )
+            removed = cur.rowcount
+            await cur.close()
+        return max(0, removed)
+
     async def owned_blob_bytes(self, owner: str) -> int:
         row = await self._fetchone(
             "SELECT COALESCE(SUM(b.size), 0) FROM blob_owners o JOIN blobs b"

@@ -333,6 +333,14 @@ class Store(ABC):
         """Whether the blob is stored and ``owner`` uploaded it or one of its jobs uses it."""
 
     @abstractmethod
+    async def blob_owners(self, sha256: str) -> set[str]:
+        """The identities that uploaded the blob and hold it still."""
+
+    @abstractmethod
+    async def remove_blob_owners(self, sha256: str, owners: Collection[str]) -> int:
+        """Drop ``owners``' hold on the blob; returns how many holds went."""
+
+    @abstractmethod
     async def owned_blob_bytes(self, owner: str) -> int:
         """The total size of the stored blobs ``owner`` uploaded (its storage quota's use)."""
 

@@ -26,7 +26,7 @@ from epochmesh.v1 import common_pb2 as epochmesh_dot_v1_dot_common__pb2
 from epochmesh.v1 import scheduler_pb2 as epochmesh_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65pochmesh/v1/job.proto\x12\x0c\x65pochmesh.v1\x1a\x19\x65pochmesh/v1/common.proto\x1a\x1c\x65pochmesh/v1/scheduler.proto\"@\n\x10UploadBlobHeader\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"w\n\x11UploadBlobRequest\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.epochmesh.v1.UploadBlobHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.epochmesh.v1.DataChunkH\x00\x42\x06\n\x04part\"Q\n\x12UploadBlobResponse\x12#\n\x04\x62lob\x18\x01 \x01(\x0b\x32\x15.epochmesh.v1.BlobRef\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x03\"&\n\x14GetBlobStatusRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"O\n\x15GetBlobStatusResponse\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04size\x18\x03 \x01(\x03\"\xc5\x01\n\x10SubmitJobRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.epochmesh.v1.JobSpec\x12&\n\x07program\x18\x02 \x01(\x0b\x32\x15.epochmesh.v1.BlobRef\x12,\n\rinitial_state\x18\x03 \x01(\x0b\x32\x15.epochmesh.v1.BlobRef\x12#\n\x06shards\x18\x04 \x03(\x0b\x32\x13.epochmesh.v1.Shard\x12\x11\n\tspec_toml\x18\x05 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"H\n\x0fListJobsRequest\x12&\n\x06states\x18\x01 \x03(\x0e\x32\x16.epochmesh.v1.JobState\x12\r\n\x05limit\x18\x02 \x01(\x05\"3\n\x10ListJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.epochmesh.v1.Job\"6\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bsince_round\x18\x02 \x01(\x03\"\xa9\x01\n\tJobUpdate\x12\x1e\n\x03job\x18\x01 \x01(\x0b\x32\x11.epochmesh.v1.Job\x12,\n\nallocation\x18\x02 \x01(\x0b\x32\x18.epochmesh.v1.Allocation\x12)\n\x06rounds\x18\x03 \x03(\x0b\x32\x19.epochmesh.v1.RoundRecord\x12#\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x13.epochmesh.v1.Event\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"7\n\x15\x44ownloadResultRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"d\n\x16\x44ownloadResultResponse\x12\x12\n\ntotal_size\x18\x01 \x01(\x03\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.epochmesh.v1.DataChunk\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"c\n\x10GetRoundsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bsince_round\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\x12\x1b\n\x13include_rolled_back\x18\x04 \x01(\x08\">\n\x11GetRoundsResponse\x12)\n\x06rounds\x18\x01 \x03(\x0b\x32\x19.epochmesh.v1.RoundRecord\"F\n\x13GetJobEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08since_id\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\";\n\x14GetJobEventsResponse\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.epochmesh.v1.Event\"9\n\x15SetJobPriorityRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\t2\x9d\x07\n\nJobService\x12Q\n\nUploadBlob\x12\x1f.epochmesh.v1.UploadBlobRequest\x1a .epochmesh.v1.UploadBlobResponse(\x01\x12X\n\rGetBlobStatus\x12\".epochmesh.v1.GetBlobStatusRequest\x1a#.epochmesh.v1.GetBlobStatusResponse\x12>\n\tSubmitJob\x12\x1e.epochmesh.v1.SubmitJobRequest\x1a\x11.epochmesh.v1.Job\x12\x38\n\x06GetJob\x12\x1b.epochmesh.v1.GetJobRequest\x1a\x11.epochmesh.v1.Job\x12I\n\x08ListJobs\x12\x1d.epochmesh.v1.ListJobsRequest\x1a\x1e.epochmesh.v1.ListJobsResponse\x12\x44\n\x08WatchJob\x12\x1d.epochmesh.v1.WatchJobRequest\x1a\x17.epochmesh.v1.JobUpdate0\x01\x12>\n\tCancelJob\x12\x1e.epochmesh.v1.CancelJobRequest\x1a\x11.epochmesh.v1.Job\x12]\n\x0e\x44ownloadResult\x12#.epochmesh.v1.DownloadResultRequest\x1a$.epochmesh.v1.DownloadResultResponse0\x01\x12L\n\tGetRounds\x12\x1e.epochmesh.v1.GetRoundsRequest\x1a\x1f.epochmesh.v1.GetRoundsResponse\x12U\n\x0cGetJobEvents\x12!.epochmesh.v1.GetJobEventsRequest\x1a\".epochmesh.v1.GetJobEventsResponse\x12I\n\x08GetQueue\x12\x1d.epochmesh.v1.GetQueueRequest\x1a\x1e.epochmesh.v1.GetQueueResponse\x12H\n\x0eSetJobPriority\x12#.epochmesh.v1.SetJobPriorityRequest\x1a\x11.epochmesh.v1.Jobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65pochmesh/v1/job.proto\x12\x0c\x65pochmesh.v1\x1a\x19\x65pochmesh/v1/common.proto\x1a\x1c\x65pochmesh/v1/scheduler.proto\"@\n\x10UploadBlobHeader\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"w\n\x11UploadBlobRequest\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.epochmesh.v1.UploadBlobHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.epochmesh.v1.DataChunkH\x00\x42\x06\n\x04part\"Q\n\x12UploadBlobResponse\x12#\n\x04\x62lob\x18\x01 \x01(\x0b\x32\x15.epochmesh.v1.BlobRef\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x03\"&\n\x14GetBlobStatusRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"O\n\x15GetBlobStatusResponse\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04size\x18\x03 \x01(\x03\"#\n\x11\x44\x65leteBlobRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"=\n\x12\x44\x65leteBlobResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x08\"\xc5\x01\n\x10SubmitJobRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.epochmesh.v1.JobSpec\x12&\n\x07program\x18\x02 \x01(\x0b\x32\x15.epochmesh.v1.BlobRef\x12,\n\rinitial_state\x18\x03 \x01(\x0b\x32\x15.epochmesh.v1.BlobRef\x12#\n\x06shards\x18\x04 \x03(\x0b\x32\x13.epochmesh.v1.Shard\x12\x11\n\tspec_toml\x18\x05 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"H\n\x0fListJobsRequest\x12&\n\x06states\x18\x01 \x03(\x0e\x32\x16.epochmesh.v1.JobState\x12\r\n\x05limit\x18\x02 \x01(\x05\"3\n\x10ListJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.epochmesh.v1.Job\"6\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bsince_round\x18\x02 \x01(\x03\"\xa9\x01\n\tJobUpdate\x12\x1e\n\x03job\x18\x01 \x01(\x0b\x32\x11.epochmesh.v1.Job\x12,\n\nallocation\x18\x02 \x01(\x0b\x32\x18.epochmesh.v1.Allocation\x12)\n\x06rounds\x18\x03 \x03(\x0b\x32\x19.epochmesh.v1.RoundRecord\x12#\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x13.epochmesh.v1.Event\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"7\n\x15\x44ownloadResultRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"d\n\x16\x44ownloadResultResponse\x12\x12\n\ntotal_size\x18\x01 \x01(\x03\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.epochmesh.v1.DataChunk\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"c\n\x10GetRoundsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bsince_round\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\x12\x1b\n\x13include_rolled_back\x18\x04 \x01(\x08\">\n\x11GetRoundsResponse\x12)\n\x06rounds\x18\x01 \x03(\x0b\x32\x19.epochmesh.v1.RoundRecord\"F\n\x13GetJobEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08since_id\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\";\n\x14GetJobEventsResponse\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.epochmesh.v1.Event\"9\n\x15SetJobPriorityRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\t2\xee\x07\n\nJobService\x12Q\n\nUploadBlob\x12\x1f.epochmesh.v1.UploadBlobRequest\x1a .epochmesh.v1.UploadBlobResponse(\x01\x12X\n\rGetBlobStatus\x12\".epochmesh.v1.GetBlobStatusRequest\x1a#.epochmesh.v1.GetBlobStatusResponse\x12O\n\nDeleteBlob\x12\x1f.epochmesh.v1.DeleteBlobRequest\x1a .epochmesh.v1.DeleteBlobResponse\x12>\n\tSubmitJob\x12\x1e.epochmesh.v1.SubmitJobRequest\x1a\x11.epochmesh.v1.Job\x12\x38\n\x06GetJob\x12\x1b.epochmesh.v1.GetJobRequest\x1a\x11.epochmesh.v1.Job\x12I\n\x08ListJobs\x12\x1d.epochmesh.v1.ListJobsRequest\x1a\x1e.epochmesh.v1.ListJobsResponse\x12\x44\n\x08WatchJob\x12\x1d.epochmesh.v1.WatchJobRequest\x1a\x17.epochmesh.v1.JobUpdate0\x01\x12>\n\tCancelJob\x12\x1e.epochmesh.v1.CancelJobRequest\x1a\x11.epochmesh.v1.Job\x12]\n\x0e\x44ownloadResult\x12#.epochmesh.v1.DownloadResultRequest\x1a$.epochmesh.v1.DownloadResultResponse0\x01\x12L\n\tGetRounds\x12\x1e.epochmesh.v1.GetRoundsRequest\x1a\x1f.epochmesh.v1.GetRoundsResponse\x12U\n\x0cGetJobEvents\x12!.epochmesh.v1.GetJobEventsRequest\x1a\".epochmesh.v1.GetJobEventsResponse\x12I\n\x08GetQueue\x12\x1d.epochmesh.v1.GetQueueRequest\x1a\x1e.epochmesh.v1.GetQueueResponse\x12H\n\x0eSetJobPriority\x12#.epochmesh.v1.SetJobPriorityRequest\x1a\x11.epochmesh.v1.Jobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,34 +43,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETBLOBSTATUSREQUEST']._serialized_end=405
   _globals['_GETBLOBSTATUSRESPONSE']._serialized_start=407
   _globals['_GETBLOBSTATUSRESPONSE']._serialized_end=486
-  _globals['_SUBMITJOBREQUEST']._serialized_start=489
-  _globals['_SUBMITJOBREQUEST']._serialized_end=686
-  _globals['_GETJOBREQUEST']._serialized_start=688
-  _globals['_GETJOBREQUEST']._serialized_end=719
-  _globals['_LISTJOBSREQUEST']._serialized_start=721
-  _globals['_LISTJOBSREQUEST']._serialized_end=793
-  _globals['_LISTJOBSRESPONSE']._serialized_start=795
-  _globals['_LISTJOBSRESPONSE']._serialized_end=846
-  _globals['_WATCHJOBREQUEST']._serialized_start=848
-  _globals['_WATCHJOBREQUEST']._serialized_end=902
-  _globals['_JOBUPDATE']._serialized_start=905
-  _globals['_JOBUPDATE']._serialized_end=1074
-  _globals['_CANCELJOBREQUEST']._serialized_start=1076
-  _globals['_CANCELJOBREQUEST']._serialized_end=1110
-  _globals['_DOWNLOADRESULTREQUEST']._serialized_start=1112
-  _globals['_DOWNLOADRESULTREQUEST']._serialized_end=1167
-  _globals['_DOWNLOADRESULTRESPONSE']._serialized_start=1169
-  _globals['_DOWNLOADRESULTRESPONSE']._serialized_end=1269
-  _globals['_GETROUNDSREQUEST']._serialized_start=1271
-  _globals['_GETROUNDSREQUEST']._serialized_end=1370
-  _globals['_GETROUNDSRESPONSE']._serialized_start=1372
-  _globals['_GETROUNDSRESPONSE']._serialized_end=1434
-  _globals['_GETJOBEVENTSREQUEST']._serialized_start=1436
-  _globals['_GETJOBEVENTSREQUEST']._serialized_end=1506
-  _globals['_GETJOBEVENTSRESPONSE']._serialized_start=1508
-  _globals['_GETJOBEVENTSRESPONSE']._serialized_end=1567
-  _globals['_SETJOBPRIORITYREQUEST']._serialized_start=1569
-  _globals['_SETJOBPRIORITYREQUEST']._serialized_end=1626
-  _globals['_JOBSERVICE']._serialized_start=1629
-  _globals['_JOBSERVICE']._serialized_end=2554
+  _globals['_DELETEBLOBREQUEST']._serialized_start=488
+  _globals['_DELETEBLOBREQUEST']._serialized_end=523
+  _globals['_DELETEBLOBRESPONSE']._serialized_start=525
+  _globals['_DELETEBLOBRESPONSE']._serialized_end=586
+  _globals['_SUBMITJOBREQUEST']._serialized_start=589
+  _globals['_SUBMITJOBREQUEST']._serialized_end=786
+  _globals['_GETJOBREQUEST']._serialized_start=788
+  _globals['_GETJOBREQUEST']._serialized_end=819
+  _globals['_LISTJOBSREQUEST']._serialized_start=821
+  _globals['_LISTJOBSREQUEST']._serialized_end=893
+  _globals['_LISTJOBSRESPONSE']._serialized_start=895
+  _globals['_LISTJOBSRESPONSE']._serialized_end=946
+  _globals['_WATCHJOBREQUEST']._serialized_start=948
+  _globals['_WATCHJOBREQUEST']._serialized_end=1002
+  _globals['_JOBUPDATE']._serialized_start=1005
+  _globals['_JOBUPDATE']._serialized_end=1174
+  _globals['_CANCELJOBREQUEST']._serialized_start=1176
+  _globals['_CANCELJOBREQUEST']._serialized_end=1210
+  _globals['_DOWNLOADRESULTREQUEST']._serialized_start=1212
+  _globals['_DOWNLOADRESULTREQUEST']._serialized_end=1267
+  _globals['_DOWNLOADRESULTRESPONSE']._serialized_start=1269
+  _globals['_DOWNLOADRESULTRESPONSE']._serialized_end=1369
+  _globals['_GETROUNDSREQUEST']._serialized_start=1371
+  _globals['_GETROUNDSREQUEST']._serialized_end=1470
+  _globals['_GETROUNDSRESPONSE']._serialized_start=1472
+  _globals['_GETROUNDSRESPONSE']._serialized_end=1534
+  _globals['_GETJOBEVENTSREQUEST']._serialized_start=1536
+  _globals['_GETJOBEVENTSREQUEST']._serialized_end=1606
+  _globals['_GETJOBEVENTSRESPONSE']._serialized_start=1608
+  _globals['_GETJOBEVENTSRESPONSE']._serialized_end=1667
+  _globals['_SETJOBPRIORITYREQUEST']._serialized_start=1669
+  _globals['_SETJOBPRIORITYREQUEST']._serialized_end=1726
+  _globals['_JOBSERVICE']._serialized_start=1729
+  _globals['_JOBSERVICE']._serialized_end=2735
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,20 @@ class GetBlobStatusResponse(_message.Message):
     size: int
     def __init__(self, complete: _Optional[bool] = ..., received_bytes: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
+class DeleteBlobRequest(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class DeleteBlobResponse(_message.Message):
+    __slots__ = ("released_bytes", "deleted")
+    RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    released_bytes: int
+    deleted: bool
+    def __init__(self, released_bytes: _Optional[int] = ..., deleted: _Optional[bool] = ...) -> None: ...
+
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec", "program", "initial_state", "shards", "spec_toml")
     SPEC_FIELD_NUMBER: _ClassVar[int]

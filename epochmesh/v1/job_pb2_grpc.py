@@ -46,6 +46,11 @@ class JobServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_job__pb2.GetBlobStatusRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_job__pb2.GetBlobStatusResponse.FromString,
                 _registered_method=True)
+        self.DeleteBlob = channel.unary_unary(
+                '/epochmesh.v1.JobService/DeleteBlob',
+                request_serializer=epochmesh_dot_v1_dot_job__pb2.DeleteBlobRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_job__pb2.DeleteBlobResponse.FromString,
+                _registered_method=True)
         self.SubmitJob = channel.unary_unary(
                 '/epochmesh.v1.JobService/SubmitJob',
                 request_serializer=epochmesh_dot_v1_dot_job__pb2.SubmitJobRequest.SerializeToString,
@@ -111,6 +116,15 @@ class JobServiceServicer:
 
     def GetBlobStatus(self, request, context):
         """How many bytes of a blob the coordinator already has, to resume an upload.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteBlob(self, request, context):
+        """Give up a blob you uploaded (and your partial upload of it): it stops counting against
+        your storage quota; its bytes are deleted once no other identity holds it and no job in
+        progress uses it. FAILED_PRECONDITION while one of your jobs in progress uses it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -195,6 +209,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.GetBlobStatus,
                     request_deserializer=epochmesh_dot_v1_dot_job__pb2.GetBlobStatusRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_job__pb2.GetBlobStatusResponse.SerializeToString,
+            ),
+            'DeleteBlob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteBlob,
+                    request_deserializer=epochmesh_dot_v1_dot_job__pb2.DeleteBlobRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_job__pb2.DeleteBlobResponse.SerializeToString,
             ),
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
@@ -301,6 +320,33 @@ class JobService:
             '/epochmesh.v1.JobService/GetBlobStatus',
             epochmesh_dot_v1_dot_job__pb2.GetBlobStatusRequest.SerializeToString,
             epochmesh_dot_v1_dot_job__pb2.GetBlobStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.JobService/DeleteBlob',
+            epochmesh_dot_v1_dot_job__pb2.DeleteBlobRequest.SerializeToString,
+            epochmesh_dot_v1_dot_job__pb2.DeleteBlobResponse.FromString,
             options,
             channel_credentials,
             insecure,

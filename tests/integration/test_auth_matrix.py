@@ -68,6 +68,7 @@ EXPECTED: dict[str, tuple[set[str], str | S]] = {
     "AgentService/ReportCheck": ({NODE, OPERATOR}, S.INVALID_ARGUMENT),
     "JobService/UploadBlob": (ANY_USER, S.INVALID_ARGUMENT),
     "JobService/GetBlobStatus": (ANY_USER, S.INVALID_ARGUMENT),
+    "JobService/DeleteBlob": (ANY_USER, S.INVALID_ARGUMENT),
     "JobService/SubmitJob": (ANY_USER, S.UNIMPLEMENTED),
     "JobService/GetJob": (ANY_USER, S.INVALID_ARGUMENT),
     "JobService/ListJobs": (ANY_USER, OK),
