@@ -12,7 +12,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -136,6 +136,85 @@ def checksum_verdict(checksums: Mapping[str, str], retried_tie: bool) -> Checksu
     )
 
 
+@dataclass(frozen=True)
+class FaultVerdict:
+    """What the members' reports of non-finite data decide after a failed attempt
+    (`nonfinite_verdict`)."""
+
+    witnesses: dict[str, dict[str, int]]  # accused -> {accuser: round}, this one's included
+    struck: dict[str, str]  # accused -> why it is struck (two witnesses or more)
+    retest: tuple[str, ...]  # accused by one witness: kept in the round, away from it
+    reason: str
+
+
+def nonfinite_verdict(
+    order: list[str],
+    reports: Mapping[str, tuple[str, int]],
+    witnesses: Mapping[str, Mapping[str, int]],
+    round_: int,
+    can_retest: bool,
+) -> FaultVerdict:
+    """Who fed NaN or Inf values into the ring, on the members' reports of an attempt
+    (member -> (failed peer, agent_pb2.RingFault)) and the witnesses of earlier ones.
+
+    Only a member's right neighbour receives its data (the stream's sender is the left
+    neighbour's certificate), so a report of RING_FAULT_NON_FINITE counts only when it names
+    the reporter's left neighbour in `order`; the other members' reports only relay it. One
+    witness is one member's word: it could be lying to get an honest neighbour struck. So an
+    accused member is struck only once two different members witnessed it (in this job);
+    accused by one, it stays in the round (`can_retest`: an attempt is left and the ring has a
+    third member) and the next ring puts another member to its right (`keep_apart`): a feeder
+    feeds that one too and is struck, a framed member runs clean. Without a retest the
+    accused leaves the round without a strike, as a node named failed does."""
+    seen = {x: dict(w) for x, w in witnesses.items()}
+    n = len(order)
+    accused: dict[str, list[str]] = {}
+    for reporter, (peer, fault) in sorted(reports.items()):
+        if fault != agent_pb2.RING_FAULT_NON_FINITE or reporter not in order or n < 2:
+            continue
+        if order[(order.index(reporter) - 1) % n] != peer or peer == reporter:
+            continue
+        seen.setdefault(peer, {})[reporter] = round_
+        accused.setdefault(peer, []).append(reporter)
+    struck: dict[str, str] = {}
+    retest: list[str] = []
+    for x in sorted(accused):
+        w = seen[x]
+        if len(w) >= 2:
+            by = ", ".join(f"{a} (round {r})" for a, r in sorted(w.items()))
+            struck[x] = f"fed NaN or Inf values into the ring: refused by its right neighbours {by}"
+        elif can_retest and n >= 3:
+            retest.append(x)
+    parts = [f"{x} {why}" for x, why in struck.items()] + [
+        f"{x} is accused of feeding NaN or Inf values by {', '.join(accused[x])} alone: retried "
+        "with another member to its right"
+        for x in retest
+    ]
+    return FaultVerdict(seen, struck, tuple(retest), "; ".join(parts))
+
+
+def keep_apart(order: list[str], avoid: Mapping[str, Collection[str]]) -> list[str]:
+    """`order` with every member `x` of `avoid` moved, where the ring allows, so that its right
+    neighbour is none of `avoid[x]` (its earlier accusers: `nonfinite_verdict`)."""
+    n = len(order)
+    if n < 3:
+        return list(order)
+
+    def broken(ring: list[str]) -> int:
+        return sum(1 for i, x in enumerate(ring) if ring[(i + 1) % len(ring)] in avoid.get(x, ()))
+
+    best = list(order)
+    for x in order:
+        if not avoid.get(x) or not broken(best):
+            continue
+        rest = [m for m in best if m != x]
+        for j in range(len(rest)):
+            cand = [*rest[:j], x, *rest[j:]]
+            if broken(cand) < broken(best):
+                best = cand
+    return best
+
+
 @dataclass
 class PushedState:
     node_id: str
@@ -175,6 +254,9 @@ class RingRounds:
         # Revoked node ids handed to the members with their tasks, and when they were read.
         self._revoked: list[str] = []
         self._revoked_at = -math.inf
+        # Members reported for feeding NaN/Inf: accused -> {the right neighbour that refused
+        # its data: round} (`nonfinite_verdict`).
+        self._witnesses: dict[str, dict[str, int]] = {}
 
     # -- versions and state ---------------------------------------------------------------------
 
@@ -410,7 +492,10 @@ class RingRounds:
                         await self._eject(rs, verdict)
             if outcome != "failed":
                 break
-            await self._retire_culprits(rs, last=number == MAX_ATTEMPTS - 1, note=note)
+            last = number == MAX_ATTEMPTS - 1
+            faults = await self._judge_faults(rs, can_retest=not last)
+            note = "; ".join(x for x in (note, faults.reason) if x)
+            await self._retire_culprits(rs, last=last, note=note, keep=faults.retest)
         rs.closed = True
         rs.waited_s = time.monotonic() - rs.started
         if outcome == "ok":
@@ -493,6 +578,8 @@ class RingRounds:
                 if b.bandwidth_bytes_per_second > 0
             },
         )
+        # A member once accused of feeding NaN/Inf gets another witness to its right.
+        order = keep_apart(order, self._witnesses)
         bandwidth = self._bandwidth(order + externals)
         rtt = self._rtt_s(order + externals)
         step = step_deadline_s(
@@ -533,6 +620,7 @@ class RingRounds:
             part.task_id = "t-" + uuid.uuid4().hex[:12]
             part.status = "pending"
             part.error = part.checksum = part.failed_peer = ""
+            part.ring_fault = agent_pb2.RING_FAULT_UNSPECIFIED
             part.handed_out = now
             task = self.runner.train_task(rs, part)
             task.deadline_seconds = deadline
@@ -652,12 +740,22 @@ class RingRounds:
 
     def _culprits_known(self, att: RingAttempt, rs: RoundState) -> bool:
         """A node of the attempt failed in the coordinator's own eyes (silent, offline,
-        refused), or a member named a peer of the attempt as failed."""
+        refused), or a member named a peer of the attempt as failed and that peer's right
+        neighbour, the one member that saw its data (`nonfinite_verdict`), has reported."""
         nodes = set(att.order) | set(att.externals)
-        return any(rs.parts[n].status in DEAD for n in nodes) or any(
-            rs.parts[n].status == "reported_failed" and rs.parts[n].failed_peer in nodes
-            for n in att.order
-        )
+        if any(rs.parts[n].status in DEAD for n in nodes):
+            return True
+        n = len(att.order)
+        for m in att.order:
+            p = rs.parts[m]
+            if p.status != "reported_failed" or p.failed_peer not in nodes:
+                continue
+            if p.failed_peer not in att.order:
+                return True
+            right = att.order[(att.order.index(p.failed_peer) + 1) % n]
+            if rs.parts[right].status != "pending":
+                return True
+        return False
 
     def _extend_attempt(
         self, att: RingAttempt, members: list[Part], externals: list[Part], extensions: int
@@ -711,9 +809,31 @@ class RingRounds:
             },
         )
 
-    async def _retire_culprits(self, rs: RoundState, last: bool, note: str = "") -> None:
+    async def _judge_faults(self, rs: RoundState, can_retest: bool) -> FaultVerdict:
+        """After a failed attempt: the members reported for feeding NaN/Inf values
+        (`nonfinite_verdict`); those two members witnessed are struck."""
+        att = self.attempt
+        assert att is not None
+        reports = {
+            n: (rs.parts[n].failed_peer, rs.parts[n].ring_fault)
+            for n in att.order
+            if rs.parts[n].status == "reported_failed"
+        }
+        verdict = nonfinite_verdict(att.order, reports, self._witnesses, rs.round, can_retest)
+        self._witnesses = verdict.witnesses
+        for n, why in verdict.struck.items():
+            log.warning("job %s round %d: striking %s: %s", self.runner.job_id, rs.round, n, why)
+            await self.runner.ctx.registry.add_strike(
+                n, f"job {self.runner.job_id} round {rs.round}: {why}", job_id=self.runner.job_id
+            )
+        return verdict
+
+    async def _retire_culprits(
+        self, rs: RoundState, last: bool, note: str = "", keep: tuple[str, ...] = ()
+    ) -> None:
         """After a failed attempt: take the nodes that failed out of the round and say so
-        (`note`: why, when no node is to blame)."""
+        (`note`: why, when no node is to blame). `keep`: members named failed that stay in
+        the round all the same (accused by one witness: `nonfinite_verdict`)."""
         att = self.attempt
         assert att is not None
         nodes = att.order + att.externals
@@ -728,6 +848,8 @@ class RingRounds:
             if p.status == "reported_failed" and p.failed_peer in nodes:
                 named.setdefault(p.failed_peer, []).append(n)
         for culprit, reporters in named.items():
+            if culprit in keep and culprit not in reasons:
+                continue
             error = rs.parts[reporters[0]].error
             seen = f"reported failed by {', '.join(reporters)} ({error})"
             reasons[culprit] = f"{reasons[culprit]}; {seen}" if culprit in reasons else seen
@@ -926,6 +1048,7 @@ class RingRounds:
             part.status = "reported_failed"
             part.error = (req.error or "failed")[:500]
             part.failed_peer = req.failed_peer_node_id[:128]
+            part.ring_fault = req.ring_fault
         else:
             problem = ""
             if req.params_version != rs.version + 1:
@@ -1099,7 +1222,10 @@ __all__ = [
     "MAX_ATTEMPTS",
     "Agreement",
     "ChecksumVerdict",
+    "FaultVerdict",
     "RingAttempt",
     "RingRounds",
     "checksum_verdict",
+    "keep_apart",
+    "nonfinite_verdict",
 ]

@@ -56,6 +56,7 @@ class Part:
     member: bool = False
     checksum: str = ""
     failed_peer: str = ""
+    ring_fault: int = 0  # agent_pb2.RingFault this member found in its left neighbour's data
     comm_s: float | None = None
     # The market, fixed at hand-out (coordinator/job_billing.py): the node's price in
     # micro-credits per hour and its measured samples/s for the job.

@@ -499,6 +499,61 @@ class Identity:
         write_private(directory / CA_FILE, self.ca_pem)
 
 
+class IdentityFollower:
+    """The current state of an identity loaded from a directory: when its ``cert.pem`` changes
+    there (a renewal), `current()` loads the directory again (checked at most every
+    ``check_s``). A new certificate whose key does not match, or that does not load, is
+    logged and the one in use kept. An identity without a ``source`` never changes.
+    Thread-safe: gRPC calls a certificate fetcher on its own threads."""
+
+    def __init__(self, identity: Identity, check_s: float = 1.0) -> None:
+        self._identity = identity
+        self._check_s = check_s
+        self._lock = threading.Lock()
+        self._stamp = self._cert_stamp()
+        self._checked = time.monotonic()
+
+    def _cert_stamp(self) -> tuple[int, int, int] | None:
+        source = self._identity.source
+        if source is None:
+            return None
+        try:
+            st = os.stat(source / CERT_FILE)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def current(self) -> Identity:
+        source = self._identity.source
+        now = time.monotonic()
+        if source is None or now - self._checked < self._check_s:
+            return self._identity
+        with self._lock:
+            if now - self._checked < self._check_s:
+                return self._identity
+            self._checked = now
+            stamp = self._cert_stamp()
+            if stamp is None or stamp == self._stamp:
+                return self._identity
+            self._stamp = stamp
+            try:
+                fresh = Identity.load(source)
+                if not key_matches_certificate(fresh.key_pem, fresh.cert_pem):
+                    raise IdentityError("its key does not match its certificate")
+                load_certificate(fresh.cert_pem)
+            except IdentityError as exc:
+                log.warning(
+                    "keeping the certificate in use: the one now in %s is unusable (%s)",
+                    source,
+                    exc,
+                )
+                return self._identity
+            if fresh != self._identity:
+                log.info("now using the certificate renewed in %s", source)
+                self._identity = fresh
+            return self._identity
+
+
 # -- fetching the CA before trusting anything -------------------------------------------------
 
 
@@ -613,57 +668,28 @@ class CallSigner:
     RELOAD_CHECK_S = 1.0
 
     def __init__(self, identity: Identity, reuse_ms: int = AUTH_SIGNATURE_REUSE_MS) -> None:
+        self._identity = identity
         self._material = self._material_of(identity)
         self._reuse_ms = reuse_ms
         self._signed: dict[str, tuple[int, Metadata]] = {}
-        self._source = identity.source
-        self._reload_lock = threading.Lock()
-        self._stamp = self._cert_stamp()
-        self._checked = time.monotonic()
+        self._follower = IdentityFollower(identity, self.RELOAD_CHECK_S)
 
     @staticmethod
     def _material_of(identity: Identity) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
         der = load_certificate(identity.cert_pem).public_bytes(serialization.Encoding.DER)
         return der, _load_key(identity.key_pem)
 
-    def _cert_stamp(self) -> tuple[int, int, int] | None:
-        if self._source is None:
-            return None
-        try:
-            st = os.stat(self._source / CERT_FILE)
-        except OSError:
-            return None
-        return st.st_ino, st.st_mtime_ns, st.st_size
-
     def _follow_renewal(self) -> None:
-        """Load the identity's directory again if its certificate file changed."""
-        now = time.monotonic()
-        if self._source is None or now - self._checked < self.RELOAD_CHECK_S:
+        """Sign with the identity's renewed certificate once its directory holds one."""
+        fresh = self._follower.current()
+        if fresh is self._identity:
             return
-        with self._reload_lock:
-            if now - self._checked < self.RELOAD_CHECK_S:
-                return
-            self._checked = now
-            stamp = self._cert_stamp()
-            if stamp is None or stamp == self._stamp:
-                return
-            self._stamp = stamp
-            try:
-                fresh = Identity.load(self._source)
-                if not key_matches_certificate(fresh.key_pem, fresh.cert_pem):
-                    raise IdentityError("its key does not match its certificate")
-                material = self._material_of(fresh)
-            except IdentityError as exc:
-                log.warning(
-                    "keeping the certificate in use: the one now in %s is unusable (%s)",
-                    self._source,
-                    exc,
-                )
-                return
-            if material[0] != self._material[0]:
-                self._material = material
-                self._signed = {}
-                log.info("calls now carry the certificate renewed in %s", self._source)
+        self._identity = fresh
+        material = self._material_of(fresh)
+        if material[0] != self._material[0]:
+            self._material = material
+            self._signed = {}
+            log.info("calls now carry the certificate renewed in %s", fresh.source)
 
     def metadata(self, method_name: str, now_ms: int | None = None) -> Metadata:
         """The authentication metadata for a call of ``method_name`` (e.g. "Heartbeat")."""
@@ -837,11 +863,32 @@ def coordinator_server_credentials(
 def peer_server_credentials(identity: Identity) -> grpc.ServerCredentials:
     """A node's PeerService TLS: its own certificate, and a certificate from the same CA is
     required of every caller. Read the caller's node id in a handler with
-    `peer_principal(context)`."""
-    return grpc.ssl_server_credentials(
-        [(identity.key_pem, identity.cert_pem)],
-        root_certificates=identity.ca_pem,
-        require_client_auth=True,
+    `peer_principal(context)`. An identity loaded from a directory is followed there
+    (`IdentityFollower`): handshakes after a renewal present the renewed certificate."""
+    if identity.source is None:
+        return grpc.ssl_server_credentials(
+            [(identity.key_pem, identity.cert_pem)],
+            root_certificates=identity.ca_pem,
+            require_client_auth=True,
+        )
+    follower = IdentityFollower(identity)
+    served = [identity]
+
+    def config(ident: Identity) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration(
+            [(ident.key_pem, ident.cert_pem)], root_certificates=ident.ca_pem
+        )
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        # Called by gRPC before each handshake; None keeps the configuration in use.
+        current = follower.current()
+        if current == served[0]:
+            return None
+        served[0] = current
+        return config(current)
+
+    return grpc.dynamic_ssl_server_credentials(
+        config(identity), fetch, require_client_authentication=True
     )
 
 

@@ -549,7 +549,8 @@ class BulkListener:
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[None]] = set()
-        self._ssl = server_ssl_context(identity) if identity is not None else None
+        # Followed in its directory: a connection after a renewal gets the renewed certificate.
+        self._follower = idm.IdentityFollower(identity) if identity is not None else None
 
     # -- tokens --------------------------------------------------------------------------------
 
@@ -646,7 +647,12 @@ class BulkListener:
 
     async def _serve(self, sock: socket.socket) -> None:
         _configure(sock)
-        conn: _Conn = _TlsConn(sock, self._ssl) if self._ssl is not None else _Conn(sock)
+        tls = self._follower is not None
+        conn: _Conn = (
+            _TlsConn(sock, server_ssl_context(self._follower.current()))
+            if self._follower is not None
+            else _Conn(sock)
+        )
         # Counted from the accept: the TLS handshake and the token must come within
         # handshake_timeout_s, and at most max_handshakes connections wait for theirs.
         self.handshaking += 1
@@ -666,7 +672,7 @@ class BulkListener:
                     conn, grpc.StatusCode.UNAUTHENTICATED, "unknown, used or expired bulk token"
                 )
                 return
-            if self._ssl is not None:
+            if tls:
                 principal = conn.peer_principal()
                 if principal is not None and principal.id in self.service.revoked:
                     await self._refuse(

@@ -69,7 +69,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,9 +79,9 @@ import torch
 
 from epochmesh import compression
 from epochmesh.errors import CodecError
-from epochmesh.identity import Identity, split_address
+from epochmesh.identity import Identity, IdentityFollower, split_address
 from epochmesh.ring import RING_CODECS, RingSchedule, chunk_elems_for
-from epochmesh.v1 import common_pb2, peer_pb2
+from epochmesh.v1 import agent_pb2, common_pb2, peer_pb2
 from node_agent import bulk, peer
 from node_agent.bulk import BulkError
 from node_agent.peer import (
@@ -104,7 +104,8 @@ class RingPeerFailed(Exception):
     """A ring member failed or stalled; `node_id` names it.
 
     `reported_by` is None when this node saw the failure itself, else the member whose report
-    it got. `key` is (job_id, round, attempt).
+    it got. `key` is (job_id, round, attempt). `fault` (agent_pb2.RingFault): what this node
+    found wrong in the data `node_id`, its left neighbour, sent (UNSPECIFIED otherwise).
     """
 
     def __init__(
@@ -114,11 +115,13 @@ class RingPeerFailed(Exception):
         *,
         reported_by: str | None = None,
         key: RingKey | None = None,
+        fault: agent_pb2.RingFault = agent_pb2.RING_FAULT_UNSPECIFIED,
     ) -> None:
         self.node_id = node_id
         self.reason = reason
         self.reported_by = reported_by
         self.key = key
+        self.fault = fault
         by = f" (reported by {reported_by})" if reported_by else ""
         super().__init__(f"ring peer {node_id!r} failed: {reason}{by}")
 
@@ -234,6 +237,10 @@ class RingTransport:
         self.mailbox = mailbox
         self.bulk = bulk
         self._identity = identity
+        # Followed in its directory: channels and bulk sockets opened after a renewal present
+        # the renewed certificate (channels opened before are closed with the transport).
+        self._follower = IdentityFollower(identity) if identity is not None else None
+        self._retired: list[grpc.aio.Channel] = []
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         # Peers whose bulk socket is not to be tried again before a time (time.monotonic()).
         self._no_bulk: dict[tuple[str, str], float] = {}
@@ -302,15 +309,29 @@ class RingTransport:
         if not 0 < reply.port < 65536 or len(reply.token) != bulk.TOKEN_BYTES:
             raise BulkError("malformed OpenBulk reply")
         host, _ = split_address(address)
-        ctx = bulk.client_ssl_context(self._identity) if self._identity is not None else None
+        identity = self._current_identity()
+        ctx = bulk.client_ssl_context(identity) if identity is not None else None
         return await bulk.connect(host, reply.port, reply.token, node_id=node_id, ssl_context=ctx)
+
+    def _current_identity(self) -> Identity | None:
+        """This node's identity, renewed certificate included (channels of an older one are
+        retired: calls in flight finish on them)."""
+        if self._follower is None:
+            return None
+        identity = self._follower.current()
+        if identity is not self._identity:
+            self._identity = identity
+            self._retired.extend(self._channels.values())
+            self._channels = {}
+        return identity
 
     def channel(self, address: str, node_id: str) -> grpc.aio.Channel:
         """The (cached) channel to node `node_id`'s PeerService at `address`."""
-        key = (address, node_id if self._identity is not None else "")
+        identity = self._current_identity()
+        key = (address, node_id if identity is not None else "")
         ch = self._channels.get(key)
         if ch is None:
-            ch = self._channels[key] = peer.peer_channel(address, node_id, self._identity)
+            ch = self._channels[key] = peer.peer_channel(address, node_id, identity)
         return ch
 
     def push_call(self, address: str, node_id: str) -> grpc.aio.StreamUnaryCall:
@@ -359,7 +380,8 @@ class RingTransport:
             await ch.close()
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels = [*self._retired, *self._channels.values()], {}
+        self._retired = []
         for ch in channels:
             await ch.close()
 
@@ -391,12 +413,16 @@ def _chunk_offsets(codec: str, chunks: Sequence[tuple[int, int]]) -> list[int]:
     return out
 
 
+class _NonFinite(ChunkRejected):
+    """A chunk held NaN or Inf values (RING_FAULT_NON_FINITE)."""
+
+
 def _require_finite(values: np.ndarray, e: _Expect) -> None:
     """As the parameter server refuses NaN/Inf in updates: a chunk that carries any is refused
     (INVALID_ARGUMENT), which fails the attempt naming the neighbour that sent it (its own
     addend entered the partial sum there: every hop checks what it receives)."""
     if not np.isfinite(values).all():
-        raise ChunkRejected(
+        raise _NonFinite(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{e.phase} step {e.step} segment {e.segment} at offset {e.offset} holds NaN or "
             "Inf values",
@@ -454,8 +480,27 @@ class _ReceiveSlot:
     def on_chunk(self, chunk: RingChunkView) -> None:
         payload = chunk.payload
         e = self._check(chunk, len(payload))
-        self._apply(e, payload)
+        with self._faults():
+            self._apply(e, payload)
         self._advance(len(payload))
+
+    @contextlib.contextmanager
+    def _faults(self) -> Iterator[None]:
+        """A chunk refused for what it holds fails the attempt naming the left neighbour with
+        the fault (the sender of the stream is the left neighbour: its certificate says so
+        under mutual TLS), which this node reports to the coordinator."""
+        try:
+            yield
+        except _NonFinite as exc:
+            self.fail(
+                RingPeerFailed(
+                    self.left_node_id,
+                    f"sent a bad chunk: {exc}",
+                    key=self.key,
+                    fault=agent_pb2.RING_FAULT_NON_FINITE,
+                )
+            )
+            raise
 
     def bulk_target(self, chunk: RingChunkView, nbytes: int, scratch: memoryview) -> memoryview:
         e = self._check(chunk, nbytes)
@@ -467,10 +512,11 @@ class _ReceiveSlot:
 
     def bulk_received(self, payload: memoryview) -> None:
         e = self._expect[self.pos]
-        if self.codec != "none" or e.reduce:
-            self._apply(e, payload)
-        else:  # landed in place: check what arrived
-            _require_finite(self._buf[e.lo : e.hi], e)
+        with self._faults():
+            if self.codec != "none" or e.reduce:
+                self._apply(e, payload)
+            else:  # landed in place: check what arrived
+                _require_finite(self._buf[e.lo : e.hi], e)
         self._advance(len(payload))
 
     def _check(self, chunk: RingChunkView, nbytes: int) -> _Expect:

@@ -570,6 +570,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
             failed=True,
             error=str(exc)[:2000],
             failed_peer_node_id=exc.node_id,
+            ring_fault=exc.fault,
             ring_attempt=attempt,
             peer_links=runtime.links.report(peer_ids),
             compute_seconds=cached.compute_s,

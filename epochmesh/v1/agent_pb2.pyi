@@ -14,10 +14,17 @@ class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_KIND_BENCHMARK: _ClassVar[TaskKind]
     TASK_KIND_TRAIN: _ClassVar[TaskKind]
     TASK_KIND_CHECK: _ClassVar[TaskKind]
+
+class RingFault(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RING_FAULT_UNSPECIFIED: _ClassVar[RingFault]
+    RING_FAULT_NON_FINITE: _ClassVar[RingFault]
 TASK_KIND_NONE: TaskKind
 TASK_KIND_BENCHMARK: TaskKind
 TASK_KIND_TRAIN: TaskKind
 TASK_KIND_CHECK: TaskKind
+RING_FAULT_UNSPECIFIED: RingFault
+RING_FAULT_NON_FINITE: RingFault
 
 class RegisterRequest(_message.Message):
     __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels", "price_micro_per_hour")
@@ -339,7 +346,7 @@ class ParametersHeader(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "compute_seconds", "communicate_seconds", "samples_done", "mean_loss", "params_checksum", "failed_peer_node_id", "ring_attempt", "params_version", "peer_links", "job_fault")
+    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "compute_seconds", "communicate_seconds", "samples_done", "mean_loss", "params_checksum", "failed_peer_node_id", "ring_attempt", "params_version", "peer_links", "job_fault", "ring_fault")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +362,7 @@ class ReportProgressRequest(_message.Message):
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_LINKS_FIELD_NUMBER: _ClassVar[int]
     JOB_FAULT_FIELD_NUMBER: _ClassVar[int]
+    RING_FAULT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     task_id: str
@@ -370,7 +378,8 @@ class ReportProgressRequest(_message.Message):
     params_version: int
     peer_links: _containers.RepeatedCompositeFieldContainer[PeerLink]
     job_fault: bool
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., communicate_seconds: _Optional[float] = ..., samples_done: _Optional[int] = ..., mean_loss: _Optional[float] = ..., params_checksum: _Optional[str] = ..., failed_peer_node_id: _Optional[str] = ..., ring_attempt: _Optional[int] = ..., params_version: _Optional[int] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., job_fault: _Optional[bool] = ...) -> None: ...
+    ring_fault: RingFault
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., communicate_seconds: _Optional[float] = ..., samples_done: _Optional[int] = ..., mean_loss: _Optional[float] = ..., params_checksum: _Optional[str] = ..., failed_peer_node_id: _Optional[str] = ..., ring_attempt: _Optional[int] = ..., params_version: _Optional[int] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., job_fault: _Optional[bool] = ..., ring_fault: _Optional[_Union[RingFault, str]] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("node_id", "rtt_ms", "bandwidth_bytes_per_second")

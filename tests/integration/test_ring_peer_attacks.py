@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from epochmesh.identity import Identity
-from epochmesh.v1 import peer_pb2, peer_pb2_grpc
+from epochmesh.v1 import agent_pb2, peer_pb2, peer_pb2_grpc
 from node_agent import bulk
 from node_agent.peer import PUSH_CHUNKS, abort_chunk, peer_channel, ring_chunk_header
 from node_agent.ring_allreduce import RingPeerFailed, ring_allreduce
@@ -217,6 +217,13 @@ async def test_a_member_feeding_nan_is_blamed_by_its_neighbour(tmp_path: Path) -
         assert all(isinstance(r, RingPeerFailed) for r in results), results
         assert {r.node_id for r in results if isinstance(r, RingPeerFailed)} == {"node-0"}
         assert any("NaN or Inf" in r.reason for r in results if isinstance(r, RingPeerFailed))
+        # Only node-1, which received node-0's data, reports the fault (as its own finding).
+        faults = [r.fault if isinstance(r, RingPeerFailed) else None for r in results]
+        assert faults == [
+            agent_pb2.RING_FAULT_UNSPECIFIED,
+            agent_pb2.RING_FAULT_NON_FINITE,
+            agent_pb2.RING_FAULT_UNSPECIFIED,
+        ]
         ok = [inputs[1].clone(), inputs[2].clone()]
         await _allreduce_all(peers, ok, members=[1, 2], attempt=1, round_=3)
         expected = (inputs[1] + inputs[2]).numpy().tobytes()

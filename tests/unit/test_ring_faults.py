@@ -1,0 +1,85 @@
+"""Who is struck for NaN/Inf fed into a ring (coordinator.ring_rounds.nonfinite_verdict) and
+how the next ring puts another witness next to an accused member (keep_apart)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from coordinator.ring_rounds import keep_apart, nonfinite_verdict
+from epochmesh.v1 import agent_pb2
+
+pytestmark = pytest.mark.timeout(10)
+
+NF = agent_pb2.RING_FAULT_NON_FINITE
+NONE = agent_pb2.RING_FAULT_UNSPECIFIED
+ORDER = ["a", "b", "c", "d"]  # b's left is a, c's left is b, a's left is d
+
+
+@pytest.mark.parametrize(
+    ("reports", "earlier", "can_retest", "struck", "retest"),
+    [
+        # b refused a's data: one witness, a stays for a retest; the relays count for nothing.
+        ({"b": ("a", NF), "c": ("a", NONE), "a": ("a", NONE)}, {}, True, (), ("a",)),
+        # The same with no attempt left (or no third member): no strike, no retest.
+        ({"b": ("a", NF)}, {}, False, (), ()),
+        # A second witness (another right neighbour, earlier): struck.
+        ({"c": ("b", NF)}, {"b": {"a": 1}}, True, ("b",), ()),
+        # The same witness again is still one word: retested, not struck.
+        ({"c": ("b", NF)}, {"b": {"c": 1}}, True, (), ("b",)),
+        # An accusation of a member that is not the reporter's left neighbour never counts.
+        ({"b": ("c", NF), "d": ("a", NF)}, {"c": {"a": 1}, "a": {"c": 2}}, True, (), ()),
+        # A fault reported without the kind (a relay, a stall) is no accusation.
+        ({"b": ("a", NONE)}, {"a": {"c": 1}}, True, (), ()),
+    ],
+)
+def test_nonfinite_verdict(
+    reports: dict[str, tuple[str, int]],
+    earlier: dict[str, dict[str, int]],
+    can_retest: bool,
+    struck: tuple[str, ...],
+    retest: tuple[str, ...],
+) -> None:
+    before = copy.deepcopy(earlier)
+    verdict = nonfinite_verdict(ORDER, reports, earlier, 7, can_retest)
+    assert tuple(verdict.struck) == struck, verdict
+    assert verdict.retest == retest, verdict
+    for n in struck:
+        assert "fed NaN or Inf" in verdict.struck[n] and "round 7" in verdict.struck[n]
+    for n in retest:
+        assert verdict.witnesses[n] and n in verdict.reason
+    assert earlier == before  # not modified in place
+
+
+def test_witnesses_accumulate_over_attempts() -> None:
+    first = nonfinite_verdict(ORDER, {"b": ("a", NF)}, {}, 3, True)
+    assert first.retest == ("a",) and not first.struck
+    order = keep_apart(["a", "b", "c", "d"], first.witnesses)
+    right = order[(order.index("a") + 1) % len(order)]
+    assert right != "b" and sorted(order) == ORDER
+    second = nonfinite_verdict(order, {right: ("a", NF)}, first.witnesses, 3, True)
+    assert tuple(second.struck) == ("a",)
+    assert "b (round 3)" in second.struck["a"] and f"{right} (round 3)" in second.struck["a"]
+
+
+@pytest.mark.parametrize(
+    ("order", "avoid"),
+    [
+        (["a", "b", "c"], {"a": {"b"}}),
+        (["a", "b", "c", "d", "e"], {"a": {"b", "c"}, "c": {"d"}}),
+        (["x", "a", "b"], {"b": {"x"}}),
+    ],
+)
+def test_keep_apart(order: list[str], avoid: dict[str, set[str]]) -> None:
+    out = keep_apart(order, avoid)
+    assert sorted(out) == sorted(order)
+    n = len(out)
+    assert all(out[(i + 1) % n] not in avoid.get(x, ()) for i, x in enumerate(out)), out
+
+
+def test_keep_apart_leaves_rings_it_cannot_help() -> None:
+    assert keep_apart(["a", "b"], {"a": {"b"}}) == ["a", "b"]
+    assert keep_apart(["a", "b", "c"], {}) == ["a", "b", "c"]
+    # Both others accused a: nothing satisfies it, the ring stays whole.
+    assert sorted(keep_apart(["a", "b", "c"], {"a": {"b", "c"}})) == ["a", "b", "c"]
