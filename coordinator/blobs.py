@@ -396,7 +396,7 @@ class BlobStore:
         stored already (another uploader's), discarded; ``owner`` owns it either way."""
         async with self._publish_lock:
             record = await self._store.get_blob(sha256)
-            if record is None:
+            if record is None or not await self._store.touch_blob(sha256):
                 return await self._commit_file(sha256, size, src, owner=owner)
             await asyncio.to_thread(src.unlink, missing_ok=True)
             await self._store.add_blob_owner(sha256, owner)
@@ -495,7 +495,9 @@ class BlobStore:
         """Store bytes made by the coordinator (checkpoints, results); no size limit or quota
         applies. ``owner``: an identity that owns the blob from now on (None: nobody)."""
         sha = hashlib.sha256(data).hexdigest()
-        if await self._store.get_blob(sha) is None:
+        # Stored already (an old blob nothing names, perhaps): made new again, so that the
+        # collector does not take it before the caller names it; collected meanwhile: written.
+        if not await self._store.touch_blob(sha):
             tmp = self.partial_dir / f"tmp-{secrets.token_hex(8)}"
 
             def write() -> None:
@@ -531,7 +533,7 @@ class BlobStore:
 
         try:
             sha, size = await asyncio.to_thread(copy)
-            if await self._store.get_blob(sha) is None:
+            if not await self._store.touch_blob(sha):  # see put_bytes
                 await self._commit_file(sha, size, tmp)
         finally:
             tmp.unlink(missing_ok=True)

@@ -16,10 +16,11 @@ Kill -9 at any point leaves the store consistent: a checkpoint row and the recor
 names are never removed in different orders (the record goes only in a transaction that saw
 no reference to it), and a file whose record is gone but which is still on disk is recorded
 again at the next start (coordinator/blobs.py reconciles) and collected by a later pass once
-its grace has passed. The residual race: a coordinator-made blob whose bytes equal an
-unreferenced old blob's is deduplicated (BlobStore.put_bytes) before its checkpoint names it;
-a sweep landing between the two would lose it. That needs bit-identical tensors to a state
-dropped more than the grace period before.
+its grace has passed. Bytes stored again that equal an unreferenced old blob (a checkpoint's
+tensors identical to a dropped one's, a re-upload) are not written twice but make the blob new
+again (`Store.touch_blob`, in the same store lock the sweep holds): its grace starts over, so a
+sweep between the store and the checkpoint naming it leaves it alone; a sweep that took it just
+before finds it written anew (the file's inode changed: left alone).
 """
 
 from __future__ import annotations

@@ -107,6 +107,10 @@ def blobs_to_sweep(
         if blob.sha256 in referenced:
             continue
         released = released_ms.get(blob.sha256)
+        # Stored or made new again since its checkpoint went (BlobStore.put_bytes): the
+        # ordinary grace applies, counted from then.
+        if released is not None and blob.created_ms > released:
+            released = None
         if released is not None and now_ms - released >= policy.released_grace_ms:
             out.append(SweepDecision(blob, "its checkpoint was dropped"))
         elif now_ms - blob.created_ms >= policy.blob_grace_ms:

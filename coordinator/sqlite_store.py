@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,36 @@ class Migration:
     version: int
     description: str
     statements: tuple[str, ...]
+    # Rewrites rows SQL alone cannot (decoding stored records), after the statements, in the
+    # migration's transaction.
+    backfill: Callable[[aiosqlite.Connection], Awaitable[None]] | None = None
+
+
+async def _backfill_job_blobs(db: aiosqlite.Connection) -> None:
+    """Jobs stored before schema 9 have no record of their blobs: their program, initial state
+    and shards are the job's, and its owner's (SubmitJob took only blobs its owner uploaded),
+    as SubmitJob records them now. Jobs recorded since are left as they are."""
+    async with db.execute("SELECT job_id, owner, data FROM jobs") as cur:
+        rows = await cur.fetchall()
+    now = now_ms()
+    for job_id, owner, data in rows:
+        job = common_pb2.Job.FromString(data)
+        inputs = {job.program.sha256, job.initial_state.sha256}
+        inputs.update(shard.blob.sha256 for shard in job.shards)
+        inputs.discard("")
+        for sha in sorted(inputs):
+            await db.execute(
+                "INSERT INTO job_blobs (job_id, sha256) VALUES (?, ?)"
+                " ON CONFLICT (job_id, sha256) DO NOTHING",
+                (job_id, sha),
+            )
+            if owner:
+                await db.execute(
+                    "INSERT INTO blob_owners (sha256, owner, created_ms)"
+                    " SELECT sha256, ?, ? FROM blobs WHERE sha256 = ?"
+                    " ON CONFLICT (sha256, owner) DO NOTHING",
+                    (owner, now, sha),
+                )
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -227,6 +257,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         10,
         "retention: events found by age",
         ("CREATE INDEX IF NOT EXISTS events_time ON events (time_ms)",),
+    ),
+    Migration(
+        11,
+        "blob ownership of jobs stored before version 9",
+        (),
+        backfill=_backfill_job_blobs,
     ),
 )
 
@@ -616,6 +652,15 @@ class SqliteStore(Store):
             removed = cur.rowcount > 0
             await cur.close()
         return removed
+
+    async def touch_blob(self, sha256: str) -> bool:
+        async with self._write() as db:
+            cur = await db.execute(
+                "UPDATE blobs SET created_ms = ? WHERE sha256 = ?", (now_ms(), sha256)
+            )
+            touched = cur.rowcount > 0
+            await cur.close()
+        return touched
 
     async def blob_stats(self) -> BlobStats:
         row = await self._fetchone("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM blobs")
@@ -1083,6 +1128,8 @@ async def _migrate(db: aiosqlite.Connection, target: int) -> int:
         try:
             for statement in migration.statements:
                 await db.execute(statement)
+            if migration.backfill is not None:
+                await migration.backfill(db)
             await db.execute(
                 "INSERT INTO schema_version (version, applied_ms, description) VALUES (?, ?, ?)",
                 (migration.version, now_ms(), migration.description),

@@ -320,6 +320,11 @@ class Store(ABC):
     async def remove_blob(self, sha256: str) -> bool: ...
 
     @abstractmethod
+    async def touch_blob(self, sha256: str) -> bool:
+        """Make a stored blob new again (its grace before collection starts over: it is about
+        to be named); False when it is not stored (collected meanwhile)."""
+
+    @abstractmethod
     async def blob_stats(self) -> BlobStats: ...
 
     # -- blob ownership: who uploaded a blob, which jobs use it ----------------------------------

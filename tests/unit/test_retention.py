@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from coordinator.blobs import BlobStore
+from coordinator.garbage_collector import GarbageCollector
 from coordinator.retention import (
     LIVE_STATES,
     ManifestError,
@@ -96,8 +99,9 @@ def test_blobs_to_sweep_grace_periods() -> None:
         BlobRecord("3" * 64, 10, created_ms=9_500),  # young upload, unreferenced
         BlobRecord("4" * 64, 10, created_ms=9_800),  # young, released long enough ago
         BlobRecord("5" * 64, 10, created_ms=9_990),  # young, released just now
+        BlobRecord("6" * 64, 10, created_ms=9_950),  # released long ago, stored again since
     ]
-    released = {"4" * 64: 9_850, "5" * 64: 9_990, "1" * 64: 0}
+    released = {"4" * 64: 9_850, "5" * 64: 9_990, "1" * 64: 0, "6" * 64: 5_000}
     decisions = blobs_to_sweep(blobs, {"1" * 64}, released, now_ms=now, policy=policy)
     assert {d.blob.sha256: d.reason for d in decisions} == {
         "2" * 64: "nothing has named it within the grace period",
@@ -113,6 +117,31 @@ async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
     s = await SqliteStore.open(tmp_path / "c.db")
     yield s
     await s.close()
+
+
+async def test_bytes_stored_again_are_not_collected_before_they_are_named(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    """The coordinator stores bytes equal to an old blob nothing names (a checkpoint's tensors
+    identical to a dropped one's): one copy is kept and made new again, so that a pass landing
+    before the new checkpoint names it leaves it alone; an old blob not stored again goes."""
+    blobs = BlobStore(tmp_path / "blobs", store, max_blob_bytes=1 << 20)
+    await blobs.start()
+    gc = GarbageCollector(
+        store, blobs, RetentionPolicy(blob_grace_ms=3_600_000, released_grace_ms=0), interval_s=60
+    )
+    try:
+        again = await blobs.put_bytes(b"the same tensors")
+        old = await blobs.put_bytes(b"nobody stores these again")
+        with sqlite3.connect(tmp_path / "c.db") as db:  # both stored long ago
+            db.execute("UPDATE blobs SET created_ms = 0")
+        assert (await blobs.put_bytes(b"the same tensors")) == again
+        report = await gc.run_once()
+        assert report.blobs_deleted == 1
+        assert await blobs.exists(again.sha256) and blobs.path(again.sha256).exists()
+        assert not await blobs.exists(old.sha256) and not blobs.path(old.sha256).exists()
+    finally:
+        await blobs.stop()
 
 
 async def test_store_lists_and_drops_checkpoints(store: SqliteStore) -> None:

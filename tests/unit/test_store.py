@@ -78,6 +78,36 @@ async def test_older_schema_is_migrated_keeping_data(tmp_path: Path) -> None:
         await new.close()
 
 
+async def test_jobs_stored_before_blob_ownership_get_their_blob_records(tmp_path: Path) -> None:
+    """Migration 11: a job stored before schema 9 names blobs its owner uploaded; after the
+    upgrade they are the job's and the owner's (visible, counted in its quota), as SubmitJob
+    records them now; a job without an owner (--insecure) gets the job's records only."""
+    path = tmp_path / "old.db"
+    old = await SqliteStore.open(path, target_version=8)
+    program, state, shard = "aa" * 32, "bb" * 32, "cc" * 32
+    for sha, size in ((program, 10), (state, 20), (shard, 300)):
+        await old.add_blob(sha, size)
+    stored = job("before-9")
+    stored.program.sha256, stored.initial_state.sha256 = program, state
+    stored.shards.add(start=0, count=10).blob.sha256 = shard
+    mine = await old.create_job(stored, owner="alice")
+    anonymous = job("insecure")
+    anonymous.program.sha256 = program
+    theirs = await old.create_job(anonymous, owner="")
+    await old.close()
+
+    new = await SqliteStore.open(path)
+    try:
+        assert await new.job_blobs(mine.job_id) == {program, state, shard}
+        assert await new.job_blobs(theirs.job_id) == {program}
+        assert await new.owned_blob_bytes("alice") == 330
+        assert all([await new.blob_visible_to(sha, "alice") for sha in (program, state, shard)])
+        assert not await new.blob_visible_to(program, "mallory")
+        assert await new.blob_owners(program) == {"alice"}
+    finally:
+        await new.close()
+
+
 async def test_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "future.db"
     s = await SqliteStore.open(path)
