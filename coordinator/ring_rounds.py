@@ -138,8 +138,8 @@ def checksum_verdict(checksums: Mapping[str, str], retried_tie: bool) -> Checksu
 
 @dataclass(frozen=True)
 class FaultVerdict:
-    """What the members' reports of non-finite data decide after a failed attempt
-    (`nonfinite_verdict`)."""
+    """What the members' reports of bad data from their left neighbours decide after a failed
+    attempt (`fault_verdict`)."""
 
     witnesses: dict[str, dict[str, int]]  # accused -> {accuser: round}, this one's included
     struck: dict[str, str]  # accused -> why it is struck (two witnesses or more)
@@ -147,47 +147,67 @@ class FaultVerdict:
     reason: str
 
 
-def nonfinite_verdict(
+# What each kind of agent_pb2.RingFault says of the accused: (why it is struck, what it is
+# accused of). A kind not listed here accuses nobody.
+FAULT_WORDS: dict[int, tuple[str, str]] = {
+    agent_pb2.RING_FAULT_NON_FINITE: (
+        "fed NaN or Inf values into the ring",
+        "feeding NaN or Inf values",
+    ),
+    agent_pb2.RING_FAULT_TAMPERED: (
+        "forwarded tampered data in the ring's all-gather (a segment that does not match its "
+        "owner's seal)",
+        "forwarding tampered data",
+    ),
+}
+
+
+def fault_verdict(
     order: list[str],
     reports: Mapping[str, tuple[str, int]],
     witnesses: Mapping[str, Mapping[str, int]],
     round_: int,
     can_retest: bool,
 ) -> FaultVerdict:
-    """Who fed NaN or Inf values into the ring, on the members' reports of an attempt
-    (member -> (failed peer, agent_pb2.RingFault)) and the witnesses of earlier ones.
+    """Who sent bad data into the ring (NaN/Inf, a tampered all-gather segment: any kind of
+    `FAULT_WORDS`), on the members' reports of an attempt (member -> (failed peer,
+    agent_pb2.RingFault)) and the witnesses of earlier ones.
 
     Only a member's right neighbour receives its data (the stream's sender is the left
-    neighbour's certificate), so a report of RING_FAULT_NON_FINITE counts only when it names
-    the reporter's left neighbour in `order`; the other members' reports only relay it. One
-    witness is one member's word: it could be lying to get an honest neighbour struck. So an
-    accused member is struck only once two different members witnessed it (in this job);
-    accused by one, it stays in the round (`can_retest`: an attempt is left and the ring has a
-    third member) and the next ring puts another member to its right (`keep_apart`): a feeder
-    feeds that one too and is struck, a framed member runs clean. Without a retest the
-    accused leaves the round without a strike, as a node named failed does."""
+    neighbour's certificate), so a fault counts only when it names the reporter's left
+    neighbour in `order`; the other members' reports only relay it. One witness is one
+    member's word: it could be lying to get an honest neighbour struck. So an accused member
+    is struck only once two different members witnessed a fault of it (in this job, of any
+    kind); accused by one, it stays in the round (`can_retest`: an attempt is left and the ring
+    has a third member) and the next ring puts another member to its right (`keep_apart`): a
+    culprit sends that one bad data too and is struck, a framed member runs clean. Without a
+    retest the accused leaves the round without a strike, as a node named failed does."""
     seen = {x: dict(w) for x, w in witnesses.items()}
     n = len(order)
     accused: dict[str, list[str]] = {}
+    kinds: dict[str, set[int]] = {}
     for reporter, (peer, fault) in sorted(reports.items()):
-        if fault != agent_pb2.RING_FAULT_NON_FINITE or reporter not in order or n < 2:
+        if fault not in FAULT_WORDS or reporter not in order or n < 2:
             continue
         if order[(order.index(reporter) - 1) % n] != peer or peer == reporter:
             continue
         seen.setdefault(peer, {})[reporter] = round_
         accused.setdefault(peer, []).append(reporter)
+        kinds.setdefault(peer, set()).add(fault)
     struck: dict[str, str] = {}
     retest: list[str] = []
     for x in sorted(accused):
         w = seen[x]
         if len(w) >= 2:
             by = ", ".join(f"{a} (round {r})" for a, r in sorted(w.items()))
-            struck[x] = f"fed NaN or Inf values into the ring: refused by its right neighbours {by}"
+            why = " and ".join(FAULT_WORDS[k][0] for k in sorted(kinds[x]))
+            struck[x] = f"{why}: refused by its right neighbours {by}"
         elif can_retest and n >= 3:
             retest.append(x)
     parts = [f"{x} {why}" for x, why in struck.items()] + [
-        f"{x} is accused of feeding NaN or Inf values by {', '.join(accused[x])} alone: retried "
-        "with another member to its right"
+        f"{x} is accused of "
+        f"{' and '.join(FAULT_WORDS[k][1] for k in sorted(kinds[x]))} by "
+        f"{', '.join(accused[x])} alone: retried with another member to its right"
         for x in retest
     ]
     return FaultVerdict(seen, struck, tuple(retest), "; ".join(parts))
@@ -195,7 +215,7 @@ def nonfinite_verdict(
 
 def keep_apart(order: list[str], avoid: Mapping[str, Collection[str]]) -> list[str]:
     """`order` with every member `x` of `avoid` moved, where the ring allows, so that its right
-    neighbour is none of `avoid[x]` (its earlier accusers: `nonfinite_verdict`)."""
+    neighbour is none of `avoid[x]` (its earlier accusers: `fault_verdict`)."""
     n = len(order)
     if n < 3:
         return list(order)
@@ -254,8 +274,8 @@ class RingRounds:
         # Revoked node ids handed to the members with their tasks, and when they were read.
         self._revoked: list[str] = []
         self._revoked_at = -math.inf
-        # Members reported for feeding NaN/Inf: accused -> {the right neighbour that refused
-        # its data: round} (`nonfinite_verdict`).
+        # Members reported for sending bad data (NaN/Inf, a tampered all-gather segment):
+        # accused -> {the right neighbour that refused its data: round} (`fault_verdict`).
         self._witnesses: dict[str, dict[str, int]] = {}
 
     # -- versions and state ---------------------------------------------------------------------
@@ -578,7 +598,7 @@ class RingRounds:
                 if b.bandwidth_bytes_per_second > 0
             },
         )
-        # A member once accused of feeding NaN/Inf gets another witness to its right.
+        # A member once accused of sending bad data gets another witness to its right.
         order = keep_apart(order, self._witnesses)
         bandwidth = self._bandwidth(order + externals)
         rtt = self._rtt_s(order + externals)
@@ -741,7 +761,7 @@ class RingRounds:
     def _culprits_known(self, att: RingAttempt, rs: RoundState) -> bool:
         """A node of the attempt failed in the coordinator's own eyes (silent, offline,
         refused), or a member named a peer of the attempt as failed and that peer's right
-        neighbour, the one member that saw its data (`nonfinite_verdict`), has reported."""
+        neighbour, the one member that saw its data (`fault_verdict`), has reported."""
         nodes = set(att.order) | set(att.externals)
         if any(rs.parts[n].status in DEAD for n in nodes):
             return True
@@ -810,8 +830,8 @@ class RingRounds:
         )
 
     async def _judge_faults(self, rs: RoundState, can_retest: bool) -> FaultVerdict:
-        """After a failed attempt: the members reported for feeding NaN/Inf values
-        (`nonfinite_verdict`); those two members witnessed are struck."""
+        """After a failed attempt: the members reported for sending bad data (`fault_verdict`);
+        those two members witnessed are struck."""
         att = self.attempt
         assert att is not None
         reports = {
@@ -819,7 +839,7 @@ class RingRounds:
             for n in att.order
             if rs.parts[n].status == "reported_failed"
         }
-        verdict = nonfinite_verdict(att.order, reports, self._witnesses, rs.round, can_retest)
+        verdict = fault_verdict(att.order, reports, self._witnesses, rs.round, can_retest)
         self._witnesses = verdict.witnesses
         for n, why in verdict.struck.items():
             log.warning("job %s round %d: striking %s: %s", self.runner.job_id, rs.round, n, why)
@@ -833,7 +853,7 @@ class RingRounds:
     ) -> None:
         """After a failed attempt: take the nodes that failed out of the round and say so
         (`note`: why, when no node is to blame). `keep`: members named failed that stay in
-        the round all the same (accused by one witness: `nonfinite_verdict`)."""
+        the round all the same (accused by one witness: `fault_verdict`)."""
         att = self.attempt
         assert att is not None
         nodes = att.order + att.externals
@@ -1226,6 +1246,6 @@ __all__ = [
     "RingAttempt",
     "RingRounds",
     "checksum_verdict",
+    "fault_verdict",
     "keep_apart",
-    "nonfinite_verdict",
 ]

@@ -805,7 +805,7 @@ class BulkListener:
                     # The sender is the failed node: the refusal names it, so that it does not
                     # blame this node for ending its stream.
                     end_reason = f"sent a bad chunk: {exc}"
-                    error = (exc.code, str(exc), grant.from_node_id)
+                    error = (exc.code, str(exc), exc.failed_node or grant.from_node_id)
                     return
                 received += payload_len
                 service.received_bytes += payload_len

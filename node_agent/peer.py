@@ -12,8 +12,9 @@ Server side (`PeerServer` wraps a grpc.aio server with this service, health and 
   a stream for another one waits `announce_wait_s` for the task at most. Refusals: an attempt
   older than the newest one seen for the job, or one whose slot closed, or one not announced
   or registered in time, or a sender that is not its left neighbour: FAILED_PRECONDITION; a
-  second stream for the same slot: ALREADY_EXISTS; malformed chunks (NaN/Inf included):
-  INVALID_ARGUMENT; too many streams, in all or of one peer: RESOURCE_EXHAUSTED. When the slot fails, the next
+  second stream for the same slot: ALREADY_EXISTS; malformed chunks (NaN/Inf included, and
+  an all-gather segment that does not match its owner's seal): INVALID_ARGUMENT; too many
+  streams, in all or of one peer: RESOURCE_EXHAUSTED. When the slot fails, the next
   chunk is answered with FAILED_PRECONDITION and trailing metadata ``epochmesh-failed-node``
   naming the failed node, so the sender learns who failed instead of blaming this node.
   A chunk with phase ``"abort"`` (its ``chunk.data`` is the failed node's id, UTF-8) reports a
@@ -117,6 +118,10 @@ class RingChunkView:
     offset: int
     payload: memoryview
     last: bool
+    # The owner's seal of an all-gather segment (on its last chunk; empty otherwise).
+    segment_digest: bytes = b""
+    owner_signature: bytes = b""
+    owner_certificate: bytes = b""
 
     @property
     def key(self) -> RingKey:
@@ -196,6 +201,13 @@ def ring_chunk_header(
     if spec is not None:
         msg.spec.CopyFrom(spec)
     return msg.SerializeToString()
+
+
+def ring_chunk_seal(digest: bytes, signature: bytes, certificate: bytes) -> bytes:
+    """Serialized RingChunk seal fields (11-13), appended to a chunk's header."""
+    return peer_pb2.RingChunk(
+        segment_digest=digest, owner_signature=signature, owner_certificate=certificate
+    ).SerializeToString()
 
 
 def frame_ring_chunk(header: bytes, offset: int, payload: bytes | memoryview) -> bytes:
@@ -290,6 +302,9 @@ def parse_ring_chunk(data: bytes) -> RingChunkView:
         offset=offset,
         payload=payload,
         last=head.last,
+        segment_digest=head.segment_digest,
+        owner_signature=head.owner_signature,
+        owner_certificate=head.owner_certificate,
     )
 
 
@@ -318,7 +333,10 @@ def failed_node_from_metadata(metadata: object) -> str | None:
 
 
 class ChunkRejected(Exception):
-    """A data chunk that does not fit the receive slot; `code` is the gRPC status to answer."""
+    """A data chunk that does not fit the receive slot; `code` is the gRPC status to answer,
+    `failed_node` the node the refusal names as failed (None: the chunk's sender)."""
+
+    failed_node: str | None = None
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -821,7 +839,9 @@ class PeerService:
                     await context.abort(
                         exc.code,
                         str(exc),
-                        trailing_metadata=((FAILED_NODE_KEY, first.from_node_id),),
+                        trailing_metadata=(
+                            (FAILED_NODE_KEY, exc.failed_node or first.from_node_id),
+                        ),
                     )
                 received += len(chunk.payload)
                 self.received_bytes += len(chunk.payload)

@@ -19,12 +19,14 @@ class RingFault(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RING_FAULT_UNSPECIFIED: _ClassVar[RingFault]
     RING_FAULT_NON_FINITE: _ClassVar[RingFault]
+    RING_FAULT_TAMPERED: _ClassVar[RingFault]
 TASK_KIND_NONE: TaskKind
 TASK_KIND_BENCHMARK: TaskKind
 TASK_KIND_TRAIN: TaskKind
 TASK_KIND_CHECK: TaskKind
 RING_FAULT_UNSPECIFIED: RingFault
 RING_FAULT_NON_FINITE: RingFault
+RING_FAULT_TAMPERED: RingFault
 
 class RegisterRequest(_message.Message):
     __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels", "price_micro_per_hour")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RingChunk(_message.Message):
-    __slots__ = ("job_id", "round", "attempt", "from_node_id", "phase", "step", "segment", "spec", "chunk", "last")
+    __slots__ = ("job_id", "round", "attempt", "from_node_id", "phase", "step", "segment", "spec", "chunk", "last", "segment_digest", "owner_signature", "owner_certificate")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,9 @@ class RingChunk(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OWNER_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     attempt: int
@@ -28,7 +31,10 @@ class RingChunk(_message.Message):
     spec: _common_pb2.TensorSpec
     chunk: _common_pb2.DataChunk
     last: bool
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., from_node_id: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., segment: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ..., last: _Optional[bool] = ...) -> None: ...
+    segment_digest: bytes
+    owner_signature: bytes
+    owner_certificate: bytes
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., from_node_id: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., segment: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ..., last: _Optional[bool] = ..., segment_digest: _Optional[bytes] = ..., owner_signature: _Optional[bytes] = ..., owner_certificate: _Optional[bytes] = ...) -> None: ...
 
 class RingAck(_message.Message):
     __slots__ = ("received_bytes",)

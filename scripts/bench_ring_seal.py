@@ -1,0 +1,174 @@
+"""What sealing a ring's all-gather costs (docs/ring-rounds.md, "Sealed all-gather"). Writes
+one JSON line of figures to stdout.
+
+    scripts/bench_ring_seal.py --members 16 --mb 400             # per member and round
+    scripts/bench_ring_seal.py --members 16 --mb 400 --ring 4    # + a real ring, sealed or not
+
+Per member and round (`--members` n, a `--mb` MiB float32 buffer, codec "none"): one SHA-256
+pass over the whole buffer in 1 MiB chunks (its own segment as it sends it, the n-1 others as
+they arrive), one ECDSA P-256 signature, n-1 signature checks with certificates already known,
+and, the first time a certificate is seen (a new member, a renewal), its CA check as well.
+Timed here on this process's thread, median of `--reps`.
+
+`--ring` n: n PeerServers with mutual TLS in this process and the same all-reduce of
+`--ring-mb` MiB (bulk sockets, as agents run it) `--reps` times sealed and unsealed (the
+transports' signer and verifier removed), alternating; the median wall time of each and their
+ratio. All ranks share one event loop here, so the ratio is the CPU share seals add to the
+ring, not what a member on a machine of its own sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MiB = 1 << 20
+
+
+def _median_s(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def micro(members: int, mb: int, reps: int, identities: list[Any]) -> dict[str, Any]:
+    from epochmesh.ring_seal import SegmentSigner, SegmentVerifier, seal_message
+
+    buf = memoryview(bytearray(b"\x5a" * (mb * MiB)))
+
+    def hash_all() -> None:
+        h = hashlib.sha256()
+        for i in range(0, len(buf), MiB):
+            h.update(buf[i : i + MiB])
+        h.digest()
+
+    hash_s = _median_s(hash_all, reps)
+    digest = hashlib.sha256(b"x").digest()
+    message = seal_message("job", 1, 0, 1, "node-0", digest)
+    signer = SegmentSigner(lambda: identities[0])
+    seal = signer.seal(message, digest)
+    sign_s = _median_s(lambda: signer.seal(message, digest), 200)
+    verifier = SegmentVerifier(identities[0].ca_pem)
+    verifier.check("node-0", message, seal)
+    verify_s = _median_s(lambda: verifier.check("node-0", message, seal), 200)
+
+    def cold() -> None:
+        SegmentVerifier(identities[0].ca_pem).check("node-0", message, seal)
+
+    cold_s = _median_s(cold, 50)
+    per_round = hash_s + sign_s + (members - 1) * verify_s
+    return {
+        "members": members,
+        "buffer_mib": mb,
+        "sha256_mib_per_s": round(mb / hash_s, 1),
+        "hash_s": round(hash_s, 4),
+        "sign_us": round(sign_s * 1e6, 1),
+        "verify_us": round(verify_s * 1e6, 1),
+        "cold_certificate_us": round(cold_s * 1e6, 1),
+        "per_member_round_s": round(per_round, 4),
+        "first_round_extra_s": round((members - 1) * (cold_s - verify_s), 4),
+        "seal_wire_bytes_per_segment": 2 + 32 + 2 + len(seal.signature) + 3 + len(seal.certificate),
+    }
+
+
+async def ring(n: int, mb: int, reps: int, identities: list[Any]) -> dict[str, Any]:
+    import torch
+
+    from node_agent.peer import PeerServer
+    from node_agent.ring_allreduce import Ring, RingTransport, ring_allreduce
+
+    ids = [f"node-{i}" for i in range(n)]
+    servers = [
+        PeerServer("127.0.0.1:0", identity=identities[i], tune_malloc=False) for i in range(n)
+    ]
+    for s in servers:
+        await s.start()
+    transports = [
+        RingTransport.for_server(ids[i], servers[i], identity=identities[i]) for i in range(n)
+    ]
+    seals = [(t.signer, t.verifier) for t in transports]
+    numel = mb * MiB // 4
+    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    digests: set[str] = set()
+    try:
+        for rep in range(2 * reps + 2):
+            sealed = rep % 2 == 0
+            for t, (signer, verifier) in zip(transports, seals, strict=True):
+                t.signer, t.verifier = (signer, verifier) if sealed else (None, None)
+            bufs = [x.clone() for x in inputs]
+            addrs = [s.address for s in servers]
+            t0 = time.perf_counter()
+            await asyncio.gather(
+                *(
+                    ring_allreduce(
+                        bufs[r],
+                        Ring(ids, addrs, r, rep),
+                        transports[r],
+                        30.0,
+                        job_id="bench",
+                        round=1,
+                    )
+                    for r in range(n)
+                )
+            )
+            wall = time.perf_counter() - t0
+            digests |= {hashlib.sha256(b.numpy().tobytes()).hexdigest() for b in bufs}
+            if rep >= 2:  # the first of each is a warm-up (connections, caches)
+                times[sealed].append(wall)
+    finally:
+        for t in transports:
+            await t.close()
+        for s in servers:
+            await s.stop(None)
+    if len(digests) != 1:
+        raise AssertionError("the ranks' sums differ")
+    sealed_s, plain_s = statistics.median(times[True]), statistics.median(times[False])
+    return {
+        "ring_members": n,
+        "ring_mib": mb,
+        "ring_sealed_s": round(sealed_s, 3),
+        "ring_unsealed_s": round(plain_s, 3),
+        "ring_sealed_vs_unsealed": round(sealed_s / plain_s, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--members", type=int, default=16, help="ring size for the figures")
+    parser.add_argument("--mb", type=int, default=400, help="buffer MiB (400: 100M params)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--ring", type=int, default=0, help="also run a real ring of n peers")
+    parser.add_argument("--ring-mb", type=int, default=32)
+    args = parser.parse_args(argv)
+    from coordinator.tokens import ensure_ca, issue_identity
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ca = ensure_ca(Path(tmp))
+        count = max(args.ring, 1)
+        identities = [issue_identity(ca, "node", f"node-{i}") for i in range(count)]
+        result = micro(args.members, args.mb, args.reps, identities)
+        if args.ring:
+            result |= asyncio.run(ring(args.ring, args.ring_mb, args.reps, identities))
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
