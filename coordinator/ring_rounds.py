@@ -100,7 +100,9 @@ def checksum_verdict(checksums: Mapping[str, str], retried_tie: bool) -> Checksu
     a strict majority of the members wins and the other members are ejected. Without one (two
     members that disagree, a tie, or as many checksums as members) nobody can be blamed: the
     round is retried once with the same members (a transient fault clears), and a second
-    disagreement (`retried_tie`) stops the job.
+    disagreement (`retried_tie`) is FAIL: nobody can be blamed (`RingRounds` then waits for a
+    member outside the disputed ones, whose checksum decides, where the job has room for one;
+    else the job stops).
     """
     groups: dict[str, list[str]] = {}
     for node, checksum in sorted(checksums.items()):
@@ -131,8 +133,7 @@ def checksum_verdict(checksums: Mapping[str, str], retried_tie: bool) -> Checksu
         Agreement.FAIL,
         "",
         (),
-        f"no majority among the {n} members' checksums after a retry ({what}); the job stops "
-        "rather than train on divergent replicas",
+        f"no majority among the {n} members' checksums after a retry ({what})",
     )
 
 
@@ -271,6 +272,10 @@ class RingRounds:
         self.links: dict[tuple[str, str], tuple[float, float]] = {}
         # The last round ran on nodes the scheduler had given away, to keep the state first.
         self._kept_state_round = False
+        # Members whose checksums disagreed after a retry with no majority (nobody to blame):
+        # no round runs on them alone until one with another member agrees (`cannot_run`).
+        self._disputed: frozenset[str] = frozenset()
+        self._dispute = ""
         # Revoked node ids handed to the members with their tasks, and when they were read.
         self._revoked: list[str] = []
         self._revoked_at = -math.inf
@@ -402,7 +407,13 @@ class RingRounds:
         return info.peer_address if info is not None else ""
 
     def cannot_run(self, nodes: list[str]) -> str:
-        if any(self._peer_address(n) for n in nodes):
+        members = {n for n in nodes if self._peer_address(n)}
+        if members and self._disputed and members <= self._disputed:
+            return (
+                f"waiting for a ring member other than {', '.join(sorted(self._disputed))}: "
+                f"{self._dispute}; a member outside them decides by majority"
+            )
+        if members:
             return ""
         return (
             f"waiting for a ring member: aggregation is 'ring' and none of the {len(nodes)} "
@@ -502,8 +513,14 @@ class RingRounds:
             if outcome == "ok":
                 verdict = checksum_verdict(self._checksums(rs), retried_tie)
                 if verdict.agreement is Agreement.FAIL:
-                    outcome = "diverged"
-                elif verdict.agreement is not Agreement.AGREED:
+                    outcome = "disputed" if self._room_beside(self._checksums(rs)) else "diverged"
+                    break
+                if (
+                    verdict.agreement in (Agreement.AGREED, Agreement.EJECT)
+                    and not set(self._checksums(rs)) <= self._disputed
+                ):
+                    self._disputed, self._dispute = frozenset(), ""  # a majority has spoken
+                if verdict.agreement is not Agreement.AGREED:
                     outcome = "failed"
                     note = verdict.reason
                     if verdict.agreement is Agreement.RETRY:
@@ -525,6 +542,7 @@ class RingRounds:
             assert verdict is not None
             await self._diverged(rs, verdict)
             return
+        disputed = self._checksums(rs) if outcome == "disputed" else {}
         self.runner.ledger.abort_round(round_id)
         self.runner.round_state = None
         self.attempt = None
@@ -532,6 +550,9 @@ class RingRounds:
             return
         if outcome == "no state":
             await self._rollback(f"no live ring member holds version {v}")
+        elif outcome == "disputed":
+            assert verdict is not None
+            await self._disputed_round(rs, verdict, disputed)
         else:
             await self.runner.ctx.events.append(
                 "round.aborted",
@@ -938,9 +959,41 @@ class RingRounds:
         self.pushed = None
         await self.runner.close_round(rs, t0)
 
+    def _room_beside(self, checksums: Mapping[str, str]) -> bool:
+        """Whether the job may hold a ring member beside the disputed ones (max_nodes), whose
+        checksum can make a majority."""
+        return self.runner.spec.max_nodes > len(checksums)
+
+    async def _disputed_round(
+        self, rs: RoundState, verdict: ChecksumVerdict, checksums: Mapping[str, str]
+    ) -> None:
+        """No majority after a retry: nobody is struck, the round's samples are pending again,
+        every member keeps the round's version (the next round starts from it), and no round runs
+        on these members alone until a member outside them joins (`cannot_run`)."""
+        self._disputed = frozenset(checksums)
+        self._dispute = f"their checksums disagreed twice in round {rs.round}"
+        log.warning("job %s round %d: %s", self.runner.job_id, rs.round, verdict.reason)
+        await self.runner.ctx.events.append(
+            "round.disputed",
+            job_id=self.runner.job_id,
+            message=(
+                f"round {rs.round}: {verdict.reason}; nobody is struck: the job waits for a ring member other than "
+                f"{', '.join(sorted(checksums))}, whose checksum decides"
+            ),
+            attrs={
+                "round": str(rs.round),
+                "disputed": ",".join(sorted(checksums)),
+                **{f"checksum.{n}": c for n, c in checksums.items()},
+            },
+        )
+
     async def _diverged(self, rs: RoundState, verdict: ChecksumVerdict) -> None:
         checksums = self._checksums(rs)
-        message = f"replicas diverged in round {rs.round}: {verdict.reason}"
+        message = (
+            f"replicas diverged in round {rs.round}: {verdict.reason}; the job stops rather than "
+            f"train on divergent replicas (max_nodes {self.runner.spec.max_nodes} leaves no room "
+            "for a member whose checksum would decide)"
+        )
         log.error("job %s: %s", self.runner.job_id, message)
         self.runner.ledger.abort_round(rs.round)
         self.runner.round_state = None

@@ -198,8 +198,13 @@ def new_world(packed: PackedJob) -> dict:
     }
 
 
-async def run_job(coord, packed: PackedJob, terminal_ok: bool = False) -> tuple:
-    job = await submit_packed(coord, packed)
+async def run_job(
+    coord, packed: PackedJob, terminal_ok: bool = False, job: common_pb2.Job | None = None
+) -> tuple:
+    """Submit ``packed`` (or follow ``job``, submitted already) to its end: (the job, its
+    rounds, its events)."""
+    if job is None:
+        job = await submit_packed(coord, packed)
     async with idm.secure_aio_channel(coord.address, coord.issue_identity("operator")) as ch:
         jobs = job_pb2_grpc.JobServiceStub(ch)
         sched = scheduler_pb2_grpc.SchedulerServiceStub(ch)
@@ -317,7 +322,8 @@ async def test_a_checksum_mismatch_stops_the_job(tmp_path: Path) -> None:
                 await a.stop()
     assert final.state == common_pb2.JOB_STATE_FAILED
     assert "diverged" in final.message
-    # Two members have no majority: retried once with both, then the job stops.
+    # Two members have no majority: retried once with both, then the job stops (max_nodes 2
+    # leaves no room for a third member whose checksum would decide).
     assert "no majority" in final.message and "after a retry" in final.message
     assert len([e for e in events if e.kind == "round.retried"]) == 1
     diverged = [e for e in events if e.kind == "job.diverged"]

@@ -1,7 +1,8 @@
 """Ring members that disagree on the parameters after a step, against the real engine over real
 gRPC + TLS (members played by tests/integration/fake_agent.py, as in test_ring_coordinator.py):
 the majority's checksum wins, the minority is ejected with a strike and the round retried
-without it; with no majority the round is retried once, then the job stops saying why.
+without it; with no majority the round is retried once, then the job waits for a member outside the
+disputed ones whose checksum decides (or, with no room for one, stops saying why).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from coordinator.engine import Engine
 from coordinator.ring_rounds import Agreement, checksum_verdict
 from epochmesh import identity as idm
 from epochmesh.v1 import agent_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.integration.fake_agent import FakeAgent
+from tests.integration.fake_agent import FakeAgent, submit_packed
 from tests.integration.test_ring_coordinator import (
     FakeMember,
     check_exactly_once,
@@ -22,7 +23,7 @@ from tests.integration.test_ring_coordinator import (
     ring_job,
     run_job,
 )
-from tests.procs import in_process_coordinator
+from tests.procs import async_wait_until, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,6 +165,59 @@ async def test_two_members_that_disagree_once_retry_the_round(tmp_path: Path) ->
     assert retried[0].attrs["failed"] == ""
     rnd = next(r for r in rounds if r.round == int(retried[0].attrs["round"]))
     assert rnd.attempts == 2 and all(p.status == "applied" for p in rnd.parts)
+
+
+async def test_two_members_that_keep_disagreeing_wait_for_a_third_who_decides(
+    tmp_path: Path,
+) -> None:
+    """Two members, one of them reporting another checksum every round: after the retry nobody
+    can be blamed, so nobody is struck; the round's samples go back to pending and the job
+    waits (PAUSED, saying for what) for a member outside the two, since max_nodes leaves room
+    for one. A third member joins: the majority's checksum wins, the liar is ejected with a
+    strike, and the job succeeds with every sample once per epoch."""
+    packed = ring_job(tmp_path, min_nodes=2, max_nodes=3)
+    world = new_world(packed)
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+    ) as coord:
+        liar = Member(world)
+        liar.checksum_salt = "a forged step"
+        agents = [
+            await FakeAgent(coord, "m1", 200.0, Member(world), peer_address="127.0.0.1:1").start(),
+            await FakeAgent(coord, "m2", 200.0, liar, peer_address="127.0.0.1:2").start(),
+        ]
+        try:
+            job = await submit_packed(coord, packed)
+
+            async def waiting() -> common_pb2.Job | None:
+                j = await coord.store.get_job(job.job_id)
+                assert j is not None and j.state != common_pb2.JOB_STATE_FAILED, j.message
+                paused = j.state == common_pb2.JOB_STATE_PAUSED
+                return j if paused and "ring member other than" in j.message else None
+
+            paused = await async_wait_until(waiting, timeout=30, message="the job never waited")
+            assert all(a.node_id in paused.message for a in agents), paused.message
+            assert [coord.registry.get(a.node_id).strikes for a in agents] == [0, 0]
+            agents.append(
+                await FakeAgent(
+                    coord, "m3", 200.0, Member(world), peer_address="127.0.0.1:3"
+                ).start()
+            )
+            final, rounds, events = await run_job(coord, packed, job=job)
+            m1, m2, m3 = (a.node_id for a in agents)
+            strikes = {n: coord.registry.get(n).strikes for n in (m1, m2, m3)}
+        finally:
+            for a in agents:
+                await a.stop()
+    assert final.state == common_pb2.JOB_STATE_SUCCEEDED, final.message
+    check_exactly_once(rounds)
+    assert strikes[m2] >= 1 and strikes[m1] == strikes[m3] == 0, strikes
+    disputed = [e for e in events if e.kind == "round.disputed"]
+    assert len(disputed) == 1 and disputed[0].attrs["disputed"] == ",".join(sorted((m1, m2)))
+    assert "no majority" in disputed[0].message and "nobody is struck" in disputed[0].message
+    assert not [e for e in events if e.kind == "job.diverged"]
+    ejected = [e for e in events if e.kind == "round.diverged"]
+    assert ejected and all(e.attrs["ejected"] == m2 for e in ejected)
 
 
 async def test_ring_tasks_carry_the_revocation_list(tmp_path: Path) -> None:
