@@ -55,6 +55,8 @@ _CHECKSUM = re.compile(r"^[0-9a-f]{64}$")
 
 # The revocation list handed to ring members is read from the store at most this often.
 REVOKED_REFRESH_S = 1.0
+# Versions whose agreed state checksums are kept (a joiner fetches a recent one).
+AGREED_VERSIONS_KEPT = 8
 # How long past its task's deadline a node sent to a peer for state may still fetch it.
 STATE_GRANT_GRACE_S = 60.0
 
@@ -135,6 +137,12 @@ def checksum_verdict(checksums: Mapping[str, str], retried_tie: bool) -> Checksu
         (),
         f"no majority among the {n} members' checksums after a retry ({what})",
     )
+
+
+def _state_key(part: Part) -> str:
+    """What a member's report says it holds after the step: its parameters' checksum, and its
+    optimizer state's where it reports one."""
+    return f"{part.checksum}+{part.optim_checksum}" if part.optim_checksum else part.checksum
 
 
 @dataclass(frozen=True)
@@ -276,6 +284,9 @@ class RingRounds:
         # no round runs on them alone until one with another member agrees (`cannot_run`).
         self._disputed: frozenset[str] = frozenset()
         self._dispute = ""
+        # version -> the checksums (parameters, optimizer state) its ring agreed on: a member
+        # serving that version to a joiner must serve exactly that state.
+        self._agreed_state: dict[int, tuple[str, str]] = {}
         # Revoked node ids handed to the members with their tasks, and when they were read.
         self._revoked: list[str] = []
         self._revoked_at = -math.inf
@@ -660,7 +671,7 @@ class RingRounds:
             part = rs.parts[n]
             part.task_id = "t-" + uuid.uuid4().hex[:12]
             part.status = "pending"
-            part.error = part.checksum = part.failed_peer = ""
+            part.error = part.checksum = part.optim_checksum = part.failed_peer = ""
             part.ring_fault = agent_pb2.RING_FAULT_UNSPECIFIED
             part.handed_out = now
             task = self.runner.train_task(rs, part)
@@ -713,6 +724,11 @@ class RingRounds:
         if holder:
             task.state_source_node_id = holder
             task.state_source_address = self._peer_address(holder)
+            # What the state must hash to: a holder cannot hand a joiner another state (which
+            # would put the joiner, not itself, in the next round's checksum minority).
+            agreed = self._agreed_state.get(int(task.params_version))
+            if agreed is not None:
+                task.state_params_checksum, task.state_optim_checksum = agreed
             # The holder serves the state only to nodes sent there (AuthorizeStateTransfer),
             # while their task may run.
             now = time.monotonic()
@@ -820,9 +836,11 @@ class RingRounds:
         return True
 
     def _checksums(self, rs: RoundState) -> dict[str, str]:
+        """Each member's checksum of the state after the step: its parameters' and, where it
+        reports one, its optimizer state's (honest members hold both bit-identical)."""
         att = self.attempt
         assert att is not None
-        return {n: rs.parts[n].checksum for n in att.order}
+        return {n: _state_key(rs.parts[n]) for n in att.order}
 
     async def _eject(self, rs: RoundState, verdict: ChecksumVerdict) -> None:
         """The members whose checksum lost to the majority's leave the round with a strike
@@ -939,9 +957,12 @@ class RingRounds:
         assert att is not None
         t0 = time.monotonic()
         members = [rs.parts[n] for n in att.order]
-        assert len({p.checksum for p in members}) == 1, "run_round commits agreed rounds only"
+        assert len({_state_key(p) for p in members}) == 1, "run_round commits agreed rounds only"
         agreed = members[0].checksum
         new_version = rs.version + 1
+        self._agreed_state[new_version] = (agreed, members[0].optim_checksum)
+        for old in [x for x in self._agreed_state if x < new_version - AGREED_VERSIONS_KEPT]:
+            del self._agreed_state[old]
         loaded = False
         if att.push_state_node:
             loaded = await self._load_pushed_state(rs, agreed, new_version)
@@ -1128,6 +1149,8 @@ class RingRounds:
                 problem = f"reported version {req.params_version}, the round makes {rs.version + 1}"
             elif not _CHECKSUM.match(req.params_checksum):
                 problem = "params_checksum is not a sha256 hex digest"
+            elif req.optim_checksum and not _CHECKSUM.match(req.optim_checksum):
+                problem = "optim_checksum is not a sha256 hex digest"
             elif not all(
                 math.isfinite(x) and x >= 0 for x in (req.compute_seconds, req.communicate_seconds)
             ) or not math.isfinite(req.mean_loss):
@@ -1138,6 +1161,7 @@ class RingRounds:
             else:
                 part.status = "reported"
                 part.checksum = req.params_checksum
+                part.optim_checksum = req.optim_checksum
                 part.mean_loss = req.mean_loss
                 part.compute_s = req.compute_seconds
                 part.comm_s = req.communicate_seconds

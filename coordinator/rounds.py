@@ -55,6 +55,7 @@ class Part:
     # it spent communicating (None: wall time minus compute time).
     member: bool = False
     checksum: str = ""
+    optim_checksum: str = ""  # ring mode: of the optimizer state after the step
     failed_peer: str = ""
     ring_fault: int = 0  # agent_pb2.RingFault this member found in its left neighbour's data
     comm_s: float | None = None

@@ -192,6 +192,38 @@ def params_of(snapshot: StateSnapshot) -> dict[str, torch.Tensor]:
     return {k[n:]: t for k, t in snapshot.tensors.items() if k.startswith(PARAM_PREFIX)}
 
 
+def optim_of(snapshot: StateSnapshot) -> dict[str, torch.Tensor]:
+    """The optimizer state tensors of a state snapshot by key, in order."""
+    n = len(OPTIM_PREFIX)
+    return {k[n:]: t for k, t in snapshot.tensors.items() if k.startswith(OPTIM_PREFIX)}
+
+
+class BadState(Exception):
+    """A peer served a state that is not the one the ring agreed on for its version."""
+
+    def __init__(self, node_id: str, reason: str) -> None:
+        super().__init__(reason)
+        self.node_id = node_id
+
+
+def check_served_state(snapshot: StateSnapshot, task: agent_pb2.Task) -> None:
+    """BadState unless ``snapshot`` (fetched from task.state_source_node_id) hashes to the
+    checksums the ring agreed on for its version (task.state_params_checksum and
+    task.state_optim_checksum; an empty one is not checked)."""
+    source = task.state_source_node_id
+    for what, expected, tensors in (
+        ("parameters", task.state_params_checksum, params_of(snapshot)),
+        ("optimizer state", task.state_optim_checksum, optim_of(snapshot)),
+    ):
+        if expected and params_checksum(tensors) != expected:
+            raise BadState(
+                source,
+                f"peer {source} served version {snapshot.version} of job {task.job_id} whose "
+                f"{what} are not the ones its ring agreed on (checksum "
+                f"{params_checksum(tensors)[:16]}, agreed {expected[:16]})",
+            )
+
+
 def ring_codec(spec: common_pb2.JobSpec) -> str:
     """The ring's wire codec: the spec's compression when a ring can carry it, else "none"."""
     codec = spec.compression or "none"
@@ -482,7 +514,20 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     loaded = await trainer.load_for_task(ctx, task)
     state = _state_for(task, loaded)
     version = int(task.params_version)
-    source = await ensure_state(ctx, state, task)
+    try:
+        source = await ensure_state(ctx, state, task)
+    except BadState as exc:
+        # The source, not this node, is at fault: named, as a member that failed the ring.
+        ctx.failure_reported = True
+        ctx.log.warning("%s", exc)
+        await ctx.report_progress(
+            failed=True,
+            error=str(exc)[:2000],
+            failed_peer_node_id=exc.node_id,
+            ring_attempt=attempt,
+            peer_links=runtime.links.report(peer_ids),
+        )
+        return
     ctx.check_cancelled()
 
     key = update_key(task)
@@ -587,6 +632,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     state.live_version = version + 1
     loaded.version = version + 1
     checksum = await ctx.run_compute(params_checksum, params_of(snapshot))
+    optim_sum = await ctx.run_compute(params_checksum, optim_of(snapshot))
 
     await ctx.report_progress(
         samples_done=cached.num_samples,
@@ -594,6 +640,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
         compute_seconds=cached.compute_s,
         communicate_seconds=max(0.0, time.monotonic() - started - compute_wall),
         params_checksum=checksum,
+        optim_checksum=optim_sum,
         ring_attempt=attempt,
         params_version=version + 1,
         peer_links=runtime.links.report(peer_ids),
@@ -699,6 +746,7 @@ async def _fetch_from_peer(
             f"peer {task.state_source_node_id} sent version {snap.version} of job "
             f"{task.job_id}; the round needs version {version}"
         )
+    await ctx.run_compute(check_served_state, snap, task)
     return snap
 
 

@@ -132,7 +132,7 @@ class NextTaskRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state", "ring_total_samples", "state_source_node_id", "push_state", "state_source_address", "ring_gateway", "params_bundle", "params_data", "compute_budget_seconds", "verify_chunks", "check", "revoked_node_ids")
+    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state", "ring_total_samples", "state_source_node_id", "push_state", "state_source_address", "ring_gateway", "params_bundle", "params_data", "compute_budget_seconds", "verify_chunks", "check", "revoked_node_ids", "state_params_checksum", "state_optim_checksum")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,8 @@ class Task(_message.Message):
     VERIFY_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CHECK_FIELD_NUMBER: _ClassVar[int]
     REVOKED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    STATE_OPTIM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     kind: TaskKind
     job_id: str
@@ -187,7 +189,9 @@ class Task(_message.Message):
     verify_chunks: int
     check: CheckSpec
     revoked_node_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., ring_total_samples: _Optional[int] = ..., state_source_node_id: _Optional[str] = ..., push_state: _Optional[bool] = ..., state_source_address: _Optional[str] = ..., ring_gateway: _Optional[bool] = ..., params_bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., params_data: _Optional[bytes] = ..., compute_budget_seconds: _Optional[float] = ..., verify_chunks: _Optional[int] = ..., check: _Optional[_Union[CheckSpec, _Mapping]] = ..., revoked_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    state_params_checksum: str
+    state_optim_checksum: str
+    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., ring_total_samples: _Optional[int] = ..., state_source_node_id: _Optional[str] = ..., push_state: _Optional[bool] = ..., state_source_address: _Optional[str] = ..., ring_gateway: _Optional[bool] = ..., params_bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., params_data: _Optional[bytes] = ..., compute_budget_seconds: _Optional[float] = ..., verify_chunks: _Optional[int] = ..., check: _Optional[_Union[CheckSpec, _Mapping]] = ..., revoked_node_ids: _Optional[_Iterable[str]] = ..., state_params_checksum: _Optional[str] = ..., state_optim_checksum: _Optional[str] = ...) -> None: ...
 
 class CheckSpec(_message.Message):
     __slots__ = ("seed", "buckets")
@@ -348,7 +352,7 @@ class ParametersHeader(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "compute_seconds", "communicate_seconds", "samples_done", "mean_loss", "params_checksum", "failed_peer_node_id", "ring_attempt", "params_version", "peer_links", "job_fault", "ring_fault")
+    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "compute_seconds", "communicate_seconds", "samples_done", "mean_loss", "params_checksum", "failed_peer_node_id", "ring_attempt", "params_version", "peer_links", "job_fault", "ring_fault", "optim_checksum")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +369,7 @@ class ReportProgressRequest(_message.Message):
     PEER_LINKS_FIELD_NUMBER: _ClassVar[int]
     JOB_FAULT_FIELD_NUMBER: _ClassVar[int]
     RING_FAULT_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     task_id: str
@@ -381,7 +386,8 @@ class ReportProgressRequest(_message.Message):
     peer_links: _containers.RepeatedCompositeFieldContainer[PeerLink]
     job_fault: bool
     ring_fault: RingFault
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., communicate_seconds: _Optional[float] = ..., samples_done: _Optional[int] = ..., mean_loss: _Optional[float] = ..., params_checksum: _Optional[str] = ..., failed_peer_node_id: _Optional[str] = ..., ring_attempt: _Optional[int] = ..., params_version: _Optional[int] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., job_fault: _Optional[bool] = ..., ring_fault: _Optional[_Union[RingFault, str]] = ...) -> None: ...
+    optim_checksum: str
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., communicate_seconds: _Optional[float] = ..., samples_done: _Optional[int] = ..., mean_loss: _Optional[float] = ..., params_checksum: _Optional[str] = ..., failed_peer_node_id: _Optional[str] = ..., ring_attempt: _Optional[int] = ..., params_version: _Optional[int] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., job_fault: _Optional[bool] = ..., ring_fault: _Optional[_Union[RingFault, str]] = ..., optim_checksum: _Optional[str] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("node_id", "rtt_ms", "bandwidth_bytes_per_second")

@@ -60,6 +60,10 @@ def ring_job(tmp_path: Path, **cluster: object) -> PackedJob:
     return build_job(load_spec(job_toml), verify=False, cache=ExportCache.default())
 
 
+# The fake members' optimizer state: none (the checksum of no tensors).
+OPTIM_CHECKSUM = params_checksum({})
+
+
 class FakeMember:
     """A ring member (or, without task.ring, an external node) that "trains" to the same
     parameters it started from, so that every replica agrees."""
@@ -90,6 +94,15 @@ class FakeMember:
             self.world["authorized"].append((requester == agent.node_id, reply.allowed))
 
     async def __call__(self, agent: FakeAgent, task: agent_pb2.Task) -> None:
+        if task.state_source_node_id:  # what the fetched state must hash to
+            self.world["expected"].append(
+                (
+                    task.state_source_node_id,
+                    task.params_version,
+                    task.state_params_checksum,
+                    task.state_optim_checksum,
+                )
+            )
         if not task.ring.node_ids:  # external: a zero gradient through the coordinator
             if task.state_source_node_id:
                 self.world["sourced"].append((agent.node_id, task.state_source_node_id))
@@ -163,6 +176,7 @@ class FakeMember:
             compute_seconds=0.01,
             communicate_seconds=0.01,
             params_checksum=checksum,
+            optim_checksum=OPTIM_CHECKSUM,
             ring_attempt=task.ring.attempt,
             params_version=v + 1,
             **fields,
@@ -190,6 +204,7 @@ def new_world(packed: PackedJob) -> dict:
         "tasks": [],
         "states": {},
         "sourced": [],
+        "expected": [],  # (state source, version, params checksum, optim checksum) of tasks
         "authorized": [],  # (sent there, allowed) of AuthorizeStateTransfer asks
         "agents": {},  # node id -> FakeAgent, for asks made as another agent
         "checkpoints": [],
@@ -290,6 +305,11 @@ async def test_a_dead_member_is_retried_without_and_externals_go_through_the_gat
     assert sorted(t.ring.node_ids[t.ring.rank] for t in late) == sorted([m1, m2])
     # Members hold each version after the first round: the external gets it from one of them.
     assert any(node == ext and source in (m1, m2, m3) for node, source in world["sourced"])
+    # Each such task says what the state must hash to: what its ring agreed on for the version.
+    assert world["expected"]
+    for source, v, params_sum, optim_sum in world["expected"]:
+        assert params_sum == params_checksum(world["states"][(source, v)]), (source, v)
+        assert optim_sum == OPTIM_CHECKSUM
     # A source serves the state only to the node sent there (AuthorizeStateTransfer).
     assert world["authorized"] and all(sent == ok for sent, ok in world["authorized"])
     assert {sent for sent, _ in world["authorized"]} == {True, False}

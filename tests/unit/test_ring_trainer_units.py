@@ -341,3 +341,28 @@ def test_peer_flags() -> None:
     ):
         with pytest.raises(SystemExit):
             parse_args([*base, *bad])
+
+
+def test_a_served_state_must_be_the_one_the_ring_agreed_on() -> None:
+    """A joiner checks the state a peer serves against the checksums the coordinator put in its
+    task (what the ring agreed on for the version): another state names the peer (BadState);
+    no checksum known (empty) checks nothing."""
+    params = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+    optim = {"0.momentum_buffer": torch.full((2, 3), 0.5)}
+    snap = StateSnapshot(4, rt.state_tensors(params, optim))
+    task = agent_pb2.Task(
+        job_id="j-1",
+        params_version=4,
+        state_source_node_id="n-source",
+        state_params_checksum=params_checksum(params),
+        state_optim_checksum=params_checksum(optim),
+    )
+    rt.check_served_state(snap, task)
+    rt.check_served_state(snap, agent_pb2.Task(state_source_node_id="n-source"))  # unknown
+    bent = {"0.momentum_buffer": torch.full((2, 3), 0.25)}  # momentum that steers the joiner
+    with pytest.raises(rt.BadState, match="optimizer state are not the ones") as err:
+        rt.check_served_state(StateSnapshot(4, rt.state_tensors(params, bent)), task)
+    assert err.value.node_id == "n-source"
+    other = {**params, "b": torch.zeros(3)}
+    with pytest.raises(rt.BadState, match="parameters are not the ones"):
+        rt.check_served_state(StateSnapshot(4, rt.state_tensors(other, optim)), task)
