@@ -642,7 +642,23 @@ def import_model(path: Path) -> Any:
 def replay(
     job_dir: Path, rounds: list[common_pb2.RoundRecord], data: dict[str, torch.Tensor], seed: int
 ) -> dict[str, torch.Tensor]:
-    """The live rounds in a plain single-process PyTorch loop (the submitter's model.py)."""
+    """The live rounds in a plain single-process PyTorch loop (the submitter's model.py).
+
+    On one torch thread, as the agents train (--threads 1): these convolutions on a few
+    samples are tiny, and a second thread only waits for a core. On this 2-core host, busy
+    with the agents and other processes, two threads made a round's replay 5-10 times slower
+    (tens of ms instead of ~5 ms: minutes for the hundreds of rounds of these jobs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _replay(job_dir, rounds, data, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(
+    job_dir: Path, rounds: list[common_pb2.RoundRecord], data: dict[str, torch.Tensor], seed: int
+) -> dict[str, torch.Tensor]:
     module = import_model(job_dir / "model.py")
     torch.manual_seed(seed)
     model = module.make_model()

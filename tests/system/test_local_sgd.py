@@ -40,7 +40,14 @@ from torch import nn
 from tests.fixtures import make_classification, write_mlp_job
 from tests.procs import start_coordinator, token_for, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
-from tests.system.test_training import applied_parts, cli, indices, load_rounds, submit
+from tests.system.test_training import (
+    applied_parts,
+    cli,
+    indices,
+    load_rounds,
+    submit,
+    wait_job_succeeded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,15 +183,7 @@ def run_job(address: str, directory: Path, name: str, **train: Any) -> tuple[lis
     """Submit, wait for success; (round records, downloaded parameters)."""
     started = time.monotonic()
     job_id = submit(address, job_toml(directory / "job", name, **train))
-
-    def done() -> bool:
-        out = cli(address, "status", job_id, "--output", "json")
-        assert out.returncode in (0, 5), out.stderr
-        job = json.loads(out.stdout)
-        assert job["state"] not in ("failed", "cancelled"), job
-        return job["state"] == "succeeded"
-
-    wait_until(done, timeout=150, interval=0.3, message=f"job {name} did not finish")
+    wait_job_succeeded(address, job_id, timeout=150)
     rounds = load_rounds(address, job_id)
     log.info(
         "job %s: %d rounds in %.1fs; round seconds %s",
@@ -342,14 +341,7 @@ def test_long_local_sgd_rounds_are_time_boxed_and_exactly_once(
         "cluster": {"min_nodes": len(SLOWDOWNS), "max_nodes": len(SLOWDOWNS)},
     }
     job_id = submit(address, write_mlp_job(tmp_path / "job", BOXED_N, overrides=overrides))
-
-    def done() -> bool:
-        out = cli(address, "status", job_id, "--output", "json")
-        job = json.loads(out.stdout)
-        assert job["state"] not in ("failed", "cancelled"), job
-        return job["state"] == "succeeded"
-
-    wait_until(done, timeout=180, interval=0.3, message="the boxed job did not finish")
+    wait_job_succeeded(address, job_id, timeout=180)
     rounds = load_rounds(address, job_id)
     seen = [i for rnd in rounds for p in applied_parts(rnd) for i in indices(p)]
     assert sorted(seen) == list(range(BOXED_N)), "the epoch is not covered exactly once"

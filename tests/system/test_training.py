@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from coordinator.engine import WATCH_MIN_INTERVAL_S
-from epochmesh.v1 import job_pb2, job_pb2_grpc
+from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
 from tests.fixtures import write_dataset, write_job
 from tests.procs import console_script, start_coordinator, sync_channel_for, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
@@ -103,6 +103,24 @@ def wait_succeeded(address: str, job_id: str, timeout: float) -> dict:
         return job if job["state"] == "succeeded" else None
 
     return wait_until(done, timeout=timeout, interval=0.5, message=f"job {job_id} did not finish")
+
+
+def wait_job_succeeded(address: str, job_id: str, timeout: float) -> None:
+    """Wait for SUCCEEDED (FAILED or CANCELLED fail at once), polling GetJob over one gRPC
+    channel: an `epochmesh status` process per poll (a Python start, ~0.2 s of CPU, twice a
+    second) would take a sizable part of these 2 cores from the agents and the coordinator."""
+    with sync_channel_for(address) as channel:
+        jobs = job_pb2_grpc.JobServiceStub(channel)
+
+        def done() -> bool:
+            job = jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=10)
+            assert job.state not in (
+                common_pb2.JOB_STATE_FAILED,
+                common_pb2.JOB_STATE_CANCELLED,
+            ), job.message
+            return job.state == common_pb2.JOB_STATE_SUCCEEDED
+
+        wait_until(done, timeout=timeout, interval=0.25, message=f"job {job_id} did not finish")
 
 
 def load_rounds(address: str, job_id: str) -> list[dict]:
@@ -237,7 +255,7 @@ def test_three_agents_match_single_process_replay(
     )
     job_id = submit(address, job_toml)
     watcher = Watcher(address, job_id)
-    wait_succeeded(address, job_id, timeout=240)
+    wait_job_succeeded(address, job_id, timeout=240)
     rounds = load_rounds(address, job_id)
     watcher.check(address, job_id, [r["round"] for r in rounds])
 
@@ -313,7 +331,7 @@ def test_micro_batches_train_what_whole_batches_train(
         },
     )
     job_id = submit(address, job_toml)
-    wait_succeeded(address, job_id, timeout=150)
+    wait_job_succeeded(address, job_id, timeout=150)
     out = cli(address, "status", job_id, "--output", "json")
     assert json.loads(out.stdout)["spec"]["micro_batch"] == 16
     out = cli(address, "status", job_id)
