@@ -181,6 +181,8 @@ class BlobStore:
         # Serializes publishing: two uploaders of one blob store it once.
         self._publish_lock = asyncio.Lock()
         self._sweeper: asyncio.Task[None] | None = None
+        # Blobs the coordinator stored and has not named yet (`stored`): never collected.
+        self._pins: dict[str, int] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -490,6 +492,26 @@ class BlobStore:
         self._partial_meta(key, sha256).unlink(missing_ok=True)
 
     # -- blobs the coordinator makes itself -----------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def stored(self, data: bytes) -> AsyncIterator[common_pb2.BlobRef]:
+        """`put_bytes` for a blob the caller names in the ``async with`` block (a checkpoint's
+        tensors, a job's result): until the block ends the collector leaves it alone, however
+        short its grace, so that it is never taken between being stored and being named."""
+        sha = hashlib.sha256(data).hexdigest()
+        self._pins[sha] = self._pins.get(sha, 0) + 1
+        try:
+            yield await self.put_bytes(data)
+        finally:
+            left = self._pins[sha] - 1
+            if left:
+                self._pins[sha] = left
+            else:
+                del self._pins[sha]
+
+    def pinned(self) -> frozenset[str]:
+        """The blobs stored and not named yet (`stored`)."""
+        return frozenset(self._pins)
 
     async def put_bytes(self, data: bytes, owner: str | None = None) -> common_pb2.BlobRef:
         """Store bytes made by the coordinator (checkpoints, results); no size limit or quota

@@ -16,7 +16,9 @@ Kill -9 at any point leaves the store consistent: a checkpoint row and the recor
 names are never removed in different orders (the record goes only in a transaction that saw
 no reference to it), and a file whose record is gone but which is still on disk is recorded
 again at the next start (coordinator/blobs.py reconciles) and collected by a later pass once
-its grace has passed. Bytes stored again that equal an unreferenced old blob (a checkpoint's
+its grace has passed. A blob the coordinator stored and has not named yet (a checkpoint's
+tensors before its row is written, a job's result before the job's record: `BlobStore.stored`)
+is never collected, whatever the grace. Bytes stored again that equal an unreferenced old blob (a checkpoint's
 tensors identical to a dropped one's, a re-upload) are not written twice but make the blob new
 again (`Store.touch_blob`, in the same store lock the sweep holds): its grace starts over, so a
 sweep between the store and the checkpoint naming it leaves it alone; a sweep that took it just
@@ -218,6 +220,8 @@ class GarbageCollector:
                 log.error("garbage collection deletes no blob: %s", exc)
                 return
             blobs = await store.list_blobs()
+            # Stored by the coordinator and not named yet (a checkpoint's, a result): kept.
+            referenced |= self._blobs.pinned()
             decisions = blobs_to_sweep(
                 blobs, referenced, self._released, now_ms=self._clock(), policy=self.policy
             )

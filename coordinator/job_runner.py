@@ -806,15 +806,15 @@ class JobRunner:
         params.update({a: params[p] for a, p in self.aliases.items() if p in params})
         state = {k: params[k] if k in params else self.buffers[k] for k in self.state_names}
         data = await asyncio.to_thread(to_safetensors, state)
-        ref = await self.ctx.blobs.put_bytes(data)
-        self.job.result.CopyFrom(ref)
-        self.job.eta_seconds = 0.0
-        await self._checkpoint(last_round=self.next_round - 1)
-        await self._set_state(
-            JS.JOB_STATE_SUCCEEDED,
-            f"trained {self.spec.epochs} epochs in {self.rounds_applied} rounds, "
-            f"final loss {self.job.last_loss:.4f}",
-        )
+        async with self.ctx.blobs.stored(data) as ref:  # named by the job's record below
+            self.job.result.CopyFrom(ref)
+            self.job.eta_seconds = 0.0
+            await self._checkpoint(last_round=self.next_round - 1)
+            await self._set_state(
+                JS.JOB_STATE_SUCCEEDED,
+                f"trained {self.spec.epochs} epochs in {self.rounds_applied} rounds, "
+                f"final loss {self.job.last_loss:.4f}",
+            )
 
     async def fail(self, message: str) -> None:
         try:

@@ -177,10 +177,10 @@ class RoundWriter:
         # from it, every round it holds has its record).
         await self.written()
         data = await asyncio.to_thread(tensors_to_bytes, tensors)
-        ref = await self.ctx.blobs.put_bytes(data)
-        manifest.tensors_sha256 = ref.sha256
-        async with self.ctx.store.transaction():
-            await self.ctx.store.save_checkpoint(
-                self.job.job_id, manifest.round, manifest.to_bytes()
-            )
-            await self.ctx.store.update_job(self.job)
+        async with self.ctx.blobs.stored(data) as ref:
+            manifest.tensors_sha256 = ref.sha256
+            async with self.ctx.store.transaction():
+                await self.ctx.store.save_checkpoint(
+                    self.job.job_id, manifest.round, manifest.to_bytes()
+                )
+                await self.ctx.store.update_job(self.job)

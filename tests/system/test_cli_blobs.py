@@ -33,17 +33,19 @@ def test_a_submitter_deletes_the_inputs_of_its_ended_job(cli: Cli, tmp_path: Pat
     # Queued (no agent): its inputs are in use.
     refused = cli.run("blobs", "delete", "--job", job["job_id"])
     assert_clean_error(refused, 6, "in progress", job["job_id"])
-    # (the stored blobs: the inputs and what the coordinator made of them, its checkpoint)
-    stored = cli.run("stats", "--output", "json").json()["blobs"]
-    assert stored > len(inputs)
 
     assert cli.run("cancel", job["job_id"]).code == 0
+    # The stored blobs: the inputs and what the coordinator made of them (its first checkpoint,
+    # written in the background: perhaps not yet).
+    stored = cli.run("stats", "--output", "json").json()["blobs"]
+    assert stored >= len(inputs)
     done = cli.run("blobs", "delete", "--job", job["job_id"], "--output", "json")
     assert done.code == 0, done.stderr
     rows = done.json()["blobs"]
     assert {r["sha256"] for r in rows} == inputs
     assert all(r["deleted"] and r["released_bytes"] > 0 for r in rows), rows
-    assert cli.run("stats", "--output", "json").json()["blobs"] == stored - len(inputs)
+    after = cli.run("stats", "--output", "json").json()["blobs"]
+    assert stored - len(inputs) <= after <= stored - len(inputs) + 1  # (+1: that checkpoint)
 
     # Again: nothing of the job's is the submitter's any more (skipped, no error).
     again = cli.run("blobs", "delete", "--job", job["job_id"])

@@ -144,6 +144,29 @@ async def test_bytes_stored_again_are_not_collected_before_they_are_named(
         await blobs.stop()
 
 
+async def test_a_blob_stored_and_not_named_yet_is_never_collected(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    """With no grace at all, a pass between the coordinator storing a blob and naming it (a
+    checkpoint's tensors, a job's result: `BlobStore.stored`) leaves it; after the block a
+    blob nothing names goes."""
+    blobs = BlobStore(tmp_path / "blobs", store, max_blob_bytes=1 << 20)
+    await blobs.start()
+    gc = GarbageCollector(
+        store, blobs, RetentionPolicy(blob_grace_ms=0, released_grace_ms=0), interval_s=60
+    )
+    try:
+        async with blobs.stored(b"a result") as ref:
+            assert blobs.pinned() == {ref.sha256}
+            assert (await gc.run_once()).blobs_deleted == 0
+            assert await blobs.exists(ref.sha256)
+        assert blobs.pinned() == frozenset()
+        assert (await gc.run_once()).blobs_deleted == 1  # never named: collected now
+        assert not blobs.path(ref.sha256).exists()
+    finally:
+        await blobs.stop()
+
+
 async def test_store_lists_and_drops_checkpoints(store: SqliteStore) -> None:
     a = await store.create_job(common_pb2.Job(name="a"), owner="t")
     b = await store.create_job(common_pb2.Job(name="b"), owner="t")
