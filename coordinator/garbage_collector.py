@@ -18,11 +18,11 @@ no reference to it), and a file whose record is gone but which is still on disk 
 again at the next start (coordinator/blobs.py reconciles) and collected by a later pass once
 its grace has passed. A blob the coordinator stored and has not named yet (a checkpoint's
 tensors before its row is written, a job's result before the job's record: `BlobStore.stored`)
-is never collected, whatever the grace. Bytes stored again that equal an unreferenced old blob (a checkpoint's
-tensors identical to a dropped one's, a re-upload) are not written twice but make the blob new
-again (`Store.touch_blob`, in the same store lock the sweep holds): its grace starts over, so a
-sweep between the store and the checkpoint naming it leaves it alone; a sweep that took it just
-before finds it written anew (the file's inode changed: left alone).
+is never collected, whatever the grace. Bytes stored again that equal an unreferenced old blob
+(a checkpoint's tensors identical to a dropped one's, a re-upload) are not written twice but
+make the blob new again (`Store.touch_blob`, in the same store lock the sweep holds): its grace
+starts over, so a sweep between the store and the checkpoint naming it leaves it alone; a sweep
+that took it just before finds it written anew (the file's inode changed: left alone).
 """
 
 from __future__ import annotations

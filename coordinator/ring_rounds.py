@@ -522,13 +522,14 @@ class RingRounds:
             outcome = await self._wait_attempt(rs)
             note = ""
             if outcome == "ok":
-                verdict = checksum_verdict(self._checksums(rs), retried_tie)
+                checksums = self._checksums(rs)
+                verdict = checksum_verdict(checksums, retried_tie)
                 if verdict.agreement is Agreement.FAIL:
-                    outcome = "disputed" if self._room_beside(self._checksums(rs)) else "diverged"
+                    outcome = "disputed" if self._room_beside(checksums) else "diverged"
                     break
                 if (
                     verdict.agreement in (Agreement.AGREED, Agreement.EJECT)
-                    and not set(self._checksums(rs)) <= self._disputed
+                    and not checksums.keys() <= self._disputed
                 ):
                     self._disputed, self._dispute = frozenset(), ""  # a majority has spoken
                 if verdict.agreement is not Agreement.AGREED:
@@ -998,8 +999,8 @@ class RingRounds:
             "round.disputed",
             job_id=self.runner.job_id,
             message=(
-                f"round {rs.round}: {verdict.reason}; nobody is struck: the job waits for a ring member other than "
-                f"{', '.join(sorted(checksums))}, whose checksum decides"
+                f"round {rs.round}: {verdict.reason}; nobody is struck: the job waits for a "
+                f"ring member other than {', '.join(sorted(checksums))}, whose checksum decides"
             ),
             attrs={
                 "round": str(rs.round),

@@ -215,12 +215,15 @@ def check_served_state(snapshot: StateSnapshot, task: agent_pb2.Task) -> None:
         ("parameters", task.state_params_checksum, params_of(snapshot)),
         ("optimizer state", task.state_optim_checksum, optim_of(snapshot)),
     ):
-        if expected and params_checksum(tensors) != expected:
+        if not expected:
+            continue
+        got = params_checksum(tensors)
+        if got != expected:
             raise BadState(
                 source,
                 f"peer {source} served version {snapshot.version} of job {task.job_id} whose "
-                f"{what} are not the ones its ring agreed on (checksum "
-                f"{params_checksum(tensors)[:16]}, agreed {expected[:16]})",
+                f"{what} are not the ones its ring agreed on (checksum {got[:16]}, agreed "
+                f"{expected[:16]})",
             )
 
 

@@ -9,9 +9,8 @@ every sample trained once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ import pytest
 import torch
 
 from coordinator.engine import Engine
-from epochmesh.identity import Identity
 from epochmesh.ring import ALL_GATHER
 from epochmesh.ring_seal import SegmentSigner, seal_message
 from epochmesh.v1 import agent_pb2, common_pb2, peer_pb2
@@ -31,10 +29,9 @@ from node_agent.ring_allreduce import (
     RingTransport,
     ring_allreduce,
 )
-from tests.integration.fake_agent import FakeAgent
+from tests.integration.ring_members import RingMember, ring_agents
 from tests.integration.test_ring_allreduce import Peers, _allreduce_all, _data, _expected
 from tests.integration.test_ring_coordinator import check_exactly_once, new_world, ring_job, run_job
-from tests.integration.test_ring_divergence import Member
 from tests.integration.test_ring_peer_attacks import _tls_peers
 from tests.procs import in_process_coordinator
 
@@ -182,88 +179,6 @@ async def ring_allreduce_all(
 
 # -- against the engine --------------------------------------------------------------------------
 
-NUMEL = 20_000
-
-
-class RingMember(Member):
-    """A member whose all-reduce is real: a zero gradient summed over the ring by
-    `ring_allreduce` through its own PeerServer (a tamperer's transport tampers what it
-    forwards). Its checksum is that of what it holds after the all-reduce, as a real member's
-    parameters after the step would be: a member that took a tampered segment would report
-    another one than the rest. A RingPeerFailed is reported as the ring trainer reports it."""
-
-    def __init__(self, world: dict, server: PeerServer, identity: Identity, tamper: bool) -> None:
-        super().__init__(world)
-        self.server = server
-        self.identity = identity
-        self.tamper = tamper
-        self.transport: RingTransport | None = None
-        self.failures: list[RingPeerFailed] = []
-        self.rings = 0
-
-    async def __call__(self, agent: FakeAgent, task: agent_pb2.Task) -> None:
-        ring = task.ring
-        self.checksum_salt = ""
-        if ring.node_ids:
-            if self.transport is None:
-                cls = TamperingTransport if self.tamper else RingTransport
-                self.transport = cls.for_server(agent.node_id, self.server, identity=self.identity)
-            key = (task.job_id, task.round, ring.attempt)
-            self.server.mailbox.announce(key, list(ring.node_ids), ring.rank, 60.0)
-            self.server.service.add_revoked(task.revoked_node_ids)
-            buf = torch.zeros(NUMEL)
-            try:
-                await ring_allreduce(
-                    buf,
-                    ring,
-                    self.transport,
-                    ring.deadline_seconds,
-                    job_id=task.job_id,
-                    round=task.round,
-                    join_timeout_s=10.0,
-                )
-            except RingPeerFailed as exc:
-                self.failures.append(exc)
-                await agent.report(
-                    task,
-                    failed=True,
-                    error=str(exc)[:2000],
-                    failed_peer_node_id=exc.node_id,
-                    ring_fault=exc.fault,
-                    ring_attempt=ring.attempt,
-                )
-                return
-            self.rings += 1
-            if float(buf.abs().max()) != 0.0:
-                self.checksum_salt = hashlib.sha256(buf.numpy().tobytes()).hexdigest()
-        await super().__call__(agent, task)
-
-
-@contextlib.asynccontextmanager
-async def ring_agents(
-    coord, world: dict, names: list[str], tamperer: str
-) -> AsyncIterator[list[FakeAgent]]:
-    agents: list[FakeAgent] = []
-    servers: list[PeerServer] = []
-    try:
-        for name in names:
-            agent = FakeAgent(coord, name, 200.0, None)  # type: ignore[arg-type]
-            server = PeerServer("127.0.0.1:0", identity=agent._identity, tune_malloc=False)
-            await server.start()
-            servers.append(server)
-            agent.on_train = RingMember(world, server, agent._identity, name == tamperer)
-            agent.peer_address = server.address
-            agents.append(await agent.start())
-        yield agents
-    finally:
-        for a in agents:
-            await a.stop()
-            member = a.on_train
-            if isinstance(member, RingMember) and member.transport is not None:
-                await member.transport.close()
-        for s in servers:
-            await s.stop(None)
-
 
 async def test_a_tampering_member_is_struck_and_no_honest_one_is(tmp_path: Path) -> None:
     packed = ring_job(tmp_path, min_nodes=3, max_nodes=4)
@@ -271,7 +186,12 @@ async def test_a_tampering_member_is_struck_and_no_honest_one_is(tmp_path: Path)
     async with in_process_coordinator(
         tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
     ) as coord:
-        async with ring_agents(coord, world, ["m1", "m2", "m3", "m4"], tamperer="m3") as agents:
+
+        def member(name: str, server: PeerServer) -> RingMember:
+            cls = TamperingTransport if name == "m3" else RingTransport
+            return RingMember(world, server, transport_cls=cls)
+
+        async with ring_agents(coord, world, ["m1", "m2", "m3", "m4"], member) as agents:
             final, rounds, events = await run_job(coord, packed)
             ids = {a.name: a.node_id for a in agents}
             strikes = {a.name: coord.registry.get(a.node_id).strikes for a in agents}
