@@ -101,8 +101,8 @@ class Engine:
         self.claims: dict[str, str] = {}  # node_id -> job_id
         # Which job may claim which node: the cluster scheduler (its state between passes).
         self.scheduling = ClusterScheduling(ctx.store, ctx.config.scheduler_hold_s)
-        # node_id -> (the job that let it go, the job the scheduler gave it to, why)
-        self._left_by: dict[str, tuple[str, str, str]] = {}
+        # node -> (the job that let it go, {job the scheduler moved that job's nodes to: why})
+        self._left_by: dict[str, tuple[str, dict[str, str]]] = {}
         self._scheduler_events: list[tuple[str, str, str, str]] = []
         self.task_owner: dict[str, tuple[str, str]] = {}  # task_id -> (node_id, job_id)
         # job_id -> the blobs its nodes may fetch (may_fetch_blob; a job's refs never change).
@@ -229,8 +229,8 @@ class Engine:
     def _claim(self, node_id: str, job_id: str) -> None:
         self.scheduling.claimed(node_id, now_ms())
         left = self._left_by.pop(node_id, None)
-        if left is not None and left[1] == job_id:
-            self._scheduler_events.append((node_id, left[0], job_id, left[2]))
+        if left is not None and job_id in left[1]:
+            self._scheduler_events.append((node_id, left[0], job_id, left[1][job_id]))
         self.claims[node_id] = job_id
 
     def wait_reason(self, job_id: str) -> str:
@@ -309,9 +309,9 @@ class Engine:
             return
         del self.claims[node_id]
         self.scheduling.released(node_id)
-        move = self.scheduling.move_from(node_id, job_id)
-        if move is not None:  # the scheduler gave it to another job: say so once claimed
-            self._left_by[node_id] = (job_id, move.to_job, move.reason)
+        moves = self.scheduling.moves_from(node_id, job_id)
+        if moves:  # the scheduler gives the job's nodes to others: say so once one claims it
+            self._left_by[node_id] = (job_id, moves)
         self.queues.pop(node_id, None)
         self._wake_all()
         if self.ctx.registry.is_alive(node_id):

@@ -19,7 +19,6 @@ from typing import Protocol
 from coordinator.cluster_scheduler import (
     Holding,
     JobRequest,
-    Move,
     NodeOffer,
     Plan,
     Tenants,
@@ -252,12 +251,18 @@ class ClusterScheduling:
         reasons = sorted({m.reason for m in moves if m.node_id in nodes})
         return Preemption(job_id, nodes, "; ".join(reasons))
 
-    def move_from(self, node_id: str, job_id: str) -> Move | None:
-        """The last plan's move of `node_id` away from `job_id` to another job, if any."""
+    def moves_from(self, node_id: str, job_id: str) -> dict[str, str]:
+        """Where the last plan sends `job_id`'s nodes: other job -> the reason, `node_id`'s own
+        move first. A node a job lets go may be claimed by any of them: once one node is free,
+        the next pass gives the taker that node rather than one the job still holds."""
         plan = self.last_plan
         if plan is None:
-            return None
-        for m in plan.moves:
-            if m.node_id == node_id and m.from_job == job_id and m.to_job:
-                return m
-        return None
+            return {}
+        moves = sorted(
+            (m for m in plan.moves if m.from_job == job_id and m.to_job),
+            key=lambda m: (m.node_id != node_id, m.node_id),
+        )
+        found: dict[str, str] = {}
+        for m in moves:
+            found.setdefault(m.to_job, m.reason)
+        return found

@@ -361,12 +361,19 @@ def job_state(job_id: str) -> RingJobState | None:
     return _ring_jobs.get(job_id)
 
 
-def _state_for(task: agent_pb2.Task, loaded: trainer.LoadedJob) -> RingJobState:
+async def _state_for(
+    ctx: TaskContext, task: agent_pb2.Task, loaded: trainer.LoadedJob
+) -> RingJobState:
     state = _ring_jobs.get(task.job_id)
     if state is not None and state.loaded is loaded:
         _ring_jobs.move_to_end(task.job_id)
         return state
-    optimizer = build_round_optimizer(task.spec, loaded.program.parameters())
+    # In the compute thread: the process's first optimizer imports torch._dynamo (seconds on a
+    # loaded host), which on the event loop stalled every member's heartbeats past its lease.
+    optimizer = await ctx.run_compute(
+        build_round_optimizer, task.spec, loaded.program.parameters()
+    )
+    state = _ring_jobs.get(task.job_id)
     if state is None:
         state = RingJobState(job_id=task.job_id, loaded=loaded, optimizer=optimizer)
     else:
@@ -515,7 +522,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     peer_ids = [n for n, _ in peers]
 
     loaded = await trainer.load_for_task(ctx, task)
-    state = _state_for(task, loaded)
+    state = await _state_for(ctx, task, loaded)
     version = int(task.params_version)
     try:
         source = await ensure_state(ctx, state, task)
