@@ -370,9 +370,7 @@ async def _state_for(
         return state
     # In the compute thread: the process's first optimizer imports torch._dynamo (seconds on a
     # loaded host), which on the event loop stalled every member's heartbeats past its lease.
-    optimizer = await ctx.run_compute(
-        build_round_optimizer, task.spec, loaded.program.parameters()
-    )
+    optimizer = await ctx.run_compute(build_round_optimizer, task.spec, loaded.program.parameters())
     state = _ring_jobs.get(task.job_id)
     if state is None:
         state = RingJobState(job_id=task.job_id, loaded=loaded, optimizer=optimizer)
