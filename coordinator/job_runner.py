@@ -326,6 +326,7 @@ class JobRunner:
                 },
             )
             await store.update_job(job)
+            await self.verifier.restore(manifest.round)
         for key_node, result in (await self._load_benchmarks()).items():
             self.bench[key_node] = result
         self.params_payload = None

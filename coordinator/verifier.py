@@ -22,11 +22,19 @@ Per job, one `Verifier`:
 Screening (`coordinator.screening`) of each round's updates runs at no compute before they are
 applied: a flagged update is discarded (its samples return to pending) and the node's next part
 is checked whatever its reputation.
+
+A coordinator restart keeps what the checks established (job state ``verification``, written
+after every change): each node's applied rounds that no check has vouched for yet, the nodes
+this job accused (their held pay is never released), the forced checks and the figures of the
+``job.verification`` event. The checks under way when it stopped cannot go on (their seeds and
+sketches were in memory): every node with unverified rounds has its next part checked, whose
+pass vouches for them and whose failure undoes them, across the restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import random
@@ -77,6 +85,8 @@ MIN_CHECK_WAIT_S = 15.0
 WATCH_EVERY_S = 0.25
 # How long the job's end waits for the last checks.
 SETTLE_MAX_S = 120.0
+# The job state key of what a restarted coordinator must know (see the module docstring).
+STATE_KEY = "verification"
 
 
 @dataclass
@@ -132,6 +142,9 @@ class Verifier:
         self._round_payload: tuple[int, tuple[common_pb2.TensorBundle, bytes]] | None = None
         self._changed = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
+        self._closed_round = 0  # every applied round up to it is in _unverified or verified
+        self._dirty = False
+        self._saver: asyncio.Task[None] | None = None
         # Samples trained and recomputed, by the node's standing when its update came: "new"
         # (checked every round), "trusted" (at the floor probability), "building" (between):
         # the check overhead is recomputed / trained (a sample costs the same either way).
@@ -153,6 +166,91 @@ class Verifier:
             except asyncio.CancelledError:
                 pass
             self._watch = None
+        if self._saver is not None:
+            await self._saver
+
+    # -- across a restart ------------------------------------------------------------------------
+
+    def state(self) -> dict[str, object]:
+        """What a restarted coordinator must know (see the module docstring)."""
+        unverified = {n: set(r) for n, r in self._unverified.items() if r}
+        for pc in self._pending.values():
+            unverified.setdefault(pc.node_id, set()).add(pc.round)
+        return {
+            "as_of_round": self._closed_round,
+            "unverified": {n: sorted(r) for n, r in sorted(unverified.items())},
+            "force": sorted(self._force | {pc.node_id for pc in self._pending.values()}),
+            "accused": sorted(self._accused),
+            "trained": dict(self.trained),
+            "recomputed": dict(self.recomputed),
+            "verdicts": dict(self.verdicts),
+        }
+
+    def _changed_state(self) -> None:
+        """Store the state soon (one writer task; it writes the newest state when it runs)."""
+        if not self.enabled:
+            return
+        self._dirty = True
+        if self._saver is None or self._saver.done():
+            self._saver = asyncio.get_running_loop().create_task(
+                self._save(), name=f"verify-save-{self.runner.job_id}"
+            )
+
+    async def _save(self) -> None:
+        while self._dirty:
+            self._dirty = False
+            data = json.dumps(self.state(), separators=(",", ":")).encode()
+            try:
+                await self.runner.ctx.store.put_job_state(self.runner.job_id, STATE_KEY, data)
+            except Exception:
+                log.exception("job %s: verification state not stored", self.runner.job_id)
+                return
+
+    async def restore(self, kept_up_to: int) -> None:
+        """After a coordinator restart, once the runner restored its state from the checkpoint
+        after round ``kept_up_to`` (later rounds rolled back): the stored state, plus the
+        applied parts of rounds recorded after it was written."""
+        if not self.enabled:
+            return
+        store, job_id = self.runner.ctx.store, self.runner.job_id
+        raw = await store.get_job_state(job_id, STATE_KEY)
+        if raw is None:
+            return
+        try:
+            state = json.loads(raw.decode())
+            as_of = int(state["as_of_round"])
+            unverified = {
+                str(n): {int(r) for r in rounds} for n, rounds in state["unverified"].items()
+            }
+            force = {str(n) for n in state["force"]}
+            accused = {str(n) for n in state["accused"]}
+            counts = [
+                {k: int(state[name].get(k, 0)) for k in getattr(self, name)}
+                for name in ("trained", "recomputed", "verdicts")
+            ]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("job %s: stored verification state unreadable (%s)", job_id, e)
+            return
+        for rec in await store.list_rounds(job_id):
+            if as_of < rec.round <= kept_up_to:
+                for part in rec.parts:
+                    if part.status == "applied":
+                        unverified.setdefault(part.node_id, set()).add(rec.round)
+        self._unverified = unverified
+        self.on_rolled_back(kept_up_to)
+        self._closed_round = kept_up_to
+        self._force = force | {n for n, r in self._unverified.items() if r}
+        self._accused = accused
+        self.trained, self.recomputed, self.verdicts = counts
+        log.info(
+            "job %s: verification state restored: %d node(s) with unverified rounds (from round "
+            "%s), %d accused",
+            job_id,
+            sum(1 for r in self._unverified.values() if r),
+            self.first_unverified_round(),
+            len(accused),
+        )
+        self._changed_state()
 
     async def settle(self, max_s: float = SETTLE_MAX_S) -> None:
         """Wait until every pending check has its verdict (each has a deadline), at most
@@ -226,6 +324,7 @@ class Verifier:
             deadline=time.monotonic() + wait,
             standing=standing,
         )
+        self._changed_state()
         return agent_pb2.CheckSpec(seed=seed, buckets=SKETCH_BUCKETS)
 
     # -- sketches --------------------------------------------------------------------------------
@@ -477,6 +576,7 @@ class Verifier:
             return
         self._forget(pc)
         self.verdicts["passed"] += 1
+        self._changed_state()
         # Verified: the node's rounds up to this one, but any whose own check still runs.
         running = {p.round for p in self._pending.values() if p.node_id == pc.node_id}
         rounds = self._unverified.get(pc.node_id)
@@ -502,6 +602,7 @@ class Verifier:
             return
         self._forget(pc)
         self.verdicts["undecided"] += 1
+        self._changed_state()
         log.warning(
             "job %s: the check of %s's round %d is undecided: %s",
             self.runner.job_id,
@@ -537,6 +638,7 @@ class Verifier:
         # early it was caught; undoing that round costs one round when it was not.
         rounds = self._unverified.pop(node, set()) | {pc.round}
         first = min(rounds)
+        self._changed_state()
         attrs = {"round": str(pc.round), **evidence}
         if accuse:
             text = f"failed verification in job {self.runner.job_id}: {reason}"
@@ -601,6 +703,8 @@ class Verifier:
             if figures.suspicious:
                 self._force.add(p.node_id)
                 flagged.append((p, figures.reason))
+        if flagged:
+            self._changed_state()
         return flagged
 
     def round_started(
@@ -623,6 +727,8 @@ class Verifier:
         for p in rs.parts.values():
             if p.status == "applied":
                 self._unverified.setdefault(p.node_id, set()).add(rs.round)
+        self._closed_round = max(self._closed_round, rs.round)
+        self._changed_state()
 
     def on_rolled_back(self, after_round: int) -> None:
         """Rounds after ``after_round`` were undone: nothing of them is left to verify for the
@@ -630,6 +736,8 @@ class Verifier:
         for rounds in self._unverified.values():
             for r in [r for r in rounds if r > after_round]:
                 rounds.discard(r)
+        self._closed_round = min(self._closed_round, after_round)
+        self._changed_state()
 
     def summary(self) -> dict[str, str]:
         """The job's verification figures (the ``job.verification`` event's attributes):
