@@ -40,6 +40,7 @@ def held_account(job_id: str) -> str:
 
 
 # Reasons of the entries that hold, release and forfeit a verified job's pay.
+PLATFORM_FEE = "platform fee"
 HELD = "held until verified"
 HELD_RERUN = "re-run held until verified"
 RELEASED = "verified: applied samples"
@@ -144,7 +145,7 @@ def round_entries(
                 c.platform_pays,
                 HELD_RERUN if hold else "re-run of rolled-back samples",
             ),
-            (escrow, PLATFORM, c.fee, "platform fee"),
+            (escrow, PLATFORM, c.fee, PLATFORM_FEE),
         )
         for src, dst, amount, reason in moves:
             if amount > 0:

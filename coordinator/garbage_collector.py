@@ -40,6 +40,7 @@ from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
 from coordinator.retention import (
     ENDED_STATES,
+    FLOOR_UNKNOWN,
     LIVE_STATES,
     ManifestError,
     RetentionPolicy,
@@ -71,12 +72,15 @@ RollbackFloor = Callable[[str], int | None]
 
 
 def engine_rollback_floor(engine: object) -> RollbackFloor:
-    """For job ids: its runner's `rollback_floor()` where the engine has a runner for the job
-    (coordinator/engine.py keeps them in ``runners``), else None."""
+    """For the ids of live jobs: its runner's `rollback_floor()` where the engine has a runner
+    for the job (coordinator/engine.py keeps them in ``runners``), else FLOOR_UNKNOWN (the
+    coordinator is starting: its runners have not restored what their checks need yet)."""
 
     def floor(job_id: str) -> int | None:
         runners = getattr(engine, "runners", None)
         runner = runners.get(job_id) if isinstance(runners, Mapping) else None
+        if runner is None:
+            return FLOOR_UNKNOWN
         hook = getattr(runner, "rollback_floor", None)
         if not callable(hook):
             return None

@@ -32,6 +32,9 @@ from coordinator.billing import BilledSamples, PartCharge, charge_part, earned_m
 from coordinator.credit_book import (
     FEE_RETURNED,
     FORFEITED,
+    HELD,
+    HELD_RERUN,
+    PLATFORM_FEE,
     Entry,
     escrow_account,
     forfeit_entries,
@@ -75,6 +78,45 @@ class Hold:
     epoch: int
     charge: PartCharge
     unpaid: np.ndarray  # the sample indices the submitter paid for with this part
+
+
+def _held_charges(
+    job_id: str, entries: Iterable[Entry], donor_of: Callable[[str], str]
+) -> dict[tuple[int, str], PartCharge]:
+    """(round, node) -> the charge of each part whose pay is still in the job's held account
+    (moved in by the round's entries, not out by a release or a forfeit: each moves a part's
+    whole hold), rebuilt from the ledger."""
+    held = held_account(job_id)
+    parts: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    settled: set[tuple[int, str]] = set()
+    for e in entries:
+        key = (e.round, e.node_id)
+        if e.from_account == held:
+            settled.add(key)
+        elif e.to_account == held and e.reason == HELD:
+            parts[key]["submitter"] += e.amount
+            parts[key]["samples"] += e.samples
+        elif e.to_account == held and e.reason == HELD_RERUN:
+            parts[key]["platform"] += e.amount
+            parts[key]["repeat"] += e.samples
+        elif e.reason == PLATFORM_FEE:
+            parts[key]["fee"] += e.amount
+    out = {}
+    for key, f in parts.items():
+        earned = f["submitter"] + f["platform"]
+        if key in settled or earned <= 0:
+            continue
+        out[key] = PartCharge(
+            node_id=key[1],
+            donor=donor_of(key[1]),
+            samples=f["samples"] + f["repeat"],
+            repeat_samples=f["repeat"],
+            earned=earned,
+            submitter_pays=f["submitter"],
+            platform_pays=f["platform"],
+            fee=f["fee"],
+        )
+    return out
 
 
 def per_credit(spec: common_pb2.JobSpec) -> bool:
@@ -121,8 +163,10 @@ class JobBilling:
     async def restore(self, store: Store, rounds: Iterable[common_pb2.RoundRecord]) -> None:
         """The samples the submitter paid for: every stored round's applied parts (rolled
         back too: a round record and its charges are written together), less those whose pay
-        was forfeited; what it spent. Pay still held is released: the checks that would have
-        vouched for it did not survive the restart."""
+        was forfeited; what it spent; and the pay still held, held again (rebuilt from the
+        ledger: a later check of the node releases or forfeits it, as before the restart; the
+        verifier keeps its unverified rounds across it). Held pay of a job that no longer holds
+        (``hold`` off) is released."""
         entries = [e for _, e in await store.list_ledger_entries(job_id=self.job_id)]
         self.job.spent_micro = sum(
             e.amount for e in entries if e.from_account == self.escrow and e.reason != "refund"
@@ -133,29 +177,39 @@ class JobBilling:
         )
         self.job.escrow_micro = self.available()
         forfeited = {(e.round, e.node_id) for e in entries if e.reason == FORFEITED}
-        for r in rounds:
+        charges = _held_charges(self.job_id, entries, self.donor_of)
+        release: list[Entry] = []
+        for r in sorted(rounds, key=lambda r: r.round):
             for p in r.parts:
                 if p.status == "applied" and (r.round, p.node_id) not in forfeited:
                     runs = np.array([(x.start, x.stop) for x in p.ranges], dtype=np.int64)
-                    self.billed.mark(r.epoch, runs.reshape(-1, 2))
-        held = held_account(self.job_id)
-        outstanding: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
-        for e in entries:
-            if e.to_account == held:
-                outstanding[(e.round, e.node_id)][0] += e.amount
-                outstanding[(e.round, e.node_id)][1] = max(
-                    outstanding[(e.round, e.node_id)][1], e.samples
-                )
-            elif e.from_account == held:
-                outstanding[(e.round, e.node_id)][0] -= e.amount
-        release: list[Entry] = []
-        for (round_id, node_id), (amount, samples) in sorted(outstanding.items()):
-            release += release_entries(
-                self.job_id, round_id, node_id, self.donor_of(node_id), amount, samples, now_ms()
-            )
+                    runs = runs.reshape(-1, 2)
+                    charge = charges.pop((r.round, p.node_id), None)
+                    if charge is not None and self.hold:
+                        unpaid = self.billed.unpaid(r.epoch, runs)
+                        self._holds[p.node_id].append(Hold(r.round, r.epoch, charge, unpaid))
+                    elif charge is not None:
+                        release += self._release_entries(r.round, charge)
+                    self.billed.mark(r.epoch, runs)
+        for (round_id, _), charge in sorted(charges.items()):  # a part with no stored record
+            release += self._release_entries(round_id, charge)
         if release:
             await self.credits.post(release)
             log.info("job %s: %d held part(s) released after a restart", self.job_id, len(release))
+        held = sum(len(h) for h in self._holds.values())
+        if held:
+            log.info("job %s: %d part(s)' pay held again after a restart", self.job_id, held)
+
+    def _release_entries(self, round_id: int, charge: PartCharge) -> list[Entry]:
+        return release_entries(
+            self.job_id,
+            round_id,
+            charge.node_id,
+            charge.donor,
+            charge.earned,
+            charge.samples,
+            now_ms(),
+        )
 
     # -- hand-out -------------------------------------------------------------------------------
 

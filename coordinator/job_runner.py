@@ -25,6 +25,7 @@ from coordinator.job_billing import AboveMaxPrice, BudgetExhausted, JobBilling
 from coordinator.ledger import EpochLedger
 from coordinator.node_set import JobNodeSet
 from coordinator.param_server import ParameterServer
+from coordinator.retention import FLOOR_UNKNOWN
 from coordinator.round_planner import RoundPlanner
 from coordinator.round_writer import RoundWriter
 from coordinator.rounds import NodeStats, Part, RoundState
@@ -122,6 +123,7 @@ class JobRunner:
         self._rollback_before: int | None = None
         self._rollback_reason = ""
         self._snapshots: dict[int, tuple[dict[str, torch.Tensor], CheckpointManifest]] = {}
+        self._restored = False  # restore() done: the rollback floor is known
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -331,6 +333,7 @@ class JobRunner:
             self.bench[key_node] = result
         self.params_payload = None
         await self.rounds.restored(resumed=latest is not None)
+        self._restored = True
 
     async def _load_benchmarks(self) -> dict[str, common_pb2.BenchmarkResult]:
         out: dict[str, common_pb2.BenchmarkResult] = {}
@@ -1072,6 +1075,8 @@ class JobRunner:
         collector keeps the newest checkpoint from before it): None when none may be."""
         if not self.verifier.enabled:
             return None
+        if not self._restored:  # what its checks need is not known yet: keep every checkpoint
+            return FLOOR_UNKNOWN
         rounds = [self._rollback_before, self.verifier.first_unverified_round()]
         return min((r for r in rounds if r is not None), default=None)
 

@@ -44,12 +44,19 @@ class RetentionPolicy:
             raise ValueError("retention periods must not be negative")
 
 
+# A rollback floor not known yet (a live job whose runner has not restored its state since the
+# coordinator started): no checkpoint of the job is dropped.
+FLOOR_UNKNOWN = -1
+
+
 def checkpoints_to_drop(
     rounds: Iterable[int], *, keep: int, rollback_floor: int | None = None
 ) -> list[int]:
     """The rounds of a job's checkpoints to drop: all but the newest ``keep`` and, when a
     rollback may still undo round ``rollback_floor``, the newest one before it (what
-    `Store.checkpoint_before(job, rollback_floor)` returns)."""
+    `Store.checkpoint_before(job, rollback_floor)` returns); none at FLOOR_UNKNOWN."""
+    if rollback_floor == FLOOR_UNKNOWN:
+        return []
     ordered = sorted(set(rounds))
     kept = set(ordered[-keep:]) if keep > 0 else set()
     if rollback_floor is not None:

@@ -203,27 +203,58 @@ async def test_verified_pay_is_held_then_released_or_forfeited(
     assert {"held until verified", "forfeited: failed verification"} <= reasons
 
 
-async def test_pay_held_before_a_restart_is_released_and_forfeits_stay_unpaid(
+async def test_pay_held_before_a_restart_is_held_again_and_forfeits_stay_unpaid(
+    store: SqliteStore, ledger: CreditLedger
+) -> None:
+    billing = JobBilling(job(), ledger, fee_ppm=100_000)
+    billing.hold = True
+    p1, p2, p3 = part("good", 0, 10), part("cheat", 10, 20), part("late", 20, 30)
+    await charged(billing, ledger, 1, p1, p2, p3)
+    await billing.forfeit("cheat")
+    rerun = part("good", 10, 25)  # 10 samples cheat's forfeit left unpaid, 5 re-run
+    await charged(billing, ledger, 2, rerun)
+    records = [
+        common_pb2.RoundRecord(
+            job_id=JOB, epoch=0, round=1, parts=[part_record(p) for p in (p1, p2, p3)]
+        ),
+        common_pb2.RoundRecord(job_id=JOB, epoch=0, round=2, parts=[part_record(rerun)]),
+    ]
+    spent = billing.job.spent_micro
+    restored = JobBilling(job(), ledger, fee_ppm=100_000)
+    restored.hold = True
+    await restored.restore(store, records)
+    # Held again, part by part, nothing paid out at the restart; the forfeited samples were
+    # paid again by the re-run.
+    held = f"held:{JOB}"
+    assert restored.held("good") == 100 + 150 and restored.held("late") == 100
+    assert ledger.balance(held) == 350 and ledger.balance("donor:good") == 0
+    assert restored.job.spent_micro == spent and restored.available() == billing.available()
+    assert restored.billed.split(0, np.array([[0, 30]])) == (0, 30)
+    # A check vouches for good's round 1 only; late is caught: its pay and fee go back and
+    # its samples are the submitter's to pay again.
+    assert await restored.release("good", up_to_round=1) == 100
+    assert await restored.forfeit("late") == 100
+    assert ledger.balance("donor:good") == 100 and ledger.balance("donor:late") == 0
+    assert restored.billed.split(0, np.array([[20, 30]])) == (10, 0)
+    assert restored.job.spent_micro == spent - 110
+    # The job ends: the rest of good's is paid, nothing is left held.
+    assert await restored.release_all() == 150
+    assert ledger.balance(held) == 0 and sum(ledger.balances().values()) == 0
+
+
+async def test_held_pay_of_a_job_that_no_longer_holds_is_released_at_the_restart(
     store: SqliteStore, ledger: CreditLedger
 ) -> None:
     billing = JobBilling(job(), ledger)
     billing.hold = True
-    p1, p2 = part("good", 0, 10), part("cheat", 10, 20)
-    await charged(billing, ledger, 1, p1, p2)
-    await billing.forfeit("cheat")
-    records = [
-        common_pb2.RoundRecord(
-            job_id=JOB, epoch=0, round=1, parts=[part_record(p1), part_record(p2)]
-        )
-    ]
+    p1 = part("good", 0, 10)
+    await charged(billing, ledger, 1, p1)
     restored = JobBilling(job(), ledger)
-    restored.hold = True
-    await restored.restore(store, records)
-    # good's held pay is released (its pending checks did not survive); the forfeited
-    # samples are the submitter's to pay again, good's are paid.
+    await restored.restore(
+        store, [common_pb2.RoundRecord(job_id=JOB, epoch=0, round=1, parts=[part_record(p1)])]
+    )
     assert ledger.balance("donor:good") == 100 and ledger.balance(f"held:{JOB}") == 0
-    assert restored.job.spent_micro == 100 and restored.available() == 900
-    assert restored.billed.split(0, np.array([[0, 20]])) == (10, 10)
+    assert restored.held() == 0
 
 
 async def test_a_release_and_a_forfeit_at_once_move_each_hold_once(

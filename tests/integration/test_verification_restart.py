@@ -55,7 +55,9 @@ async def test_unverified_rounds_from_before_a_restart_are_undone_when_their_nod
         NUM_SAMPLES,
         overrides={
             "train": {"epochs": EPOCHS, "global_batch": GLOBAL_BATCH},
-            "cluster": {"min_nodes": 1, "max_nodes": 2, "checkpoint_every": 1},
+            # Room for the good node's new lease beside its old one (leased until it lapses,
+            # 30 s) and the bad node, after the restart.
+            "cluster": {"min_nodes": 1, "max_nodes": 3, "checkpoint_every": 1},
         },
     )
     packed = build_job(load_spec(job_toml))
@@ -121,12 +123,12 @@ async def test_unverified_rounds_from_before_a_restart_are_undone_when_their_nod
     assert trained_before > 0, state
 
     async with in_process_coordinator(data_dir, **kw) as coord:
-        good = await FakeAgent(coord, "good", RATE, honest).start()
         cheat = FakeAgent(coord, "bad", RATE, bad)
         cheat._identity = bad_identity  # the same node as before the restart
         cheating.set()
         await cheat.start()
         assert cheat.node_id == bad_id
+        good = await FakeAgent(coord, "good", RATE, honest).start()
         try:
 
             async def quarantined() -> bool:

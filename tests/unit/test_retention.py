@@ -17,6 +17,7 @@ import torch
 from coordinator.blobs import BlobStore
 from coordinator.garbage_collector import GarbageCollector
 from coordinator.retention import (
+    FLOOR_UNKNOWN,
     LIVE_STATES,
     ManifestError,
     RetentionPolicy,
@@ -55,6 +56,8 @@ JS = common_pb2.JobState
         ([0, 2, 4, 6, 8], 2, 1, [2, 4]),
         # Nothing before the floor: nothing more to keep.
         ([5, 6, 7], 1, 5, [5, 6]),
+        # The floor is not known yet (the coordinator is starting): nothing is dropped.
+        ([0, 1, 2, 3, 4, 5], 1, FLOOR_UNKNOWN, []),
     ],
 )
 def test_checkpoints_to_drop(
