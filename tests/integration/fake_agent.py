@@ -186,11 +186,13 @@ class FakeAgent:
         params_version: int = 0,
         chunks: list[agent_pb2.ChunkCommitment] | None = None,
         sketches: bool = True,
+        sketch_of: dict[str, torch.Tensor] | None = None,
     ) -> agent_pb2.PushUpdateResponse:
         """Push an update. Where the task asks for chunk commitments (verification) and
         ``chunks`` is None, they are the honest ones of an update whose every chunk has the
-        same gradient and loss; when the coordinator asks for sketches they follow (unless
-        ``sketches`` is False: the caller sends its own)."""
+        same gradient and loss; when the coordinator asks for sketches they follow, every
+        chunk's the sketch of ``sketch_of`` (default: the update; ``sketches`` False: none,
+        the caller sends its own)."""
         header, payload = bundle or encode_bundle(tensors, codec)
         if chunks is None:
             chunks = [
@@ -218,7 +220,8 @@ class FakeAgent:
         ]
         response = await self.stub.PushUpdate(iter(msgs), timeout=30)
         if sketches and response.accepted and response.sketch.buckets > 0:
-            one = sketch(tensors, response.sketch.seed, response.sketch.buckets).tolist()
+            chunk = tensors if sketch_of is None else sketch_of
+            one = sketch(chunk, response.sketch.seed, response.sketch.buckets).tolist()
             await self.stub.CommitSketches(
                 agent_pb2.CommitSketchesRequest(
                     node_id=self.node_id,
@@ -280,6 +283,14 @@ async def wait_for_job_state(
         job = await async_wait_until(reached, timeout=timeout, message=f"job never {name}")
         assert isinstance(job, common_pb2.Job)
         return job
+
+
+async def job_events(coord: Coordinator, job_id: str) -> list[common_pb2.Event]:
+    """The job's events, read over gRPC as an operator."""
+    async with idm.secure_aio_channel(coord.address, coord.issue_identity("operator")) as ch:
+        jobs = job_pb2_grpc.JobServiceStub(ch)
+        reply = await jobs.GetJobEvents(job_pb2.GetJobEventsRequest(job_id=job_id), timeout=10)
+    return list(reply.events)
 
 
 def task_indices(task: agent_pb2.Task) -> list[int]:

@@ -21,15 +21,14 @@ import pytest
 import torch
 
 from coordinator.engine import Engine
-from epochmesh import identity as idm
 from epochmesh.packaging import build_job
-from epochmesh.sketch import sketch
 from epochmesh.spec import load_spec
-from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, job_pb2_grpc
+from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import chunk_bounds
 from tests.fixtures import write_mlp_job
 from tests.integration.fake_agent import (
     FakeAgent,
+    job_events,
     submit_packed,
     task_indices,
     wait_for_job_state,
@@ -162,31 +161,9 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
             seen.append(step)
             await agent.push(task, grads, kind="gradient", num_samples=n, compute_seconds=took)
         elif step == "scaled":
-            header_chunks = _chunks(task, n)
-            scaled = {k: 100 * v for k, v in grads.items()}
-            response = await agent.push(
-                task,
-                scaled,
-                kind="gradient",
-                num_samples=n,
-                compute_seconds=took,
-                chunks=header_chunks,
-                sketches=False,
-            )
+            response = await push_scaled(agent, task, grads, took)
             if response.accepted:
                 assert response.sketch.buckets > 0  # new: every round is checked
-                one = sketch(grads, response.sketch.seed, response.sketch.buckets).tolist()
-                await agent.stub.CommitSketches(
-                    agent_pb2.CommitSketchesRequest(
-                        node_id=agent.node_id,
-                        lease_id=agent.lease_id,
-                        job_id=task.job_id,
-                        task_id=task.task_id,
-                        seed=response.sketch.seed,
-                        sketches=one * len(header_chunks),
-                    ),
-                    timeout=10,
-                )
                 seen.append(step)
 
     async with in_process_coordinator(
@@ -205,13 +182,7 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
             await async_wait_until(caught, timeout=150, message="the scaled update caught")
             spare = await FakeAgent(coord, "spare", RATE, honest).start()
             await wait_for_job_state(coord, job.job_id, common_pb2.JOB_STATE_SUCCEEDED, timeout=120)
-            async with idm.secure_aio_channel(
-                coord.address, coord.issue_identity("operator")
-            ) as ch:
-                jobs = job_pb2_grpc.JobServiceStub(ch)
-                reply = await jobs.GetJobEvents(
-                    job_pb2.GetJobEventsRequest(job_id=job.job_id), timeout=10
-                )
+            events = await job_events(coord, job.job_id)
         finally:
             await good.stop()
             await bad.stop()
@@ -222,7 +193,6 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
     assert seen == plan, seen
     info = coord.registry.find(bad.node_id)
     assert info.strikes == strikes, info
-    events = list(reply.events)
     quarantined = [e for e in events if e.kind == "node.quarantined" and e.node_id == bad.node_id]
     assert quarantined, [e.kind for e in events]
     evidence = dict(quarantined[-1].attrs)
@@ -231,6 +201,24 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
     assert any(e.kind == "job.rolled_back" for e in events), [e.kind for e in events]
     assert coord.registry.find(good.node_id).strikes == 0
     assert good.errors == []
+
+
+async def push_scaled(
+    agent: FakeAgent, task: agent_pb2.Task, grads: dict[str, torch.Tensor], took: float
+) -> agent_pb2.PushUpdateResponse:
+    """Push ``grads`` scaled by 100 with the commitments and sketches of the honest chunks:
+    they do not add up to the update (the consistency check catches it)."""
+    n = len(task_indices(task))
+    scaled = {k: 100 * v for k, v in grads.items()}
+    return await agent.push(
+        task,
+        scaled,
+        kind="gradient",
+        num_samples=n,
+        compute_seconds=took,
+        chunks=_chunks(task, n),
+        sketch_of=grads,
+    )
 
 
 def _chunks(task: agent_pb2.Task, n: int, loss: float = 1.0) -> list[agent_pb2.ChunkCommitment]:

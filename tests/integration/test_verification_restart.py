@@ -22,19 +22,17 @@ import torch
 from coordinator.engine import Engine
 from coordinator.sqlite_store import SqliteStore
 from coordinator.verifier import STATE_KEY
-from epochmesh import identity as idm
 from epochmesh.packaging import build_job
-from epochmesh.sketch import sketch
 from epochmesh.spec import load_spec
-from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, job_pb2_grpc
+from epochmesh.v1 import agent_pb2, common_pb2
 from tests.fixtures import write_mlp_job
 from tests.integration.fake_agent import (
     FakeAgent,
+    job_events,
     submit_packed,
-    task_indices,
     wait_for_job_state,
 )
-from tests.integration.test_verification_input import RATE, _chunks, compute, honest
+from tests.integration.test_verification_input import RATE, compute, honest, push_scaled
 from tests.procs import async_wait_until, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,7 +60,6 @@ async def test_unverified_rounds_from_before_a_restart_are_undone_when_their_nod
     )
     packed = build_job(load_spec(job_toml))
     cheating = asyncio.Event()
-    caught_in: list[int] = []
 
     async def bad(agent: FakeAgent, task: agent_pb2.Task) -> None:
         """Honest until `cheating` is set; then an update scaled by 100 with the sketches of
@@ -70,33 +67,10 @@ async def test_unverified_rounds_from_before_a_restart_are_undone_when_their_nod
         if not cheating.is_set():
             await honest(agent, task)
             return
-        n = len(task_indices(task))
         _, params = await agent.pull(task.job_id, task.params_version)
         grads = {k: torch.full_like(t, 0.01) for k, t in params.items()}
         took = await compute(task)
-        response = await agent.push(
-            task,
-            {k: 100 * v for k, v in grads.items()},
-            kind="gradient",
-            num_samples=n,
-            compute_seconds=took,
-            chunks=_chunks(task, n),
-            sketches=False,
-        )
-        if response.accepted and response.sketch.buckets:
-            one = sketch(grads, response.sketch.seed, response.sketch.buckets).tolist()
-            await agent.stub.CommitSketches(
-                agent_pb2.CommitSketchesRequest(
-                    node_id=agent.node_id,
-                    lease_id=agent.lease_id,
-                    job_id=task.job_id,
-                    task_id=task.task_id,
-                    seed=response.sketch.seed,
-                    sketches=one * len(_chunks(task, n)),
-                ),
-                timeout=10,
-            )
-            caught_in.append(task.round)
+        await push_scaled(agent, task, grads, took)
 
     data_dir = tmp_path / "coord"
     kw = {"engine_factory": Engine, "heartbeat_interval_s": 1.0, "lease_ttl_s": 30.0}
@@ -137,19 +111,12 @@ async def test_unverified_rounds_from_before_a_restart_are_undone_when_their_nod
 
             await async_wait_until(quarantined, timeout=120, message="the cheat not caught")
             await wait_for_job_state(coord, job.job_id, common_pb2.JOB_STATE_SUCCEEDED, timeout=120)
-            async with idm.secure_aio_channel(
-                coord.address, coord.issue_identity("operator")
-            ) as ch:
-                jobs = job_pb2_grpc.JobServiceStub(ch)
-                reply = await jobs.GetJobEvents(
-                    job_pb2.GetJobEventsRequest(job_id=job.job_id), timeout=10
-                )
+            events = await job_events(coord, job.job_id)
             live = await coord.store.list_rounds(job.job_id)
         finally:
             await good.stop()
             await cheat.stop()
 
-    events = list(reply.events)
     restored = next(e for e in events if e.kind == "job.restored")
     kept = int(restored.attrs["checkpoint_round"])
     assert first_of_bad <= kept, (first_of_bad, kept)
