@@ -107,6 +107,11 @@ QUICK_PLAN = BenchmarkPlan(
 )
 # A job's program, at the batch sizes its BENCHMARK task names.
 JOB_PLAN = BenchmarkPlan(batch_sizes=(16, 64, 256), warmup_steps=2, min_steps=20, max_steps=20)
+# The same for agents started with --benchmark quick (tests): a few steps per batch size, at
+# most 2 s each whatever the --slowdown (the rounds' observed times correct the estimate).
+QUICK_JOB_PLAN = BenchmarkPlan(
+    batch_sizes=(16, 64, 256), warmup_steps=1, min_steps=5, max_steps=5, max_seconds=2.0
+)
 
 
 @dataclass(frozen=True)

@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--benchmark",
         default="full",
         choices=BENCHMARK_MODES,
-        help="reference benchmark at start: full (default), quick (tests), off",
+        help="reference benchmark at start: full (default), quick (tests: job benchmarks "
+        "of a few steps too), off",
     )
     parser.add_argument(
         "--drain-grace",

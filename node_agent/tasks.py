@@ -85,6 +85,7 @@ from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.benchmark import (
     JOB_PLAN,
     BenchmarkCancelled,
+    BenchmarkPlan,
     StepFactory,
     benchmark_model,
     build_result,
@@ -132,6 +133,7 @@ class TaskContext:
     executor: Executor | None = None
     memory_limit_bytes: int | None = None
     programs: ProgramHosts = field(default_factory=lambda: ProgramHosts("cpu", None, None))
+    job_benchmark: BenchmarkPlan = JOB_PLAN  # a BENCHMARK task's plan (its sizes from the task)
     cancelled: threading.Event = field(default_factory=threading.Event)
     received_at: float = field(default_factory=time.monotonic)
     cancel_reason: str = ""
@@ -438,7 +440,7 @@ async def run_benchmark_task(ctx: TaskContext) -> None:
     loaded: list[Any] = []
     build, what = job_step_factory(ctx, program, state, shards, loaded)
     meter = ChildMemoryMeter(lambda: loaded[0]) if program is not None else None
-    plan = JOB_PLAN.with_batch_sizes(task.benchmark_batch_sizes)
+    plan = ctx.job_benchmark.with_batch_sizes(task.benchmark_batch_sizes)
     ctx.log.info("benchmarking the %s at batch sizes %s", what, list(plan.batch_sizes))
     kept = False
     try:

@@ -47,6 +47,8 @@ from epochmesh.money import format_credits
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.benchmark import (
     FULL_PLAN,
+    JOB_PLAN,
+    QUICK_JOB_PLAN,
     QUICK_PLAN,
     BenchmarkCancelled,
     benchmark_model,
@@ -542,6 +544,7 @@ class Agent:
             executor=self.executor,
             memory_limit_bytes=self.config.memory_limit_bytes,
             programs=self.programs,
+            job_benchmark=QUICK_JOB_PLAN if self.config.benchmark == "quick" else JOB_PLAN,
             peer=self.peer,
         )
 
