@@ -36,6 +36,7 @@ class RingMember(Member):
         transport_cls: type[RingTransport] = RingTransport,
     ) -> None:
         super().__init__(world)
+        self.barrier = False  # the all-reduce below is the barrier; it may end early for some
         self.server = server
         self.poison = poison
         self.transport_cls = transport_cls
