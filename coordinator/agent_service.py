@@ -291,11 +291,10 @@ class AgentService:
             )
         self._registry.check_lease(req.node_id, req.lease_id)
         try:
-            await self._engine.commit_sketches(req)
+            return await self._engine.commit_sketches(req)
         except InvalidArgumentError as exc:
             await self._registry.add_strike(req.node_id, str(exc), job_id=req.job_id[:64])
             raise
-        return agent_pb2.CommitSketchesResponse()
 
     async def ReportCheck(
         self, req: agent_pb2.ReportCheckRequest, ctx: Ctx

@@ -64,6 +64,7 @@ SILENCE_HEARTBEATS = 1.5
 
 
 KIND_CHECKPOINT = "checkpoint"
+KIND_SNAPSHOT = "snapshot"
 
 
 def job_codec(spec: common_pb2.JobSpec) -> str:
@@ -423,6 +424,8 @@ class Engine:
         h = first.header
         arrived = time.monotonic()
         self.ctx.registry.check_lease(h.node_id, h.lease_id)
+        if h.kind == KIND_SNAPSHOT:  # after the update: its TRAIN task may be closed by now
+            return await self._push_snapshot(h, request_iterator)
         late_runner = self.runners.get(h.job_id)
         if late_runner is not None and late_runner.planner.note_late_update(
             h.node_id, h.task_id, h.num_samples, h.compute_seconds
@@ -459,7 +462,9 @@ class Engine:
             problem = f"compute_seconds is {h.compute_seconds}"
         elif len(h.chunks) > MAX_CHUNKS:
             problem = f"{len(h.chunks)} chunk commitments (at most {MAX_CHUNKS})"
-        elif commitment := runner.verifier.commitment_problem(h):
+        elif commitment := runner.verifier.commitment_problem(
+            h, runner.round_state.parts.get(h.node_id) if runner.round_state else None
+        ):
             problem = f"chunk commitments: {commitment}"
         if problem:
             runner.reject(h.node_id, h.task_id, problem)
@@ -496,12 +501,14 @@ class Engine:
                 response.sketch.CopyFrom(check)
         return response
 
-    async def commit_sketches(self, req: agent_pb2.CommitSketchesRequest) -> None:
+    async def commit_sketches(
+        self, req: agent_pb2.CommitSketchesRequest
+    ) -> agent_pb2.CommitSketchesResponse:
         """A node's sketches of its chunks (coordinator/verifier.py)."""
         runner = self.runners.get(req.job_id)
         if runner is None:
             raise FailedPreconditionError(f"job {req.job_id!r} is not running")
-        await runner.verifier.on_sketches(req)
+        return await runner.verifier.on_sketches(req)
 
     async def report_check(self, req: agent_pb2.ReportCheckRequest) -> None:
         """A checker's recomputation (coordinator/verifier.py)."""
@@ -512,6 +519,40 @@ class Engine:
                 f"task {req.task_id!r} is not an open check of node {req.node_id}"
             )
         await runner.verifier.on_check_report(req)
+
+    async def _push_snapshot(
+        self,
+        h: agent_pb2.UpdateHeader,
+        request_iterator: AsyncIterator[agent_pb2.PushUpdateRequest],
+    ) -> agent_pb2.PushUpdateResponse:
+        """A local SGD node's start state of its chunk drawn for a check (coordinator/
+        verifier.py)."""
+        runner = self.runners.get(h.job_id)
+        if runner is None:
+            raise FailedPreconditionError(f"job {h.job_id!r} is not running")
+        try:
+            for ts in h.bundle.tensors:
+                if ts.codec != "none":
+                    raise CodecError(
+                        f"state tensor {ts.name!r} is encoded {ts.codec!r}; a start state "
+                        "travels uncompressed"
+                    )
+            assembler = BundleAssembler(h.bundle)
+            async for msg in request_iterator:
+                if msg.WhichOneof("part") != "chunk":
+                    raise CodecError("only chunks may follow the header")
+                assembler.add(msg.chunk)
+            if not assembler.complete:
+                raise AbortedError(
+                    f"start state stream ended after {assembler.received} of "
+                    f"{assembler.total} bytes"
+                )
+            data = bytes(assembler.payload())
+            tensors = await asyncio.to_thread(assembler.finish)
+        except CodecError as exc:
+            raise InvalidArgumentError(f"start state refused: {exc}") from None
+        await runner.verifier.on_snapshot(h, tensors, (h.bundle, data))
+        return agent_pb2.PushUpdateResponse(accepted=True)
 
     async def _push_checkpoint(
         self,

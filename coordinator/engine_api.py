@@ -99,7 +99,9 @@ class TrainingEngine(Protocol):
         self, req: agent_pb2.ReportProgressRequest, ctx: Ctx
     ) -> agent_pb2.ReportProgressResponse: ...
 
-    async def commit_sketches(self, req: agent_pb2.CommitSketchesRequest) -> None: ...
+    async def commit_sketches(
+        self, req: agent_pb2.CommitSketchesRequest
+    ) -> agent_pb2.CommitSketchesResponse: ...
 
     async def report_check(self, req: agent_pb2.ReportCheckRequest) -> None: ...
 
@@ -225,7 +227,9 @@ class NullEngine:
     ) -> agent_pb2.ReportProgressResponse:
         raise UnimplementedError(NOT_AVAILABLE)
 
-    async def commit_sketches(self, req: agent_pb2.CommitSketchesRequest) -> None:
+    async def commit_sketches(
+        self, req: agent_pb2.CommitSketchesRequest
+    ) -> agent_pb2.CommitSketchesResponse:
         raise UnimplementedError(NOT_AVAILABLE)
 
     async def report_check(self, req: agent_pb2.ReportCheckRequest) -> None:

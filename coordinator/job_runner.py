@@ -985,10 +985,12 @@ class JobRunner:
         runs: np.ndarray,
         check: agent_pb2.CheckSpec,
         payload: tuple[common_pb2.TensorBundle, bytes] | None,
+        local_batch: int = 0,
     ) -> agent_pb2.Task:
         """A CHECK task: recompute the samples ``runs`` (a chunk of another node's part of
         ``round_id``) from parameters ``version`` and sketch the gradient (coordinator/
-        verifier.py)."""
+        verifier.py). Local SGD (``local_batch`` > 0): run the chunk's steps from the start
+        state ``payload``, which travels inline whatever its size."""
         shards = self._shards_of(runs)
         task = agent_pb2.Task(
             task_id=task_id,
@@ -1000,13 +1002,15 @@ class JobRunner:
             shards=shards,
             epoch=self.ledger.epoch,
             round=round_id,
-            local_batch=int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0,
+            local_batch=local_batch or (int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0),
             params_version=version,
             deadline_seconds=max(5.0, 2.0 * self.round_seconds()),
             check=check,
         )
         task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, runs))
-        if payload is not None and len(payload[1]) <= self.ctx.config.inline_params_max_bytes:
+        if payload is not None and (
+            local_batch or len(payload[1]) <= self.ctx.config.inline_params_max_bytes
+        ):
             task.params_bundle.CopyFrom(payload[0])
             task.params_data = payload[1]
         return task

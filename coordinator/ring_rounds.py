@@ -22,7 +22,12 @@ import torch
 from coordinator.rounds import MAX_DEADLINE_EXTENSIONS, Part, RoundState
 from coordinator.store import AbortedError, FailedPreconditionError
 from epochmesh.errors import CodecError
-from epochmesh.optim import build_round_optimizer, load_optimizer_state_tensors
+from epochmesh.optim import (
+    OPTIM_PREFIX,
+    PARAM_PREFIX,
+    build_round_optimizer,
+    load_optimizer_state_tensors,
+)
 from epochmesh.ring import RING_CODECS, link_cost_s, ring_order, step_deadline_s
 from epochmesh.tensors import encode_bundle, params_checksum
 from epochmesh.v1 import agent_pb2, common_pb2
@@ -48,8 +53,6 @@ DEAD = ("failed", "late", "rejected")
 # restarted coordinator must not number a round as one that was in flight before.
 ROUND_MARK_STEP = 64
 ROUND_MARK_KEY = "ring_round_mark"
-PARAM_PREFIX = "param/"
-OPTIM_PREFIX = "optim/"
 _CHECKSUM = re.compile(r"^[0-9a-f]{64}$")
 
 

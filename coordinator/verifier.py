@@ -19,6 +19,14 @@ Per job, one `Verifier`:
    verified round are undone (the runner rolls back to the state before the first of them) and
    its reputation is reset.
 
+Local SGD parts (their chunks are runs of inner steps, docs/verification-protocol.md): the node
+commits with its update the digest of the state (parameters and inner optimizer state) each
+chunk started from; its chunk sketches are of parameter differences and add up unweighted. The
+chunk drawn is answered in CommitSketchesResponse and the node uploads that chunk's start state
+(PushUpdate kind "snapshot"): its digest must be the committed one, and its parameters must be
+the round's parameters less the committed sketches of the chunks before it (else the node is
+accused with check "snapshot"); the checker runs the chunk's steps from that state.
+
 Screening (`coordinator.screening`) of each round's updates runs at no compute before they are
 applied: a flagged update is discarded (its samples return to pending) and the node's next part
 is checked whatever its reputation.
@@ -57,15 +65,16 @@ from coordinator.reputation import (
 from coordinator.rounds import Part, RoundState
 from coordinator.sample_ranges import index_run_array
 from coordinator.screening import Screening, extend_history, screen
+from coordinator.snapshot_check import snapshot_problem
 from coordinator.store import FailedPreconditionError, InvalidArgumentError
 from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
     SKETCH_BUCKETS,
     VERIFY_CHUNKS,
-    chunk_bounds,
     commitment_problem,
     consistency_tolerance,
+    local_sgd_commitment_problem,
     loss_matches,
     recompute_tolerance,
 )
@@ -117,6 +126,11 @@ class PendingCheck:
     state: str = "sketches"  # sketches | checking
     chunk_sketches: torch.Tensor | None = None
     chunk: int = -1
+    # Local SGD: the committed start digest of each chunk, the part's samples per step, and
+    # the uploaded start state of the chunk drawn (encoded, for the checker's task).
+    digests: list[bytes] = field(default_factory=list)
+    local_batch: int = 0
+    snapshot: tuple[common_pb2.TensorBundle, bytes] | None = None
     checkers: list[Checker] = field(default_factory=list)
     tried: set[str] = field(default_factory=set)
     standing: str = "new"  # the node's standing when its part was drawn (see Verifier.samples)
@@ -128,7 +142,8 @@ class Verifier:
     def __init__(self, runner: JobRunner, rng: random.Random | None = None) -> None:
         self.runner = runner
         spec = runner.spec
-        self.enabled = (spec.aggregation or "ps") == "ps" and spec.sync != "local_sgd"
+        self.enabled = (spec.aggregation or "ps") == "ps"
+        self.local_sgd = spec.sync == "local_sgd"
         self.verify_chunks = VERIFY_CHUNKS if self.enabled else 0
         self.rng = rng or random.SystemRandom()
         self._pending: dict[str, PendingCheck] = {}  # by TRAIN task id
@@ -280,9 +295,20 @@ class Verifier:
 
     # -- push ------------------------------------------------------------------------------------
 
-    def commitment_problem(self, h: agent_pb2.UpdateHeader) -> str:
+    def commitment_problem(self, h: agent_pb2.UpdateHeader, part: Part | None) -> str:
         if not self.enabled:
             return ""
+        if self.local_sgd:
+            if part is None:
+                return ""  # not an open part: the update is refused for that
+            return local_sgd_commitment_problem(
+                [(c.samples, c.loss, c.start_digest) for c in h.chunks],
+                h.num_samples,
+                h.mean_loss,
+                part.assigned or part.samples,
+                part.local_batch,
+                self.verify_chunks,
+            )
         return commitment_problem(
             [(c.samples, c.loss) for c in h.chunks], h.num_samples, h.mean_loss, self.verify_chunks
         )
@@ -323,13 +349,19 @@ class Verifier:
             update_sketch=update_sketch,
             deadline=time.monotonic() + wait,
             standing=standing,
+            digests=[c.start_digest for c in h.chunks] if self.local_sgd else [],
+            local_batch=part.local_batch,
         )
         self._changed_state()
         return agent_pb2.CheckSpec(seed=seed, buckets=SKETCH_BUCKETS)
 
     # -- sketches --------------------------------------------------------------------------------
 
-    async def on_sketches(self, req: agent_pb2.CommitSketchesRequest) -> None:
+    async def on_sketches(
+        self, req: agent_pb2.CommitSketchesRequest
+    ) -> agent_pb2.CommitSketchesResponse:
+        """The node's chunk sketches; the answer names the chunk whose start state a local SGD
+        node uploads next."""
         pc = self._pending.get(req.task_id)
         if pc is None or pc.node_id != req.node_id or pc.state != "sketches":
             raise FailedPreconditionError(
@@ -354,7 +386,10 @@ class Verifier:
         pc.chunk_sketches = values.reshape(k, pc.buckets)
         total = sum(n for n, _ in pc.chunks)
         combined = combine(
-            [(n / total, pc.chunk_sketches[i]) for i, (n, _) in enumerate(pc.chunks)]
+            [
+                (1.0 if pc.digests else n / total, pc.chunk_sketches[i])
+                for i, (n, _) in enumerate(pc.chunks)
+            ]
         )
         tolerance = consistency_tolerance(pc.codec)
         distance = relative_distance(combined, pc.update_sketch)
@@ -370,8 +405,60 @@ class Verifier:
                 },
                 accuse=True,
             )
-            return
+            return agent_pb2.CommitSketchesResponse()
         pc.chunk = checked_micro_batches(k, CHECK_FRACTION, self.rng)[0]
+        if pc.digests:
+            pc.state = "snapshot"
+            pc.deadline = time.monotonic() + max(
+                MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds()
+            )
+            self._changed.set()
+            return agent_pb2.CommitSketchesResponse(snapshot_wanted=True, snapshot_chunk=pc.chunk)
+        pc.state = "checking"
+        await self._next_checker(pc)
+        return agent_pb2.CommitSketchesResponse()
+
+    async def on_snapshot(
+        self,
+        h: agent_pb2.UpdateHeader,
+        tensors: Mapping[str, torch.Tensor],
+        payload: tuple[common_pb2.TensorBundle, bytes],
+    ) -> None:
+        """A local SGD node's upload of the start state of its chunk drawn: it must be what it
+        committed (digest) and where its committed chunks before it lead from the round's
+        parameters (sketches); then the chunk goes to a checker with it."""
+        pc = self._pending.get(h.task_id)
+        if pc is None or pc.node_id != h.node_id or pc.state != "snapshot":
+            raise FailedPreconditionError(
+                f"no start state is awaited for task {h.task_id!r} of node {h.node_id}"
+            )
+        if h.snapshot_chunk != pc.chunk:
+            raise InvalidArgumentError(
+                f"the start state of chunk {h.snapshot_chunk} was sent; chunk {pc.chunk} was drawn"
+            )
+        round_payload = self._payloads.get(pc.version)
+        if round_payload is None:
+            await self._inconclusive(pc, f"the parameters of version {pc.version} are gone")
+            return
+        assert pc.chunk_sketches is not None
+        problem, evidence = await asyncio.to_thread(
+            snapshot_problem,
+            tensors,
+            pc.digests[pc.chunk],
+            round_payload,
+            pc.chunk_sketches[: pc.chunk],
+            pc.seed,
+            pc.buckets,
+        )
+        if problem:
+            await self._fail(
+                pc,
+                f"the start state of its chunk {pc.chunk} {problem}",
+                {"check": "snapshot", "chunk": str(pc.chunk), **evidence},
+                accuse=True,
+            )
+            return
+        pc.snapshot = payload
         pc.state = "checking"
         await self._next_checker(pc)
 
@@ -424,7 +511,8 @@ class Verifier:
             await self._inconclusive(pc, why)
             return
         node = self._draw_checker(candidates)
-        start, end = chunk_bounds(int(sum(n for n, _ in pc.chunks)), self.verify_chunks)[pc.chunk]
+        start = int(sum(n for n, _ in pc.chunks[: pc.chunk]))
+        end = start + int(pc.chunks[pc.chunk][0])
         runs = _slice_runs(pc.ranges, start, end)
         task_id = "c-" + uuid.uuid4().hex[:12]
         task = self.runner.check_task(
@@ -433,7 +521,8 @@ class Verifier:
             pc.version,
             runs,
             agent_pb2.CheckSpec(seed=pc.seed, buckets=pc.buckets),
-            self._payloads.get(pc.version),
+            pc.snapshot if pc.digests else self._payloads.get(pc.version),
+            local_batch=pc.local_batch if pc.digests else 0,
         )
         wait = max(MIN_CHECK_WAIT_S, 4.0 * self.runner.round_seconds())
         pc.checkers.append(Checker(node, task_id, time.monotonic() + wait))
@@ -668,6 +757,22 @@ class Verifier:
                                 pc.node_id,
                                 f"no sketch commitment for round {pc.round} within "
                                 f"{MIN_SKETCH_WAIT_S:g}s of its update",
+                                job_id=self.runner.job_id,
+                            )
+                    elif pc.state == "snapshot" and now > pc.deadline:
+                        gone = not self.runner.ctx.registry.is_alive(pc.node_id)
+                        why = "went offline before it uploaded" if gone else "did not upload"
+                        await self._fail(
+                            pc,
+                            f"it {why} the start state of its chunk {pc.chunk} of round "
+                            f"{pc.round} (drawn for a check)",
+                            {"check": "snapshot_missing"},
+                            accuse=False,
+                        )
+                        if not gone:
+                            await self.runner.ctx.registry.add_strike(
+                                pc.node_id,
+                                f"no start state of its checked chunk for round {pc.round}",
                                 job_id=self.runner.job_id,
                             )
                     elif pc.state == "checking":

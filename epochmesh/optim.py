@@ -7,6 +7,8 @@ momentum over pseudo-gradients).
 
 `optimizer_step(opt, params, names, grads)` runs one step with gradients given by name.
 
+`state_tensors(params, optim)` names a whole state ("param/<name>", "optim/<key>/<name>").
+
 `optimizer_state_tensors(opt, names)` flattens an optimizer's per-parameter state into tensors
 named "<state key>/<parameter name>", e.g. "momentum_buffer/fc.weight", "exp_avg/fc.weight",
 "exp_avg_sq/fc.weight", "step/fc.weight"; `load_optimizer_state_tensors(opt, names, tensors)`
@@ -178,3 +180,19 @@ def load_optimizer_state_tensors(
     opt.state.clear()
     for p, st in new_state.items():
         opt.state[p] = st
+
+
+# A whole training state as named tensors (checkpoints, ring state transfers, local SGD
+# snapshots): "param/<name>" for the parameters, "optim/<key>/<name>" for the optimizer state.
+PARAM_PREFIX = "param/"
+OPTIM_PREFIX = "optim/"
+
+
+def state_tensors(
+    params: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Parameters and optimizer state named like ParameterServer.state_tensors:
+    "param/<name>" (in the given order), then "optim/<key>/<name>"."""
+    out = {f"{PARAM_PREFIX}{n}": t for n, t in params.items()}
+    out.update({f"{OPTIM_PREFIX}{k}": t for k, t in optim.items()})
+    return out

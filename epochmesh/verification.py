@@ -14,8 +14,11 @@ commitment must satisfy, and the tolerances of the two comparisons.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import torch
 
 # Chunks per verified part. A check recomputes one of them (coordinator/reputation.py:
 # CHECK_FRACTION = 0.08 of them, at least one): 1/12 = 8.3 % of the part's compute.
@@ -88,22 +91,28 @@ def chunk_bounds(samples: int, verify_chunks: int) -> list[tuple[int, int]]:
 
 
 def commitment_problem(
-    chunks: Sequence[tuple[int, float]], num_samples: int, mean_loss: float, verify_chunks: int
+    chunks: Sequence[tuple[int, float]],
+    num_samples: int,
+    mean_loss: float,
+    verify_chunks: int,
+    sizes: Sequence[int] | None = None,
 ) -> str:
     """Why an update's chunk commitments (samples, loss per chunk) do not fit it ("" if they
-    do): the count and sizes `chunk_bounds` gives, finite losses, and a sample-weighted loss
-    equal to the update's mean_loss."""
+    do): the count and sizes `chunk_bounds` gives (or ``sizes``), finite losses, and a
+    sample-weighted loss equal to the update's mean_loss."""
     if verify_chunks <= 0:
         return "" if not chunks else "the task asked for no chunk commitments"
-    want = chunk_bounds(num_samples, verify_chunks)
+    want = (
+        sizes if sizes is not None else [e - s for s, e in chunk_bounds(num_samples, verify_chunks)]
+    )
     if not chunks:
         return f"the update carries no chunk commitments (the task asked for {len(want)})"
     if len(chunks) != len(want):
         return f"{len(chunks)} chunk commitments for {num_samples} samples; expected {len(want)}"
     total = 0.0
-    for i, ((samples, loss), (start, end)) in enumerate(zip(chunks, want, strict=True)):
-        if samples != end - start:
-            return f"chunk {i} commits {samples} samples; it has {end - start}"
+    for i, ((samples, loss), size) in enumerate(zip(chunks, want, strict=True)):
+        if samples != size:
+            return f"chunk {i} commits {samples} samples; it has {size}"
         if not math.isfinite(loss):
             return f"chunk {i} commits a loss of {loss}"
         total += loss * samples
@@ -114,6 +123,90 @@ def commitment_problem(
             f"{mean_loss:.9g}"
         )
     return ""
+
+
+# -- local SGD ----------------------------------------------------------------------------------
+#
+# A local SGD part is H inner steps (consecutive local_batch slices of its samples) from the
+# round's parameters and the node's inner optimizer state. Its chunks are runs of consecutive
+# steps (`step_chunk_bounds`); chunk k's "gradient" is the parameters before its steps minus
+# after them, so that the chunks add up (unweighted) to the part's pseudo-gradient. A chunk
+# cannot be recomputed from the round's parameters alone, so with its update the node commits
+# to the state each chunk started from (`state_digest` of its parameters and inner optimizer
+# state); the state of the chunk drawn is uploaded after the sketches and checked against that
+# digest and against the sketches of the chunks before it.
+
+DIGEST_BYTES = 32
+
+
+def step_chunk_bounds(steps: int, verify_chunks: int) -> list[tuple[int, int]]:
+    """The [start, end) step ranges of a local SGD part of ``steps`` planned steps: at most
+    ``verify_chunks`` chunks of at least one step, sizes differing by at most one."""
+    if steps < 1 or verify_chunks < 1:
+        return []
+    k = min(verify_chunks, steps)
+    base, extra = divmod(steps, k)
+    out, start = [], 0
+    for i in range(k):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def local_sgd_chunk_samples(
+    part_samples: int, local_batch: int, verify_chunks: int, trained: int
+) -> list[int]:
+    """The samples of each chunk of a local SGD part of ``part_samples`` samples stepped
+    ``local_batch`` at a time, of which a time box let the node train the first ``trained``
+    (whole steps, or all): the chunks of the planned steps, cut where the training stopped
+    (a chunk the node never reached is absent)."""
+    if part_samples < 1 or local_batch < 1 or trained < 1:
+        return []
+    sizes = [min(local_batch, part_samples - s) for s in range(0, part_samples, local_batch)]
+    out: list[int] = []
+    for start, end in step_chunk_bounds(len(sizes), verify_chunks):
+        done = sum(sizes[:start])
+        if done >= trained:
+            break
+        out.append(min(sum(sizes[start:end]), trained - done))
+    return out
+
+
+def state_digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """SHA-256 of named tensors (sorted by name; each its name, dtype, shape and bytes): what a
+    local SGD node commits for the state a chunk started from."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+def local_sgd_commitment_problem(
+    chunks: Sequence[tuple[int, float, bytes]],
+    num_samples: int,
+    mean_loss: float,
+    part_samples: int,
+    local_batch: int,
+    verify_chunks: int,
+) -> str:
+    """Why a local SGD update's chunk commitments (samples, loss, start digest per chunk) do not
+    fit it ("" if they do): the chunks `local_sgd_chunk_samples` gives for the samples it
+    trained, finite losses whose sample-weighted mean is its mean_loss, a digest each."""
+    want = local_sgd_chunk_samples(part_samples, local_batch, verify_chunks, num_samples)
+    if not chunks:
+        return f"the update carries no chunk commitments (the task asked for {len(want)})"
+    for i, (_, _, digest) in enumerate(chunks):
+        if len(digest) != DIGEST_BYTES:
+            return (
+                f"chunk {i} commits a start digest of {len(digest)} bytes (a SHA-256 has "
+                f"{DIGEST_BYTES})"
+            )
+    return commitment_problem(
+        [(n, loss) for n, loss, _ in chunks], num_samples, mean_loss, verify_chunks, want
+    )
 
 
 def device_kind(device_type: str) -> str:

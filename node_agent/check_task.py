@@ -14,6 +14,13 @@ chunk's mean loss and gradient with the job's micro_batch
 slowdown controller (a slowed agent is slow here too) and answers ReportCheck with the loss,
 the gradient's CountSketch (epochmesh.sketch, float64) and the device seconds it took.
 
+A local SGD check (`trainer.is_local_sgd`) carries the checked node's state at the chunk's start
+inline ("param/<name>", "optim/<key>/<name>": its parameters and inner optimizer state): the
+agent runs the chunk's inner steps (local_batch samples each) from it with a fresh inner
+optimizer loaded with that state (`trainer.recompute_local_chunk`) and sketches the parameters
+before the steps minus after. The job's program then holds that state, not a version of the
+job: its `version` is forgotten (the next TRAIN task fetches its own).
+
 Failures follow TRAIN's conventions (node_agent.tasks.dispatch_task): anything raised here is
 reported by the dispatcher, which for a CHECK task answers ReportCheck(failed=True, error=...)
 (`TaskContext.report_failure`).
@@ -29,6 +36,7 @@ import torch
 
 from epochmesh.dataset import ranges_to_indices
 from epochmesh.sketch import sketch
+from epochmesh.tensors import decode_bundle
 from epochmesh.v1 import agent_pb2
 from epochmesh.verification import MAX_BUCKETS
 from node_agent import trainer
@@ -52,10 +60,36 @@ def check_problem(task: agent_pb2.Task) -> str:
     if not task.job_id:
         return "the check names no job"
     if trainer.is_local_sgd(task.spec):
-        return "local SGD parts are not checked by recomputing a chunk's gradient"
+        if not task.HasField("params_bundle"):
+            return "a local SGD check carries no start state"
+        if task.local_batch < 1:
+            return "a local SGD check names no local_batch"
     if not task.ranges:
         return "the check names no samples"
     return ""
+
+
+def local_check_in_thread(
+    ctx: TaskContext, job: trainer.LoadedJob, task: agent_pb2.Task
+) -> CheckResult:
+    """A local SGD chunk's loss and parameter difference sketch from the start state the task
+    carries; runs on the compute thread."""
+    if isinstance(job.program, ConfinedProgram):
+        job.program.timeout_s = trainer.step_timeout(task)
+    indices = ranges_to_indices(task.ranges)
+    state = decode_bundle(task.params_bundle, task.params_data)
+    slices = trainer.inner_step_slices(indices, task.local_batch, len(indices))
+    job.version = -1  # the program holds the checked node's state from now on
+    ctx.check_cancelled()
+    update = trainer.recompute_local_chunk(
+        job.program, task.spec, state, slices, job.dataset.get_batch, ctx.slowdown
+    )
+    trainer.require_finite(update)
+    ctx.check_cancelled()
+    values = sketch(update.tensors, task.check.seed, task.check.buckets).tolist()
+    return CheckResult(
+        loss=update.mean_loss, sketch=values, compute_s=update.compute_s, samples=len(indices)
+    )
 
 
 def check_in_thread(ctx: TaskContext, job: trainer.LoadedJob, task: agent_pb2.Task) -> CheckResult:
@@ -95,15 +129,18 @@ async def run_check_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     job = await trainer.load_for_task(ctx, task)
     loaded = time.monotonic()
     ctx.check_cancelled()
-    await trainer.ensure_params(ctx, job, task)
-    if job.version != task.params_version:
-        raise ValueError(
-            f"the parameters fetched are version {job.version}, the check needs "
-            f"{task.params_version}"
-        )
+    local = trainer.is_local_sgd(task.spec)
+    if not local:
+        await trainer.ensure_params(ctx, job, task)
+        if job.version != task.params_version:
+            raise ValueError(
+                f"the parameters fetched are version {job.version}, the check needs "
+                f"{task.params_version}"
+            )
     fetched = time.monotonic()
     ctx.check_cancelled()
-    result = await ctx.run_compute(check_in_thread, ctx, job, task)
+    compute = local_check_in_thread if local else check_in_thread
+    result = await ctx.run_compute(compute, ctx, job, task)
     computed = time.monotonic()
     await ctx.call(
         "ReportCheck",

@@ -56,9 +56,12 @@ import torch
 
 from epochmesh.identity import Identity
 from epochmesh.optim import (
+    OPTIM_PREFIX,
+    PARAM_PREFIX,
     build_round_optimizer,
     load_optimizer_state_tensors,
     optimizer_state_tensors,
+    state_tensors,
 )
 from epochmesh.ring import RING_CODECS
 from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks, params_checksum
@@ -74,8 +77,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PARAM_PREFIX = "param/"
-OPTIM_PREFIX = "optim/"
 KIND_CHECKPOINT = "checkpoint"
 # Ring state kept per agent process: as many jobs as the trainer keeps loaded.
 MAX_RING_JOBS = trainer.MAX_LOADED_JOBS
@@ -134,16 +135,6 @@ def _numel(shape: Sequence[int]) -> int:
     for d in shape:
         n *= int(d)
     return n
-
-
-def state_tensors(
-    params: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Parameters and optimizer state named like ParameterServer.state_tensors:
-    "param/<name>" (in the given order), then "optim/<key>/<name>"."""
-    out = {f"{PARAM_PREFIX}{n}": t for n, t in params.items()}
-    out.update({f"{OPTIM_PREFIX}{k}": t for k, t in optim.items()})
-    return out
 
 
 def split_state(

@@ -49,12 +49,25 @@ import torch
 
 from epochmesh.compression import ErrorFeedback
 from epochmesh.dataset import ShardedDataset, ranges_to_indices
-from epochmesh.optim import build_optimizer, optimizer_step
+from epochmesh.optim import (
+    OPTIM_PREFIX,
+    PARAM_PREFIX,
+    build_optimizer,
+    load_optimizer_state_tensors,
+    optimizer_state_tensors,
+    optimizer_step,
+    state_tensors,
+)
 from epochmesh.program import TrainableProgram
 from epochmesh.sketch import sketch
 from epochmesh.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, common_pb2
-from epochmesh.verification import MAX_BUCKETS, chunk_bounds
+from epochmesh.verification import (
+    MAX_BUCKETS,
+    chunk_bounds,
+    state_digest,
+    step_chunk_bounds,
+)
 from node_agent.cheat import (
     LAZY,
     STALE,
@@ -88,6 +101,7 @@ ERROR_FEEDBACK_CODECS = ("topk", "int8")
 PREFETCH_BYTES = 32 << 20
 
 KIND_GRADIENT = "gradient"
+KIND_SNAPSHOT = "snapshot"
 KIND_PSEUDO_GRADIENT = "pseudo_gradient"
 
 # Per attempt of a CommitSketches call (retried within the task's report window).
@@ -123,11 +137,16 @@ class ChunkGradients:
     samples: list[int]
     losses: list[float]
     grads: list[dict[str, torch.Tensor]]
+    # Local SGD: the state each chunk's steps started from ("param/<name>", "optim/<key>/
+    # <name>"; kept until the check is decided) and its digest (verification.state_digest).
+    starts: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
 
     def commitments(self) -> list[agent_pb2.ChunkCommitment]:
+        digests = self.digests or [b""] * len(self.samples)
         return [
-            agent_pb2.ChunkCommitment(samples=n, loss=loss)
-            for n, loss in zip(self.samples, self.losses, strict=True)
+            agent_pb2.ChunkCommitment(samples=n, loss=loss, start_digest=d)
+            for n, loss, d in zip(self.samples, self.losses, digests, strict=True)
         ]
 
     def sketches(self, seed: int, buckets: int) -> list[float]:
@@ -322,16 +341,18 @@ def chunk_losses_and_grads(
     ]
 
 
-def combine_chunks(chunks: ChunkGradients) -> tuple[float, dict[str, torch.Tensor]]:
-    """The part's mean loss and gradient from its chunks': sum_i (n_i / n) x chunk i, in
-    float32 and in chunk order (the loss as epochmesh.verification.commitment_problem weighs
-    it)."""
+def combine_chunks(
+    chunks: ChunkGradients, weighted: bool = True
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """The part's mean loss and gradient from its chunks': sum_i (n_i / n) x chunk i (or, not
+    ``weighted``, the plain sum: local SGD's chunks are parameter differences), in float32 and
+    in chunk order (the loss as epochmesh.verification.commitment_problem weighs it)."""
     n = sum(chunks.samples)
     if n <= 0 or not chunks.grads:
         raise ValueError("no chunks to combine")
     acc: dict[str, torch.Tensor] = {}
     for samples, grads in zip(chunks.samples, chunks.grads, strict=True):
-        weight = samples / n
+        weight = samples / n if weighted else 1.0
         for name, g in grads.items():
             if name in acc:
                 acc[name].add_(g, alpha=weight)
@@ -341,11 +362,14 @@ def combine_chunks(chunks: ChunkGradients) -> tuple[float, dict[str, torch.Tenso
     return loss, acc
 
 
-def update_from_chunks(chunks: ChunkGradients, compute_s: float) -> ComputedUpdate:
-    """Sync mode's update of a chunked part: the weighted sum of its chunks."""
-    loss, tensors = combine_chunks(chunks)
+def update_from_chunks(
+    chunks: ChunkGradients, compute_s: float, kind: str = KIND_GRADIENT
+) -> ComputedUpdate:
+    """The update of a chunked part: the weighted sum of its chunks (sync mode), or their sum
+    (local SGD's pseudo-gradient)."""
+    loss, tensors = combine_chunks(chunks, weighted=kind == KIND_GRADIENT)
     return ComputedUpdate(
-        kind=KIND_GRADIENT,
+        kind=kind,
         tensors=tensors,
         mean_loss=loss,
         compute_s=compute_s,
@@ -438,9 +462,14 @@ def local_sgd_steps(
     budget_s: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
     micro_batch: int = 0,
+    chunk_steps: Sequence[tuple[int, int]] = (),
 ) -> ComputedUpdate:
     """Local SGD's inner loop: one optimizer step per slice (its gradient in chunks of at most
     ``micro_batch`` samples), then Δ = start − end.
+
+    ``chunk_steps`` (verification: `step_chunk_bounds`): the state (parameters and optimizer
+    state) is kept before the first step of each chunk, and the update carries the chunks
+    (`local_chunks`) of the steps that ran.
 
     ``budget_s`` > 0 time-boxes the loop: it stops before the next step when that step would
     end further past ``budget_s`` seconds of stepping than short of it (judged by the mean
@@ -458,6 +487,11 @@ def local_sgd_steps(
     total_loss = 0.0
     samples = 0
     steps = 0
+    chunk_at = {first for first, _ in chunk_steps}
+    states: list[dict[str, torch.Tensor]] = []
+    chunk_losses: list[float] = []
+    chunk_samples: list[int] = []
+    chunks: ChunkGradients | None = None
     began = last_end = clock()
     try:
         for k, (idx, (inputs, targets)) in enumerate(
@@ -468,6 +502,10 @@ def local_sgd_steps(
                 if stepped + 0.5 * stepped / k > budget_s:
                     break
             check_cancelled()
+            if k in chunk_at:
+                states.append(training_state(program, optimizer))
+                chunk_losses.append(0.0)
+                chunk_samples.append(0)
 
             def step(
                 inputs: list[torch.Tensor] = inputs, targets: list[torch.Tensor] = targets
@@ -488,12 +526,25 @@ def local_sgd_steps(
             total_loss += loss * len(idx)
             samples += len(idx)
             steps += 1
+            if states:
+                chunk_losses[-1] += loss * len(idx)
+                chunk_samples[-1] += len(idx)
         stepped = clock() - began
         with torch.no_grad():
             delta = {
                 k: (start[k] - p.detach()).to("cpu", torch.float32)
                 for k, p in zip(names, params, strict=True)
             }
+            if states:
+                end = {
+                    k: p.detach().to("cpu", copy=True) for k, p in zip(names, params, strict=True)
+                }
+                chunks = local_chunks(
+                    states,
+                    end,
+                    chunk_samples,
+                    [x / max(1, n) for x, n in zip(chunk_losses, chunk_samples, strict=True)],
+                )
     finally:
         for p in params:
             p.grad = None
@@ -505,6 +556,104 @@ def local_sgd_steps(
         compute_s=stepped,
         num_samples=samples,
         steps=steps,
+        chunks=chunks,
+    )
+
+
+def training_state(program: Program, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """A copy of the program's parameters and ``optimizer``'s state, named as a checkpoint
+    ("param/<name>", "optim/<key>/<name>"; CPU tensors)."""
+    names = program.param_names
+    params = {
+        n: p.detach().to("cpu", copy=True) for n, p in zip(names, program.parameters(), strict=True)
+    }
+    optim = {
+        k: t.detach().to("cpu", copy=True)
+        for k, t in optimizer_state_tensors(optimizer, names).items()
+    }
+    return state_tensors(params, optim)
+
+
+def split_training_state(
+    state: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(parameters by name, optimizer state by "<key>/<name>") of a `training_state`."""
+    params = {
+        k.removeprefix(PARAM_PREFIX): t for k, t in state.items() if k.startswith(PARAM_PREFIX)
+    }
+    optim = {
+        k.removeprefix(OPTIM_PREFIX): t for k, t in state.items() if k.startswith(OPTIM_PREFIX)
+    }
+    return params, optim
+
+
+def local_chunks(
+    starts: list[dict[str, torch.Tensor]],
+    end: dict[str, torch.Tensor],
+    samples: list[int],
+    losses: list[float],
+) -> ChunkGradients:
+    """A local SGD part's chunks from the states its chunks started from and its end
+    parameters: chunk i's "gradient" is its start parameters minus the next chunk's (the last:
+    minus ``end``), float32, so that they add up to the part's pseudo-gradient; each start's
+    digest is what the node commits."""
+    firsts = [split_training_state(s)[0] for s in starts] + [end]
+    grads = [
+        {n: (a[n] - b[n]).to(torch.float32) for n in a}
+        for a, b in zip(firsts[:-1], firsts[1:], strict=True)
+    ]
+    return ChunkGradients(
+        samples=list(samples),
+        losses=list(losses),
+        grads=grads,
+        starts=starts,
+        digests=[state_digest(s) for s in starts],
+    )
+
+
+def derived_starts(
+    starts: list[dict[str, torch.Tensor]], grads: list[dict[str, torch.Tensor]]
+) -> list[dict[str, torch.Tensor]]:
+    """Tests only (a cheater's chunks, node_agent.cheat): the start states that fit chunks
+    ``grads`` it made up: the first chunk's start as it was, then the parameters each chunk's
+    made-up difference leads to (the optimizer state of the nearest honest start)."""
+    params0, _ = split_training_state(starts[0])
+    acc = {n: t.to(torch.float32).clone() for n, t in params0.items()}
+    out = [starts[0]]
+    for i in range(1, len(grads)):
+        for n, g in grads[i - 1].items():
+            acc[n] -= g
+        _, optim = split_training_state(starts[min(i, len(starts) - 1)])
+        out.append(
+            state_tensors({n: t.to(params0[n].dtype).clone() for n, t in acc.items()}, optim)
+        )
+    return out
+
+
+def recompute_local_chunk(
+    program: Program,
+    spec: common_pb2.JobSpec,
+    state: dict[str, torch.Tensor],
+    slices: Sequence[Sequence[int]],
+    get_batch: Callable[[Sequence[int]], Batch],
+    slowdown: SlowdownController,
+) -> ComputedUpdate:
+    """A checker's recomputation of a local SGD chunk: its steps on ``slices`` from ``state``
+    (the checked node's parameters and inner optimizer state at the chunk's start) with a
+    fresh inner optimizer of the spec that state is loaded into. The program holds the start
+    parameters afterwards (the caller's job no longer holds its version)."""
+    names = program.param_names
+    params, optim = split_training_state(state)
+    missing = [n for n in names if n not in params]
+    if missing or len(params) != len(names):
+        raise ValueError(
+            f"the snapshot's parameters do not fit the program (missing {missing[:3]})"
+        )
+    program.set_parameters({n: params[n] for n in names})
+    optimizer = build_optimizer(spec, program.parameters())
+    load_optimizer_state_tensors(optimizer, names, optim)
+    return local_sgd_steps(
+        program, optimizer, slices, get_batch, slowdown, micro_batch=spec.micro_batch
     )
 
 
@@ -607,16 +756,24 @@ def _compute(
 
     slices = inner_step_slices(indices, task.local_batch, task.inner_steps or spec.inner_steps)
     opt = inner_optimizer(job, spec)
+    chunk_steps = step_chunk_bounds(len(slices), task.verify_chunks) if verify else []
+    todo = slices
+    if lazy and chunk_steps:  # the first chunks' steps only; the rest made up below
+        chunk_steps = chunk_steps[: lazy_count(len(chunk_steps))]
+        todo = slices[: chunk_steps[-1][1]]
+    elif lazy:
+        todo = slices[: lazy_count(len(slices))]
     try:
         update = local_sgd_steps(
             job.program,
             opt,
-            slices[: lazy_count(len(slices))] if lazy else slices,
+            todo,
             job.dataset.get_batch,
             ctx.slowdown,
             ctx.check_cancelled,
-            max(0.0, task.compute_budget_seconds),
+            0.0 if lazy else max(0.0, task.compute_budget_seconds),
             micro_batch=spec.micro_batch,
+            chunk_steps=chunk_steps,
         )
     except BaseException:
         # The steps that ran changed the optimizer's state (after a diverging step: inf or NaN
@@ -624,9 +781,40 @@ def _compute(
         # starts with a fresh inner optimizer.
         job.inner_optimizer = None
         raise
-    if lazy:
+    if lazy and update.chunks is not None:
+        update = lazy_local_chunks(update, slices, task.verify_chunks)
+    elif lazy:
         update.num_samples, update.steps = len(indices), len(slices)  # claimed
     return update if cheat is None else apply_cheat(cheat, job, task, update)
+
+
+def lazy_local_chunks(
+    update: ComputedUpdate, slices: Sequence[Sequence[int]], verify_chunks: int
+) -> ComputedUpdate:
+    """Tests only: a lazy local SGD cheater's update: the chunks it stepped, then made-up ones
+    for the rest of its planned steps (`fill_skipped`), with start states that fit them."""
+    assert update.chunks is not None
+    bounds = step_chunk_bounds(len(slices), verify_chunks)
+    sizes = [sum(len(s) for s in slices[a:b]) for a, b in bounds]
+    losses, grads = fill_skipped(update.chunks.losses, update.chunks.grads, len(bounds))
+    return made_up_local_update(update, sizes, losses, grads, len(slices))
+
+
+def made_up_local_update(
+    update: ComputedUpdate,
+    samples: list[int],
+    losses: list[float],
+    grads: list[dict[str, torch.Tensor]],
+    steps: int,
+) -> ComputedUpdate:
+    """Tests only: a local SGD update of made-up chunks (their sum), with start states and
+    digests that fit them (`derived_starts`)."""
+    assert update.chunks is not None
+    starts = derived_starts(update.chunks.starts, grads)
+    chunks = ChunkGradients(samples, losses, grads, starts, [state_digest(x) for x in starts])
+    made_up = update_from_chunks(chunks, update.compute_s, KIND_PSEUDO_GRADIENT)
+    made_up.steps = steps
+    return made_up
 
 
 def apply_cheat(
@@ -652,6 +840,9 @@ def apply_cheat(
             update.chunks.grads,
             (prev.losses, prev.grads) if prev is not None else None,
         )
+        if update.chunks.starts:  # local SGD
+            samples = list(update.chunks.samples)
+            return made_up_local_update(update, samples, losses, grads, update.steps)
         chunks = ChunkGradients(list(update.chunks.samples), losses, grads)
         cheated = update_from_chunks(chunks, update.compute_s)
         cheated.kind, cheated.steps = update.kind, update.steps
@@ -942,7 +1133,9 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
         )
         wanted = response.sketch
         if wanted.buckets > 0:
-            await commit_sketches(ctx, task, chunks, wanted)
+            drawn = await commit_sketches(ctx, task, chunks, wanted)
+            if drawn is not None and drawn.snapshot_wanted and chunks is not None:
+                await push_snapshot(ctx, task, chunks, drawn.snapshot_chunk)
     else:
         ctx.log.warning("round %d: update not applied: %s", task.round, response.reason)
 
@@ -952,17 +1145,18 @@ async def commit_sketches(
     task: agent_pb2.Task,
     chunks: ChunkGradients | None,
     wanted: agent_pb2.CheckSpec,
-) -> None:
+) -> agent_pb2.CommitSketchesResponse | None:
     """The PushUpdate response asked for the sketches of the round's chunks: compute them
-    (compute thread) and send them with CommitSketches. The update is in whatever happens
-    here: a failure is logged, never raised (except the agent's own stop)."""
+    (compute thread) and send them with CommitSketches; the coordinator's answer (None when
+    they were not sent). The update is in whatever happens here: a failure is logged, never
+    raised (except the agent's own stop)."""
     if chunks is None:
         ctx.log.warning(
             "round %d: the coordinator asked for chunk sketches, but the update has no chunks "
             "(the task asked for none)",
             task.round,
         )
-        return
+        return None
     if wanted.buckets > MAX_BUCKETS:
         ctx.log.warning(
             "round %d: the coordinator asked for sketches of %d buckets (at most %d): not sent",
@@ -970,12 +1164,12 @@ async def commit_sketches(
             wanted.buckets,
             MAX_BUCKETS,
         )
-        return
+        return None
     try:
         t0 = time.monotonic()
         values = await ctx.run_compute(chunks.sketches, wanted.seed, wanted.buckets)
         t1 = time.monotonic()
-        await ctx.call(
+        reply = await ctx.call(
             "CommitSketches",
             lambda: agent_pb2.CommitSketchesRequest(
                 node_id=ctx.node_id,
@@ -996,7 +1190,7 @@ async def commit_sketches(
             len(chunks.grads),
             describe(exc),
         )
-        return
+        return None
     ctx.log.info(
         "round %d: sketches of %d chunks x %d buckets sent (sketch %.3fs, call %.3fs)",
         task.round,
@@ -1004,4 +1198,60 @@ async def commit_sketches(
         wanted.buckets,
         t1 - t0,
         time.monotonic() - t1,
+    )
+    return reply if isinstance(reply, agent_pb2.CommitSketchesResponse) else None
+
+
+async def push_snapshot(
+    ctx: TaskContext, task: agent_pb2.Task, chunks: ChunkGradients, index: int
+) -> None:
+    """Local SGD verification: the coordinator drew chunk ``index`` to recompute; upload the
+    state it started from (PushUpdate kind "snapshot", uncompressed), whose digest went with
+    the update. Failures are logged, never raised (except the agent's own stop)."""
+    if not 0 <= index < len(chunks.starts):
+        ctx.log.warning(
+            "round %d: the coordinator asked for the start state of chunk %d; the part has %d",
+            task.round,
+            index,
+            len(chunks.starts),
+        )
+        return
+    t0 = time.monotonic()
+    bundle, payload = await ctx.run_compute(encode_bundle, chunks.starts[index])
+    header = agent_pb2.UpdateHeader(
+        node_id=ctx.node_id,
+        lease_id=ctx.lease_id,
+        task_id=task.task_id,
+        job_id=task.job_id,
+        round=task.round,
+        kind=KIND_SNAPSHOT,
+        params_version=task.params_version,
+        bundle=bundle,
+        snapshot_chunk=index,
+    )
+
+    async def requests() -> AsyncIterator[agent_pb2.PushUpdateRequest]:
+        yield agent_pb2.PushUpdateRequest(header=header)
+        for part in iter_chunks(payload):
+            yield agent_pb2.PushUpdateRequest(chunk=part)
+
+    try:
+        reply = await ctx.stub.PushUpdate(requests(), timeout=SKETCH_CALL_TIMEOUT_S)
+    except Stopped:
+        raise
+    except Exception as exc:
+        ctx.log.warning(
+            "round %d: could not upload the start state of chunk %d: %s",
+            task.round,
+            index,
+            describe(exc),
+        )
+        return
+    ctx.log.info(
+        "round %d: start state of chunk %d uploaded (%d bytes, %.3fs): %s",
+        task.round,
+        index,
+        len(payload),
+        time.monotonic() - t0,
+        "taken" if reply.accepted else f"refused: {reply.reason}",
     )

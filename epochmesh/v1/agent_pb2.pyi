@@ -218,7 +218,7 @@ class FetchBlobResponse(_message.Message):
     def __init__(self, total_size: _Optional[int] = ..., chunk: _Optional[_Union[_common_pb2.DataChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("node_id", "lease_id", "task_id", "job_id", "round", "num_samples", "mean_loss", "compute_seconds", "bundle", "kind", "params_version", "params_checksum", "chunks")
+    __slots__ = ("node_id", "lease_id", "task_id", "job_id", "round", "num_samples", "mean_loss", "compute_seconds", "bundle", "kind", "params_version", "params_checksum", "chunks", "snapshot_chunk")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class UpdateHeader(_message.Message):
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_CHUNK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     task_id: str
@@ -245,15 +246,18 @@ class UpdateHeader(_message.Message):
     params_version: int
     params_checksum: str
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkCommitment]
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., num_samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., kind: _Optional[str] = ..., params_version: _Optional[int] = ..., params_checksum: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[ChunkCommitment, _Mapping]]] = ...) -> None: ...
+    snapshot_chunk: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., num_samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., kind: _Optional[str] = ..., params_version: _Optional[int] = ..., params_checksum: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[ChunkCommitment, _Mapping]]] = ..., snapshot_chunk: _Optional[int] = ...) -> None: ...
 
 class ChunkCommitment(_message.Message):
-    __slots__ = ("samples", "loss")
+    __slots__ = ("samples", "loss", "start_digest")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    START_DIGEST_FIELD_NUMBER: _ClassVar[int]
     samples: int
     loss: float
-    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+    start_digest: bytes
+    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., start_digest: _Optional[bytes] = ...) -> None: ...
 
 class PushUpdateRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -290,8 +294,12 @@ class CommitSketchesRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., sketches: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CommitSketchesResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("snapshot_wanted", "snapshot_chunk")
+    SNAPSHOT_WANTED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    snapshot_wanted: bool
+    snapshot_chunk: int
+    def __init__(self, snapshot_wanted: _Optional[bool] = ..., snapshot_chunk: _Optional[int] = ...) -> None: ...
 
 class ReportCheckRequest(_message.Message):
     __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "loss", "sketch", "compute_seconds")

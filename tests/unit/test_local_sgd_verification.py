@@ -1,0 +1,337 @@
+"""Local SGD verification without networking (issue 20): a part's inner steps cut into chunks
+whose parameter differences add up to its pseudo-gradient, the state each chunk started from
+committed by digest, the coordinator's check of an uploaded start state
+(coordinator/snapshot_check.py), and a checker's recomputation of one chunk from it
+(trainer.recompute_local_chunk): an honest chunk is reproduced, a cheater's made-up chunk is
+not, whichever start states it commits. The real exported program of the tests' MLP computes
+every step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.snapshot_check import snapshot_problem
+from epochmesh.dataset import ShardedDataset
+from epochmesh.packaging import PackedJob, build_job
+from epochmesh.program import TrainableProgram
+from epochmesh.sketch import combine, relative_distance, sketch
+from epochmesh.spec import load_spec
+from epochmesh.tensors import encode_bundle
+from epochmesh.v1 import agent_pb2, common_pb2
+from epochmesh.verification import (
+    local_sgd_chunk_samples,
+    local_sgd_commitment_problem,
+    loss_matches,
+    recompute_tolerance,
+    state_digest,
+    step_chunk_bounds,
+)
+from node_agent.cache import BlobCache
+from node_agent.cheat import KINDS, Cheat
+from node_agent.connection import CoordinatorConnection
+from node_agent.identity import set_insecure
+from node_agent.slowdown import SlowdownController
+from node_agent.tasks import TaskContext
+from node_agent.trainer import (
+    ComputedUpdate,
+    LoadedJob,
+    inner_step_slices,
+    recompute_local_chunk,
+    split_training_state,
+    update_in_thread,
+)
+from tests.fixtures import write_mlp_job
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 240
+SEED, BUCKETS = 987654321, 256
+TOL = recompute_tolerance("cpu", "cpu")
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
+    return build_job(load_spec(write_mlp_job(tmp_path_factory.mktemp("mlp"), N)))
+
+
+@pytest.fixture(scope="module")
+def dataset(packed: PackedJob) -> ShardedDataset:
+    return ShardedDataset(packed.shards, inputs=["x"], targets=["y"])
+
+
+def fresh(packed: PackedJob) -> TrainableProgram:
+    return TrainableProgram.from_bytes(packed.program, packed.initial_state)
+
+
+def local_spec(packed: PackedJob, optimizer: str = "sgd") -> common_pb2.JobSpec:
+    spec = common_pb2.JobSpec()
+    spec.CopyFrom(packed.spec)
+    spec.sync, spec.inner_steps, spec.inner_optimizer = "local_sgd", 12, optimizer
+    spec.lr, spec.momentum = 0.05, 0.9
+    spec.beta1, spec.beta2, spec.eps = 0.9, 0.999, 1e-8
+    return spec
+
+
+@pytest.fixture
+async def ctx(tmp_path: Path) -> AsyncIterator[TaskContext]:
+    set_insecure(True)  # a plaintext channel that is never used: nothing here calls out
+    connection = CoordinatorConnection(
+        "127.0.0.1:1", tmp_path / "agent", lambda: agent_pb2.RegisterRequest()
+    )
+    try:
+        yield TaskContext(
+            task=agent_pb2.Task(),
+            connection=connection,
+            cache=BlobCache(tmp_path / "cache"),
+            device="cpu",
+            device_info=common_pb2.Device(),
+            slowdown=SlowdownController(),
+        )
+    finally:
+        await connection.close()
+        set_insecure(False)
+
+
+def local_task(
+    round_: int, start: int, samples: int, local_batch: int, k: int, spec: common_pb2.JobSpec
+) -> agent_pb2.Task:
+    task = agent_pb2.Task(
+        task_id=f"t-{round_}",
+        kind=agent_pb2.TASK_KIND_TRAIN,
+        job_id="j",
+        round=round_,
+        local_batch=local_batch,
+        inner_steps=spec.inner_steps,
+        verify_chunks=k,
+        spec=spec,
+    )
+    task.ranges.add(start=start, stop=start + samples)
+    return task
+
+
+def sketches_of(update: ComputedUpdate) -> torch.Tensor:
+    assert update.chunks is not None
+    return torch.stack([sketch(g, SEED, BUCKETS) for g in update.chunks.grads])
+
+
+def recompute(
+    packed: PackedJob,
+    dataset: ShardedDataset,
+    spec: common_pb2.JobSpec,
+    update: ComputedUpdate,
+    indices: list[int],
+    local_batch: int,
+    k: int,
+) -> tuple[float, float]:
+    """A checker's recomputation of chunk k on a program of its own: (sketch distance, loss)."""
+    assert update.chunks is not None
+    offset = sum(update.chunks.samples[:k])
+    mine = indices[offset : offset + update.chunks.samples[k]]
+    slices = inner_step_slices(mine, local_batch, len(mine))
+    got = recompute_local_chunk(
+        fresh(packed),
+        spec,
+        update.chunks.starts[k],
+        slices,
+        dataset.get_batch,
+        SlowdownController(),
+    )
+    committed = sketch(update.chunks.grads[k], SEED, BUCKETS)
+    return relative_distance(committed, sketch(got.tensors, SEED, BUCKETS)), got.mean_loss
+
+
+def test_step_chunks_and_their_samples() -> None:
+    assert step_chunk_bounds(12, 6) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)]
+    assert step_chunk_bounds(5, 12) == [(i, i + 1) for i in range(5)]
+    assert step_chunk_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert step_chunk_bounds(0, 3) == []
+    # 58 samples, 5 a step: 12 steps (the last of 3); 6 chunks of two steps.
+    assert local_sgd_chunk_samples(58, 5, 6, 58) == [10, 10, 10, 10, 10, 8]
+    # A time box stopped it after 7 steps (35 samples): chunks cut there.
+    assert local_sgd_chunk_samples(58, 5, 6, 35) == [10, 10, 10, 5]
+    assert local_sgd_chunk_samples(58, 5, 6, 40) == [10, 10, 10, 10]
+
+
+def test_state_digest_is_of_names_types_shapes_and_bytes() -> None:
+    a = {"param/w": torch.ones(2, 3), "optim/momentum_buffer/w": torch.zeros(2, 3)}
+    d = state_digest(a)
+    assert len(d) == 32 and state_digest(dict(reversed(list(a.items())))) == d
+    changed = dict(a, **{"param/w": a["param/w"].clone()})
+    changed["param/w"][1, 2] = 1.0000001
+    assert state_digest(changed) != d
+    assert state_digest(dict(a, **{"param/w": torch.ones(3, 2)})) != d
+    assert state_digest(dict(a, **{"param/w": torch.ones(2, 3, dtype=torch.float64)})) != d
+    assert (
+        state_digest(
+            {"param/v": torch.ones(2, 3), "optim/momentum_buffer/w": a["optim/momentum_buffer/w"]}
+        )
+        != d
+    )
+
+
+def test_commitments_of_a_local_sgd_update() -> None:
+    good = [(10, 1.0, b"x" * 32), (10, 2.0, b"y" * 32), (8, 3.0, b"z" * 32)]
+    loss = (10 * 1.0 + 10 * 2.0 + 8 * 3.0) / 28
+    assert local_sgd_commitment_problem(good, 28, loss, 28, 5, 3) == ""
+    short = [(10, 1.0, b"x" * 31), *good[1:]]
+    assert "31 bytes" in local_sgd_commitment_problem(short, 28, loss, 28, 5, 3)
+    assert "expected 3" in local_sgd_commitment_problem(good[:2], 28, loss, 28, 5, 3)
+    assert "it has 10" in local_sgd_commitment_problem(
+        [(9, 1.0, b"x" * 32), *good[1:]], 28, loss, 28, 5, 3
+    )
+    assert "no chunk commitments" in local_sgd_commitment_problem([], 28, loss, 28, 5, 3)
+    assert "mean_loss" in local_sgd_commitment_problem(good, 28, loss + 0.1, 28, 5, 3)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+async def test_an_honest_part_passes_every_step_of_its_check(
+    ctx: TaskContext, packed: PackedJob, dataset: ShardedDataset, optimizer: str
+) -> None:
+    """Two rounds (the inner optimizer's state carries over): in each, the chunks add up to the
+    pseudo-gradient, their start states pass the coordinator's check, and every chunk is
+    reproduced by a checker from its start state, with the state loaded (not without it)."""
+    spec = local_spec(packed, optimizer)
+    program = fresh(packed)
+    job = LoadedJob(program=program, dataset=dataset)
+    for round_, start in ((0, 0), (1, 60)):
+        payload = encode_bundle(program.get_parameters())
+        task = local_task(round_, start, 58, 5, 6, spec)
+        update = update_in_thread(ctx, job, task, verify=True)
+        chunks = update.chunks
+        assert chunks is not None and chunks.samples == [10, 10, 10, 10, 10, 8]
+        assert update.steps == 12 and update.num_samples == 58
+        commitments = [(c.samples, c.loss, c.start_digest) for c in chunks.commitments()]
+        assert local_sgd_commitment_problem(commitments, 58, update.mean_loss, 58, 5, 6) == ""
+        sketches = sketches_of(update)
+        whole = sketch(update.tensors, SEED, BUCKETS)
+        assert relative_distance(whole, combine([(1.0, s) for s in sketches])) < 1e-6
+        assert chunks.digests == [state_digest(s) for s in chunks.starts]
+        params0, optim0 = split_training_state(chunks.starts[0])
+        assert all(torch.equal(params0[n], t) for n, t in program.get_parameters().items())
+        assert bool(optim0) == (round_ > 0)  # state from the round before
+        for k in range(len(chunks.samples)):
+            problem, _ = snapshot_problem(
+                chunks.starts[k], chunks.digests[k], payload, sketches[:k], SEED, BUCKETS
+            )
+            assert problem == "", (k, problem)
+        indices = list(range(start, start + 58))
+        distances = []
+        for k in range(len(chunks.samples)):
+            distance, loss = recompute(packed, dataset, spec, update, indices, 5, k)
+            distances.append(distance)
+            assert loss_matches(chunks.losses[k], loss, TOL), (k, chunks.losses[k], loss)
+        assert max(distances) <= TOL, distances
+    # The optimizer state matters: chunk 3 of the last round from its parameters alone.
+    params3, _ = split_training_state(chunks.starts[3])
+    bare = {f"param/{n}": t for n, t in params3.items()}
+    mine = indices[30:40]
+    got = recompute_local_chunk(
+        fresh(packed),
+        spec,
+        bare,
+        inner_step_slices(mine, 5, 10),
+        dataset.get_batch,
+        SlowdownController(),
+    )
+    distance = relative_distance(sketches[3], sketch(got.tensors, SEED, BUCKETS))
+    assert distance > 100 * TOL, distance
+
+
+async def test_a_time_boxed_part_commits_the_chunks_it_reached(
+    ctx: TaskContext, packed: PackedJob, dataset: ShardedDataset
+) -> None:
+    spec = local_spec(packed)
+    job = LoadedJob(program=fresh(packed), dataset=dataset)
+    task = local_task(0, 0, 58, 5, 6, spec)
+    task.compute_budget_seconds = 1e-9  # one step, then the box is over
+    update = update_in_thread(ctx, job, task, verify=True)
+    assert update.steps == 1 and update.num_samples == 5
+    assert update.chunks is not None and update.chunks.samples == [5]
+    commitments = [(c.samples, c.loss, c.start_digest) for c in update.chunks.commitments()]
+    assert local_sgd_commitment_problem(commitments, 5, update.mean_loss, 58, 5, 6) == ""
+
+
+async def test_a_cheaters_made_up_chunks_are_not_reproduced(
+    ctx: TaskContext, packed: PackedJob, dataset: ShardedDataset
+) -> None:
+    """Every cheat (from round 1): the update is the sum of its chunks and its start states fit
+    its sketches (a smart cheater passes both checks at no compute), yet a checker's
+    recomputation of a made-up chunk from its committed start state differs by far more than
+    the tolerance: every chunk for scaled, flipped, random and stale, the made-up ones (after
+    the first quarter) for lazy."""
+    spec = local_spec(packed)
+    for kind in KINDS:
+        program = fresh(packed)
+        job = LoadedJob(program=program, dataset=dataset)
+        cheat = Cheat(kind, 1)
+        update_in_thread(ctx, job, local_task(0, 0, 58, 5, 6, spec), verify=True, cheat=cheat)
+        payload = encode_bundle(program.get_parameters())
+        task = local_task(1, 0, 58, 5, 6, spec)  # the same samples: stale resends round 0's
+        cheated = update_in_thread(ctx, job, task, verify=True, cheat=cheat)
+        chunks = cheated.chunks
+        assert chunks is not None and chunks.samples == [10, 10, 10, 10, 10, 8], kind
+        assert cheated.num_samples == 58 and cheated.steps == 12, kind
+        sketches = sketches_of(cheated)
+        whole = sketch(cheated.tensors, SEED, BUCKETS)
+        assert relative_distance(whole, combine([(1.0, s) for s in sketches])) < 1e-5, kind
+        for k in range(6):
+            problem, _ = snapshot_problem(
+                chunks.starts[k], chunks.digests[k], payload, sketches[:k], SEED, BUCKETS
+            )
+            assert problem == "", (kind, k, problem)
+        made_up = range(2, 6) if kind == "lazy" else range(6)
+        for k in made_up:
+            distance, _ = recompute(packed, dataset, spec, cheated, list(range(58)), 5, k)
+            assert distance > 1000 * TOL, (kind, k, distance)
+        if kind == "lazy":  # its first quarter (2 of 6 chunks) was stepped honestly
+            assert recompute(packed, dataset, spec, cheated, list(range(58)), 5, 0)[0] <= TOL
+
+
+def test_a_start_state_that_is_not_the_committed_one_is_refused() -> None:
+    torch.manual_seed(0)
+    p0 = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    d0 = {"w": torch.randn(4, 3) * 1e-2, "b": torch.randn(3) * 1e-2}
+    p1 = {n: p0[n] - d0[n] for n in p0}
+    optim = {
+        "optim/momentum_buffer/w": torch.randn(4, 3),
+        "optim/momentum_buffer/b": torch.randn(3),
+    }
+    s0 = {**{f"param/{n}": t for n, t in p0.items()}, **optim}
+    s1 = {**{f"param/{n}": t for n, t in p1.items()}, **optim}
+    payload = encode_bundle(p0)
+    earlier = sketch(d0, SEED, BUCKETS).unsqueeze(0)
+    none = torch.zeros(0, BUCKETS, dtype=torch.float64)
+    assert snapshot_problem(s0, state_digest(s0), payload, none, SEED, BUCKETS)[0] == ""
+    assert snapshot_problem(s1, state_digest(s1), payload, earlier, SEED, BUCKETS)[0] == ""
+    # Not the committed state.
+    problem, evidence = snapshot_problem(s1, state_digest(s0), payload, earlier, SEED, BUCKETS)
+    assert "digest differs" in problem and evidence["committed_digest"] == state_digest(s0).hex()
+    # Committed, but not where its chunks lead: as chunk 0 (not the round's parameters), as
+    # chunk 1 with other parameters.
+    assert (
+        "round's parameters"
+        in snapshot_problem(s1, state_digest(s1), payload, none, SEED, BUCKETS)[0]
+    )
+    s1_bad = dict(s1, **{"param/w": p1["w"] * 1.01})
+    problem, evidence = snapshot_problem(
+        s1_bad, state_digest(s1_bad), payload, earlier, SEED, BUCKETS
+    )
+    assert "committed chunks before it" in problem and float(evidence["distance"]) > 1e-3
+    # Malformed: a missing parameter, a stray tensor, non-finite optimizer state.
+    missing = {k: v for k, v in s0.items() if k != "param/b"}
+    assert (
+        "missing ['b']"
+        in snapshot_problem(missing, state_digest(missing), payload, none, SEED, BUCKETS)[0]
+    )
+    stray = dict(s0, **{"extra/x": torch.ones(1)})
+    assert (
+        "neither a parameter"
+        in snapshot_problem(stray, state_digest(stray), payload, none, SEED, BUCKETS)[0]
+    )
+    nan = dict(s0, **{"optim/momentum_buffer/b": torch.full((3,), math.nan)})
+    assert "non-finite" in snapshot_problem(nan, state_digest(nan), payload, none, SEED, BUCKETS)[0]
