@@ -19,10 +19,11 @@ import grpc
 import torch
 
 from epochmesh import identity as idm
+from epochmesh.optim import state_tensors
 from epochmesh.sketch import sketch
-from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks
+from epochmesh.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
-from epochmesh.verification import chunk_bounds
+from epochmesh.verification import chunk_bounds, local_sgd_chunk_samples, state_digest
 from tests.procs import async_wait_until
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class FakeAgent:
         self._identity = coord.issue_identity("node")
         self._stack = contextlib.AsyncExitStack()
         self._loops: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self.stub: agent_pb2_grpc.AgentServiceStub
 
     async def start(self) -> FakeAgent:
@@ -76,9 +78,9 @@ class FakeAgent:
         return self
 
     async def stop(self) -> None:
-        for t in self._loops:
+        for t in [*self._loops, *self._background]:
             t.cancel()
-        for t in self._loops:
+        for t in [*self._loops, *self._background]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await self._stack.aclose()
@@ -192,9 +194,27 @@ class FakeAgent:
         ``chunks`` is None, they are the honest ones of an update whose every chunk has the
         same gradient and loss; when the coordinator asks for sketches they follow, every
         chunk's the sketch of ``sketch_of`` (default: the update; ``sketches`` False: none,
-        the caller sends its own)."""
+        the caller sends its own). A local SGD part's chunks are honest ones of an update made
+        in its first chunk (the later ones change nothing), and the start state drawn is
+        uploaded when the coordinator asks for it."""
         header, payload = bundle or encode_bundle(tensors, codec)
-        if chunks is None:
+        local = task.spec.sync == "local_sgd" and task.verify_chunks > 0
+        starts: list[dict[str, torch.Tensor]] = []
+        if chunks is None and local:
+            sizes = local_sgd_chunk_samples(
+                len(task_indices(task)), task.local_batch, task.verify_chunks, num_samples
+            )
+            if task.HasField("params_bundle"):
+                params = decode_bundle(task.params_bundle, task.params_data)
+            else:
+                _, params = await self.pull(task.job_id, task.params_version)
+            moved = {n: t - tensors[n].to(t.dtype) for n, t in params.items()}
+            starts = [state_tensors(params if i == 0 else moved, {}) for i in range(len(sizes))]
+            chunks = [
+                agent_pb2.ChunkCommitment(samples=n, loss=mean_loss, start_digest=state_digest(x))
+                for n, x in zip(sizes, starts, strict=True)
+            ]
+        elif chunks is None:
             chunks = [
                 agent_pb2.ChunkCommitment(samples=end - start, loss=mean_loss)
                 for start, end in chunk_bounds(num_samples, task.verify_chunks)
@@ -222,18 +242,67 @@ class FakeAgent:
         if sketches and response.accepted and response.sketch.buckets > 0:
             chunk = tensors if sketch_of is None else sketch_of
             one = sketch(chunk, response.sketch.seed, response.sketch.buckets).tolist()
-            await self.stub.CommitSketches(
+            values = one * len(chunks)
+            if starts:  # local SGD: all of it in the first chunk
+                values = one + [0.0] * (len(one) * (len(chunks) - 1))
+            commit = self._commit(task, response.sketch.seed, values, starts)
+            if starts:  # beside its next task (a local SGD round's box is not held up)
+                job = asyncio.create_task(commit)
+                self._background.add(job)
+                job.add_done_callback(self._background.discard)
+            else:
+                await commit
+        return response
+
+    async def _commit(
+        self,
+        task: agent_pb2.Task,
+        seed: int,
+        values: list[float],
+        starts: list[dict[str, torch.Tensor]],
+    ) -> None:
+        """CommitSketches, then (local SGD) the start state of the chunk drawn."""
+        try:
+            drawn = await self.stub.CommitSketches(
                 agent_pb2.CommitSketchesRequest(
                     node_id=self.node_id,
                     lease_id=self.lease_id,
                     job_id=task.job_id,
                     task_id=task.task_id,
-                    seed=response.sketch.seed,
-                    sketches=one * len(chunks),
+                    seed=seed,
+                    sketches=values,
                 ),
                 timeout=10,
             )
-        return response
+            if starts and drawn.snapshot_wanted:
+                await self.push_snapshot(task, starts[drawn.snapshot_chunk], drawn.snapshot_chunk)
+        except grpc.RpcError as exc:
+            if not starts:
+                raise
+            log.info("%s: sketches of task %s: %s", self.name, task.task_id, exc)
+
+    async def push_snapshot(
+        self, task: agent_pb2.Task, state: dict[str, torch.Tensor], index: int
+    ) -> agent_pb2.PushUpdateResponse:
+        """Upload a local SGD chunk's start state (PushUpdate kind "snapshot")."""
+        header, payload = encode_bundle(state)
+        msgs = [
+            agent_pb2.PushUpdateRequest(
+                header=agent_pb2.UpdateHeader(
+                    node_id=self.node_id,
+                    lease_id=self.lease_id,
+                    task_id=task.task_id,
+                    job_id=task.job_id,
+                    round=task.round,
+                    kind="snapshot",
+                    params_version=task.params_version,
+                    bundle=header,
+                    snapshot_chunk=index,
+                )
+            ),
+            *(agent_pb2.PushUpdateRequest(chunk=c) for c in iter_chunks(payload)),
+        ]
+        return await self.stub.PushUpdate(iter(msgs), timeout=30)
 
     async def report(self, task: agent_pb2.Task, **fields: object) -> None:
         await self.stub.ReportProgress(

@@ -103,6 +103,9 @@ class LocalSgdWorker:
         if task.compute_budget_seconds > 0:
             idx = idx[: H * task.local_batch]
         delta, mean_loss = await asyncio.to_thread(self._inner_steps, params, idx, task.local_batch)
+        # As long as the agent says it took: compute, not communication, sets the rounds' pace
+        # (rounds that are mostly communication are not time-boxed).
+        await asyncio.sleep(len(idx) / agent.rate)
         fields = dict(num_samples=len(idx), mean_loss=mean_loss)
         if self.misbehave:
             what = self.misbehave.pop(0)
