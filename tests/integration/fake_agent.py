@@ -201,19 +201,7 @@ class FakeAgent:
         local = task.spec.sync == "local_sgd" and task.verify_chunks > 0
         starts: list[dict[str, torch.Tensor]] = []
         if chunks is None and local:
-            sizes = local_sgd_chunk_samples(
-                len(task_indices(task)), task.local_batch, task.verify_chunks, num_samples
-            )
-            if task.HasField("params_bundle"):
-                params = decode_bundle(task.params_bundle, task.params_data)
-            else:
-                _, params = await self.pull(task.job_id, task.params_version)
-            moved = {n: t - tensors[n].to(t.dtype) for n, t in params.items()}
-            starts = [state_tensors(params if i == 0 else moved, {}) for i in range(len(sizes))]
-            chunks = [
-                agent_pb2.ChunkCommitment(samples=n, loss=mean_loss, start_digest=state_digest(x))
-                for n, x in zip(sizes, starts, strict=True)
-            ]
+            chunks, starts = await self.local_chunks(task, tensors, num_samples, mean_loss)
         elif chunks is None:
             chunks = [
                 agent_pb2.ChunkCommitment(samples=end - start, loss=mean_loss)
@@ -280,6 +268,26 @@ class FakeAgent:
             if not starts:
                 raise
             log.info("%s: sketches of task %s: %s", self.name, task.task_id, exc)
+
+    async def local_chunks(
+        self, task: agent_pb2.Task, tensors: dict[str, torch.Tensor], num_samples: int, loss: float
+    ) -> tuple[list[agent_pb2.ChunkCommitment], list[dict[str, torch.Tensor]]]:
+        """Honest commitments of a local SGD update ``tensors`` made in its first chunk (the
+        later ones change nothing), and the chunks' start states."""
+        sizes = local_sgd_chunk_samples(
+            len(task_indices(task)), task.local_batch, task.verify_chunks, num_samples
+        )
+        if task.HasField("params_bundle"):
+            params = decode_bundle(task.params_bundle, task.params_data)
+        else:
+            _, params = await self.pull(task.job_id, task.params_version)
+        moved = {n: t - tensors[n].to(t.dtype) for n, t in params.items()}
+        starts = [state_tensors(params if i == 0 else moved, {}) for i in range(len(sizes))]
+        chunks = [
+            agent_pb2.ChunkCommitment(samples=n, loss=loss, start_digest=state_digest(x))
+            for n, x in zip(sizes, starts, strict=True)
+        ]
+        return chunks, starts
 
     async def push_snapshot(
         self, task: agent_pb2.Task, state: dict[str, torch.Tensor], index: int
