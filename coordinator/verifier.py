@@ -598,7 +598,9 @@ class Verifier:
         assert pc.chunk_sketches is not None
         theirs = torch.tensor(list(req.sketch), dtype=torch.float64)
         tolerance = recompute_tolerance(
-            self._device_kind(pc.node_id), self._device_kind(req.node_id)
+            self._device_kind(pc.node_id),
+            self._device_kind(req.node_id),
+            local_sgd=bool(pc.digests),
         )
         checker.distance = relative_distance(theirs, pc.chunk_sketches[pc.chunk])
         checker.loss = req.loss

@@ -16,6 +16,11 @@ way from round CHEAT_FROM on (the agent's test-only EPOCHMESH_TEST_CHEAT switch)
 `false_accusations`: honest nodes struck or quarantined over every job. Prints one JSON line:
 
     .venv/bin/python scripts/bench_verify.py [--samples 1920] [--epochs 3] [--trust-rounds 160]
+        [--mode sync|local_sgd]
+
+`--mode local_sgd` runs every job as local SGD (H = 12 inner steps of 24 samples a round, SGD
+with momentum kept across rounds; the mixed job: micro-batches of 8, int8 pseudo-gradients):
+the checks recompute a chunk of inner steps from its uploaded start state.
 """
 
 from __future__ import annotations
@@ -54,13 +59,26 @@ NS = common_pb2.NodeState
 CHEATS = ("scaled", "flipped", "random", "lazy", "stale")
 HONEST = {"h1": "1", "h2": "1.5", "h3": "2", "h4": "3"}  # name -> --slowdown
 CHEAT_FROM = 4
-GLOBAL_BATCH = 240
+# Per mode: the global batch (per inner step in local SGD), lines of the [train] table of every
+# job, and those of the mixed job.
+MODES = {
+    "sync": (240, "", 'micro_batch = 16\ncompression = "int8"'),
+    "local_sgd": (
+        24,
+        'sync = "local_sgd"\ninner_steps = 12',
+        'micro_batch = 8\ncompression = "int8"',
+    ),
+}
+INNER_STEPS = 12
 
 
 class Bench:
-    def __init__(self, cluster: LocalCluster, work: Path) -> None:
+    def __init__(self, cluster: LocalCluster, work: Path, mode: str) -> None:
         self.cluster = cluster
         self.work = work
+        self.global_batch, self.extra, self.mixed_extra = MODES[mode]
+        # Samples a round trains (every inner step's global batch in local SGD).
+        self.per_round = self.global_batch * (INNER_STEPS if mode == "local_sgd" else 1)
         channel = cluster.operator_channel()
         self.jobs = job_pb2_grpc.JobServiceStub(channel)
         self.sched = scheduler_pb2_grpc.SchedulerServiceStub(channel)
@@ -102,12 +120,12 @@ class Bench:
             name=name,
             samples=samples,
             epochs=epochs,
-            global_batch=GLOBAL_BATCH,
+            global_batch=self.global_batch,
             seed=seed,
             min_nodes=5,  # every job starts on all five (the cheater from its first round)
             max_nodes=5,
             checkpoint_every=10,
-            train_extra=train_extra,
+            train_extra="\n".join(x for x in (self.extra, train_extra) if x),
         )
         out = self.cluster.cli("submit", str(toml), "--output", "json")
         job_id = str(json.loads(out)["job_id"])
@@ -186,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         help="rounds of an honest job with micro-batches and int8 updates",
     )
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--mode", choices=sorted(MODES), default="sync")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-verify-"))
@@ -196,21 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, slow in HONEST.items():
             cluster.start_agent(name, "--slowdown", slow)
         cluster.start_agent("spare", "--slowdown", "1")
-        bench = Bench(cluster, work)
+        bench = Bench(cluster, work, args.mode)
         bench.wait_ready([*HONEST, "spare"])
 
-        trust_samples = args.trust_rounds * GLOBAL_BATCH // 2
+        trust_samples = args.trust_rounds * bench.per_round // 2
         trust_id, _ = bench.run_job("trust", trust_samples, 2, seed=1)
         trust = bench.summary(trust_id)
         log.info("trust-building job: %s", trust)
         # Honest rounds of another shape: micro-batches and int8 updates (their sketches are
         # checked against the codec's tolerance).
         mixed_id, _ = bench.run_job(
-            "mixed",
-            args.mixed_rounds * GLOBAL_BATCH,
-            1,
-            seed=2,
-            train_extra='micro_batch = 16\ncompression = "int8"',
+            "mixed", args.mixed_rounds * bench.per_round, 1, seed=2, train_extra=bench.mixed_extra
         )
         mixed = bench.summary(mixed_id)
         log.info("micro-batch int8 job: %s", mixed)
@@ -275,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
     caught = [c["rounds_to_quarantine"] for c in cheats.values()]
     result = {
+        "mode": args.mode,
         "cheats": cheats,
         "max_rounds_to_quarantine": None if None in caught else max(caught),
         "max_loss_over_clean": max(c["loss_over_clean"] for c in cheats.values()),

@@ -9,6 +9,12 @@ TF32 off), and the same device twice. Per pair: the largest relative L2 distance
 two gradients (|g1 - g2| / |g1|), the smallest cosine similarity, the largest relative loss
 difference. One JSON line (`--out FILE` also writes it there).
 
+`--local-steps K` measures what a local SGD check compares instead: from the same parameters
+and inner optimizer state (after a few warm-up steps, so that momentum and AdamW's moments are
+not zero), K inner steps on K micro-batches on each device, with SGD (momentum 0.9) and with
+AdamW; per pair the largest relative L2 distance between the parameter differences
+(start - end), as "<model>/<optimizer>".
+
     .venv/bin/python scripts/measure_device_tolerance.py     # CPU only: CPU vs CPU (also at 1
                                                               # thread against all of them)
 """
@@ -16,6 +22,7 @@ difference. One JSON line (`--out FILE` also writes it there).
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import math
@@ -84,6 +91,86 @@ def gradient(
     return float(loss.detach()), flat
 
 
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+}
+WARMUP_STEPS = 3
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double().cpu() for p in model.parameters()])
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    opt.zero_grad()
+    out = model(x)
+    loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def warmed(
+    model: nn.Module, optimizer: str, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[nn.Module, dict]:
+    """A copy of ``model`` after WARMUP_STEPS steps on the CPU, and its optimizer's state."""
+    m = copy.deepcopy(model)
+    opt = OPTIMIZERS[optimizer](m.parameters())
+    for x, y in batches:
+        _step(m, opt, x, y)
+    return m, copy.deepcopy(opt.state_dict())
+
+
+def local_delta(
+    model: nn.Module,
+    optimizer: str,
+    state: dict,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: str,
+) -> tuple[float, torch.Tensor]:
+    """Mean loss and start - end (float64, flattened) of ``len(batches)`` inner steps on
+    ``device`` from ``model`` and optimizer ``state``."""
+    m = copy.deepcopy(model).to(device)
+    opt = OPTIMIZERS[optimizer](m.parameters())
+    opt.load_state_dict(copy.deepcopy(state))  # moved to the parameters' device
+    start = flat_params(m)
+    losses = [_step(m, opt, x.to(device), y.to(device)) for x, y in batches]
+    return sum(losses) / len(losses), start - flat_params(m)
+
+
+def measure_local(args: argparse.Namespace, cudas: list[str]) -> dict[str, object]:
+    """The --local-steps figures, per model and inner optimizer."""
+    out: dict[str, object] = {}
+    tf32_default = torch.backends.cudnn.allow_tf32
+    for name, make in MODELS.items():
+        model, data = make()
+        for optimizer in OPTIMIZERS:
+            g = torch.Generator().manual_seed(1)
+            pairs: dict[str, list[dict[str, float]]] = {}
+            for _ in range(args.batches):
+                warm = [data(args.batch, g) for _ in range(WARMUP_STEPS)]
+                start, state = warmed(model, optimizer, warm)
+                steps = [data(args.batch, g) for _ in range(args.local_steps)]
+                cpu = local_delta(start, optimizer, state, steps, "cpu")
+                again = local_delta(start, optimizer, state, steps, "cpu")
+                pairs.setdefault("cpu_vs_cpu", []).append(compare(cpu, again))
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                one = local_delta(start, optimizer, state, steps, "cpu")
+                torch.set_num_threads(threads)
+                pairs.setdefault("cpu_1_thread_vs_cpu", []).append(compare(cpu, one))
+                for dev in cudas:
+                    torch.backends.cudnn.allow_tf32 = tf32_default
+                    default = local_delta(start, optimizer, state, steps, dev)
+                    pairs.setdefault("cpu_vs_cuda", []).append(compare(cpu, default))
+                    pairs.setdefault("cuda_vs_cuda", []).append(
+                        compare(default, local_delta(start, optimizer, state, steps, dev))
+                    )
+            out[f"{name}/{optimizer}"] = {k: worst(v) for k, v in pairs.items()}
+    return out
+
+
 def compare(a: tuple[float, torch.Tensor], b: tuple[float, torch.Tensor]) -> dict[str, float]:
     (la, ga), (lb, gb) = a, b
     norm = float(ga.norm())
@@ -107,6 +194,12 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--local-steps",
+        type=int,
+        default=0,
+        help="measure local SGD chunks of this many inner steps instead of single gradients",
+    )
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cudas = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
@@ -117,8 +210,11 @@ def main() -> int:
         "batches": args.batches,
         "models": {},
     }
+    if args.local_steps > 0:
+        result["local_steps"] = args.local_steps
+        result["models"] = measure_local(args, cudas)
     tf32_default = torch.backends.cudnn.allow_tf32
-    for name, make in MODELS.items():
+    for name, make in MODELS.items() if args.local_steps <= 0 else ():
         model, data = make()
         g = torch.Generator().manual_seed(1)
         pairs: dict[str, list[dict[str, float]]] = {}

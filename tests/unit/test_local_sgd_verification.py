@@ -51,7 +51,7 @@ pytestmark = pytest.mark.timeout(120)
 
 N = 240
 SEED, BUCKETS = 987654321, 256
-TOL = recompute_tolerance("cpu", "cpu")
+TOL = recompute_tolerance("cpu", "cpu", local_sgd=True)
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +287,7 @@ async def test_a_cheaters_made_up_chunks_are_not_reproduced(
         made_up = range(2, 6) if kind == "lazy" else range(6)
         for k in made_up:
             distance, _ = recompute(packed, dataset, spec, cheated, list(range(58)), 5, k)
-            assert distance > 1000 * TOL, (kind, k, distance)
+            assert distance > 100 * TOL, (kind, k, distance)
         if kind == "lazy":  # its first quarter (2 of 6 chunks) was stepped honestly
             assert recompute(packed, dataset, spec, cheated, list(range(58)), 5, 0)[0] <= TOL
 

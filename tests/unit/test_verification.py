@@ -76,6 +76,17 @@ def test_tolerances_follow_the_measured_device_pairs() -> None:
     assert recompute_tolerance("cuda", "cuda") < cpu_cpu < cpu_gpu
     assert recompute_tolerance("cuda", "cuda", same_model=False) == cpu_gpu
     assert cpu_gpu <= 1e-2  # far below a cheat's O(0.1..1)
+    # Local SGD chunks: their own measured table, the same rules.
+    local = {
+        pair: recompute_tolerance(*pair, local_sgd=True)
+        for pair in [("cpu", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")]
+    }
+    assert local[("cpu", "cpu")] >= cpu_cpu and local[("cpu", "cpu")] <= local[("cpu", "cuda")]
+    assert (
+        recompute_tolerance("cuda", "cuda", same_model=False, local_sgd=True)
+        == local[("cpu", "cuda")]
+    )
+    assert max(local.values()) <= 1e-2
     assert consistency_tolerance("topk") is None
     assert consistency_tolerance("") == CONSISTENCY_TOLERANCE["none"]
     assert loss_matches(2.0, 2.0 + 1e-7, 1e-5) and not loss_matches(2.0, 2.1, 1e-3)
