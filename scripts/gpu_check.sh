@@ -33,16 +33,8 @@ fi
 
 out=${1:-${OUT:-/tmp/epochmesh-gpu-check}}
 mkdir -p "$out"
-if [[ -x .venv/bin/python ]]; then
-    py=.venv/bin/python
-else
-    py=${PYTHON:-python3}
-    if compgen -G ".whl/*.whl" >/dev/null; then
-        "$py" -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl
-    fi
-    "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . \
-        >"$out/pip.log" 2>&1 || { cat "$out/pip.log" >&2; exit 1; }
-fi
+# shellcheck source=scripts/_device_python.sh
+source scripts/_device_python.sh "$out"
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
 fi
