@@ -10,7 +10,7 @@ way from round CHEAT_FROM on (the agent's test-only EPOCHMESH_TEST_CHEAT switch)
 - `rounds_to_quarantine`: rounds of the job closed from its first cheated round until the
   cheater's quarantine (0: caught before the round after its first cheat closed);
 - `loss_over_clean`: the result's loss over the whole dataset (plain PyTorch) over the clean
-  job's;
+  job's (`clean_again_over_clean`: the clean job run twice, the noise it is read against);
 - exactly-once over the live rounds.
 
 `false_accusations`: honest nodes struck or quarantined over every job. Prints one JSON line:
@@ -235,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         clean_loss = bench.result_loss(clean_id, clean_dir)
         clean = bench.summary(clean_id)
         log.info("clean job: loss %.5f, %s", clean_loss, clean)
+        # The same clean job again: how far two honest runs of it land apart (the split by
+        # measured speed and, in local SGD, the time boxes make every run's rounds different):
+        # the noise a cheat job's loss_over_clean is read against.
+        again_id, again_dir = bench.run_job("clean-again", args.samples, args.epochs, seed=7)
+        clean_again = bench.result_loss(again_id, again_dir) / clean_loss
+        log.info("clean job again: loss over the first %.4f", clean_again)
         cluster.agents["spare"].terminate()
 
         cheats: dict[str, dict[str, Any]] = {}
@@ -305,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "false_accusations": false,
         "honest_node_rounds": node_rounds,
         "clean_loss": clean_loss,
+        "clean_again_over_clean": clean_again,
         "trust_job": trust,
         "mixed_job": mixed,
         "seconds": round(time.monotonic() - started, 1),
