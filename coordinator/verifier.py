@@ -123,7 +123,7 @@ class PendingCheck:
     buckets: int
     update_sketch: torch.Tensor
     deadline: float  # for the sketches
-    state: str = "sketches"  # sketches | checking
+    state: str = "sketches"  # sketches | snapshot (local SGD) | checking
     chunk_sketches: torch.Tensor | None = None
     chunk: int = -1
     # Local SGD: the committed start digest of each chunk, the part's samples per step, and

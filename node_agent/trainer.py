@@ -24,7 +24,7 @@ Building blocks (the ring trainer uses them too):
   ErrorFeedback, whose residual is rolled back when the update is not applied) and stream it
   with PushUpdate in chunks of at most 1 MiB, kind "gradient" or "pseudo_gradient".
 
-Verification (issue 20, docs/verification-protocol.md; sync mode, parameter-server rounds):
+Verification (issue 20, docs/verification-protocol.md; parameter-server rounds):
 when the task asks for `verify_chunks`, the part's samples are cut into chunks
 (`epochmesh.verification.chunk_bounds`), each chunk's mean loss and gradient is computed on its
 own (the job's micro_batch applying within a chunk; a confined program does all chunks in one
@@ -32,7 +32,12 @@ request to its child), the update is their sample-weighted sum (float32, chunks 
 the header carries one ChunkCommitment (samples, loss) per chunk. The chunk gradients are kept
 until PushUpdate answers; if it asks for sketches (`response.sketch.buckets` > 0), the
 CountSketch of every chunk's gradient under its seed goes back with CommitSketches. A failure
-there is logged: the round's update is in.
+there is logged: the round's update is in. A local SGD part's chunks are runs of consecutive
+inner steps (`epochmesh.verification.step_chunk_bounds`): the state (parameters and inner
+optimizer state) is copied before each chunk's first step, a chunk's "gradient" is its start
+parameters minus the next chunk's, and each commitment carries the SHA-256 of its start state;
+when the answer to the sketches names a chunk, its start state is uploaded (PushUpdate kind
+"snapshot") for a checker to run its steps from (`recompute_local_chunk`).
 
 Tests only: EPOCHMESH_TEST_CHEAT makes the agent cheat on its parameter-server updates
 (node_agent.cheat), consistently in its chunks and its update.
