@@ -531,22 +531,7 @@ class Engine:
         if runner is None:
             raise FailedPreconditionError(f"job {h.job_id!r} is not running")
         try:
-            for ts in h.bundle.tensors:
-                if ts.codec != "none":
-                    raise CodecError(
-                        f"state tensor {ts.name!r} is encoded {ts.codec!r}; a start state "
-                        "travels uncompressed"
-                    )
-            assembler = BundleAssembler(h.bundle)
-            async for msg in request_iterator:
-                if msg.WhichOneof("part") != "chunk":
-                    raise CodecError("only chunks may follow the header")
-                assembler.add(msg.chunk)
-            if not assembler.complete:
-                raise AbortedError(
-                    f"start state stream ended after {assembler.received} of "
-                    f"{assembler.total} bytes"
-                )
+            assembler = await _receive_state(h, request_iterator, "a start state")
             data = bytes(assembler.payload())
             tensors = await asyncio.to_thread(assembler.finish)
         except CodecError as exc:
@@ -567,22 +552,7 @@ class Engine:
                 accepted=False, reason="no checkpoint of this task is expected (any more)"
             )
         try:
-            for ts in h.bundle.tensors:
-                if ts.codec != "none":
-                    raise CodecError(
-                        f"state tensor {ts.name!r} is encoded {ts.codec!r}; a checkpoint "
-                        "travels uncompressed"
-                    )
-            assembler = BundleAssembler(h.bundle)
-            async for msg in request_iterator:
-                if msg.WhichOneof("part") != "chunk":
-                    raise CodecError("only chunks may follow the header")
-                assembler.add(msg.chunk)
-            if not assembler.complete:
-                error = (
-                    f"checkpoint stream ended after {assembler.received} of {assembler.total} bytes"
-                )
-                raise AbortedError(error)
+            assembler = await _receive_state(h, request_iterator, "a checkpoint")
             tensors = await asyncio.to_thread(assembler.finish)
             reason = await runner.rounds.submit_checkpoint(h, tensors)
         except CodecError as exc:
@@ -949,3 +919,28 @@ class Engine:
                 na.remaining = segs[i.node_id][1] - segs[i.node_id][0]
             out.nodes.append(na)
         return out
+
+
+async def _receive_state(
+    h: agent_pb2.UpdateHeader,
+    request_iterator: AsyncIterator[agent_pb2.PushUpdateRequest],
+    what: str,
+) -> BundleAssembler:
+    """The rest of a PushUpdate stream that carries ``what`` (a whole state, uncompressed):
+    CodecError for a compressed tensor or a message other than a chunk, AbortedError when the
+    stream ends early."""
+    for ts in h.bundle.tensors:
+        if ts.codec != "none":
+            raise CodecError(
+                f"state tensor {ts.name!r} is encoded {ts.codec!r}; {what} travels uncompressed"
+            )
+    assembler = BundleAssembler(h.bundle)
+    async for msg in request_iterator:
+        if msg.WhichOneof("part") != "chunk":
+            raise CodecError("only chunks may follow the header")
+        assembler.add(msg.chunk)
+    if not assembler.complete:
+        raise AbortedError(
+            f"{what} stream ended after {assembler.received} of {assembler.total} bytes"
+        )
+    return assembler

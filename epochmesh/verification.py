@@ -89,10 +89,15 @@ def chunk_count(samples: int, verify_chunks: int) -> int:
 def chunk_bounds(samples: int, verify_chunks: int) -> list[tuple[int, int]]:
     """The chunks' [start, end) offsets into the part's samples, in order: ``chunk_count`` of
     them, sizes differing by at most one (the larger first)."""
-    k = chunk_count(samples, verify_chunks)
-    if k == 0:
+    return even_split(samples, chunk_count(samples, verify_chunks))
+
+
+def even_split(total: int, k: int) -> list[tuple[int, int]]:
+    """[0, total) cut into ``k`` consecutive [start, end) ranges whose sizes differ by at most
+    one (the larger first); none for k < 1."""
+    if k < 1:
         return []
-    base, extra = divmod(samples, k)
+    base, extra = divmod(total, k)
     out, start = [], 0
     for i in range(k):
         end = start + base + (1 if i < extra else 0)
@@ -155,14 +160,7 @@ def step_chunk_bounds(steps: int, verify_chunks: int) -> list[tuple[int, int]]:
     ``verify_chunks`` chunks of at least one step, sizes differing by at most one."""
     if steps < 1 or verify_chunks < 1:
         return []
-    k = min(verify_chunks, steps)
-    base, extra = divmod(steps, k)
-    out, start = [], 0
-    for i in range(k):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
+    return even_split(steps, min(verify_chunks, steps))
 
 
 def local_sgd_chunk_samples(

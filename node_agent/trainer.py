@@ -1062,6 +1062,15 @@ def round_in_thread(
     return RoundWork(update, bundle, payload, saved, t1 - t0, t2 - t1, time.monotonic() - t2)
 
 
+async def push_requests(
+    header: agent_pb2.UpdateHeader, payload: bytes
+) -> AsyncIterator[agent_pb2.PushUpdateRequest]:
+    """A PushUpdate stream: the header, then the payload in chunks."""
+    yield agent_pb2.PushUpdateRequest(header=header)
+    for chunk in iter_chunks(payload):
+        yield agent_pb2.PushUpdateRequest(chunk=chunk)
+
+
 async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     started = time.monotonic()
     cheat = cheat_from_environment()  # tests only; ValueError for a bad value
@@ -1095,9 +1104,8 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     )
 
     async def requests() -> AsyncIterator[agent_pb2.PushUpdateRequest]:
-        yield agent_pb2.PushUpdateRequest(header=header)
-        for chunk in iter_chunks(payload):
-            yield agent_pb2.PushUpdateRequest(chunk=chunk)
+        async for msg in push_requests(header, payload):
+            yield msg
         # The update is out: the agent's next NextTask poll can start (see Agent._poll_early).
         if ctx.on_pushing is not None:
             ctx.on_pushing()
@@ -1235,13 +1243,10 @@ async def push_snapshot(
         snapshot_chunk=index,
     )
 
-    async def requests() -> AsyncIterator[agent_pb2.PushUpdateRequest]:
-        yield agent_pb2.PushUpdateRequest(header=header)
-        for part in iter_chunks(payload):
-            yield agent_pb2.PushUpdateRequest(chunk=part)
-
     try:
-        reply = await ctx.stub.PushUpdate(requests(), timeout=SKETCH_CALL_TIMEOUT_S)
+        reply = await ctx.stub.PushUpdate(
+            push_requests(header, payload), timeout=SKETCH_CALL_TIMEOUT_S
+        )
     except Stopped:
         raise
     except Exception as exc:

@@ -207,26 +207,17 @@ class FakeAgent:
                 agent_pb2.ChunkCommitment(samples=end - start, loss=mean_loss)
                 for start, end in chunk_bounds(num_samples, task.verify_chunks)
             ]
-        msgs = [
-            agent_pb2.PushUpdateRequest(
-                header=agent_pb2.UpdateHeader(
-                    node_id=self.node_id,
-                    lease_id=self.lease_id,
-                    task_id=task.task_id,
-                    job_id=task.job_id,
-                    round=task.round,
-                    num_samples=num_samples,
-                    mean_loss=mean_loss,
-                    compute_seconds=compute_seconds,
-                    bundle=header,
-                    kind=kind,
-                    params_version=params_version or task.params_version,
-                    chunks=chunks,
-                )
-            ),
-            *(agent_pb2.PushUpdateRequest(chunk=c) for c in iter_chunks(payload)),
-        ]
-        response = await self.stub.PushUpdate(iter(msgs), timeout=30)
+        response = await self._push(
+            task,
+            payload,
+            num_samples=num_samples,
+            mean_loss=mean_loss,
+            compute_seconds=compute_seconds,
+            bundle=header,
+            kind=kind,
+            params_version=params_version or task.params_version,
+            chunks=chunks,
+        )
         if sketches and response.accepted and response.sketch.buckets > 0:
             chunk = tensors if sketch_of is None else sketch_of
             one = sketch(chunk, response.sketch.seed, response.sketch.buckets).tolist()
@@ -294,20 +285,30 @@ class FakeAgent:
     ) -> agent_pb2.PushUpdateResponse:
         """Upload a local SGD chunk's start state (PushUpdate kind "snapshot")."""
         header, payload = encode_bundle(state)
+        return await self._push(
+            task,
+            payload,
+            kind="snapshot",
+            params_version=task.params_version,
+            bundle=header,
+            snapshot_chunk=index,
+        )
+
+    async def _push(
+        self, task: agent_pb2.Task, payload: bytes, **header: object
+    ) -> agent_pb2.PushUpdateResponse:
+        """PushUpdate of ``task``: a header of these fields (and the node's, the task's), then
+        ``payload`` in chunks."""
+        first = agent_pb2.UpdateHeader(
+            node_id=self.node_id,
+            lease_id=self.lease_id,
+            task_id=task.task_id,
+            job_id=task.job_id,
+            round=task.round,
+            **header,  # type: ignore[arg-type]
+        )
         msgs = [
-            agent_pb2.PushUpdateRequest(
-                header=agent_pb2.UpdateHeader(
-                    node_id=self.node_id,
-                    lease_id=self.lease_id,
-                    task_id=task.task_id,
-                    job_id=task.job_id,
-                    round=task.round,
-                    kind="snapshot",
-                    params_version=task.params_version,
-                    bundle=header,
-                    snapshot_chunk=index,
-                )
-            ),
+            agent_pb2.PushUpdateRequest(header=first),
             *(agent_pb2.PushUpdateRequest(chunk=c) for c in iter_chunks(payload)),
         ]
         return await self.stub.PushUpdate(iter(msgs), timeout=30)
