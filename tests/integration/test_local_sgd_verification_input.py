@@ -37,8 +37,9 @@ from tests.procs import async_wait_until, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(300)
 
-# 10 rounds of 96 samples (more with retried parts): enough for the plan on a busy host.
-NUM_SAMPLES, GLOBAL_BATCH, H = 480, 24, 4
+# 16 rounds of 96 samples (more with retried parts): enough for the plan even when updates come
+# late on a busy host (a late step is tried again; the job must not end before the plan's end).
+NUM_SAMPLES, GLOBAL_BATCH, H = 768, 24, 4
 RATE = 100.0
 PLAN = ["nodigest", "honest", "wrongchunk", "honest", "forged"]
 

