@@ -737,6 +737,17 @@ class Verifier:
             await self.runner.ctx.registry.quarantine(node, text, attrs, job_id=self.runner.job_id)
         await self.runner.on_verification_failed(node, first, reason, accuse=accuse)
 
+    async def _missed(
+        self, pc: PendingCheck, verbs: tuple[str, str], what: str, check: str, strike: str
+    ) -> None:
+        """The node did not send ``what`` in time: its unverified updates are undone, and a
+        node still online gets a strike (``verbs``: how the reason says it, gone / online)."""
+        gone = not self.runner.ctx.registry.is_alive(pc.node_id)
+        why = verbs[0] if gone else verbs[1]
+        await self._fail(pc, f"it {why} {what}", {"check": check}, accuse=False)
+        if not gone:
+            await self.runner.ctx.registry.add_strike(pc.node_id, strike, job_id=self.runner.job_id)
+
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
@@ -746,37 +757,23 @@ class Verifier:
                     continue
                 try:
                     if pc.state == "sketches" and now > pc.deadline:
-                        gone = not self.runner.ctx.registry.is_alive(pc.node_id)
-                        why = "went offline before" if gone else "did not send"
-                        await self._fail(
+                        await self._missed(
                             pc,
-                            f"it {why} the sketches of its round {pc.round} (seed sent)",
-                            {"check": "sketches_missing"},
-                            accuse=False,
+                            ("went offline before", "did not send"),
+                            f"the sketches of its round {pc.round} (seed sent)",
+                            "sketches_missing",
+                            f"no sketch commitment for round {pc.round} within "
+                            f"{MIN_SKETCH_WAIT_S:g}s of its update",
                         )
-                        if not gone:
-                            await self.runner.ctx.registry.add_strike(
-                                pc.node_id,
-                                f"no sketch commitment for round {pc.round} within "
-                                f"{MIN_SKETCH_WAIT_S:g}s of its update",
-                                job_id=self.runner.job_id,
-                            )
                     elif pc.state == "snapshot" and now > pc.deadline:
-                        gone = not self.runner.ctx.registry.is_alive(pc.node_id)
-                        why = "went offline before it uploaded" if gone else "did not upload"
-                        await self._fail(
+                        await self._missed(
                             pc,
-                            f"it {why} the start state of its chunk {pc.chunk} of round "
-                            f"{pc.round} (drawn for a check)",
-                            {"check": "snapshot_missing"},
-                            accuse=False,
+                            ("went offline before it uploaded", "did not upload"),
+                            f"the start state of its chunk {pc.chunk} of round {pc.round} "
+                            "(drawn for a check)",
+                            "snapshot_missing",
+                            f"no start state of its checked chunk for round {pc.round}",
                         )
-                        if not gone:
-                            await self.runner.ctx.registry.add_strike(
-                                pc.node_id,
-                                f"no start state of its checked chunk for round {pc.round}",
-                                job_id=self.runner.job_id,
-                            )
                     elif pc.state == "checking":
                         late = [c for c in pc.checkers if c.agrees is None and now > c.deadline]
                         for c in late:
