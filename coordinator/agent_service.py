@@ -273,7 +273,13 @@ class AgentService:
             )
         _check_peer_links(req)
         self._registry.check_lease(req.node_id, req.lease_id)
-        return await self._engine.report_progress(req, ctx)
+        try:
+            return await self._engine.report_progress(req, ctx)
+        except InvalidArgumentError as exc:
+            # A ring member's report whose chunk commitments do not fit it (verification):
+            # refused like an update, with a strike.
+            await self._registry.add_strike(req.node_id, str(exc))
+            raise
 
     async def CommitSketches(
         self, req: agent_pb2.CommitSketchesRequest, ctx: Ctx
@@ -288,6 +294,10 @@ class AgentService:
         if len(req.sketches) > MAX_CHUNKS * MAX_BUCKETS:
             raise InvalidArgumentError(
                 f"{len(req.sketches)} sketch values (at most {MAX_CHUNKS * MAX_BUCKETS})"
+            )
+        if len(req.update_sketch) > MAX_BUCKETS:
+            raise InvalidArgumentError(
+                f"an update sketch of {len(req.update_sketch)} values (at most {MAX_BUCKETS})"
             )
         self._registry.check_lease(req.node_id, req.lease_id)
         try:

@@ -609,11 +609,32 @@ class Engine:
         if owner is None or owner[0] != req.node_id:
             return agent_pb2.ReportProgressResponse()  # a stale task: nothing to do
         runner = self.runners.get(owner[1])
-        if runner is not None:
-            if req.failed:
-                log.info("node %s reports task %s failed: %s", req.node_id, req.task_id, req.error)
-            runner.rounds.on_report(req)
-        return agent_pb2.ReportProgressResponse()
+        response = agent_pb2.ReportProgressResponse()
+        if runner is None:
+            return response
+        if req.failed:
+            log.info("node %s reports task %s failed: %s", req.node_id, req.task_id, req.error)
+        rs = runner.round_state
+        part = rs.parts.get(req.node_id) if rs is not None else None
+        live = part is not None and part.task_id == req.task_id and part.member
+        if live and not req.failed and len(req.chunks) > MAX_CHUNKS:
+            problem = f"{len(req.chunks)} chunk commitments (at most {MAX_CHUNKS})"
+        elif live and not req.failed:
+            problem = runner.verifier.ring_commitment_problem(req)
+        else:
+            problem = ""
+        if problem:
+            # Verification (coordinator/verifier.py): the member's report is refused as a
+            # parameter server refuses an update whose commitments do not fit it.
+            runner.reject(req.node_id, req.task_id, f"chunk commitments: {problem}")
+            raise InvalidArgumentError(f"report refused: chunk commitments: {problem}")
+        was = part.status if part is not None else ""
+        runner.rounds.on_report(req)
+        if live and rs is not None and was == "pending" and part.status == "reported":
+            check = runner.verifier.on_ring_report(req, part, rs.round, rs.version)
+            if check is not None:
+                response.sketch.CopyFrom(check)
+        return response
 
     # -- JobService -----------------------------------------------------------------------------
 

@@ -1088,8 +1088,8 @@ class JobRunner:
         """Keep the state at the start of round ``round_id`` while a rollback may need it (a
         copy of the parameters and optimizer state; older ones go once no update after them
         awaits its check; at most MAX_SNAPSHOTS, then checkpoints serve)."""
-        if not self.verifier.enabled:
-            return
+        if not self.verifier.enabled or self.verifier.ring:
+            return  # ring rounds: the coordinator holds the state only at checkpoints
         self._snapshots[round_id] = self._checkpoint_state(last_round=round_id - 1)
         oldest = self.verifier.first_unverified_round()
         for r in sorted(self._snapshots)[:-1]:
@@ -1117,8 +1117,9 @@ class JobRunner:
             manifest = CheckpointManifest.from_bytes(stored[1])
             tensors = tensors_from_bytes(await self.ctx.blobs.read_bytes(manifest.tensors_sha256))
         # Versions after the state were handed out with other parameters: continue past them.
-        version = self.ps.version + 2
+        version = max(self.ps.version, self.rounds.version) + 2
         self.ps.load_state_tensors(tensors, version)
+        await self.rounds.restored(False)  # ring rounds: their members pull it
         self.ledger = EpochLedger.from_state(manifest.ledger)
         self.ledger.abort_open_rounds()
         # The restored ledger knows the nodes of its time: make it know today's.

@@ -1182,6 +1182,18 @@ class RingRounds:
                     )
         rs.touch()
 
+    async def agreed_params_checksum(self, version: int) -> str | None:
+        """The checksum of the parameters of ``version`` (verification of a member's part that
+        started from them): what its ring agreed on, else the coordinator's own when it holds
+        that version (the start, a checkpoint, a rollback); None when neither is known."""
+        agreed = self._agreed_state.get(version)
+        if agreed is not None:
+            return agreed[0]
+        ps = self.runner.ps
+        if ps.version == version:
+            return await asyncio.to_thread(params_checksum, ps.snapshot())
+        return None
+
     def expected_samples(self, node_id: str, task_id: str) -> int | None:
         rs = self.runner.round_state
         part = rs.parts.get(node_id) if rs is not None else None

@@ -17,6 +17,11 @@ is accepted when:
 A cheater that sent made-up chunks must either upload a state its sketches do not lead to
 (caught here), or one that they do, from which the checker's recomputation of chunk k differs
 from the made-up d_k.
+
+A ring member's checked part (`ring_start_problem`) starts from the parameters of the round's
+version, which the coordinator does not hold between checkpoints: the member uploads them, and
+they must be the job's parameters hashing (epochmesh.tensors.params_checksum, in the program's
+order) to the checksum the ring's majority agreed on for that version.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from epochmesh.optim import OPTIM_PREFIX, PARAM_PREFIX
 from epochmesh.sketch import relative_distance, sketch
-from epochmesh.tensors import decode_bundle
+from epochmesh.tensors import decode_bundle, params_checksum
 from epochmesh.v1 import common_pb2
 from epochmesh.verification import state_digest
 
@@ -98,3 +103,37 @@ def snapshot_problem(
             {"distance": f"{distance:.6g}", "tolerance": f"{SNAPSHOT_TOLERANCE:g}"},
         )
     return "", {}
+
+
+def ring_start_problem(
+    tensors: Mapping[str, torch.Tensor],
+    expected: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    agreed_checksum: str,
+) -> tuple[str, dict[str, str], dict[str, torch.Tensor]]:
+    """Why a ring member's upload of its round's starting parameters (``tensors``:
+    "param/<name>") is not the state its ring agreed on ("" if it is), the evidence, and the
+    parameters (plain names, in ``expected``'s order: the job's, in program order)."""
+    params: dict[str, torch.Tensor] = {}
+    for name, (dtype, shape) in expected.items():
+        t = tensors.get(PARAM_PREFIX + name)
+        if t is None:
+            return f"lacks parameter {name!r}", {}, {}
+        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+            return (
+                f"holds parameter {name!r} as {t.dtype} {list(t.shape)}; the job's is {dtype} "
+                f"{list(shape)}",
+                {},
+                {},
+            )
+        params[name] = t
+    extra = sorted(k for k in tensors if k.removeprefix(PARAM_PREFIX) not in expected)
+    if extra:
+        return f"holds tensors that are not the job's parameters ({extra[:3]})", {}, {}
+    got = params_checksum(params)
+    if got != agreed_checksum:
+        return (
+            "are not the parameters its ring agreed on for the round (their checksum differs)",
+            {"agreed_checksum": agreed_checksum, "uploaded_checksum": got},
+            {},
+        )
+    return "", {}, params

@@ -27,6 +27,14 @@ chunk drawn is answered in CommitSketchesResponse and the node uploads that chun
 the round's parameters less the committed sketches of the chunks before it (else the node is
 accused with check "snapshot"); the checker runs the chunk's steps from that state.
 
+Ring members (sync rounds; docs/verification-protocol.md "Ring members"): the coordinator never
+sees a member's update. The member commits its chunks with its report (ReportProgress), learns
+in the answer whether the part is checked (and the seed), and sends its chunk sketches with the
+sketch of its update; after the chunk is drawn it uploads the parameters the round started
+from, which must hash to the checksum its ring agreed on for that version
+(`coordinator.snapshot_check.ring_start_problem`); the checker recomputes from them. Whether
+the update it put into the all-reduce is the one it sketched is not checked yet.
+
 Screening (`coordinator.screening`) of each round's updates runs at no compute before they are
 applied: a flagged update is discarded (its samples return to pending) and the node's next part
 is checked whatever its reputation.
@@ -65,9 +73,10 @@ from coordinator.reputation import (
 from coordinator.rounds import Part, RoundState
 from coordinator.sample_ranges import index_run_array
 from coordinator.screening import Screening, extend_history, screen
-from coordinator.snapshot_check import snapshot_problem
+from coordinator.snapshot_check import ring_start_problem, snapshot_problem
 from coordinator.store import FailedPreconditionError, InvalidArgumentError
 from epochmesh.sketch import combine, relative_distance, sketch
+from epochmesh.tensors import encode_bundle
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
     SKETCH_BUCKETS,
@@ -121,7 +130,7 @@ class PendingCheck:
     codec: str
     seed: int
     buckets: int
-    update_sketch: torch.Tensor
+    update_sketch: torch.Tensor | None  # None: a ring member's, sent with its sketches
     deadline: float  # for the sketches
     state: str = "sketches"  # sketches | snapshot (local SGD) | checking
     chunk_sketches: torch.Tensor | None = None
@@ -142,8 +151,10 @@ class Verifier:
     def __init__(self, runner: JobRunner, rng: random.Random | None = None) -> None:
         self.runner = runner
         spec = runner.spec
-        self.enabled = (spec.aggregation or "ps") == "ps"
+        self.ring = spec.aggregation == "ring"
         self.local_sgd = spec.sync == "local_sgd"
+        # Ring rounds of local SGD are not verified yet (docs/verification-protocol.md).
+        self.enabled = not (self.ring and self.local_sgd)
         self.verify_chunks = VERIFY_CHUNKS if self.enabled else 0
         self.rng = rng or random.SystemRandom()
         self._pending: dict[str, PendingCheck] = {}  # by TRAIN task id
@@ -320,14 +331,9 @@ class Verifier:
         seed (for the PushUpdate response)."""
         if not self.enabled or part is None or not h.chunks:
             return None
-        forced = h.node_id in self._force
-        record = self.runner.ctx.registry.reputation(h.node_id)
-        p = check_probability(record)
-        standing = "new" if p >= 1.0 else "trusted" if p <= P_FLOOR else "building"
-        self.trained[standing] += h.num_samples
-        if not (forced or should_check(record, self.rng)):
+        standing = self._draw(h.node_id, h.num_samples)
+        if standing is None:
             return None
-        self._force.discard(h.node_id)
         version = h.params_version
         if self._round_payload is not None and self._round_payload[0] == version:
             self._payloads[version] = self._round_payload[1]
@@ -355,6 +361,60 @@ class Verifier:
         self._changed_state()
         return agent_pb2.CheckSpec(seed=seed, buckets=SKETCH_BUCKETS)
 
+    def _draw(self, node_id: str, samples: int) -> str | None:
+        """Count ``samples`` trained by ``node_id`` and draw whether its part is checked (with
+        the coordinator's secret randomness, after the part's update is fixed): its standing
+        ("new", "building", "trusted") if so, else None."""
+        forced = node_id in self._force
+        record = self.runner.ctx.registry.reputation(node_id)
+        p = check_probability(record)
+        standing = "new" if p >= 1.0 else "trusted" if p <= P_FLOOR else "building"
+        self.trained[standing] += samples
+        if not (forced or should_check(record, self.rng)):
+            return None
+        self._force.discard(node_id)
+        return standing
+
+    def ring_commitment_problem(self, req: agent_pb2.ReportProgressRequest) -> str:
+        """Why a ring member's successful report's chunk commitments do not fit it ("")."""
+        if not self.enabled:
+            return "" if not req.chunks else "the job's rounds are not verified"
+        return commitment_problem(
+            [(c.samples, c.loss) for c in req.chunks],
+            req.samples_done,
+            req.mean_loss,
+            self.verify_chunks,
+        )
+
+    def on_ring_report(
+        self, req: agent_pb2.ReportProgressRequest, part: Part, round_id: int, version: int
+    ) -> agent_pb2.CheckSpec | None:
+        """A ring member's successful report of its part of round ``round_id`` (from
+        parameters ``version``) was taken: draw whether the part is checked, and if so its seed
+        (for the answer)."""
+        if not self.enabled or not req.chunks or req.node_id in self._accused:
+            return None
+        standing = self._draw(req.node_id, req.samples_done)
+        if standing is None:
+            return None
+        seed = self.rng.getrandbits(63)
+        self._pending[req.task_id] = PendingCheck(
+            node_id=req.node_id,
+            task_id=req.task_id,
+            round=round_id,
+            version=version,
+            ranges=part.ranges.copy(),
+            chunks=[(c.samples, c.loss) for c in req.chunks],
+            codec="none",  # the member sketches its update itself: no wire codec between
+            seed=seed,
+            buckets=SKETCH_BUCKETS,
+            update_sketch=None,
+            deadline=time.monotonic() + max(MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds()),
+            standing=standing,
+        )
+        self._changed_state()
+        return agent_pb2.CheckSpec(seed=seed, buckets=SKETCH_BUCKETS)
+
     # -- sketches --------------------------------------------------------------------------------
 
     async def on_sketches(
@@ -376,14 +436,24 @@ class Verifier:
                 f"{len(req.sketches)} sketch values; {k} chunks x {pc.buckets} buckets "
                 f"= {k * pc.buckets} expected"
             )
+        elif len(req.update_sketch) != (pc.buckets if pc.update_sketch is None else 0):
+            problem = (
+                f"an update sketch of {len(req.update_sketch)} values; "
+                + ("a ring member sends its own" if pc.update_sketch is None else "none")
+                + " is expected"
+            )
         else:
             values = torch.tensor(list(req.sketches), dtype=torch.float64)
-            if not bool(torch.isfinite(values).all()):
+            own = torch.tensor(list(req.update_sketch), dtype=torch.float64)
+            if not bool(torch.isfinite(values).all()) or not bool(torch.isfinite(own).all()):
                 problem = "the sketches hold NaN or Inf"
         if problem:
             await self._fail(pc, f"its sketch commitment is malformed: {problem}", {}, accuse=False)
             raise InvalidArgumentError(f"sketches refused: {problem}")
         pc.chunk_sketches = values.reshape(k, pc.buckets)
+        ring = pc.update_sketch is None
+        update_sketch = own if pc.update_sketch is None else pc.update_sketch
+        pc.update_sketch = update_sketch
         total = sum(n for n, _ in pc.chunks)
         combined = combine(
             [
@@ -392,7 +462,7 @@ class Verifier:
             ]
         )
         tolerance = consistency_tolerance(pc.codec)
-        distance = relative_distance(combined, pc.update_sketch)
+        distance = relative_distance(combined, update_sketch)
         if tolerance is not None and not distance <= tolerance:
             await self._fail(
                 pc,
@@ -407,7 +477,7 @@ class Verifier:
             )
             return agent_pb2.CommitSketchesResponse()
         pc.chunk = checked_micro_batches(k, CHECK_FRACTION, self.rng)[0]
-        if pc.digests:
+        if pc.digests or ring:
             pc.state = "snapshot"
             pc.deadline = time.monotonic() + max(
                 MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds()
@@ -436,6 +506,9 @@ class Verifier:
             raise InvalidArgumentError(
                 f"the start state of chunk {h.snapshot_chunk} was sent; chunk {pc.chunk} was drawn"
             )
+        if not pc.digests:
+            await self._ring_start(pc, tensors)
+            return
         round_payload = self._payloads.get(pc.version)
         if round_payload is None:
             await self._inconclusive(pc, f"the parameters of version {pc.version} are gone")
@@ -459,6 +532,31 @@ class Verifier:
             )
             return
         pc.snapshot = payload
+        pc.state = "checking"
+        await self._next_checker(pc)
+
+    async def _ring_start(self, pc: PendingCheck, tensors: Mapping[str, torch.Tensor]) -> None:
+        """A ring member's upload of the parameters its checked part started from: they must
+        be the ones its ring agreed on; the checker then recomputes from them."""
+        agreed = await self.runner.rounds.agreed_params_checksum(pc.version)
+        if agreed is None:
+            await self._inconclusive(pc, f"the ring's checksum of version {pc.version} is gone")
+            return
+        expected = self.runner.ps.expected()
+        problem, evidence, params = await asyncio.to_thread(
+            ring_start_problem, tensors, expected, agreed
+        )
+        if problem:
+            await self._fail(
+                pc,
+                f"the parameters it says its round {pc.round} started from {problem}",
+                {"check": "snapshot", **evidence},
+                accuse=True,
+            )
+            return
+        if self._settled(pc):
+            return
+        self._payloads[pc.version] = await asyncio.to_thread(encode_bundle, params)
         pc.state = "checking"
         await self._next_checker(pc)
 

@@ -19,7 +19,8 @@ inline ("param/<name>", "optim/<key>/<name>": its parameters and inner optimizer
 agent runs the chunk's inner steps (local_batch samples each) from it with a fresh inner
 optimizer loaded with that state (`trainer.recompute_local_chunk`) and sketches the parameters
 before the steps minus after. The job's program then holds that state, not a version of the
-job: its `version` is forgotten (the next TRAIN task fetches its own).
+job: its `version` is forgotten (the next TRAIN task fetches its own). On a ring member the
+ring's live state is marked gone from the program (its next round loads its kept snapshot).
 
 Failures follow TRAIN's conventions (node_agent.tasks.dispatch_task): anything raised here is
 reported by the dispatcher, which for a CHECK task answers ReportCheck(failed=True, error=...)
@@ -39,7 +40,7 @@ from epochmesh.sketch import sketch
 from epochmesh.tensors import decode_bundle
 from epochmesh.v1 import agent_pb2
 from epochmesh.verification import MAX_BUCKETS
-from node_agent import trainer
+from node_agent import ring_trainer, trainer
 from node_agent.connection import Expired
 from node_agent.program_host import NONFINITE, ConfinedProgram, ProgramFault
 from node_agent.tasks import TaskContext
@@ -130,6 +131,12 @@ async def run_check_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     loaded = time.monotonic()
     ctx.check_cancelled()
     local = trainer.is_local_sgd(task.spec)
+    ring = ring_trainer.job_state(task.job_id)
+    if ring is not None:
+        # A ring member checking another's part: the program's parameters are set to the
+        # checked version, so the ring's live state is no longer in it (its next round loads
+        # its own from the snapshots it keeps).
+        ring.live_version = None
     if not local:
         await trainer.ensure_params(ctx, job, task)
         if job.version != task.params_version:

@@ -67,6 +67,7 @@ from epochmesh.ring import RING_CODECS
 from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks, params_checksum
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent import trainer
+from node_agent.cheat import cheat_from_environment
 from node_agent.connection import Expired
 from node_agent.peer import PeerServer, StateSnapshot, fetch_state, peer_channel
 from node_agent.peer_links import PeerLinks
@@ -316,6 +317,9 @@ class CachedUpdate:
     compute_s: float
     num_samples: int
     steps: int
+    # Verification (sync rounds with Task.verify_chunks): the chunks the update is the
+    # weighted sum of, kept until the report's answer says whether the part is checked.
+    chunks: trainer.ChunkGradients | None = None
 
 
 @dataclass
@@ -485,6 +489,7 @@ def _spawn_close(transport: RingTransport) -> None:
 async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRuntime) -> None:
     """One attempt of a ring round on this member (see the module docstring)."""
     started = time.monotonic()
+    cheat = cheat_from_environment()  # tests only; ValueError for a bad value
     ring = task.ring
     attempt = int(ring.attempt)
     scale = contribution_scale(task.local_batch, task.ring_total_samples)
@@ -540,7 +545,9 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
             )
         t0 = time.monotonic()
         state.live_version = None  # local SGD moves the parameters while it computes
-        update = await trainer.compute_update(ctx, loaded, task)
+        update = await trainer.compute_update(
+            ctx, loaded, task, verify=task.verify_chunks > 0, cheat=cheat
+        )
         state.live_version = version  # compute_update leaves the parameters at the start
         flat = await ctx.run_compute(flatten, update.tensors, state.names)
         compute_wall = time.monotonic() - t0
@@ -552,6 +559,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
             compute_s=update.compute_s,
             num_samples=update.num_samples,
             steps=update.steps,
+            chunks=update.chunks,
         )
         state.cached = cached
     ctx.check_cancelled()
@@ -633,7 +641,8 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     checksum = await ctx.run_compute(params_checksum, params_of(snapshot))
     optim_sum = await ctx.run_compute(params_checksum, optim_of(snapshot))
 
-    await ctx.report_progress(
+    reply = await ctx.report_progress(
+        chunks=cached.chunks.commitments() if cached.chunks is not None else (),
         samples_done=cached.num_samples,
         mean_loss=cached.mean_loss,
         compute_seconds=cached.compute_s,
@@ -663,6 +672,37 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     )
     if task.push_state:
         await push_state(ctx, task, snapshot, checksum, cached)
+    if reply is not None and reply.sketch.buckets > 0:
+        await send_check_evidence(ctx, task, state, cached, version, reply.sketch)
+
+
+async def send_check_evidence(
+    ctx: TaskContext,
+    task: agent_pb2.Task,
+    state: RingJobState,
+    cached: CachedUpdate,
+    version: int,
+    wanted: agent_pb2.CheckSpec,
+) -> None:
+    """Verification: the answer to the report says this member's part is checked. Send the
+    sketches of its chunks and of the update it put into the all-reduce under the seed
+    (CommitSketches), and when the answer to them draws a chunk, upload the parameters of
+    ``version`` (the round's start; still kept as the pre-step snapshot) for its checker.
+    Failures are logged, never raised (the round is done)."""
+    update = await ctx.run_compute(unflatten, cached.flat, state.shapes)
+    drawn = await trainer.commit_sketches(ctx, task, cached.chunks, wanted, update)
+    if drawn is None or not drawn.snapshot_wanted:
+        return
+    start = state.snapshots.get(version)
+    if start is None:
+        ctx.log.warning(
+            "round %d: the parameters of version %d are asked for a check; no longer kept",
+            task.round,
+            version,
+        )
+        return
+    params = {PARAM_PREFIX + n: t for n, t in params_of(start).items()}
+    await trainer.push_snapshot(ctx, task, params, drawn.snapshot_chunk)
 
 
 async def _unless_cancelled(ctx: TaskContext, aw: Awaitable[T]) -> T:

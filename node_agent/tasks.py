@@ -223,13 +223,14 @@ class TaskContext:
                 raise Expired(f"could not fetch blob {ref.sha256} before the task's deadline")
             await asyncio.sleep(delay)
 
-    async def report_progress(self, **fields: Any) -> None:
+    async def report_progress(self, **fields: Any) -> agent_pb2.ReportProgressResponse | None:
         def request() -> agent_pb2.ReportProgressRequest:
             return agent_pb2.ReportProgressRequest(
                 node_id=self.node_id, lease_id=self.lease_id, task_id=self.task.task_id, **fields
             )
 
-        await self.call("ReportProgress", request)
+        reply = await self.call("ReportProgress", request)
+        return reply if isinstance(reply, agent_pb2.ReportProgressResponse) else None
 
     async def report_failure(self, error: str, *, job_fault: bool = False) -> None:
         """Report the task failed (once); errors of the report itself are logged, not raised.

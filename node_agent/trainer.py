@@ -39,16 +39,17 @@ parameters minus the next chunk's, and each commitment carries the SHA-256 of it
 when the answer to the sketches names a chunk, its start state is uploaded (PushUpdate kind
 "snapshot") for a checker to run its steps from (`recompute_local_chunk`).
 
-Tests only: EPOCHMESH_TEST_CHEAT makes the agent cheat on its parameter-server updates
-(node_agent.cheat), consistently in its chunks and its update.
+Tests only: EPOCHMESH_TEST_CHEAT makes the agent cheat on its parameter-server updates and
+its ring contributions (node_agent.cheat), consistently in its chunks and its update.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -879,9 +880,18 @@ def _fits(previous: ComputedUpdate | None, update: ComputedUpdate) -> bool:
     return len(previous.chunks.grads) == len(update.chunks.grads)
 
 
-async def compute_update(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> ComputedUpdate:
+async def compute_update(
+    ctx: TaskContext,
+    job: LoadedJob,
+    task: agent_pb2.Task,
+    *,
+    verify: bool = False,
+    cheat: Cheat | None = None,
+) -> ComputedUpdate:
     """:func:`update_in_thread` on the compute thread."""
-    return await ctx.run_compute(update_in_thread, ctx, job, task)
+    return await ctx.run_compute(
+        partial(update_in_thread, verify=verify, cheat=cheat), ctx, job, task
+    )
 
 
 # -- compression --------------------------------------------------------------------------------
@@ -1148,7 +1158,17 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
         if wanted.buckets > 0:
             drawn = await commit_sketches(ctx, task, chunks, wanted)
             if drawn is not None and drawn.snapshot_wanted and chunks is not None:
-                await push_snapshot(ctx, task, chunks, drawn.snapshot_chunk)
+                index = drawn.snapshot_chunk
+                if 0 <= index < len(chunks.starts):
+                    await push_snapshot(ctx, task, chunks.starts[index], index)
+                else:
+                    ctx.log.warning(
+                        "round %d: the coordinator asked for the start state of chunk %d; the "
+                        "part has %d",
+                        task.round,
+                        index,
+                        len(chunks.starts),
+                    )
     else:
         ctx.log.warning("round %d: update not applied: %s", task.round, response.reason)
 
@@ -1158,11 +1178,13 @@ async def commit_sketches(
     task: agent_pb2.Task,
     chunks: ChunkGradients | None,
     wanted: agent_pb2.CheckSpec,
+    update: Mapping[str, torch.Tensor] | None = None,
 ) -> agent_pb2.CommitSketchesResponse | None:
-    """The PushUpdate response asked for the sketches of the round's chunks: compute them
-    (compute thread) and send them with CommitSketches; the coordinator's answer (None when
-    they were not sent). The update is in whatever happens here: a failure is logged, never
-    raised (except the agent's own stop)."""
+    """The PushUpdate response (a ring member: its report's answer) asked for the sketches of
+    the round's chunks: compute them (compute thread) and send them with CommitSketches (a ring
+    member also that of ``update``, the update it put into the all-reduce); the coordinator's
+    answer (None when they were not sent). The update is in whatever happens here: a failure
+    is logged, never raised (except the agent's own stop)."""
     if chunks is None:
         ctx.log.warning(
             "round %d: the coordinator asked for chunk sketches, but the update has no chunks "
@@ -1181,6 +1203,9 @@ async def commit_sketches(
     try:
         t0 = time.monotonic()
         values = await ctx.run_compute(chunks.sketches, wanted.seed, wanted.buckets)
+        own: list[float] = []
+        if update is not None:
+            own = (await ctx.run_compute(sketch, update, wanted.seed, wanted.buckets)).tolist()
         t1 = time.monotonic()
         reply = await ctx.call(
             "CommitSketches",
@@ -1191,6 +1216,7 @@ async def commit_sketches(
                 task_id=task.task_id,
                 seed=wanted.seed,
                 sketches=values,
+                update_sketch=own,
             ),
             timeout=SKETCH_CALL_TIMEOUT_S,
         )
@@ -1216,21 +1242,14 @@ async def commit_sketches(
 
 
 async def push_snapshot(
-    ctx: TaskContext, task: agent_pb2.Task, chunks: ChunkGradients, index: int
+    ctx: TaskContext, task: agent_pb2.Task, state: Mapping[str, torch.Tensor], index: int
 ) -> None:
-    """Local SGD verification: the coordinator drew chunk ``index`` to recompute; upload the
-    state it started from (PushUpdate kind "snapshot", uncompressed), whose digest went with
-    the update. Failures are logged, never raised (except the agent's own stop)."""
-    if not 0 <= index < len(chunks.starts):
-        ctx.log.warning(
-            "round %d: the coordinator asked for the start state of chunk %d; the part has %d",
-            task.round,
-            index,
-            len(chunks.starts),
-        )
-        return
+    """Verification: the coordinator drew chunk ``index`` to recompute; upload ``state``, the
+    state it started from (PushUpdate kind "snapshot", uncompressed): for local SGD the chunk's
+    start state, whose digest went with the update; for a ring member the parameters its round
+    started from. Failures are logged, never raised (except the agent's own stop)."""
     t0 = time.monotonic()
-    bundle, payload = await ctx.run_compute(encode_bundle, chunks.starts[index])
+    bundle, payload = await ctx.run_compute(encode_bundle, state)
     header = agent_pb2.UpdateHeader(
         node_id=ctx.node_id,
         lease_id=ctx.lease_id,

@@ -278,20 +278,22 @@ class PushUpdateResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., sketch: _Optional[_Union[CheckSpec, _Mapping]] = ...) -> None: ...
 
 class CommitSketchesRequest(_message.Message):
-    __slots__ = ("node_id", "lease_id", "job_id", "task_id", "seed", "sketches")
+    __slots__ = ("node_id", "lease_id", "job_id", "task_id", "seed", "sketches", "update_sketch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SKETCHES_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_SKETCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     job_id: str
     task_id: str
     seed: int
     sketches: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., sketches: _Optional[_Iterable[float]] = ...) -> None: ...
+    update_sketch: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., sketches: _Optional[_Iterable[float]] = ..., update_sketch: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CommitSketchesResponse(_message.Message):
     __slots__ = ("snapshot_wanted", "snapshot_chunk")
@@ -360,7 +362,7 @@ class ParametersHeader(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "compute_seconds", "communicate_seconds", "samples_done", "mean_loss", "params_checksum", "failed_peer_node_id", "ring_attempt", "params_version", "peer_links", "job_fault", "ring_fault", "optim_checksum")
+    __slots__ = ("node_id", "lease_id", "task_id", "failed", "error", "compute_seconds", "communicate_seconds", "samples_done", "mean_loss", "params_checksum", "failed_peer_node_id", "ring_attempt", "params_version", "peer_links", "job_fault", "ring_fault", "optim_checksum", "chunks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +380,7 @@ class ReportProgressRequest(_message.Message):
     JOB_FAULT_FIELD_NUMBER: _ClassVar[int]
     RING_FAULT_FIELD_NUMBER: _ClassVar[int]
     OPTIM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     task_id: str
@@ -395,7 +398,8 @@ class ReportProgressRequest(_message.Message):
     job_fault: bool
     ring_fault: RingFault
     optim_checksum: str
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., communicate_seconds: _Optional[float] = ..., samples_done: _Optional[int] = ..., mean_loss: _Optional[float] = ..., params_checksum: _Optional[str] = ..., failed_peer_node_id: _Optional[str] = ..., ring_attempt: _Optional[int] = ..., params_version: _Optional[int] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., job_fault: _Optional[bool] = ..., ring_fault: _Optional[_Union[RingFault, str]] = ..., optim_checksum: _Optional[str] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkCommitment]
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., communicate_seconds: _Optional[float] = ..., samples_done: _Optional[int] = ..., mean_loss: _Optional[float] = ..., params_checksum: _Optional[str] = ..., failed_peer_node_id: _Optional[str] = ..., ring_attempt: _Optional[int] = ..., params_version: _Optional[int] = ..., peer_links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., job_fault: _Optional[bool] = ..., ring_fault: _Optional[_Union[RingFault, str]] = ..., optim_checksum: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[ChunkCommitment, _Mapping]]] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("node_id", "rtt_ms", "bandwidth_bytes_per_second")
@@ -408,8 +412,10 @@ class PeerLink(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., bandwidth_bytes_per_second: _Optional[float] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("sketch",)
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    sketch: CheckSpec
+    def __init__(self, sketch: _Optional[_Union[CheckSpec, _Mapping]] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("payload", "response_bytes")
