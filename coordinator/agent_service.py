@@ -273,13 +273,7 @@ class AgentService:
             )
         _check_peer_links(req)
         self._registry.check_lease(req.node_id, req.lease_id)
-        try:
-            return await self._engine.report_progress(req, ctx)
-        except InvalidArgumentError as exc:
-            # A ring member's report whose chunk commitments do not fit it (verification):
-            # refused like an update, with a strike.
-            await self._registry.add_strike(req.node_id, str(exc))
-            raise
+        return await self._engine.report_progress(req, ctx)
 
     async def CommitSketches(
         self, req: agent_pb2.CommitSketchesRequest, ctx: Ctx

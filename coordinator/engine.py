@@ -627,7 +627,9 @@ class Engine:
             # Verification (coordinator/verifier.py): the member's report is refused as a
             # parameter server refuses an update whose commitments do not fit it.
             runner.reject(req.node_id, req.task_id, f"chunk commitments: {problem}")
-            raise InvalidArgumentError(f"report refused: chunk commitments: {problem}")
+            why = f"report refused: chunk commitments: {problem}"
+            await self.ctx.registry.add_strike(req.node_id, why, job_id=runner.job_id)
+            raise InvalidArgumentError(why)
         was = part.status if part is not None else ""
         runner.rounds.on_report(req)
         if live and rs is not None and was == "pending" and part.status == "reported":

@@ -313,8 +313,10 @@ class FakeAgent:
         ]
         return await self.stub.PushUpdate(iter(msgs), timeout=30)
 
-    async def report(self, task: agent_pb2.Task, **fields: object) -> None:
-        await self.stub.ReportProgress(
+    async def report(
+        self, task: agent_pb2.Task, **fields: object
+    ) -> agent_pb2.ReportProgressResponse:
+        return await self.stub.ReportProgress(
             agent_pb2.ReportProgressRequest(
                 node_id=self.node_id, lease_id=self.lease_id, task_id=task.task_id, **fields
             ),

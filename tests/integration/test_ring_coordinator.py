@@ -33,6 +33,7 @@ from epochmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from epochmesh.verification import chunk_bounds
 from tests.fixtures import write_mlp_job
 from tests.integration.fake_agent import (
     FakeAgent,
@@ -77,6 +78,10 @@ class FakeMember:
         # whose all-reduce is real has had its barrier already.
         self.barrier = True
         self.checksum_salt = ""
+        # Verification input to get wrong (tests/integration/test_ring_verification_input.py):
+        # "" none, "commitments" (a chunk short), "update_sketch" (a value short), "start" (the
+        # uploaded start parameters moved).
+        self.wrong = ""
 
     async def ask_source(self, agent: FakeAgent, task: agent_pb2.Task) -> None:
         """What the state source's agent asks the coordinator when this node calls its
@@ -170,12 +175,18 @@ class FakeMember:
                 if n != agent.node_id
                 for rtt, bw in [links(agent.node_id, n)]
             ]
+        start = dict(self.params)
+        samples = len(task_indices(task))
+        fields["chunks"] = [  # verification: a zero gradient in every chunk
+            agent_pb2.ChunkCommitment(samples=end - begin, loss=1.0)
+            for begin, end in chunk_bounds(samples, task.verify_chunks)
+        ][: -1 if self.wrong == "commitments" else None]
         checksum = params_checksum(self.params)
         if self.checksum_salt:
             checksum = hashlib.sha256((checksum + self.checksum_salt).encode()).hexdigest()
-        await agent.report(
+        answer = await agent.report(
             task,
-            samples_done=len(task_indices(task)),
+            samples_done=samples,
             mean_loss=1.0,
             compute_seconds=0.01,
             communicate_seconds=0.01,
@@ -196,6 +207,38 @@ class FakeMember:
                 params_version=v + 1,
             )
             self.world["checkpoints"].append((task.round, reply.accepted, reply.reason))
+        if answer.sketch.buckets > 0:  # checked: zero sketches, then the round's start
+            await self.send_check_evidence(agent, task, answer.sketch, start)
+
+    async def send_check_evidence(
+        self,
+        agent: FakeAgent,
+        task: agent_pb2.Task,
+        wanted: agent_pb2.CheckSpec,
+        start: dict[str, torch.Tensor],
+    ) -> None:
+        """What a checked member sends after its report: the sketches of its (zero) chunks and
+        update, then the parameters its round started from when a chunk is drawn."""
+        k = len(chunk_bounds(len(task_indices(task)), task.verify_chunks))
+        drawn = await agent.stub.CommitSketches(
+            agent_pb2.CommitSketchesRequest(
+                node_id=agent.node_id,
+                lease_id=agent.lease_id,
+                job_id=task.job_id,
+                task_id=task.task_id,
+                seed=wanted.seed,
+                sketches=[0.0] * (k * wanted.buckets),
+                update_sketch=[0.0] * (wanted.buckets - (self.wrong == "update_sketch")),
+            ),
+            timeout=10,
+        )
+        self.world["checked"].append((agent.node_id, task.round, drawn.snapshot_wanted))
+        if drawn.snapshot_wanted:
+            state = {f"param/{n}": t.clone() for n, t in start.items()}
+            if self.wrong == "start":
+                first = next(iter(state.values()))
+                first.view(-1)[0] += 1e-3
+            await agent.push_snapshot(task, state, drawn.snapshot_chunk)
 
 
 def new_world(packed: PackedJob) -> dict:
@@ -212,6 +255,7 @@ def new_world(packed: PackedJob) -> dict:
         "authorized": [],  # (sent there, allowed) of AuthorizeStateTransfer asks
         "agents": {},  # node id -> FakeAgent, for asks made as another agent
         "checkpoints": [],
+        "checked": [],  # (member, round, its start state asked for) of checked parts
         "names": list(packed.state_names),
         "shapes": {n: t.shape for n, t in initial.items()},
     }
