@@ -16,13 +16,16 @@ way from round CHEAT_FROM on (the agent's test-only EPOCHMESH_TEST_CHEAT switch)
 `false_accusations`: honest nodes struck or quarantined over every job. Prints one JSON line:
 
     .venv/bin/python scripts/bench_verify.py [--samples 1920] [--epochs 3] [--trust-rounds 160]
-        [--mode sync|local_sgd]
+        [--mode sync|local_sgd|ring]
 
 `--mode local_sgd` runs every job as local SGD (H = 12 inner steps of 24 samples a round, SGD
 with momentum kept across rounds, outer Nesterov lr 0.5, momentum 0.5: DiLoCo's 0.7 / 0.9
 diverges on this model with so few inner steps; the mixed job: micro-batches of 8, int8
 pseudo-gradients):
-the checks recompute a chunk of inner steps from its uploaded start state.
+the checks recompute a chunk of inner steps from its uploaded start state. `--mode ring` runs
+every job as synchronous ring rounds (the agents with `--peer-listen`; the mixed job: micro-
+batches of 16 and the int8 wire codec): a member's chunks are recomputed from the start
+parameters it uploads, checked against the checksum its ring agreed on.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ CHEAT_FROM = 4
 # job, and those of the mixed job.
 MODES = {
     "sync": (240, "", 'micro_batch = 16\ncompression = "int8"'),
+    "ring": (240, "", 'micro_batch = 16\ncompression = "int8"'),
     "local_sgd": (
         24,
         'sync = "local_sgd"\ninner_steps = 12\nouter_lr = 0.5\nouter_momentum = 0.5',
@@ -79,6 +83,7 @@ class Bench:
         self.cluster = cluster
         self.work = work
         self.global_batch, self.extra, self.mixed_extra = MODES[mode]
+        self.aggregation = "ring" if mode == "ring" else "ps"
         # Samples a round trains (every inner step's global batch in local SGD).
         self.per_round = self.global_batch * (INNER_STEPS if mode == "local_sgd" else 1)
         channel = cluster.operator_channel()
@@ -128,6 +133,7 @@ class Bench:
             max_nodes=5,
             checkpoint_every=10,
             train_extra="\n".join(x for x in (self.extra, train_extra) if x),
+            aggregation=self.aggregation,
         )
         out = self.cluster.cli("submit", str(toml), "--output", "json")
         job_id = str(json.loads(out)["job_id"])
@@ -214,9 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     with LocalCluster(work) as cluster:
         cluster.start_coordinator("--heartbeat-interval", "1.0")
         cluster.login()
+        # Ring members serve their peers (mutual TLS with their node certificates).
+        peer = ["--peer-listen", "127.0.0.1:0"] if args.mode == "ring" else []
         for name, slow in HONEST.items():
-            cluster.start_agent(name, "--slowdown", slow)
-        cluster.start_agent("spare", "--slowdown", "1")
+            cluster.start_agent(name, "--slowdown", slow, *peer)
+        cluster.start_agent("spare", "--slowdown", "1", *peer)
         bench = Bench(cluster, work, args.mode)
         bench.wait_ready([*HONEST, "spare"])
 
@@ -247,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         for cheat in CHEATS:
             name = f"cheat-{cheat}"
             cluster.start_agent(
-                name, "--slowdown", "1", env={"EPOCHMESH_TEST_CHEAT": f"{cheat}:{CHEAT_FROM}"}
+                name,
+                "--slowdown",
+                "1",
+                *peer,
+                env={"EPOCHMESH_TEST_CHEAT": f"{cheat}:{CHEAT_FROM}"},
             )
             bench.wait_ready([name])
             node_id = bench.nodes()[name].node_id
@@ -257,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 """The job needs five nodes: once the cheater is quarantined, the spare
                 joins in its place."""
                 if not spare and bench.nodes()[name].state == NS.NODE_STATE_QUARANTINED:
-                    cluster.start_agent("spare", "--slowdown", "1")
+                    cluster.start_agent("spare", "--slowdown", "1", *peer)
                     spare.append(True)
 
             job_id, job_dir = bench.run_job(

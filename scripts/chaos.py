@@ -111,6 +111,7 @@ def write_job(
     checkpoint_every: int = 5,
     lr: float = 0.01,
     train_extra: str = "",
+    aggregation: str = "ps",
 ) -> Path:
     """model.py, train.safetensors and job.toml of the convnet job; returns job.toml.
     ``train_extra``: more lines of its [train] table (e.g. 'micro_batch = 16')."""
@@ -126,7 +127,7 @@ def write_job(
         '[data]\ntrain = "train.safetensors"\ninputs = ["x"]\ntargets = ["y"]\n\n'
         f'[train]\nepochs = {epochs}\nglobal_batch = {global_batch}\noptimizer = "sgd"\n'
         f"lr = {lr}\nmomentum = 0.9\nseed = {seed}\n{train_extra}\n"
-        f'[cluster]\naggregation = "ps"\nmin_nodes = {min_nodes}\nmax_nodes = {max_nodes}\n'
+        f'[cluster]\naggregation = "{aggregation}"\nmin_nodes = {min_nodes}\nmax_nodes = {max_nodes}\n'
         f"checkpoint_every = {checkpoint_every}\n"
     )
     return directory / "job.toml"
