@@ -32,6 +32,8 @@ from epochmesh.verification import MAX_BUCKETS, MAX_CHUNKS
 Ctx = grpc.aio.ServicerContext
 
 MAX_DEVICES = 64
+# Values of each part of a ring member's evidence (segments x buckets: 1 MiB of float64).
+MAX_RING_EVIDENCE_VALUES = 131_072
 MAX_LABELS = 64
 MAX_BENCHMARK_POINTS = 64
 _FILLER = bytes(MAX_CHUNK_BYTES)
@@ -292,6 +294,14 @@ class AgentService:
         if len(req.update_sketch) > MAX_BUCKETS:
             raise InvalidArgumentError(
                 f"an update sketch of {len(req.update_sketch)} values (at most {MAX_BUCKETS})"
+            )
+        ring = req.ring
+        if any(
+            len(v) > MAX_RING_EVIDENCE_VALUES
+            for v in (ring.sent, ring.received, ring.own, ring.result)
+        ):
+            raise InvalidArgumentError(
+                f"ring evidence of more than {MAX_RING_EVIDENCE_VALUES} values per part"
             )
         self._registry.check_lease(req.node_id, req.lease_id)
         try:

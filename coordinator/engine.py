@@ -631,11 +631,15 @@ class Engine:
             await self.ctx.registry.add_strike(req.node_id, why, job_id=runner.job_id)
             raise InvalidArgumentError(why)
         was = part.status if part is not None else ""
+        attempt = runner.rounds.attempt if isinstance(runner.rounds, RingRounds) else None
         runner.rounds.on_report(req)
-        if live and rs is not None and was == "pending" and part.status == "reported":
-            check = runner.verifier.on_ring_report(req, part, rs.round, rs.version)
-            if check is not None:
-                response.sketch.CopyFrom(check)
+        if live and rs is not None and attempt is not None:
+            if was == "pending" and part.status == "reported":
+                check, audit = runner.verifier.on_ring_report(req, part, rs, attempt)
+                if check is not None:
+                    response.sketch.CopyFrom(check)
+                if audit is not None:
+                    response.ring_audit.CopyFrom(audit)
         return response
 
     # -- JobService -----------------------------------------------------------------------------

@@ -1050,11 +1050,8 @@ class JobRunner:
                 part.error = f"failed verification: {reason}"[:500]
                 part.grads = None
                 rs.touch()
-        if first_round is not None and (
-            self._rollback_before is None or first_round < self._rollback_before
-        ):
-            self._rollback_before = first_round
-            self._rollback_reason = f"{node_id}: {reason}"
+        if first_round is not None:
+            self.undo_from(first_round, f"{node_id}: {reason}")
         if accuse:
             self.node_set.went_offline(node_id, f"quarantined: {reason}"[:300])
         self.wake()
@@ -1073,6 +1070,14 @@ class JobRunner:
                 f"forfeited: {reason}"[:1024],
                 attrs={"amount_micro": str(forfeited)},
             )
+
+    def undo_from(self, round_id: int, reason: str) -> None:
+        """Roll the job back to before round ``round_id`` at the next safe point (verification
+        found it wrong; an earlier pending rollback point is kept)."""
+        if self._rollback_before is None or round_id < self._rollback_before:
+            self._rollback_before = round_id
+            self._rollback_reason = reason
+        self.wake()
 
     def rollback_floor(self) -> int | None:
         """The oldest round a verification rollback may still undo (read-only; the garbage

@@ -461,7 +461,7 @@ class RingRounds:
             default=0.0,
         )
 
-    def _ring_codec(self) -> str:
+    def ring_codec(self) -> str:
         codec = self.runner.spec.compression or "none"
         return codec if codec in RING_CODECS else "none"
 
@@ -634,8 +634,12 @@ class RingRounds:
                 if b.bandwidth_bytes_per_second > 0
             },
         )
-        # A member once accused of sending bad data gets another witness to its right.
-        order = keep_apart(order, self._witnesses)
+        # A member once accused of sending bad data gets another witness to its right, and the
+        # ends of a hop whose ring audit they disagreed on are kept apart (verifier.py).
+        avoid: dict[str, set[str]] = {n: set(w) for n, w in self._witnesses.items()}
+        for n, others in self.runner.verifier.ring_disputes.items():
+            avoid.setdefault(n, set()).update(others)
+        order = keep_apart(order, avoid)
         bandwidth = self._bandwidth(order + externals)
         rtt = self._rtt_s(order + externals)
         step = step_deadline_s(
@@ -643,7 +647,7 @@ class RingRounds:
             len(order),
             min(self._bandwidth(order), self._ring_link_bandwidth(order)),
             rtt,
-            codec=self._ring_codec(),
+            codec=self.ring_codec(),
             floor_s=STEP_DEADLINE_FLOOR_S,
         )
         transfer = 4.0 * 2 * self.runner.ps.num_bytes() / bandwidth + 2 * rtt

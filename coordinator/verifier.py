@@ -32,8 +32,15 @@ sees a member's update. The member commits its chunks with its report (ReportPro
 in the answer whether the part is checked (and the seed), and sends its chunk sketches with the
 sketch of its update; after the chunk is drawn it uploads the parameters the round started
 from, which must hash to the checksum its ring agreed on for that version
-(`coordinator.snapshot_check.ring_start_problem`); the checker recomputes from them. Whether
-the update it put into the all-reduce is the one it sketched is not checked yet.
+(`coordinator.snapshot_check.ring_start_problem`); the checker recomputes from them. A round in
+which any member is checked is audited (`RingAudit`): one seed for the round, revealed to each
+member in the answer to its report (every contribution is fixed in the all-reduce by then);
+every member sends its sketches of what it sent and received in the reduce-scatter and of its
+own contribution (`epochmesh.ring_evidence`), a checked member's contribution must sketch to
+b_i / B times its update, and `judge` names a member that contradicts itself (quarantined,
+check `ring_contribution`). A hop whose two ends disagree undoes the round without blaming
+either; the two are kept apart in later rings, and a member that two different neighbours
+disagree with is quarantined (check `ring_hops`).
 
 Screening (`coordinator.screening`) of each round's updates runs at no compute before they are
 applied: a flagged update is discarded (its samples return to pending) and the node's next part
@@ -75,8 +82,9 @@ from coordinator.sample_ranges import index_run_array
 from coordinator.screening import Screening, extend_history, screen
 from coordinator.snapshot_check import ring_start_problem, snapshot_problem
 from coordinator.store import FailedPreconditionError, InvalidArgumentError
+from epochmesh.ring_evidence import RingEvidence, judge
 from epochmesh.sketch import combine, relative_distance, sketch
-from epochmesh.tensors import encode_bundle
+from epochmesh.tensors import decode_bundle, encode_bundle
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
     SKETCH_BUCKETS,
@@ -90,6 +98,7 @@ from epochmesh.verification import (
 
 if TYPE_CHECKING:
     from coordinator.job_runner import JobRunner
+    from coordinator.ring_rounds import RingAttempt
 
 log = logging.getLogger(__name__)
 NS = common_pb2.NodeState
@@ -103,6 +112,8 @@ MIN_CHECK_WAIT_S = 15.0
 WATCH_EVERY_S = 0.25
 # How long the job's end waits for the last checks.
 SETTLE_MAX_S = 120.0
+# Ring audits (round, attempt) remembered at most (older ones are dropped unjudged).
+AUDITS_KEPT = 16
 # The job state key of what a restarted coordinator must know (see the module docstring).
 STATE_KEY = "verification"
 
@@ -145,6 +156,27 @@ class PendingCheck:
     standing: str = "new"  # the node's standing when its part was drawn (see Verifier.samples)
 
 
+@dataclass
+class RingAudit:
+    """One audited ring round attempt: its members' evidence of the all-reduce, under one
+    seed (see the module docstring)."""
+
+    round: int
+    attempt: int
+    order: list[str]
+    codec: str
+    seed: int
+    buckets: int
+    scales: dict[str, float]  # member -> b_i / B
+    gateway: str
+    external: tuple[common_pb2.TensorBundle, bytes] | None
+    draws: dict[str, str | None]  # member -> its standing when its part is checked, else None
+    deadline: float
+    evidence: dict[str, RingEvidence] = field(default_factory=dict)
+    updates: dict[str, torch.Tensor] = field(default_factory=dict)  # checked members' sketches
+    applied: bool = False  # the round closed with every member's part applied
+
+
 class Verifier:
     """The verification state of one job (see the module docstring)."""
 
@@ -177,6 +209,11 @@ class Verifier:
         self.trained: dict[str, int] = {"new": 0, "building": 0, "trusted": 0}
         self.recomputed: dict[str, int] = {"new": 0, "building": 0, "trusted": 0}
         self.verdicts: dict[str, int] = {"passed": 0, "failed": 0, "undecided": 0}
+        # Ring audits by (round, attempt): None where the draw audited nothing. Members' TRAIN
+        # tasks -> their audit; disputed hops: node -> {the other end: round}.
+        self._audits: dict[tuple[int, int], RingAudit | None] = {}
+        self._audit_of: dict[str, tuple[int, int]] = {}
+        self._disputes: dict[str, dict[str, int]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -387,41 +424,192 @@ class Verifier:
         )
 
     def on_ring_report(
-        self, req: agent_pb2.ReportProgressRequest, part: Part, round_id: int, version: int
-    ) -> agent_pb2.CheckSpec | None:
-        """A ring member's successful report of its part of round ``round_id`` (from
-        parameters ``version``) was taken: draw whether the part is checked, and if so its seed
-        (for the answer)."""
-        if not self.enabled or not req.chunks or req.node_id in self._accused:
-            return None
-        standing = self._draw(req.node_id, req.samples_done)
-        if standing is None:
-            return None
-        seed = self.rng.getrandbits(63)
+        self,
+        req: agent_pb2.ReportProgressRequest,
+        part: Part,
+        rs: RoundState,
+        attempt: RingAttempt,
+    ) -> tuple[agent_pb2.CheckSpec | None, agent_pb2.CheckSpec | None]:
+        """A ring member's successful report of its part of ``rs`` in ``attempt`` was taken:
+        (its check's seed, the round audit's seed), each None when not drawn. Whose parts are
+        checked is drawn for every member at the first report of the attempt, and the attempt
+        is audited when any is: one seed, handed to each member only with its own report."""
+        if not self.enabled or not req.chunks:
+            return None, None
+        key = (rs.round, attempt.number)
+        if key not in self._audits:
+            draws = {m: self._draw(m, rs.parts[m].samples) for m in attempt.order if m in rs.parts}
+            audit = None
+            if any(d is not None for d in draws.values()):
+                audit = RingAudit(
+                    round=rs.round,
+                    attempt=attempt.number,
+                    order=list(attempt.order),
+                    codec=self.runner.rounds.ring_codec(),
+                    seed=self.rng.getrandbits(63),
+                    buckets=SKETCH_BUCKETS,
+                    scales={
+                        m: rs.parts[m].local_batch / attempt.total
+                        for m in attempt.order
+                        if m in rs.parts
+                    },
+                    gateway=attempt.gateway,
+                    external=attempt.external_sum,
+                    draws=draws,
+                    deadline=time.monotonic() + self._sketch_wait(),
+                )
+            self._audits[key] = audit
+            for old in sorted(self._audits)[:-AUDITS_KEPT]:
+                self._drop_audit(old)
+        audit = self._audits[key]
+        if audit is None or req.node_id not in audit.scales:
+            return None, None
+        self._audit_of[req.task_id] = key
+        spec = agent_pb2.CheckSpec(seed=audit.seed, buckets=audit.buckets)
+        standing = audit.draws.get(req.node_id)
+        if standing is None or req.node_id in self._accused:
+            return None, spec
         self._pending[req.task_id] = PendingCheck(
             node_id=req.node_id,
             task_id=req.task_id,
-            round=round_id,
-            version=version,
+            round=rs.round,
+            version=rs.version,
             ranges=part.ranges.copy(),
             chunks=[(c.samples, c.loss) for c in req.chunks],
             codec="none",  # the member sketches its update itself: no wire codec between
-            seed=seed,
-            buckets=SKETCH_BUCKETS,
+            seed=audit.seed,
+            buckets=audit.buckets,
             update_sketch=None,
-            deadline=time.monotonic() + max(MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds()),
+            deadline=time.monotonic() + self._sketch_wait(),
             standing=standing,
         )
         self._changed_state()
-        return agent_pb2.CheckSpec(seed=seed, buckets=SKETCH_BUCKETS)
+        return spec, spec
+
+    def _sketch_wait(self) -> float:
+        return max(MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds())
+
+    def _drop_audit(self, key: tuple[int, int]) -> None:
+        audit = self._audits.pop(key, None)
+        if audit is not None:
+            for task_id in [t for t, k in self._audit_of.items() if k == key]:
+                del self._audit_of[task_id]
+
+    @property
+    def ring_disputes(self) -> dict[str, set[str]]:
+        """Ring members -> the right neighbours they must not get (disputed hops)."""
+        return {n: set(partners) for n, partners in self._disputes.items()}
+
+    async def _on_ring_evidence(self, req: agent_pb2.CommitSketchesRequest) -> None:
+        """A member's evidence of an audited round (and, for a checked member, the sketch of
+        its update): judged once every member's is in."""
+        key = self._audit_of.get(req.task_id)
+        audit = self._audits.get(key) if key is not None else None
+        if audit is None or req.node_id not in audit.scales or req.node_id in audit.evidence:
+            raise FailedPreconditionError(
+                f"no ring evidence is awaited for task {req.task_id!r} of node {req.node_id}"
+            )
+        ring = req.ring
+        if ring.seed != audit.seed or ring.buckets != audit.buckets:
+            problem = (
+                f"ring evidence under seed {ring.seed} / {ring.buckets} buckets; the round's is "
+                f"{audit.seed} / {audit.buckets}"
+            )
+        else:
+            try:
+                evidence = RingEvidence.from_flat(
+                    [ring.sent, ring.received, ring.own, ring.result],
+                    len(audit.order),
+                    audit.buckets,
+                )
+                problem = ""
+            except ValueError as exc:
+                problem = str(exc)
+        if problem:
+            self._drop_audit(key)  # it cannot be judged: the round is undone instead
+            self.runner.undo_from(audit.round, f"{req.node_id}: malformed ring evidence")
+            raise InvalidArgumentError(f"ring evidence refused: {problem}")
+        audit.evidence[req.node_id] = evidence
+        if len(req.update_sketch) == audit.buckets and audit.draws.get(req.node_id) is not None:
+            audit.updates[req.node_id] = torch.tensor(list(req.update_sketch), dtype=torch.float64)
+        if len(audit.evidence) == len(audit.scales):
+            self._drop_audit(key)
+            await self._judge_audit(audit)
+
+    async def _judge_audit(self, audit: RingAudit) -> None:
+        expected: dict[str, torch.Tensor] = {}
+        external = None
+        if audit.external is not None and audit.gateway:
+            external = await asyncio.to_thread(
+                lambda: sketch(decode_bundle(*audit.external), audit.seed, audit.buckets)
+            )
+        for m, update in audit.updates.items():
+            expected[m] = audit.scales[m] * update
+            if m == audit.gateway and external is not None:
+                expected[m] = expected[m] + external
+        verdict = await asyncio.to_thread(judge, audit.order, audit.codec, audit.evidence, expected)
+        if verdict.clean:
+            log.info(
+                "job %s: ring round %d (attempt %d) audited: %d members agree",
+                self.runner.job_id,
+                audit.round,
+                audit.attempt,
+                len(audit.order),
+            )
+            return
+        for node, why in verdict.liars.items():
+            await self._condemn(
+                node,
+                audit.round,
+                f"its contribution to ring round {audit.round}: {why}",
+                {"check": "ring_contribution", "seed": str(audit.seed), "why": why[:300]},
+                accuse=True,
+            )
+        for sender, receiver, why in verdict.hops:
+            await self._disputed_hop(audit, sender, receiver, why)
+
+    async def _disputed_hop(self, audit: RingAudit, sender: str, receiver: str, why: str) -> None:
+        """``sender`` and ``receiver`` disagree on what passed between them: one of them lies.
+        The round is undone; the two are kept apart from now on, and a member two different
+        neighbours disagree with is quarantined."""
+        reason = f"ring round {audit.round}: {why}"
+        self.runner.undo_from(audit.round, reason)
+        await self.runner.ctx.events.append(
+            "round.disputed",
+            job_id=self.runner.job_id,
+            message=f"{reason}; the round is undone, the two are kept apart"[:1024],
+            attrs={"round": str(audit.round), "sender": sender, "receiver": receiver},
+        )
+        for a, b in ((sender, receiver), (receiver, sender)):
+            self._disputes.setdefault(a, {})[b] = audit.round
+        for node in (sender, receiver):
+            partners = self._disputes.get(node, {})
+            if len(partners) >= 2 and node not in self._accused:
+                await self._condemn(
+                    node,
+                    audit.round,
+                    f"{len(partners)} ring neighbours ({', '.join(sorted(partners))}) disagree "
+                    "with what it says passed between them",
+                    {
+                        "check": "ring_hops",
+                        "neighbours": ",".join(sorted(partners)),
+                        "rounds": ",".join(str(r) for r in sorted(set(partners.values()))),
+                    },
+                    accuse=True,
+                )
 
     # -- sketches --------------------------------------------------------------------------------
 
     async def on_sketches(
         self, req: agent_pb2.CommitSketchesRequest
     ) -> agent_pb2.CommitSketchesResponse:
-        """The node's chunk sketches; the answer names the chunk whose start state a local SGD
-        node uploads next."""
+        """The node's chunk sketches (a ring member's also its evidence of an audited round);
+        the answer names the chunk whose start state a local SGD node or a ring member uploads
+        next."""
+        if req.HasField("ring"):
+            await self._on_ring_evidence(req)
+            if req.task_id not in self._pending:  # none wanted, or judged meanwhile
+                return agent_pb2.CommitSketchesResponse()
         pc = self._pending.get(req.task_id)
         if pc is None or pc.node_id != req.node_id or pc.state != "sketches":
             raise FailedPreconditionError(
@@ -814,10 +1002,16 @@ class Verifier:
         could not be verified: either way its unverified rounds are undone."""
         if self._settled(pc):
             return
-        node = pc.node_id
+        self._forget(pc)
+        await self._condemn(pc.node_id, pc.round, reason, evidence, accuse=accuse)
+
+    async def _condemn(
+        self, node: str, round_id: int, reason: str, evidence: Mapping[str, str], *, accuse: bool
+    ) -> None:
+        """``node``'s work of round ``round_id`` is wrong (``accuse``: proven, quarantine) or
+        could not be verified: either way its unverified rounds are undone."""
         if accuse:
             self._accused.add(node)
-        self._forget(pc)
         self.verdicts["failed"] += 1
         for other in [p for p in self._pending.values() if p.node_id == node]:
             self._forget(other)
@@ -825,13 +1019,13 @@ class Verifier:
         # from the set), and the update of the round checked: it may be applied by now, or be
         # being applied (the round's apply runs in a thread and had taken it already), however
         # early it was caught; undoing that round costs one round when it was not.
-        rounds = self._unverified.pop(node, set()) | {pc.round}
+        rounds = self._unverified.pop(node, set()) | {round_id}
         first = min(rounds)
         self._changed_state()
-        attrs = {"round": str(pc.round), **evidence}
+        attrs = {"round": str(round_id), **evidence}
         if accuse:
             text = f"failed verification in job {self.runner.job_id}: {reason}"
-            await self.runner.ctx.registry.record_check(node, pc.round, False, text)
+            await self.runner.ctx.registry.record_check(node, round_id, False, text)
             await self.runner.ctx.registry.quarantine(node, text, attrs, job_id=self.runner.job_id)
         await self.runner.on_verification_failed(node, first, reason, accuse=accuse)
 
@@ -846,10 +1040,42 @@ class Verifier:
         if not gone:
             await self.runner.ctx.registry.add_strike(pc.node_id, strike, job_id=self.runner.job_id)
 
+    async def _overdue_audits(self, now: float) -> None:
+        """Audits past their deadline: one whose round was not applied (its attempt failed)
+        is dropped; else every member that sent no evidence has its rounds undone and, while
+        online, a strike."""
+        for key, audit in list(self._audits.items()):
+            if audit is None or now <= audit.deadline:
+                continue
+            self._drop_audit(key)
+            if not audit.applied:
+                continue
+            for node in [m for m in audit.order if m not in audit.evidence]:
+                gone = not self.runner.ctx.registry.is_alive(node)
+                why = "went offline before it sent" if gone else "did not send"
+                await self._condemn(
+                    node,
+                    audit.round,
+                    f"it {why} its evidence of ring round {audit.round} (seed sent)",
+                    {"check": "ring_evidence_missing"},
+                    accuse=False,
+                )
+                if not gone:
+                    await self.runner.ctx.registry.add_strike(
+                        node,
+                        f"no evidence of audited ring round {audit.round} within "
+                        f"{MIN_SKETCH_WAIT_S:g}s of its report",
+                        job_id=self.runner.job_id,
+                    )
+
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
             now = time.monotonic()
+            try:
+                await self._overdue_audits(now)
+            except Exception:
+                log.exception("job %s: ring audits failed", self.runner.job_id)
             for pc in list(self._pending.values()):
                 if pc.task_id not in self._pending:
                     continue
@@ -926,9 +1152,17 @@ class Verifier:
     def on_round_closed(self, rs: RoundState) -> None:
         if not self.enabled:
             return
+        applied = set()
         for p in rs.parts.values():
             if p.status == "applied":
                 self._unverified.setdefault(p.node_id, set()).add(rs.round)
+                applied.add(p.node_id)
+        for key, audit in list(self._audits.items()):
+            if audit is not None and audit.round == rs.round:
+                if set(audit.order) <= applied:
+                    audit.applied = True
+                elif not audit.evidence or len(audit.evidence) < len(audit.order):
+                    self._drop_audit(key)  # an attempt that failed: nothing of it applied
         self._closed_round = max(self._closed_round, rs.round)
         self._changed_state()
 

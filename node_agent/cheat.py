@@ -12,7 +12,10 @@ of these ways:
 - ``lazy``: only the first ceil(k/4) chunks are computed (the others' compute is really
   skipped); each skipped chunk claims the mean of the computed chunks' gradients and losses;
 - ``stale``: the previous round's chunk gradients and losses (what the agent computed then) are
-  sent again; the first cheated round, with nothing kept, is honest.
+  sent again; the first cheated round, with nothing kept, is honest;
+- ``contribution`` (ring members only; honest elsewhere): its chunks, update and report are
+  honest, but it puts SCALE x its contribution into the all-reduce and computes its evidence of
+  the round (epochmesh.ring_evidence) from the honest one, as if that had been sent.
 
 The cheater is a smart one: its update is always the sample-weighted sum of the chunk
 gradients it will sketch (the trainer rebuilds it from them), so it passes the consistency
@@ -40,7 +43,8 @@ FLIPPED = "flipped"
 RANDOM = "random"
 LAZY = "lazy"
 STALE = "stale"
-KINDS = (SCALED, FLIPPED, RANDOM, LAZY, STALE)
+CONTRIBUTION = "contribution"
+KINDS = (SCALED, FLIPPED, RANDOM, LAZY, STALE, CONTRIBUTION)
 
 SCALE = 100.0
 # A lazy cheater computes this share of its chunks (or samples), at least one.

@@ -489,9 +489,13 @@ class _ReceiveSlot:
         buf: np.ndarray,
         node_ids: Sequence[str],
         verifier: SegmentVerifier | None = None,
+        received: torch.Tensor | None = None,
     ) -> None:
         n = len(node_ids)
         self.key = key
+        # Verification: where the reduce-scatter's received values are kept (decoded, before
+        # they are added; epochmesh.ring_evidence), or None.
+        self._received = received
         self.codec = codec
         self.left_node_id = node_ids[(rank - 1) % n]
         self.members = frozenset(node_ids)
@@ -654,6 +658,8 @@ class _ReceiveSlot:
             src = np.frombuffer(payload, dtype=np.float32)
             _require_finite(src, e)
             if e.reduce:
+                if self._received is not None:
+                    self._received[e.lo : e.hi].copy_(torch.from_numpy(src))
                 np.add(dst, src, out=dst)
             else:
                 np.copyto(dst, src)
@@ -664,6 +670,8 @@ class _ReceiveSlot:
                 raise ChunkRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             _require_finite(decoded.numpy(), e)
             if e.reduce:
+                if self._received is not None:
+                    self._received[e.lo : e.hi].copy_(decoded)
                 self._tbuf[e.lo : e.hi].add_(decoded)
             else:
                 self._tbuf[e.lo : e.hi].copy_(decoded)
@@ -851,6 +859,7 @@ class _RingRun:
         job_id: str,
         round_: int,
         join_timeout_s: float,
+        received: torch.Tensor | None = None,
     ) -> None:
         n = len(ring.node_ids)
         self.n = n
@@ -883,6 +892,7 @@ class _RingRun:
             self.buf,
             self.node_ids,
             verifier=transport.verifier,
+            received=received,
         )
         self.sends = plan.sends
         # Seals this node's all-gather segment (None: the ring runs without identities).
@@ -1209,6 +1219,7 @@ async def ring_allreduce(
     job_id: str,
     round: int,
     join_timeout_s: float | None = None,
+    received: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum `buffer` (flat, contiguous float32 on the CPU) over the ring, in place; returns it.
 
@@ -1217,11 +1228,17 @@ async def ring_allreduce(
     bandwidth (`epochmesh.ring.step_deadline_s`): a neighbour that makes no progress for that
     long has failed. `join_timeout_s` (default `deadline_s`) is added to the first step, for
     neighbours still computing. `codec`: "none" | "fp16" | "bf16" | "int8" on the wire.
+    `received` (float32, as `buffer`; verification): gets every value received in the
+    reduce-scatter, decoded, before it is added (untouched elsewhere).
 
     Every rank gets bit-identical sums. Raises RingPeerFailed(node_id) when a member dies,
     stalls or refuses (the buffer then holds partial sums), ValueError for bad arguments.
     """
     _check_args(buffer, ring, transport, deadline_s, codec, job_id, round)
+    if received is not None and (
+        received.shape != buffer.shape or received.dtype != torch.float32 or received.is_cuda
+    ):
+        raise ValueError("received must be a flat float32 CPU tensor of the buffer's size")
     n = len(ring.node_ids)
     if n == 1 or buffer.numel() == 0:
         return buffer
@@ -1234,6 +1251,7 @@ async def ring_allreduce(
         job_id=job_id,
         round_=round,
         join_timeout_s=deadline_s if join_timeout_s is None else join_timeout_s,
+        received=received,
     )
     transport.mailbox.register(run.slot)
     try:

@@ -63,12 +63,15 @@ from epochmesh.optim import (
     optimizer_state_tensors,
     state_tensors,
 )
-from epochmesh.ring import RING_CODECS
+from epochmesh.ring import RING_CODECS, RingSchedule, chunk_elems_for
+from epochmesh.ring_evidence import FlatSketch, member_evidence
+from epochmesh.sketch import sketch
 from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks, params_checksum
 from epochmesh.v1 import agent_pb2, common_pb2
+from epochmesh.verification import MAX_BUCKETS
 from node_agent import trainer
-from node_agent.cheat import cheat_from_environment
-from node_agent.connection import Expired
+from node_agent.cheat import CONTRIBUTION, SCALE, cheat_from_environment
+from node_agent.connection import Expired, Stopped, describe
 from node_agent.peer import PeerServer, StateSnapshot, fetch_state, peer_channel
 from node_agent.peer_links import PeerLinks
 from node_agent.ring_allreduce import RingPeerFailed, RingTransport, ring_allreduce
@@ -582,6 +585,12 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
             compute_seconds=cached.compute_s,
         )
         return
+    # Verification: what the ring audit's evidence is computed from (epochmesh.ring_evidence).
+    copies = (
+        AuditCopies(buffer.clone(), torch.zeros_like(buffer)) if task.verify_chunks > 0 else None
+    )
+    if cheat is not None and cheat.kind == CONTRIBUTION and cheat.active_at(task.round):
+        buffer.mul_(SCALE)  # tests only: the ring gets another contribution than the one shown
     deadline_s = ring.deadline_seconds if ring.deadline_seconds > 0 else DEFAULT_STEP_DEADLINE_S
     due = ctx.deadline
     join_s = max(deadline_s, MIN_CALL_TIMEOUT_S, (due - time.monotonic()) if due else 0.0)
@@ -610,6 +619,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
                 job_id=task.job_id,
                 round=task.round,
                 join_timeout_s=join_s,
+                received=copies.received if copies is not None else None,
             ),
         )
     except RingPeerFailed as exc:
@@ -630,6 +640,8 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
         )
         return
     ring_s = time.monotonic() - ring_t0
+    if copies is not None:
+        copies.result = buffer.clone()
 
     state.live_version = None
     snapshot = await ctx.run_compute(_apply_round, state, buffer, version + 1)
@@ -672,8 +684,48 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     )
     if task.push_state:
         await push_state(ctx, task, snapshot, checksum, cached)
-    if reply is not None and reply.sketch.buckets > 0:
-        await send_check_evidence(ctx, task, state, cached, version, reply.sketch)
+    if reply is not None and (reply.sketch.buckets > 0 or reply.ring_audit.buckets > 0):
+        await send_check_evidence(ctx, task, state, cached, copies, version, reply)
+
+
+@dataclass
+class AuditCopies:
+    """What a member's ring audit evidence is computed from: its contribution (the scaled
+    buffer it put in), what it received in the reduce-scatter, the all-reduced result."""
+
+    contribution: torch.Tensor
+    received: torch.Tensor
+    result: torch.Tensor | None = None
+
+
+def ring_evidence(
+    task: agent_pb2.Task, shapes: Shapes, copies: AuditCopies, audit: agent_pb2.CheckSpec
+) -> agent_pb2.RingEvidence:
+    """This member's evidence of the round's all-reduce under the audit's seed (compute
+    thread; epochmesh.ring_evidence)."""
+    assert copies.result is not None
+    codec = ring_codec(task.spec)
+    n = len(task.ring.node_ids)
+    schedule = RingSchedule.build(n, copies.contribution.numel(), chunk_elems_for(codec))
+    fs = FlatSketch.build(shapes, audit.seed, audit.buckets)
+    ev = member_evidence(
+        schedule,
+        int(task.ring.rank),
+        codec,
+        copies.contribution,
+        copies.received,
+        copies.result,
+        fs,
+    )
+    sent, received, own, result = ev.flat()
+    return agent_pb2.RingEvidence(
+        seed=audit.seed,
+        buckets=audit.buckets,
+        sent=sent,
+        received=received,
+        own=own,
+        result=result,
+    )
 
 
 async def send_check_evidence(
@@ -681,17 +733,61 @@ async def send_check_evidence(
     task: agent_pb2.Task,
     state: RingJobState,
     cached: CachedUpdate,
+    copies: AuditCopies | None,
     version: int,
-    wanted: agent_pb2.CheckSpec,
+    reply: agent_pb2.ReportProgressResponse,
 ) -> None:
-    """Verification: the answer to the report says this member's part is checked. Send the
-    sketches of its chunks and of the update it put into the all-reduce under the seed
-    (CommitSketches), and when the answer to them draws a chunk, upload the parameters of
+    """Verification: the answer to the report says this member's part is checked (``sketch``)
+    and/or the round is audited (``ring_audit``). Send, under the seed, the sketches of its
+    chunks and of the update it put into the all-reduce, and its evidence of the all-reduce
+    (CommitSketches); when the answer to them draws a chunk, upload the parameters of
     ``version`` (the round's start; still kept as the pre-step snapshot) for its checker.
     Failures are logged, never raised (the round is done)."""
-    update = await ctx.run_compute(unflatten, cached.flat, state.shapes)
-    drawn = await trainer.commit_sketches(ctx, task, cached.chunks, wanted, update)
-    if drawn is None or not drawn.snapshot_wanted:
+    check, audit = reply.sketch, reply.ring_audit
+    if max(check.buckets, audit.buckets) > MAX_BUCKETS:
+        ctx.log.warning("round %d: sketches of more than %d buckets asked", task.round, MAX_BUCKETS)
+        return
+    request = agent_pb2.CommitSketchesRequest(
+        node_id=ctx.node_id,
+        lease_id=ctx.lease_id,
+        job_id=task.job_id,
+        task_id=task.task_id,
+        seed=check.seed if check.buckets > 0 else audit.seed,
+    )
+    t0 = time.monotonic()
+    if check.buckets > 0 and cached.chunks is not None:
+        update = unflatten(cached.flat, state.shapes)
+        request.sketches.extend(
+            await ctx.run_compute(cached.chunks.sketches, check.seed, check.buckets)
+        )
+        own = await ctx.run_compute(sketch, update, check.seed, check.buckets)
+        request.update_sketch.extend(own.tolist())
+    if audit.buckets > 0 and copies is not None and copies.result is not None:
+        evidence = await ctx.run_compute(ring_evidence, task, state.shapes, copies, audit)
+        request.ring.CopyFrom(evidence)
+    t1 = time.monotonic()
+    try:
+        drawn = await ctx.call(
+            "CommitSketches", lambda: request, timeout=trainer.SKETCH_CALL_TIMEOUT_S
+        )
+    except Stopped:
+        raise
+    except Exception as exc:
+        ctx.log.warning(
+            "round %d: could not send its check's sketches: %s", task.round, describe(exc)
+        )
+        return
+    ctx.log.info(
+        "round %d: sketches sent (%s%s; sketch %.3fs, call %.3fs)",
+        task.round,
+        f"{len(request.sketches) // max(check.buckets, 1)} chunks"
+        if check.buckets
+        else "no chunks",
+        ", ring evidence" if request.HasField("ring") else "",
+        t1 - t0,
+        time.monotonic() - t1,
+    )
+    if not isinstance(drawn, agent_pb2.CommitSketchesResponse) or not drawn.snapshot_wanted:
         return
     start = state.snapshots.get(version)
     if start is None:

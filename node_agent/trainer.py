@@ -75,6 +75,7 @@ from epochmesh.verification import (
     step_chunk_bounds,
 )
 from node_agent.cheat import (
+    CONTRIBUTION,
     LAZY,
     STALE,
     Cheat,
@@ -833,7 +834,7 @@ def apply_cheat(
     previous = job.previous
     if cheat.kind == STALE:
         job.previous = update
-    if not cheat.active_at(task.round) or cheat.kind == LAZY:
+    if not cheat.active_at(task.round) or cheat.kind in (LAZY, CONTRIBUTION):
         return update  # lazy: done while computing
     if cheat.kind == STALE and not _fits(previous, update):
         return update
@@ -1178,13 +1179,11 @@ async def commit_sketches(
     task: agent_pb2.Task,
     chunks: ChunkGradients | None,
     wanted: agent_pb2.CheckSpec,
-    update: Mapping[str, torch.Tensor] | None = None,
 ) -> agent_pb2.CommitSketchesResponse | None:
-    """The PushUpdate response (a ring member: its report's answer) asked for the sketches of
-    the round's chunks: compute them (compute thread) and send them with CommitSketches (a ring
-    member also that of ``update``, the update it put into the all-reduce); the coordinator's
-    answer (None when they were not sent). The update is in whatever happens here: a failure
-    is logged, never raised (except the agent's own stop)."""
+    """The PushUpdate response asked for the sketches of the round's chunks: compute them
+    (compute thread) and send them with CommitSketches; the coordinator's answer (None when
+    they were not sent). The update is in whatever happens here: a failure is logged, never
+    raised (except the agent's own stop)."""
     if chunks is None:
         ctx.log.warning(
             "round %d: the coordinator asked for chunk sketches, but the update has no chunks "
@@ -1203,9 +1202,6 @@ async def commit_sketches(
     try:
         t0 = time.monotonic()
         values = await ctx.run_compute(chunks.sketches, wanted.seed, wanted.buckets)
-        own: list[float] = []
-        if update is not None:
-            own = (await ctx.run_compute(sketch, update, wanted.seed, wanted.buckets)).tolist()
         t1 = time.monotonic()
         reply = await ctx.call(
             "CommitSketches",
@@ -1216,7 +1212,6 @@ async def commit_sketches(
                 task_id=task.task_id,
                 seed=wanted.seed,
                 sketches=values,
-                update_sketch=own,
             ),
             timeout=SKETCH_CALL_TIMEOUT_S,
         )

@@ -278,7 +278,7 @@ class PushUpdateResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., sketch: _Optional[_Union[CheckSpec, _Mapping]] = ...) -> None: ...
 
 class CommitSketchesRequest(_message.Message):
-    __slots__ = ("node_id", "lease_id", "job_id", "task_id", "seed", "sketches", "update_sketch")
+    __slots__ = ("node_id", "lease_id", "job_id", "task_id", "seed", "sketches", "update_sketch", "ring")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class CommitSketchesRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     SKETCHES_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     job_id: str
@@ -293,7 +294,24 @@ class CommitSketchesRequest(_message.Message):
     seed: int
     sketches: _containers.RepeatedScalarFieldContainer[float]
     update_sketch: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., sketches: _Optional[_Iterable[float]] = ..., update_sketch: _Optional[_Iterable[float]] = ...) -> None: ...
+    ring: RingEvidence
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., sketches: _Optional[_Iterable[float]] = ..., update_sketch: _Optional[_Iterable[float]] = ..., ring: _Optional[_Union[RingEvidence, _Mapping]] = ...) -> None: ...
+
+class RingEvidence(_message.Message):
+    __slots__ = ("seed", "buckets", "sent", "received", "own", "result")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    buckets: int
+    sent: _containers.RepeatedScalarFieldContainer[float]
+    received: _containers.RepeatedScalarFieldContainer[float]
+    own: _containers.RepeatedScalarFieldContainer[float]
+    result: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seed: _Optional[int] = ..., buckets: _Optional[int] = ..., sent: _Optional[_Iterable[float]] = ..., received: _Optional[_Iterable[float]] = ..., own: _Optional[_Iterable[float]] = ..., result: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CommitSketchesResponse(_message.Message):
     __slots__ = ("snapshot_wanted", "snapshot_chunk")
@@ -412,10 +430,12 @@ class PeerLink(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., bandwidth_bytes_per_second: _Optional[float] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
-    __slots__ = ("sketch",)
+    __slots__ = ("sketch", "ring_audit")
     SKETCH_FIELD_NUMBER: _ClassVar[int]
+    RING_AUDIT_FIELD_NUMBER: _ClassVar[int]
     sketch: CheckSpec
-    def __init__(self, sketch: _Optional[_Union[CheckSpec, _Mapping]] = ...) -> None: ...
+    ring_audit: CheckSpec
+    def __init__(self, sketch: _Optional[_Union[CheckSpec, _Mapping]] = ..., ring_audit: _Optional[_Union[CheckSpec, _Mapping]] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("payload", "response_bytes")

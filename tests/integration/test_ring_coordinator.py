@@ -207,32 +207,47 @@ class FakeMember:
                 params_version=v + 1,
             )
             self.world["checkpoints"].append((task.round, reply.accepted, reply.reason))
-        if answer.sketch.buckets > 0:  # checked: zero sketches, then the round's start
-            await self.send_check_evidence(agent, task, answer.sketch, start)
+        if answer.sketch.buckets > 0 or answer.ring_audit.buckets > 0:
+            await self.send_check_evidence(agent, task, answer, start)
 
     async def send_check_evidence(
         self,
         agent: FakeAgent,
         task: agent_pb2.Task,
-        wanted: agent_pb2.CheckSpec,
+        answer: agent_pb2.ReportProgressResponse,
         start: dict[str, torch.Tensor],
     ) -> None:
-        """What a checked member sends after its report: the sketches of its (zero) chunks and
-        update, then the parameters its round started from when a chunk is drawn."""
-        k = len(chunk_bounds(len(task_indices(task)), task.verify_chunks))
-        drawn = await agent.stub.CommitSketches(
-            agent_pb2.CommitSketchesRequest(
-                node_id=agent.node_id,
-                lease_id=agent.lease_id,
-                job_id=task.job_id,
-                task_id=task.task_id,
-                seed=wanted.seed,
-                sketches=[0.0] * (k * wanted.buckets),
-                update_sketch=[0.0] * (wanted.buckets - (self.wrong == "update_sketch")),
-            ),
-            timeout=10,
+        """What a member sends after its report when its part is checked or the round audited:
+        the sketches of its (zero) chunks and update, its (zero: nothing moved) evidence of
+        the all-reduce, then the parameters its round started from when a chunk is drawn."""
+        wanted, audit = answer.sketch, answer.ring_audit
+        request = agent_pb2.CommitSketchesRequest(
+            node_id=agent.node_id,
+            lease_id=agent.lease_id,
+            job_id=task.job_id,
+            task_id=task.task_id,
+            seed=wanted.seed or audit.seed,
         )
+        if wanted.buckets > 0:
+            k = len(chunk_bounds(len(task_indices(task)), task.verify_chunks))
+            request.sketches.extend([0.0] * (k * wanted.buckets))
+            n = wanted.buckets - (self.wrong == "update_sketch")
+            request.update_sketch.extend([0.0] * n)
+        if audit.buckets > 0:
+            zeros = [0.0] * (len(task.ring.node_ids) * audit.buckets)
+            request.ring.CopyFrom(
+                agent_pb2.RingEvidence(
+                    seed=audit.seed,
+                    buckets=audit.buckets,
+                    sent=zeros,
+                    received=zeros,
+                    own=zeros,
+                    result=zeros,
+                )
+            )
+        drawn = await agent.stub.CommitSketches(request, timeout=10)
         self.world["checked"].append((agent.node_id, task.round, drawn.snapshot_wanted))
+        self.world["audited"].append((agent.node_id, task.round, audit.buckets > 0))
         if drawn.snapshot_wanted:
             state = {f"param/{n}": t.clone() for n, t in start.items()}
             if self.wrong == "start":
@@ -256,6 +271,7 @@ def new_world(packed: PackedJob) -> dict:
         "agents": {},  # node id -> FakeAgent, for asks made as another agent
         "checkpoints": [],
         "checked": [],  # (member, round, its start state asked for) of checked parts
+        "audited": [],  # (member, round, evidence asked for) of checked or audited parts
         "names": list(packed.state_names),
         "shapes": {n: t.shape for n, t in initial.items()},
     }

@@ -1,13 +1,19 @@
 """Verification of ring members end to end (issue 20), with real processes and mutual TLS: a
-coordinator, three honest agents of mixed speeds and one that cheats (EPOCHMESH_TEST_CHEAT,
-its gradient scaled by 100, with chunks that add up to it) from a given round on, each agent
-its own donor and a ring member (``--peer-listen``), on a synchronous ring job.
+coordinator, three honest agents of mixed speeds and one that cheats (EPOCHMESH_TEST_CHEAT)
+from a given round on, each agent its own donor and a ring member (``--peer-listen``), on a
+synchronous ring job. Two cheats:
+
+- ``scaled``: its gradient x100, with chunks that add up to it, put into the ring as it is;
+- ``contribution``: honest chunks, update and report, but 100 x its contribution put into the
+  all-reduce, and its evidence of the round computed as if the honest one had been sent.
 
 The coordinator never sees a member's update: the member commits its chunks with its report,
 learns in the answer whether it is checked, sends its chunk and update sketches, and uploads
 the parameters its round started from, which must hash to what its ring agreed on. A checker
-of another donor recomputes a chunk from them: the cheater is quarantined with the evidence
-within its first cheated parts, its cheated rounds are undone (the ring rolls back to a
+of another donor recomputes a chunk from them (catching ``scaled``), and every member's
+evidence of the audited round is judged (catching ``contribution``, whose books do not balance
+against the ring's sum): the cheater is quarantined with the evidence within its first cheated
+parts, its cheated rounds are undone (the ring rolls back to a
 checkpoint and its members pull the state from the coordinator), and the job succeeds with
 every sample of every epoch trained exactly once in the live rounds. No honest member is
 struck, and their records show verified rounds.
@@ -73,13 +79,16 @@ def ring_agent(address: str, root: Path, name: str, slowdown: int, **env: str) -
     )
 
 
-def test_a_cheating_ring_member_is_caught_by_recomputing_its_chunk(
-    coordinator: CoordinatorProc, tmp_path: Path
+@pytest.mark.parametrize(
+    ("cheat", "check"), [("scaled", "recomputation"), ("contribution", "ring_contribution")]
+)
+def test_a_cheating_ring_member_is_caught(
+    coordinator: CoordinatorProc, tmp_path: Path, cheat: str, check: str
 ) -> None:
     address = coordinator.address
     agents = {name: ring_agent(address, tmp_path, name, slow) for name, slow in HONEST.items()}
     agents["cheat"] = ring_agent(
-        address, tmp_path, "cheat", 1, EPOCHMESH_TEST_CHEAT=f"scaled:{CHEAT_FROM}"
+        address, tmp_path, "cheat", 1, EPOCHMESH_TEST_CHEAT=f"{cheat}:{CHEAT_FROM}"
     )
     try:
         wait_until(
@@ -113,11 +122,15 @@ def test_a_cheating_ring_member_is_caught_by_recomputing_its_chunk(
         caught = [e for e in events_of(events, "node.quarantined") if e.node_id == cheater.node_id]
         assert len(caught) == 1, [e.message for e in events_of(events, "node.quarantined")]
         evidence = dict(caught[0].attrs)
-        # Its chunks and sketches fit its update, its start parameters are the ring's: only
-        # the recomputation can catch it.
-        assert evidence["check"] == "recomputation", evidence
-        assert float(evidence["distance1"]) > float(evidence["tolerance"]), evidence
-        assert evidence["checker1"] != cheater.node_id
+        assert evidence["check"] == check, evidence
+        if check == "recomputation":
+            # Its chunks and sketches fit its update, its start parameters are the ring's:
+            # only the recomputation can catch it.
+            assert float(evidence["distance1"]) > float(evidence["tolerance"]), evidence
+            assert evidence["checker1"] != cheater.node_id
+        else:
+            # Its chunks are honest (they pass), but not what it put into the ring.
+            assert "which it owns" in evidence["why"], evidence
 
         every_round = all_rounds(jobs, job_id)
         cheater_rounds = sorted(
