@@ -25,7 +25,9 @@ pseudo-gradients):
 the checks recompute a chunk of inner steps from its uploaded start state. `--mode ring` runs
 every job as synchronous ring rounds (the agents with `--peer-listen`; the mixed job: micro-
 batches of 16 and the int8 wire codec): a member's chunks are recomputed from the start
-parameters it uploads, checked against the checksum its ring agreed on.
+parameters it uploads, checked against the checksum its ring agreed on; a sixth cheat,
+`contribution` (honest chunks, 100 x its contribution into the all-reduce), meets the round's
+audit of every member's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.agents["spare"].terminate()
 
         cheats: dict[str, dict[str, Any]] = {}
-        for cheat in CHEATS:
+        # Ring members also cheat in what they put into the all-reduce (their ring audit).
+        for cheat in (*CHEATS, "contribution") if args.mode == "ring" else CHEATS:
             name = f"cheat-{cheat}"
             cluster.start_agent(
                 name,
