@@ -981,6 +981,7 @@ class RingRounds:
         for n in att.order:
             self.holds[n] = new_version
         self.ring_version = new_version
+        self.runner.verifier.ring_attempt_applied(rs.round, att.number)
         if loaded:
             self._loaded_round = rs.round
         self._state_overdue = bool(att.push_state_node) and not loaded

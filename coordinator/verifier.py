@@ -1152,19 +1152,22 @@ class Verifier:
     def on_round_closed(self, rs: RoundState) -> None:
         if not self.enabled:
             return
-        applied = set()
         for p in rs.parts.values():
             if p.status == "applied":
                 self._unverified.setdefault(p.node_id, set()).add(rs.round)
-                applied.add(p.node_id)
-        for key, audit in list(self._audits.items()):
-            if audit is not None and audit.round == rs.round:
-                if set(audit.order) <= applied:
-                    audit.applied = True
-                elif not audit.evidence or len(audit.evidence) < len(audit.order):
-                    self._drop_audit(key)  # an attempt that failed: nothing of it applied
         self._closed_round = max(self._closed_round, rs.round)
         self._changed_state()
+
+    def ring_attempt_applied(self, round_id: int, attempt: int) -> None:
+        """Ring round ``round_id`` was applied as its attempt ``attempt`` computed it: that
+        attempt's audit waits for every member's evidence; the round's failed attempts' audits
+        are dropped (their members may never have been told the seed)."""
+        for key, audit in list(self._audits.items()):
+            if audit is not None and audit.round == round_id:
+                if audit.attempt == attempt:
+                    audit.applied = True
+                else:
+                    self._drop_audit(key)
 
     def on_rolled_back(self, after_round: int) -> None:
         """Rounds after ``after_round`` were undone: nothing of them is left to verify for the
