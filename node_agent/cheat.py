@@ -44,7 +44,10 @@ RANDOM = "random"
 LAZY = "lazy"
 STALE = "stale"
 CONTRIBUTION = "contribution"
-KINDS = (SCALED, FLIPPED, RANDOM, LAZY, STALE, CONTRIBUTION)
+# The cheats on a part's update (and its chunks); CONTRIBUTION is a ring member's cheat on what
+# it puts into the all-reduce.
+UPDATE_KINDS = (SCALED, FLIPPED, RANDOM, LAZY, STALE)
+KINDS = (*UPDATE_KINDS, CONTRIBUTION)
 
 SCALE = 100.0
 # A lazy cheater computes this share of its chunks (or samples), at least one.

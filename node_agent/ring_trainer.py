@@ -591,6 +591,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     )
     if cheat is not None and cheat.kind == CONTRIBUTION and cheat.active_at(task.round):
         buffer.mul_(SCALE)  # tests only: the ring gets another contribution than the one shown
+        trainer.note_cheat(CONTRIBUTION, int(task.round))
     deadline_s = ring.deadline_seconds if ring.deadline_seconds > 0 else DEFAULT_STEP_DEADLINE_S
     due = ctx.deadline
     join_s = max(deadline_s, MIN_CALL_TIMEOUT_S, (due - time.monotonic()) if due else 0.0)

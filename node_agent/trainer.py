@@ -45,6 +45,7 @@ its ring contributions (node_agent.cheat), consistently in its chunks and its up
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -96,6 +97,8 @@ from node_agent.program_host import (
 )
 from node_agent.slowdown import SlowdownController
 from node_agent.tasks import TaskContext
+
+log = logging.getLogger(__name__)
 
 # Loaded programs kept per agent process (a donor rarely serves more than a couple of jobs).
 MAX_LOADED_JOBS = 2
@@ -723,6 +726,8 @@ def _compute(
     indices = ranges_to_indices(task.ranges)
     spec = task.spec
     lazy = cheat is not None and cheat.kind == LAZY and cheat.active_at(task.round)
+    if lazy:
+        note_cheat(LAZY, task.round)
     if not is_local_sgd(spec):
         if len(indices) != task.local_batch:
             raise ValueError(
@@ -838,6 +843,7 @@ def apply_cheat(
         return update  # lazy: done while computing
     if cheat.kind == STALE and not _fits(previous, update):
         return update
+    note_cheat(cheat.kind, task.round)
     if update.chunks is not None:
         prev = previous.chunks if previous is not None else None
         losses, grads = cheat_chunks(
@@ -869,6 +875,13 @@ def apply_cheat(
         num_samples=update.num_samples,
         steps=update.steps,
     )
+
+
+def note_cheat(kind: str, round_: int) -> None:
+    """Tests only: the agent's log names every round it cheated in (scripts/bench_verify.py
+    counts a cheater's rounds to quarantine from the first; a stale cheater without a fitting
+    earlier part sends an honest one)."""
+    log.warning("test cheat %s: round %d cheated", kind, round_)
 
 
 def _fits(previous: ComputedUpdate | None, update: ComputedUpdate) -> bool:

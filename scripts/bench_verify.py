@@ -7,7 +7,8 @@ over the cluster's training compute once nodes are trusted; `overhead_new`: whil
 clean reference job, then the same job once per cheat with a fresh fifth agent cheating that
 way from round CHEAT_FROM on (the agent's test-only EPOCHMESH_TEST_CHEAT switch). Per cheat:
 
-- `rounds_to_quarantine`: rounds of the job closed from its first cheated round until the
+- `rounds_to_quarantine`: rounds of the job closed from its first cheated round (the first its
+  log names: a stale cheater with no fitting earlier part sends an honest one) until the
   cheater's quarantine (0: caught before the round after its first cheat closed);
 - `loss_over_clean`: the result's loss over the whole dataset (plain PyTorch) over the clean
   job's (`clean_again_over_clean`: the clean job run twice, the noise it is read against);
@@ -36,6 +37,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -179,9 +181,19 @@ def exactly_once(rounds: list[common_pb2.RoundRecord], samples: int, epochs: int
     )
 
 
-def rounds_to_quarantine(bench: Bench, job_id: str, node_id: str) -> int | None:
-    """Rounds of the job closed from the cheater's first cheated round (its first part from
-    CHEAT_FROM on; rolled-back rounds count) until its quarantine (None: never caught)."""
+def cheated_rounds(log_path: Path) -> list[int]:
+    """The rounds a cheating agent's log says it cheated in (node_agent.trainer.note_cheat: a
+    stale cheater with no fitting earlier part, say, sends an honest part)."""
+    if not log_path.exists():
+        return []
+    found = re.findall(r"test cheat \w+: round (\d+) cheated", log_path.read_text(errors="replace"))
+    return sorted({int(r) for r in found})
+
+
+def rounds_to_quarantine(bench: Bench, job_id: str, node_id: str, cheated: list[int]) -> int | None:
+    """Rounds of the job closed from the cheater's first cheated round (``cheated``: what its
+    log says; without it, its first part from CHEAT_FROM on; rolled-back rounds count) until its
+    quarantine (None: never caught)."""
     caught = [
         e for e in bench.events(job_id) if e.kind == "node.quarantined" and e.node_id == node_id
     ]
@@ -193,7 +205,7 @@ def rounds_to_quarantine(bench: Bench, job_id: str, node_id: str) -> int | None:
     ]
     if not caught or not mine:
         return None
-    at, first = caught[0].time_ms, min(mine)
+    at, first = caught[0].time_ms, min(cheated) if cheated else min(mine)
     return sum(1 for r in rounds if r.round >= first and r.finished_ms <= at)
 
 
@@ -281,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             loss = bench.result_loss(job_id, job_dir)
             cheater = bench.nodes()[name]
             cheats[cheat] = {
-                "rounds_to_quarantine": rounds_to_quarantine(bench, job_id, node_id),
+                "rounds_to_quarantine": rounds_to_quarantine(
+                    bench, job_id, node_id, cheated_rounds(work / f"agent-{name}.log")
+                ),
                 "quarantined": cheater.state == NS.NODE_STATE_QUARANTINED,
                 "loss_over_clean": loss / clean_loss,
                 "exactly_once": exactly_once(bench.rounds(job_id), args.samples, args.epochs),

@@ -24,8 +24,8 @@ from epochmesh.verification import chunk_bounds, commitment_problem
 from node_agent.cache import BlobCache
 from node_agent.cheat import (
     CHEAT_ENV,
-    KINDS,
     SCALE,
+    UPDATE_KINDS,
     Cheat,
     cheat_chunks,
     cheat_from_environment,
@@ -321,7 +321,7 @@ async def test_every_cheat_keeps_its_update_the_sum_of_its_chunks(
     )
     assert honest.chunks is not None and sketch_gap(honest) <= 1e-6
     honest_norm = float(flat(honest.tensors).norm())
-    for kind in KINDS:
+    for kind in UPDATE_KINDS:
         first, cheated, _ = honest_and_cheated(ctx, program, dataset, spec, Cheat(kind, 1), K)
         chunks = cheated.chunks
         assert chunks is not None and len(chunks.grads) == K, kind
@@ -389,7 +389,7 @@ async def test_cheats_without_chunks_change_the_whole_update(
     job = LoadedJob(program=program, dataset=dataset)
     honest = update_in_thread(ctx, job, train_task(1, 60, 60, 0, spec), verify=True)
     assert honest.chunks is None
-    for kind in KINDS:
+    for kind in UPDATE_KINDS:
         first, cheated, _ = honest_and_cheated(ctx, program, dataset, spec, Cheat(kind, 1), 0)
         assert cheated.chunks is None and cheated.num_samples == 60, kind
         if kind == "scaled":

@@ -32,7 +32,7 @@ from epochmesh.verification import (
     step_chunk_bounds,
 )
 from node_agent.cache import BlobCache
-from node_agent.cheat import KINDS, Cheat
+from node_agent.cheat import UPDATE_KINDS, Cheat
 from node_agent.connection import CoordinatorConnection
 from node_agent.identity import set_insecure
 from node_agent.slowdown import SlowdownController
@@ -265,7 +265,7 @@ async def test_a_cheaters_made_up_chunks_are_not_reproduced(
     the tolerance: every chunk for scaled, flipped, random and stale, the made-up ones (after
     the first quarter) for lazy."""
     spec = local_spec(packed)
-    for kind in KINDS:
+    for kind in UPDATE_KINDS:
         program = fresh(packed)
         job = LoadedJob(program=program, dataset=dataset)
         cheat = Cheat(kind, 1)
