@@ -174,7 +174,7 @@ class RingAudit:
     deadline: float
     evidence: dict[str, RingEvidence] = field(default_factory=dict)
     updates: dict[str, torch.Tensor] = field(default_factory=dict)  # checked members' sketches
-    applied: bool = False  # the round closed with every member's part applied
+    applied: bool = False  # its attempt is the one the round applied
 
 
 class Verifier:
@@ -187,7 +187,8 @@ class Verifier:
         self.local_sgd = spec.sync == "local_sgd"
         # Ring rounds of local SGD are not verified yet (docs/verification-protocol.md).
         self.enabled = not (self.ring and self.local_sgd)
-        self.verify_chunks = VERIFY_CHUNKS if self.enabled else 0
+        # Ring parts: twice the chunks, each checked by two checkers at once (`_start_checks`).
+        self.verify_chunks = (2 if self.ring else 1) * VERIFY_CHUNKS if self.enabled else 0
         self.rng = rng or random.SystemRandom()
         self._pending: dict[str, PendingCheck] = {}  # by TRAIN task id
         self._by_check_task: dict[str, str] = {}  # CHECK task id -> TRAIN task id
@@ -378,7 +379,7 @@ class Verifier:
         update_sketch = await asyncio.to_thread(sketch, grads, seed, SKETCH_BUCKETS)
         if h.node_id in self._accused:  # caught meanwhile: its update is discarded anyway
             return None
-        wait = max(MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds())
+        wait = self._sketch_wait()
         self._pending[h.task_id] = PendingCheck(
             node_id=h.node_id,
             task_id=h.task_id,
@@ -537,6 +538,8 @@ class Verifier:
             await self._judge_audit(audit)
 
     async def _judge_audit(self, audit: RingAudit) -> None:
+        """Every member's evidence is in: judge it (`epochmesh.ring_evidence.judge`), checked
+        members' contributions against their update sketches, and act on the verdict."""
         expected: dict[str, torch.Tensor] = {}
         external = None
         if audit.external is not None and audit.gateway:
@@ -639,7 +642,6 @@ class Verifier:
             await self._fail(pc, f"its sketch commitment is malformed: {problem}", {}, accuse=False)
             raise InvalidArgumentError(f"sketches refused: {problem}")
         pc.chunk_sketches = values.reshape(k, pc.buckets)
-        ring = pc.update_sketch is None
         update_sketch = own if pc.update_sketch is None else pc.update_sketch
         pc.update_sketch = update_sketch
         total = sum(n for n, _ in pc.chunks)
@@ -665,15 +667,13 @@ class Verifier:
             )
             return agent_pb2.CommitSketchesResponse()
         pc.chunk = checked_micro_batches(k, CHECK_FRACTION, self.rng)[0]
-        if pc.digests or ring:
+        if pc.digests or self.ring:  # a ring job's members and externals alike
             pc.state = "snapshot"
-            pc.deadline = time.monotonic() + max(
-                MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds()
-            )
+            pc.deadline = time.monotonic() + self._sketch_wait()
             self._changed.set()
             return agent_pb2.CommitSketchesResponse(snapshot_wanted=True, snapshot_chunk=pc.chunk)
         pc.state = "checking"
-        await self._next_checker(pc)
+        await self._start_checks(pc)
         return agent_pb2.CommitSketchesResponse()
 
     async def on_snapshot(
@@ -721,7 +721,7 @@ class Verifier:
             return
         pc.snapshot = payload
         pc.state = "checking"
-        await self._next_checker(pc)
+        await self._start_checks(pc)
 
     async def _ring_start(self, pc: PendingCheck, tensors: Mapping[str, torch.Tensor]) -> None:
         """A ring member's upload of the parameters its checked part started from: they must
@@ -746,7 +746,7 @@ class Verifier:
             return
         self._payloads[pc.version] = await asyncio.to_thread(encode_bundle, params)
         pc.state = "checking"
-        await self._next_checker(pc)
+        await self._start_checks(pc)
 
     # -- recomputation ---------------------------------------------------------------------------
 
@@ -779,6 +779,22 @@ class Verifier:
             return members
         others = registry.list((NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY))
         return sorted(n.node_id for n in others if eligible(n.node_id))
+
+    async def _start_checks(self, pc: PendingCheck) -> None:
+        """The chunk drawn goes to its first checker; in a ring job at once to a second one of
+        a third donor too (where there is one): its members are busy in the next ring round, so
+        a checker answers only after it, and a second checker sent after a mismatch would cost
+        another round before the node is caught. Ring parts are cut into twice the chunks, so
+        that two checkers recompute as many samples as one does elsewhere."""
+        await self._next_checker(pc)
+        if (
+            self.ring
+            and not self._settled(pc)
+            and len(pc.checkers) == 1
+            and len(pc.tried) < MAX_CHECKERS
+            and self._candidates(pc)
+        ):
+            await self._next_checker(pc)
 
     async def _next_checker(self, pc: PendingCheck) -> None:
         """Hand the chosen chunk to one more checker (a new donor), or give up undecided."""
@@ -896,8 +912,8 @@ class Verifier:
         )
         answered = [c for c in pc.checkers if c.agrees is not None]
         if checker.agrees:
-            for other in answered[:-1]:  # a first checker that disagreed with node and third
-                if not other.agrees:
+            for other in answered:  # a checker that disagreed with the node and this one
+                if other is not checker and not other.agrees:
                     await self.runner.ctx.registry.add_strike(
                         other.node_id,
                         f"its recomputation of a chunk of {pc.node_id}'s round {pc.round} "
@@ -930,6 +946,8 @@ class Verifier:
                 accuse=True,
             )
             return
+        if any(c.agrees is None for c in pc.checkers):
+            return  # a checker sent at the same time (ring jobs) settles it
         await self._next_checker(pc)  # a third node settles it
 
     # -- verdicts --------------------------------------------------------------------------------

@@ -1173,7 +1173,12 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
             drawn = await commit_sketches(ctx, task, chunks, wanted)
             if drawn is not None and drawn.snapshot_wanted and chunks is not None:
                 index = drawn.snapshot_chunk
-                if 0 <= index < len(chunks.starts):
+                if not chunks.starts and 0 <= index < len(chunks.grads):
+                    # A ring job's external node: the parameters its part started from (the
+                    # coordinator holds the ring's versions only at checkpoints).
+                    params = await ctx.run_compute(start_parameters, job)
+                    await push_snapshot(ctx, task, params, index)
+                elif 0 <= index < len(chunks.starts):
                     await push_snapshot(ctx, task, chunks.starts[index], index)
                 else:
                     ctx.log.warning(
@@ -1247,6 +1252,15 @@ async def commit_sketches(
         time.monotonic() - t1,
     )
     return reply if isinstance(reply, agent_pb2.CommitSketchesResponse) else None
+
+
+def start_parameters(job: LoadedJob) -> dict[str, torch.Tensor]:
+    """The parameters the job's program holds ("param/<name>", CPU copies; compute thread):
+    after a synchronous part's gradient, the ones it started from."""
+    return {
+        PARAM_PREFIX + n: p.detach().to("cpu", copy=True)
+        for n, p in zip(job.program.param_names, job.program.parameters(), strict=True)
+    }
 
 
 async def push_snapshot(
