@@ -785,10 +785,12 @@ class Verifier:
         a third donor too (where there is one): its members are busy in the next ring round, so
         a checker answers only after it, and a second checker sent after a mismatch would cost
         another round before the node is caught. Ring parts are cut into twice the chunks, so
-        that two checkers recompute as many samples as one does elsewhere."""
+        that two checkers recompute as many samples as one does elsewhere; a part of fewer
+        samples than that has chunks of one sample, and gets one checker at a time."""
         await self._next_checker(pc)
         if (
             self.ring
+            and len(pc.chunks) >= 2 * VERIFY_CHUNKS
             and not self._settled(pc)
             and len(pc.checkers) == 1
             and len(pc.tried) < MAX_CHECKERS
