@@ -27,6 +27,12 @@ A ring round (a TRAIN task with `task.ring`), per the session protocol B.4:
    params_version = v+1; with task.push_state, PushUpdate(kind "checkpoint") of the v+1 state.
    RingPeerFailed: ReportProgress(failed, failed_peer_node_id, ring_attempt); the state stays
    at v (nothing was stepped).
+6. Verification (Task.verify_chunks > 0, coordinator/verifier.py): the update is computed in
+   chunks whose commitments go with the report; the all-reduce keeps what it received in the
+   reduce-scatter. When the report's answer says the part is checked and/or the round audited,
+   `send_check_evidence` sends the chunk and update sketches and the member's evidence of the
+   all-reduce (epochmesh.ring_evidence), and uploads the round's start parameters when a chunk
+   is drawn. (Tests only: EPOCHMESH_TEST_CHEAT, node_agent.cheat.)
 
 Reported times: compute_seconds is the device time of the update the step used (a retry
 reuses the cached update and reports its time again); communicate_seconds is the task's wall
@@ -586,9 +592,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
         )
         return
     # Verification: what the ring audit's evidence is computed from (epochmesh.ring_evidence).
-    copies = (
-        AuditCopies(buffer.clone(), torch.zeros_like(buffer)) if task.verify_chunks > 0 else None
-    )
+    copies = await ctx.run_compute(AuditCopies.of, buffer) if task.verify_chunks > 0 else None
     if cheat is not None and cheat.kind == CONTRIBUTION and cheat.active_at(task.round):
         buffer.mul_(SCALE)  # tests only: the ring gets another contribution than the one shown
         trainer.note_cheat(CONTRIBUTION, int(task.round))
@@ -642,7 +646,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
         return
     ring_s = time.monotonic() - ring_t0
     if copies is not None:
-        copies.result = buffer.clone()
+        copies.result = await ctx.run_compute(torch.clone, buffer)
 
     state.live_version = None
     snapshot = await ctx.run_compute(_apply_round, state, buffer, version + 1)
@@ -697,6 +701,11 @@ class AuditCopies:
     contribution: torch.Tensor
     received: torch.Tensor
     result: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor) -> AuditCopies:
+        """Before the all-reduce: a copy of the contribution, zeros to receive into."""
+        return cls(buffer.clone(), torch.zeros_like(buffer))
 
 
 def ring_evidence(

@@ -189,6 +189,7 @@ class FakeAgent:
         chunks: list[agent_pb2.ChunkCommitment] | None = None,
         sketches: bool = True,
         sketch_of: dict[str, torch.Tensor] | None = None,
+        start: dict[str, torch.Tensor] | None = None,
     ) -> agent_pb2.PushUpdateResponse:
         """Push an update. Where the task asks for chunk commitments (verification) and
         ``chunks`` is None, they are the honest ones of an update whose every chunk has the
@@ -196,7 +197,8 @@ class FakeAgent:
         chunk's the sketch of ``sketch_of`` (default: the update; ``sketches`` False: none,
         the caller sends its own). A local SGD part's chunks are honest ones of an update made
         in its first chunk (the later ones change nothing), and the start state drawn is
-        uploaded when the coordinator asks for it."""
+        uploaded when the coordinator asks for it; a ring job's external node uploads
+        ``start`` (the parameters it started from) when asked."""
         header, payload = bundle or encode_bundle(tensors, codec)
         local = task.spec.sync == "local_sgd" and task.verify_chunks > 0
         starts: list[dict[str, torch.Tensor]] = []
@@ -224,7 +226,7 @@ class FakeAgent:
             values = one * len(chunks)
             if starts:  # local SGD: all of it in the first chunk
                 values = one + [0.0] * (len(one) * (len(chunks) - 1))
-            commit = self._commit(task, response.sketch.seed, values, starts)
+            commit = self._commit(task, response.sketch.seed, values, starts, start)
             if starts:  # beside its next task (a local SGD round's box is not held up)
                 job = asyncio.create_task(commit)
                 self._background.add(job)
@@ -239,8 +241,10 @@ class FakeAgent:
         seed: int,
         values: list[float],
         starts: list[dict[str, torch.Tensor]],
+        start: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """CommitSketches, then (local SGD) the start state of the chunk drawn."""
+        """CommitSketches, then the start state of the chunk drawn (local SGD: ``starts``; a
+        ring job's external: its parameters ``start``)."""
         try:
             drawn = await self.stub.CommitSketches(
                 agent_pb2.CommitSketchesRequest(
@@ -255,6 +259,9 @@ class FakeAgent:
             )
             if starts and drawn.snapshot_wanted:
                 await self.push_snapshot(task, starts[drawn.snapshot_chunk], drawn.snapshot_chunk)
+            elif start is not None and drawn.snapshot_wanted:
+                state = {f"param/{n}": t for n, t in start.items()}
+                await self.push_snapshot(task, state, drawn.snapshot_chunk)
         except grpc.RpcError as exc:
             if not starts:
                 raise

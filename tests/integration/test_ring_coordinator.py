@@ -115,12 +115,15 @@ class FakeMember:
             if task.state_source_node_id:
                 self.world["sourced"].append((agent.node_id, task.state_source_node_id))
                 await self.ask_source(agent, task)
-                names = self.world["names"]
+                state = self.world["states"].get((task.state_source_node_id, task.params_version))
+                params = dict(state) if state is not None else None
             else:
                 _, params = await agent.pull(task.job_id, task.params_version)
-                names = list(params)
+            names = list(params) if params is not None else self.world["names"]
             zeros = {n: torch.zeros(self.world["shapes"][n]) for n in names}
-            await agent.push(task, zeros, kind="gradient", num_samples=len(task_indices(task)))
+            await agent.push(
+                task, zeros, kind="gradient", num_samples=len(task_indices(task)), start=params
+            )
             return
         if self.kill_at_round and task.round >= self.kill_at_round:
             self.world["killed"].add(agent.node_id)
