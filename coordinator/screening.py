@@ -128,6 +128,14 @@ def extend_history(
     return (tuple(history) + screening.history_samples())[-keep:]
 
 
+def per_step(update: Update, steps: int) -> dict[str, torch.Tensor]:
+    """A local SGD pseudo-gradient of ``steps`` inner steps as one step's worth (what `screen`
+    compares: nodes cut short by a time box ran fewer steps)."""
+    if steps < 1:
+        raise ValueError(f"a pseudo-gradient needs at least one inner step; got {steps}")
+    return {k: v / steps for k, v in update.items()}
+
+
 def screen(
     parts: Sequence[tuple[int, Update]],
     params: ScreenParams | None = None,

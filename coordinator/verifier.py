@@ -79,7 +79,7 @@ from coordinator.reputation import (
 )
 from coordinator.rounds import Part, RoundState
 from coordinator.sample_ranges import index_run_array
-from coordinator.screening import Screening, extend_history, screen
+from coordinator.screening import Screening, extend_history, per_step, screen
 from coordinator.snapshot_check import ring_start_problem, snapshot_problem
 from coordinator.store import FailedPreconditionError, InvalidArgumentError
 from epochmesh.ring_evidence import RingEvidence, judge
@@ -1142,9 +1142,11 @@ class Verifier:
         or accuses; a recomputation decides."""
         if not self.enabled or len(received) < 3:
             return []
-        result: Screening = screen(
-            [(p.samples, p.grads or {}) for p in received], history=self._history
-        )
+        parts = [
+            (p.samples, per_step(p.grads or {}, p.inner_steps) if self.local_sgd else p.grads or {})
+            for p in received
+        ]
+        result: Screening = screen(parts, history=self._history)
         self._history = extend_history(self._history, result)
         flagged = []
         for p, figures in zip(received, result.nodes, strict=True):

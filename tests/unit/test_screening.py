@@ -24,6 +24,7 @@ from coordinator.screening import (
     Screening,
     ScreenParams,
     extend_history,
+    per_step,
     screen,
 )
 
@@ -272,3 +273,30 @@ def test_bad_input_is_refused() -> None:
         screen([(4, u), (4, u), (4, other)])
     with pytest.raises(ValueError, match="direction_z"):
         ScreenParams(direction_z=0)
+
+
+# --------------------------------------------------------------------------- local SGD
+def test_a_pseudo_gradient_is_screened_per_inner_step() -> None:
+    """Local SGD parts cut short by a time box ran fewer inner steps: their pseudo-gradients are
+    shorter by that factor. Screened as sent, the cut node looks like a lazy one (a norm ratio
+    of a quarter); per inner step (`per_step`) it is an honest node like the others."""
+    world = World(seed=11)
+    samples = (48, 64, 64, 96, 128)
+    steps = (2, 8, 8, 8, 8)  # the first node's box stopped it after 2 of its 8 steps
+    flagged_raw = flagged_per_step = 0
+    history: tuple[float, ...] = ()
+    for _ in range(30):
+        *updates, _ = world.round(samples, noise_scale=4.0)
+        pseudo = [as_update(u * h) for u, h in zip(updates, steps, strict=True)]
+        raw = screen(list(zip(samples, pseudo, strict=True)), history=history)
+        fair = screen(
+            [(b, per_step(p, h)) for b, p, h in zip(samples, pseudo, steps, strict=True)],
+            history=history,
+        )
+        history = extend_history(history, fair)
+        flagged_raw += raw.nodes[0].suspicious
+        flagged_per_step += any(n.suspicious for n in fair.nodes)
+    assert flagged_raw >= 25, flagged_raw
+    assert flagged_per_step == 0, flagged_per_step
+    with pytest.raises(ValueError, match="at least one inner step"):
+        per_step(pseudo[0], 0)
