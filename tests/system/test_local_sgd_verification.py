@@ -28,13 +28,12 @@ from tests.system.test_cli_support import Cli
 from tests.system.test_cluster_scheduling import Jobs
 from tests.system.test_fault_tolerance import (
     MODEL,
-    applied,
-    check_exactly_once,
     events_of,
     job_doc,
     make_dataset,
 )
 from tests.system.test_market import all_rounds
+from tests.system.verification_checks import check_cheater_undone
 
 JS = common_pb2.JobState
 NS = common_pb2.NodeState
@@ -119,27 +118,9 @@ def test_a_local_sgd_cheater_is_caught_by_recomputing_its_inner_steps(
         # undecided (no checker answered in time), leaving it to the one after.
         assert int(evidence["round"]) in cheater_rounds[:3], (cheater_rounds, evidence)
 
-        live = jobs.rounds(job_id)
-        check_exactly_once(live, N, EPOCHS)
-        kept = [
-            r.round
-            for r in live
-            for p in applied(r)
-            if p.node_id == cheater.node_id and r.round >= cheater_rounds[0]
-        ]
-        assert not kept, f"the cheater's updates of rounds {kept} are still applied"
-
-        worked = {p.node_id for r in live for p in applied(r)}
-        for name in HONEST:
-            node = nodes[name]
-            assert node.state != NS.NODE_STATE_QUARANTINED and node.strikes == 0, node
-            assert node.reputation.failed_total == 0, node
-            assert node.reputation.verified_total > 0 or node.node_id not in worked, node
-        assert not [
-            e for e in events_of(events, "node.quarantined") if e.node_id != cheater.node_id
-        ]
-        summary = dict(events_of(events, "job.verification")[-1].attrs)
-        assert int(summary["failed"]) == 1 and int(summary["passed"]) > 0, summary
+        check_cheater_undone(
+            jobs, job_id, events, nodes, cheater, HONEST, cheater_rounds[0], N, EPOCHS
+        )
     finally:
         for a in agents.values():
             a.kill9()
