@@ -30,6 +30,7 @@ two hops disagree: its neighbour saw the real bytes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ import torch
 
 from epochmesh import compression
 from epochmesh.ring import RingSchedule
+from epochmesh.sketch import coordinate_draws, relative_distance
 
 # Relative distance allowed between what a member sent and what it received plus its own, by
 # wire codec: float32 rounding of one addition, or the codec's rounding of the sum (worst seen
@@ -63,26 +65,18 @@ class FlatSketch:
     @classmethod
     def build(cls, shapes: Mapping[str, Sequence[int]], seed: int, buckets: int) -> FlatSketch:
         """``shapes``: the parameters in program (flat buffer) order."""
-        if buckets < 1:
-            raise ValueError("a sketch needs at least one bucket")
-        offsets: dict[str, tuple[int, int]] = {}
+        sizes = {name: math.prod(int(d) for d in shape) for name, shape in shapes.items()}
+        offsets: dict[str, int] = {}
         start = 0
-        for name, shape in shapes.items():
-            n = 1
-            for d in shape:
-                n *= int(d)
-            offsets[name] = (start, start + n)
+        for name, n in sizes.items():
+            offsets[name] = start
             start += n
         where = torch.zeros(start, dtype=torch.int64)
         sign = torch.zeros(start, dtype=torch.float64)
-        gen = torch.Generator().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
-        for name in sorted(shapes):
-            lo, hi = offsets[name]
-            if hi == lo:
-                continue
-            where[lo:hi] = torch.randint(0, buckets, (hi - lo,), generator=gen)
-            s = torch.randint(0, 2, (hi - lo,), generator=gen, dtype=torch.int8)
-            sign[lo:hi] = 2.0 * s.to(torch.float64) - 1.0
+        for name, w, s in coordinate_draws(sizes, seed, buckets):
+            lo = offsets[name]
+            where[lo : lo + w.numel()] = w
+            sign[lo : lo + w.numel()] = s
         return cls(where=where, sign=sign, buckets=buckets)
 
     @property
@@ -178,18 +172,10 @@ def member_evidence(
     return RingEvidence(sent=sent, received=recv, own=own, result=res)
 
 
-def _distance(reference: torch.Tensor, other: torch.Tensor) -> float:
-    norm = float(reference.norm())
-    diff = float((other - reference).norm())
-    if norm == 0.0:
-        return 0.0 if diff == 0.0 else float("inf")
-    return diff / norm
-
-
 @dataclass
 class Verdict:
-    """`judge`'s findings: members that contradict themselves (node -> why), hops whose ends
-    disagree (sender, receiver, why), and the worst honest-looking distances (for the log)."""
+    """`judge`'s findings: members that contradict themselves (node -> why) and hops whose
+    ends disagree (sender, receiver, why)."""
 
     liars: dict[str, str]
     hops: list[tuple[str, str, str]]
@@ -215,14 +201,16 @@ def judge(
     liars: dict[str, str] = {}
     # The ring agreed on its result: the majority's sketch of it (ties: the first rank's).
     results = [evidence[m].result for m in order]
-    agreed = max(results, key=lambda r: sum(_distance(r, o) <= HOP_TOLERANCE for o in results))
+    agreed = max(
+        results, key=lambda r: sum(relative_distance(r, o) <= HOP_TOLERANCE for o in results)
+    )
     for i, m in enumerate(order):
         ev = evidence[m]
-        if _distance(agreed, ev.result) > HOP_TOLERANCE:
+        if relative_distance(agreed, ev.result) > HOP_TOLERANCE:
             liars[m] = "its sketch of the all-reduced sum is not the ring's"
             continue
         if expected_own is not None and m in expected_own:
-            d = _distance(expected_own[m], ev.own.sum(dim=0))
+            d = relative_distance(expected_own[m], ev.own.sum(dim=0))
             if d > SELF_TOLERANCE["none"]:
                 liars[m] = (
                     f"its contribution's sketch is not b_i/B times its update's (relative "
@@ -232,7 +220,7 @@ def judge(
         for t in range(n - 1):
             k = (i - t) % n
             want = ev.own[k] if t == 0 else ev.received[k] + ev.own[k]
-            d = _distance(ev.sent[k], want)
+            d = relative_distance(ev.sent[k], want)
             if d > tol:
                 liars[m] = (
                     f"what it says it sent of segment {k} is not what it says it received plus "
@@ -242,7 +230,7 @@ def judge(
         if m in liars:
             continue
         k = (i + 1) % n  # the segment it owns
-        d = _distance(ev.result[k], ev.received[k] + ev.own[k])
+        d = relative_distance(ev.result[k], ev.received[k] + ev.own[k])
         if d > tol:
             liars[m] = (
                 f"the ring's sum of segment {k}, which it owns, is not what it says it received "
@@ -255,7 +243,7 @@ def judge(
             continue  # explained
         for t in range(n - 1):
             k = (i - t) % n
-            d = _distance(evidence[m].sent[k], evidence[right].received[k])
+            d = relative_distance(evidence[m].sent[k], evidence[right].received[k])
             if d > HOP_TOLERANCE:
                 hops.append(
                     (

@@ -23,11 +23,28 @@ so that a sketch needs O(size of the largest tensor) memory, not O(model x k).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
 DEFAULT_BUCKETS = 256
+
+
+def coordinate_draws(
+    sizes: Mapping[str, int], seed: int, buckets: int
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Per tensor (sorted by name; empty ones skipped) of ``sizes`` elements: the bucket
+    (int64) and the sign (float64, +1 / -1) of each of its coordinates under ``seed``."""
+    if buckets < 1:
+        raise ValueError("a sketch needs at least one bucket")
+    gen = torch.Generator().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    for name in sorted(sizes):
+        n = int(sizes[name])
+        if n == 0:
+            continue
+        where = torch.randint(0, buckets, (n,), generator=gen)
+        sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int8).to(torch.float64)
+        yield name, where, 2.0 * sign - 1.0
 
 
 def sketch(
@@ -36,16 +53,11 @@ def sketch(
     """The float64 sketch of ``tensors`` (taken in sorted name order) under ``seed``."""
     if buckets < 1:
         raise ValueError("a sketch needs at least one bucket")
-    gen = torch.Generator().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
     out = torch.zeros(buckets, dtype=torch.float64)
-    for name in sorted(tensors):
+    sizes = {name: t.numel() for name, t in tensors.items()}
+    for name, where, sign in coordinate_draws(sizes, seed, buckets):
         flat = tensors[name].detach().reshape(-1).to("cpu", torch.float64)
-        n = flat.numel()
-        if n == 0:
-            continue
-        where = torch.randint(0, buckets, (n,), generator=gen)
-        sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int8).to(torch.float64)
-        out.index_add_(0, where, flat * (2.0 * sign - 1.0))
+        out.index_add_(0, where, flat * sign)
     return out
 
 

@@ -13,30 +13,24 @@ rounds (their local SGD chunks were recomputed and matched).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from epochmesh.v1 import common_pb2
-from tests.fixtures import write_job
 from tests.procs import CoordinatorProc, free_port, start_coordinator, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
-from tests.system.test_cli_support import Cli
-from tests.system.test_cluster_scheduling import Jobs
 from tests.system.test_fault_tolerance import (
-    MODEL,
-    events_of,
     job_doc,
-    make_dataset,
 )
-from tests.system.test_market import all_rounds
-from tests.system.verification_checks import check_cheater_undone
+from tests.system.verification_checks import (
+    cheater_parts,
+    check_cheater_undone,
+    quarantined_cheater,
+    run_job,
+)
 
-JS = common_pb2.JobState
-NS = common_pb2.NodeState
 pytestmark = pytest.mark.timeout(300)
 
 N, EPOCHS, BATCH, H = 384, 2, 24, 4
@@ -86,33 +80,14 @@ def test_a_local_sgd_cheater_is_caught_by_recomputing_its_inner_steps(
         doc["train"].update(
             global_batch=BATCH, sync="local_sgd", inner_steps=H, outer_lr=0.7, outer_momentum=0.5
         )
-        job_dir = tmp_path / "job"
-        write_job(job_dir, MODEL, make_dataset(N), doc)
-        alice = Cli(address, tmp_path / "alice", role="submitter")
-        out = alice.run("submit", str(job_dir / "job.toml"), "--output", "json", timeout=120)
-        assert out.code == 0, out.stderr
-        job_id = str(json.loads(out.stdout)["job_id"])
-        jobs = Jobs(address)
-        jobs.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=240)
-
-        nodes = {n.name: n for n in list_nodes(address)}
-        cheater = nodes["cheat"]
-        assert cheater.state == NS.NODE_STATE_QUARANTINED, cheater
-        events = jobs.events(job_id)
-        caught = [e for e in events_of(events, "node.quarantined") if e.node_id == cheater.node_id]
-        assert len(caught) == 1, [e.message for e in events_of(events, "node.quarantined")]
-        evidence = dict(caught[0].attrs)
+        jobs, job_id = run_job(address, tmp_path, doc, N)
+        nodes, cheater, events, evidence = quarantined_cheater(address, jobs, job_id)
         # Its chunks, start states and sketches all fit: a recomputation caught it.
         assert evidence["check"] == "recomputation", evidence
         assert float(evidence["distance1"]) > float(evidence["tolerance"]), evidence
         assert evidence["checker1"] != cheater.node_id
 
-        every_round = all_rounds(jobs, job_id)
-        cheater_rounds = sorted(
-            r.round
-            for r in every_round
-            if r.round >= CHEAT_FROM and any(p.node_id == cheater.node_id for p in r.parts)
-        )
+        cheater_rounds = cheater_parts(jobs, job_id, cheater, CHEAT_FROM)
         # Checked every round while new: caught by the check of its first cheated part or of
         # the next (scripts/bench_verify.py measures it); on a loaded host a check can end
         # undecided (no checker answered in time), leaving it to the one after.

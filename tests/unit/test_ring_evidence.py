@@ -15,12 +15,11 @@ from epochmesh.ring_evidence import (
     SELF_TOLERANCE,
     FlatSketch,
     RingEvidence,
-    _distance,
     codec_roundtrip,
     judge,
     member_evidence,
 )
-from epochmesh.sketch import sketch
+from epochmesh.sketch import relative_distance, sketch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,10 +83,10 @@ def test_the_flat_sketch_is_the_sketch_of_the_parameters_by_name() -> None:
     tensors = {name: torch.randn(*shape, generator=g) for name, shape in SHAPES.items()}
     flat = torch.cat([t.reshape(-1) for t in tensors.values()])
     fs = FlatSketch.build(SHAPES, seed=99, buckets=64)
-    assert _distance(sketch(tensors, 99, 64), fs.of(flat)) < 1e-12
+    assert relative_distance(sketch(tensors, 99, 64), fs.of(flat)) < 1e-12
     # And segment by segment: the parts add up.
     parts = fs.of(flat[:100]) + fs.of(flat[100:777], 100) + fs.of(flat[777:], 777)
-    assert _distance(fs.of(flat), parts) < 1e-12
+    assert relative_distance(fs.of(flat), parts) < 1e-12
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
@@ -106,12 +105,12 @@ def test_an_honest_ring_is_clean_and_well_inside_the_tolerances(codec: str, n: i
         for t in range(n - 1):
             k = (r - t) % n
             want = e.own[k] if t == 0 else e.received[k] + e.own[k]
-            worst = max(worst, _distance(e.sent[k], want))
+            worst = max(worst, relative_distance(e.sent[k], want))
     # The tolerance leaves a margin of several times what the codec's rounding gives.
     assert worst < SELF_TOLERANCE[codec] / 4, (codec, worst)
     # Own sketches add up to the sketch of the contribution.
     for r in range(n):
-        assert _distance(fs.of(contribs[r]), ev[f"m{r}"].own.sum(dim=0)) < 1e-12
+        assert relative_distance(fs.of(contribs[r]), ev[f"m{r}"].own.sum(dim=0)) < 1e-12
 
 
 def cheat_ring(codec: str, n: int = 4, liar: int = 2):
