@@ -620,7 +620,7 @@ class Engine:
         if live and not req.failed and len(req.chunks) > MAX_CHUNKS:
             problem = f"{len(req.chunks)} chunk commitments (at most {MAX_CHUNKS})"
         elif live and not req.failed:
-            problem = runner.verifier.ring_commitment_problem(req)
+            problem = runner.verifier.ring_commitment_problem(req, part)
         else:
             problem = ""
         if problem:

@@ -94,6 +94,7 @@ from epochmesh.verification import (
     local_sgd_commitment_problem,
     loss_matches,
     recompute_tolerance,
+    split_round_start,
 )
 
 if TYPE_CHECKING:
@@ -185,10 +186,9 @@ class Verifier:
         spec = runner.spec
         self.ring = spec.aggregation == "ring"
         self.local_sgd = spec.sync == "local_sgd"
-        # Ring rounds of local SGD are not verified yet (docs/verification-protocol.md).
-        self.enabled = not (self.ring and self.local_sgd)
+        self.enabled = True
         # Ring parts: twice the chunks, each checked by two checkers at once (`_start_checks`).
-        self.verify_chunks = (2 if self.ring else 1) * VERIFY_CHUNKS if self.enabled else 0
+        self.verify_chunks = (2 if self.ring else 1) * VERIFY_CHUNKS
         self.rng = rng or random.SystemRandom()
         self._pending: dict[str, PendingCheck] = {}  # by TRAIN task id
         self._by_check_task: dict[str, str] = {}  # CHECK task id -> TRAIN task id
@@ -413,10 +413,19 @@ class Verifier:
         self._force.discard(node_id)
         return standing
 
-    def ring_commitment_problem(self, req: agent_pb2.ReportProgressRequest) -> str:
+    def ring_commitment_problem(self, req: agent_pb2.ReportProgressRequest, part: Part) -> str:
         """Why a ring member's successful report's chunk commitments do not fit it ("")."""
         if not self.enabled:
             return "" if not req.chunks else "the job's rounds are not verified"
+        if self.local_sgd:
+            return local_sgd_commitment_problem(
+                [(c.samples, c.loss, c.start_digest) for c in req.chunks],
+                req.samples_done,
+                req.mean_loss,
+                part.assigned or part.samples,
+                part.local_batch,
+                self.verify_chunks,
+            )
         return commitment_problem(
             [(c.samples, c.loss) for c in req.chunks],
             req.samples_done,
@@ -483,6 +492,8 @@ class Verifier:
             update_sketch=None,
             deadline=time.monotonic() + self._sketch_wait(),
             standing=standing,
+            digests=[c.start_digest for c in req.chunks] if self.local_sgd else [],
+            local_batch=part.local_batch,
         )
         self._changed_state()
         return spec, spec
@@ -684,7 +695,9 @@ class Verifier:
     ) -> None:
         """A local SGD node's upload of the start state of its chunk drawn: it must be what it
         committed (digest) and where its committed chunks before it lead from the round's
-        parameters (sketches); then the chunk goes to a checker with it."""
+        parameters (sketches); then the chunk goes to a checker with it. In a ring job the
+        upload carries the round's parameters too (`_agreed_start`; a synchronous part's upload
+        is only them)."""
         pc = self._pending.get(h.task_id)
         if pc is None or pc.node_id != h.node_id or pc.state != "snapshot":
             raise FailedPreconditionError(
@@ -695,8 +708,15 @@ class Verifier:
                 f"the start state of chunk {h.snapshot_chunk} was sent; chunk {pc.chunk} was drawn"
             )
         if not pc.digests:
-            await self._ring_start(pc, tensors)
+            if await self._agreed_start(pc, tensors):
+                pc.state = "checking"
+                await self._start_checks(pc)
             return
+        if self.ring:  # the round's start parameters came with the chunk's start state
+            tensors, start = split_round_start(tensors)
+            if not await self._agreed_start(pc, start):
+                return
+            payload = await asyncio.to_thread(encode_bundle, tensors)
         round_payload = self._payloads.get(pc.version)
         if round_payload is None:
             await self._inconclusive(pc, f"the parameters of version {pc.version} are gone")
@@ -723,13 +743,15 @@ class Verifier:
         pc.state = "checking"
         await self._start_checks(pc)
 
-    async def _ring_start(self, pc: PendingCheck, tensors: Mapping[str, torch.Tensor]) -> None:
-        """A ring member's upload of the parameters its checked part started from: they must
-        be the ones its ring agreed on; the checker then recomputes from them."""
+    async def _agreed_start(self, pc: PendingCheck, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """A ring job's upload of the parameters a checked part started from ("param/<name>"):
+        they must be the ones its ring agreed on (kept for the checker's recomputation, or the
+        local SGD start state's check). False when they are not (the node failed its check),
+        or the check is settled meanwhile."""
         agreed = await self.runner.rounds.agreed_params_checksum(pc.version)
         if agreed is None:
             await self._inconclusive(pc, f"the ring's checksum of version {pc.version} is gone")
-            return
+            return False
         expected = self.runner.ps.expected()
         problem, evidence, params = await asyncio.to_thread(
             ring_start_problem, tensors, expected, agreed
@@ -741,12 +763,11 @@ class Verifier:
                 {"check": "snapshot", **evidence},
                 accuse=True,
             )
-            return
+            return False
         if self._settled(pc):
-            return
+            return False
         self._payloads[pc.version] = await asyncio.to_thread(encode_bundle, params)
-        pc.state = "checking"
-        await self._start_checks(pc)
+        return True
 
     # -- recomputation ---------------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from epochmesh.optim import PARAM_PREFIX
+
 # Chunks per verified part. A check recomputes one of them (coordinator/reputation.py:
 # CHECK_FRACTION = 0.08 of them, at least one): 1/12 = 8.3 % of the part's compute.
 VERIFY_CHUNKS = 12
@@ -191,6 +193,39 @@ def state_digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
         h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.digest()
+
+
+# A ring job's local SGD upload of a chunk's start state also carries the parameters the round
+# started from (the coordinator holds a ring's versions only at checkpoints), their names under
+# this prefix: the coordinator checks them against the checksum the ring agreed on, then the
+# chunk's start state against them.
+ROUND_START_PREFIX = "start/"
+
+
+def with_round_start(
+    state: Mapping[str, torch.Tensor], round_start: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A chunk's start ``state`` with the round's start parameters (``round_start``:
+    "param/<name>", e.g. the first chunk's start state) added under ROUND_START_PREFIX."""
+    out = dict(state)
+    for key, t in round_start.items():
+        if key.startswith(PARAM_PREFIX):
+            out[ROUND_START_PREFIX + key.removeprefix(PARAM_PREFIX)] = t
+    return out
+
+
+def split_round_start(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """What `with_round_start` joined: (the chunk's start state, the round's start parameters
+    as "param/<name>")."""
+    state = {k: t for k, t in tensors.items() if not k.startswith(ROUND_START_PREFIX)}
+    start = {
+        PARAM_PREFIX + k.removeprefix(ROUND_START_PREFIX): t
+        for k, t in tensors.items()
+        if k.startswith(ROUND_START_PREFIX)
+    }
+    return state, start
 
 
 def local_sgd_commitment_problem(

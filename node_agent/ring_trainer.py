@@ -74,7 +74,7 @@ from epochmesh.ring_evidence import FlatSketch, member_evidence
 from epochmesh.sketch import sketch
 from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks, params_checksum
 from epochmesh.v1 import agent_pb2, common_pb2
-from epochmesh.verification import MAX_BUCKETS
+from epochmesh.verification import MAX_BUCKETS, with_round_start
 from node_agent import trainer
 from node_agent.cheat import CONTRIBUTION, SCALE, cheat_from_environment
 from node_agent.connection import Expired, Stopped, describe
@@ -799,6 +799,14 @@ async def send_check_evidence(
     )
     if not isinstance(drawn, agent_pb2.CommitSketchesResponse) or not drawn.snapshot_wanted:
         return
+    index = drawn.snapshot_chunk
+    if cached.chunks is not None and cached.chunks.starts:  # local SGD
+        if not 0 <= index < len(cached.chunks.starts):
+            ctx.log.warning("round %d: the start state of chunk %d is asked", task.round, index)
+            return
+        starts = cached.chunks.starts
+        await trainer.push_snapshot(ctx, task, with_round_start(starts[index], starts[0]), index)
+        return
     start = state.snapshots.get(version)
     if start is None:
         ctx.log.warning(
@@ -808,7 +816,7 @@ async def send_check_evidence(
         )
         return
     params = {PARAM_PREFIX + n: t for n, t in params_of(start).items()}
-    await trainer.push_snapshot(ctx, task, params, drawn.snapshot_chunk)
+    await trainer.push_snapshot(ctx, task, params, index)
 
 
 async def _unless_cancelled(ctx: TaskContext, aw: Awaitable[T]) -> T:

@@ -74,6 +74,7 @@ from epochmesh.verification import (
     chunk_bounds,
     state_digest,
     step_chunk_bounds,
+    with_round_start,
 )
 from node_agent.cheat import (
     CONTRIBUTION,
@@ -1179,7 +1180,10 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
                     params = await ctx.run_compute(start_parameters, job)
                     await push_snapshot(ctx, task, params, index)
                 elif 0 <= index < len(chunks.starts):
-                    await push_snapshot(ctx, task, chunks.starts[index], index)
+                    state = chunks.starts[index]
+                    if task.spec.aggregation == "ring":  # with the round's start parameters
+                        state = with_round_start(state, chunks.starts[0])
+                    await push_snapshot(ctx, task, state, index)
                 else:
                     ctx.log.warning(
                         "round %d: the coordinator asked for the start state of chunk %d; the "

@@ -22,6 +22,7 @@ import torch
 from coordinator.engine import Engine
 from epochmesh import identity as idm
 from epochmesh.export_cache import ExportCache
+from epochmesh.optim import state_tensors
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.spec import load_spec
 from epochmesh.tensors import encode_bundle, params_checksum
@@ -33,7 +34,12 @@ from epochmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from epochmesh.verification import chunk_bounds
+from epochmesh.verification import (
+    chunk_bounds,
+    local_sgd_chunk_samples,
+    state_digest,
+    with_round_start,
+)
 from tests.fixtures import write_mlp_job
 from tests.integration.fake_agent import (
     FakeAgent,
@@ -49,12 +55,14 @@ NUM_SAMPLES = 96
 GLOBAL_BATCH = 16
 
 
-def ring_job(tmp_path: Path, **cluster: object) -> PackedJob:
+def ring_job(
+    tmp_path: Path, train: dict[str, object] | None = None, **cluster: object
+) -> PackedJob:
     job_toml = write_mlp_job(
         tmp_path / "job",
         NUM_SAMPLES,
         overrides={
-            "train": {"epochs": 2, "global_batch": GLOBAL_BATCH},
+            "train": {"epochs": 2, "global_batch": GLOBAL_BATCH, **(train or {})},
             "cluster": {"aggregation": "ring", "checkpoint_every": 2, **cluster},
         },
     )
@@ -80,7 +88,7 @@ class FakeMember:
         self.checksum_salt = ""
         # Verification input to get wrong (tests/integration/test_ring_verification_input.py):
         # "" none, "commitments" (a chunk short), "update_sketch" (a value short), "start" (the
-        # uploaded start parameters moved).
+        # uploaded start parameters moved), "digests" (local SGD: no start digests).
         self.wrong = ""
 
     async def ask_source(self, agent: FakeAgent, task: agent_pb2.Task) -> None:
@@ -130,10 +138,13 @@ class FakeMember:
             agent.kill()  # as a kill -9: no report, no heartbeat from now on
             return
         v = task.params_version
+        kept = self.world["states"].get((agent.node_id, v))
         if self.version != v:
             if task.state_source_node_id:
                 self.world["sourced"].append((agent.node_id, task.state_source_node_id))
                 self.params = dict(self.world["states"][(task.state_source_node_id, v)])
+            elif kept is not None:  # its pre-step state: a retried attempt of its last round
+                self.params = dict(kept)
             else:
                 got, state = await agent.pull(task.job_id, v, optimizer=True)
                 assert got == v
@@ -179,11 +190,8 @@ class FakeMember:
                 for rtt, bw in [links(agent.node_id, n)]
             ]
         start = dict(self.params)
+        fields["chunks"] = self.commitments(task)[: -1 if self.wrong == "commitments" else None]
         samples = len(task_indices(task))
-        fields["chunks"] = [  # verification: a zero gradient in every chunk
-            agent_pb2.ChunkCommitment(samples=end - begin, loss=1.0)
-            for begin, end in chunk_bounds(samples, task.verify_chunks)
-        ][: -1 if self.wrong == "commitments" else None]
         checksum = params_checksum(self.params)
         if self.checksum_salt:
             checksum = hashlib.sha256((checksum + self.checksum_salt).encode()).hexdigest()
@@ -205,6 +213,7 @@ class FakeMember:
                 task,
                 state,
                 kind="checkpoint",
+                chunks=[],  # a state, not an update: nothing to commit
                 num_samples=len(task_indices(task)),
                 bundle=encode_bundle(state),
                 params_version=v + 1,
@@ -212,6 +221,22 @@ class FakeMember:
             self.world["checkpoints"].append((task.round, reply.accepted, reply.reason))
         if answer.sketch.buckets > 0 or answer.ring_audit.buckets > 0:
             await self.send_check_evidence(agent, task, answer, start)
+
+    def commitments(self, task: agent_pb2.Task) -> list[agent_pb2.ChunkCommitment]:
+        """Verification: a zero gradient in every chunk (local SGD: every chunk starts from
+        the round's parameters, no optimizer state; ``wrong`` "digests": none committed)."""
+        samples = len(task_indices(task))
+        if task.spec.sync != "local_sgd":
+            return [
+                agent_pb2.ChunkCommitment(samples=end - begin, loss=1.0)
+                for begin, end in chunk_bounds(samples, task.verify_chunks)
+            ]
+        assert self.params is not None
+        digest = b"" if self.wrong == "digests" else state_digest(state_tensors(self.params, {}))
+        return [
+            agent_pb2.ChunkCommitment(samples=n, loss=1.0, start_digest=digest)
+            for n in local_sgd_chunk_samples(samples, task.local_batch, task.verify_chunks, samples)
+        ]
 
     async def send_check_evidence(
         self,
@@ -232,7 +257,7 @@ class FakeMember:
             seed=wanted.seed or audit.seed,
         )
         if wanted.buckets > 0:
-            k = len(chunk_bounds(len(task_indices(task)), task.verify_chunks))
+            k = len(self.commitments(task))
             request.sketches.extend([0.0] * (k * wanted.buckets))
             n = wanted.buckets - (self.wrong == "update_sketch")
             request.update_sketch.extend([0.0] * n)
@@ -256,6 +281,8 @@ class FakeMember:
             if self.wrong == "start":
                 first = next(iter(state.values()))
                 first.view(-1)[0] += 1e-3
+            if task.spec.sync == "local_sgd":  # the chunk's start state: the same parameters
+                state = with_round_start({f"param/{n}": t for n, t in start.items()}, state)
             await agent.push_snapshot(task, state, drawn.snapshot_chunk)
 
 

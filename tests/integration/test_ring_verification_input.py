@@ -3,10 +3,12 @@ TLS and members played by the test (tests/integration/test_ring_coordinator.py's
 a zero gradient, honest chunk commitments and sketches of it, the round's start parameters
 uploaded when drawn).
 
-- A report whose chunk commitments do not fit it is INVALID_ARGUMENT with a strike, and the
-  member's part is out of the round; the job goes on with the others.
+- A report whose chunk commitments do not fit it (a chunk short; in local SGD also no start
+  digests) is INVALID_ARGUMENT with a strike, and the member's part is out of the round; the
+  job goes on with the others.
 - An update sketch of the wrong length is INVALID_ARGUMENT with a strike.
-- Start parameters that are not the ones the ring agreed on quarantine the member with check
+- Start parameters that are not the ones the ring agreed on (in local SGD: uploaded with the
+  start state of the chunk drawn) quarantine the member with check
   "snapshot" and both checksums as evidence; its unverified rounds are undone and the job
   finishes on the others, every sample of every epoch once.
 """
@@ -32,10 +34,15 @@ from tests.procs import in_process_coordinator
 pytestmark = pytest.mark.timeout(90)
 
 
-async def run_with(tmp_path: Path, wrong: str) -> tuple:
-    """A ring job on three members, the third getting ``wrong`` wrong: (the job, its rounds,
-    its events, the wrong member's agent, the coordinator's view of it)."""
-    packed = ring_job(tmp_path, min_nodes=2, max_nodes=3)
+LOCAL_SGD = {"sync": "local_sgd", "inner_steps": 2}
+
+
+async def run_with(tmp_path: Path, wrong: str, sync: str = "sync") -> tuple:
+    """A ring job (``sync`` "local_sgd": of local SGD) on three members, the third getting
+    ``wrong`` wrong: (the job, its rounds, its events, the wrong member's agent, the
+    coordinator's view of it)."""
+    train = LOCAL_SGD if sync == "local_sgd" else None
+    packed = ring_job(tmp_path, train, min_nodes=2, max_nodes=3)
     world = new_world(packed)
     async with in_process_coordinator(
         tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
@@ -64,10 +71,14 @@ def struck(events: list, node_id: str) -> list[str]:
     return [e.message for e in events if e.kind == "node.strike" and e.node_id == node_id]
 
 
+@pytest.mark.parametrize(
+    ("wrong", "sync"),
+    [("commitments", "sync"), ("commitments", "local_sgd"), ("digests", "local_sgd")],
+)
 async def test_commitments_that_do_not_fit_the_report_are_refused_with_a_strike(
-    tmp_path: Path,
+    tmp_path: Path, wrong: str, sync: str
 ) -> None:
-    _, rounds, events, bad, info, _ = await run_with(tmp_path, "commitments")
+    _, rounds, events, bad, info, _ = await run_with(tmp_path, wrong, sync)
     assert "INVALID_ARGUMENT" in bad.errors, bad.errors
     assert info is not None and info.strikes >= 1
     strikes = struck(events, bad.node_id)
@@ -86,10 +97,11 @@ async def test_an_update_sketch_of_the_wrong_length_is_refused_with_a_strike(
     assert any("update sketch" in m for m in strikes), strikes
 
 
+@pytest.mark.parametrize("sync", ["sync", "local_sgd"])
 async def test_start_parameters_the_ring_did_not_agree_on_quarantine_the_member(
-    tmp_path: Path,
+    tmp_path: Path, sync: str
 ) -> None:
-    _, rounds, events, bad, info, world = await run_with(tmp_path, "start")
+    _, rounds, events, bad, info, world = await run_with(tmp_path, "start", sync)
     assert info is not None and info.state == common_pb2.NODE_STATE_QUARANTINED
     caught = [e for e in events if e.kind == "node.quarantined" and e.node_id == bad.node_id]
     assert len(caught) == 1, [e.message for e in events if e.kind == "node.quarantined"]

@@ -1,9 +1,10 @@
 """Verification of ring members end to end (issue 20), with real processes and mutual TLS: a
 coordinator, three honest agents of mixed speeds and one that cheats (EPOCHMESH_TEST_CHEAT)
 from a given round on, each agent its own donor and a ring member (``--peer-listen``), on a
-synchronous ring job. Two cheats:
+synchronous ring job, and a local SGD one. Two cheats:
 
-- ``scaled``: its gradient x100, with chunks that add up to it, put into the ring as it is;
+- ``scaled``: its gradient (in local SGD its pseudo-gradient, with chunk start states that fit
+  its made-up chunks) x100, with chunks that add up to it, put into the ring as it is;
 - ``contribution``: honest chunks, update and report, but 100 x its contribution put into the
   all-reduce, and its evidence of the round computed as if the honest one had been sent.
 
@@ -43,6 +44,7 @@ from tests.system.verification_checks import (
 pytestmark = pytest.mark.timeout(300)
 
 N, EPOCHS, BATCH = 384, 2, 24
+H = 4  # inner steps of the local SGD job
 CHEAT_FROM = 3
 HONEST = {"r1": 1, "r2": 2, "r3": 2}  # name -> slowdown
 
@@ -74,10 +76,15 @@ def ring_agent(address: str, root: Path, name: str, slowdown: int, **env: str) -
 
 
 @pytest.mark.parametrize(
-    ("cheat", "check"), [("scaled", "recomputation"), ("contribution", "ring_contribution")]
+    ("cheat", "check", "sync"),
+    [
+        ("scaled", "recomputation", "sync"),
+        ("contribution", "ring_contribution", "sync"),
+        ("scaled", "recomputation", "local_sgd"),
+    ],
 )
 def test_a_cheating_ring_member_is_caught(
-    coordinator: CoordinatorProc, tmp_path: Path, cheat: str, check: str
+    coordinator: CoordinatorProc, tmp_path: Path, cheat: str, check: str, sync: str
 ) -> None:
     address = coordinator.address
     agents = {name: ring_agent(address, tmp_path, name, slow) for name, slow in HONEST.items()}
@@ -100,12 +107,17 @@ def test_a_cheating_ring_member_is_caught(
             min_nodes=3,
             max_nodes=4,
         )
+        if sync == "local_sgd":
+            doc["train"].update(
+                sync="local_sgd", inner_steps=H, outer_lr=0.7, outer_momentum=0.5, momentum=0.0
+            )
         jobs, job_id = run_job(address, tmp_path, doc, N)
         nodes, cheater, events, evidence = quarantined_cheater(address, jobs, job_id)
         assert evidence["check"] == check, evidence
         if check == "recomputation":
-            # Its chunks and sketches fit its update, its start parameters are the ring's:
-            # only the recomputation can catch it.
+            # Its chunks and sketches fit its update, its start parameters are the ring's (and
+            # in local SGD its chunks' start states fit its sketches): only the recomputation
+            # can catch it.
             assert float(evidence["distance1"]) > float(evidence["tolerance"]), evidence
             assert evidence["checker1"] != cheater.node_id
         else:

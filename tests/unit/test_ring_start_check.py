@@ -9,6 +9,7 @@ import torch
 
 from coordinator.snapshot_check import ring_start_problem
 from epochmesh.tensors import params_checksum
+from epochmesh.verification import split_round_start, state_digest, with_round_start
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,3 +74,26 @@ def test_an_upload_that_is_not_the_jobs_parameters_is_refused(change, says) -> N
     problem, _, got = ring_start_problem(bad, expected_of(params), params_checksum(params))
     assert says in problem
     assert got == {}
+
+
+def test_a_local_sgd_upload_carries_the_round_start_beside_the_chunk_state() -> None:
+    """A ring job's local SGD upload: the chunk's start state (parameters and optimizer state)
+    and the round's start parameters under their own prefix, split apart unchanged; the round
+    start part is what ring_start_problem checks, the state part what the digest covers."""
+    params = job_params()
+    moved = {n: t + 0.5 for n, t in params.items()}
+    state = {**upload(moved), "optim/momentum_buffer/0.bias": torch.ones(4)}
+    joined = with_round_start(
+        state, {**upload(params), "optim/momentum_buffer/0.bias": torch.ones(4)}
+    )
+    assert len(joined) == len(state) + len(params)  # the round start's optimizer state: not sent
+    got_state, start = split_round_start(joined)
+    assert list(got_state) == list(state)
+    assert all(torch.equal(got_state[k], state[k]) for k in state)
+    assert state_digest(got_state) == state_digest(state)
+    problem, _, got = ring_start_problem(start, expected_of(params), params_checksum(params))
+    assert problem == ""
+    assert all(torch.equal(got[n], params[n]) for n in params)
+    # The chunk's start state (moved parameters) sent as the round's start: refused.
+    _, as_start = split_round_start(with_round_start(state, upload(moved)))
+    assert ring_start_problem(as_start, expected_of(params), params_checksum(params))[0]
