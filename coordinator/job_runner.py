@@ -94,6 +94,8 @@ class JobRunner:
         self._state_payload: tuple[tuple[int, bool], common_pb2.TensorBundle, bytes] | None = None
         self.next_round = 1
         self.rounds_applied = 0
+        # The params version the job's state was last restored at (Task.restored_version).
+        self.restored_version = 0
         self._task: asyncio.Task[None] | None = None
         self.stop_requested = asyncio.Event()  # the coordinator stops: end the open round
         self._wake = asyncio.Event()
@@ -299,6 +301,7 @@ class JobRunner:
             newest = max((r.params_version for r in all_rounds), default=0)
             version = max(manifest.params_version, newest) + 2
             self.ps.load_state_tensors(tensors, version)
+            self.restored_version = version
             self.ledger = EpochLedger.from_state(manifest.ledger)
             self.ledger.abort_open_rounds()
             rolled = await store.rollback_rounds(self.job_id, manifest.round)
@@ -627,6 +630,7 @@ class JobRunner:
             compute_budget_seconds=part.budget_s,
         )
         task.verify_chunks = self.verifier.verify_chunks
+        task.restored_version = self.restored_version
         task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, part.ranges))
         payload = self.params_payload
         if (
@@ -1124,6 +1128,7 @@ class JobRunner:
         # Versions after the state were handed out with other parameters: continue past them.
         version = max(self.ps.version, self.rounds.version) + 2
         self.ps.load_state_tensors(tensors, version)
+        self.restored_version = version
         await self.rounds.restored(False)  # ring rounds: their members pull it
         self.ledger = EpochLedger.from_state(manifest.ledger)
         self.ledger.abort_open_rounds()

@@ -138,6 +138,19 @@ class LoadedJob:
     error_feedback: ErrorFeedback | None = None
     # Tests only (the stale cheat, node_agent.cheat): the last round's honest computation.
     previous: ComputedUpdate | None = None
+    # Task.restored_version the inner optimizer stepped under (None: not seen yet): the job's
+    # state was restored since when a task brings another.
+    restored_version: int | None = None
+
+    def follow_restore(self, task: agent_pb2.Task) -> bool:
+        """Local SGD: drop the inner optimizer when the job's state was restored (a rollback,
+        a coordinator restart) since it stepped: its state holds the steps of rounds that were
+        undone (after a cheat, momentum from the parameters it wrecked). Whether it was."""
+        seen, self.restored_version = self.restored_version, int(task.restored_version)
+        if seen is None or seen == self.restored_version or self.inner_optimizer is None:
+            return False
+        self.inner_optimizer = None
+        return True
 
 
 @dataclass
@@ -768,6 +781,12 @@ def _compute(
         return update if cheat is None else apply_cheat(cheat, job, task, update)
 
     slices = inner_step_slices(indices, task.local_batch, task.inner_steps or spec.inner_steps)
+    if job.follow_restore(task):
+        ctx.log.info(
+            "round %d: the job's state was restored (version %d): a fresh inner optimizer",
+            task.round,
+            task.restored_version,
+        )
     opt = inner_optimizer(job, spec)
     chunk_steps = step_chunk_bounds(len(slices), task.verify_chunks) if verify else []
     todo = slices

@@ -17,7 +17,7 @@ way from round CHEAT_FROM on (the agent's test-only EPOCHMESH_TEST_CHEAT switch)
 `false_accusations`: honest nodes struck or quarantined over every job. Prints one JSON line:
 
     .venv/bin/python scripts/bench_verify.py [--samples 1920] [--epochs 3] [--trust-rounds 160]
-        [--mode sync|local_sgd|ring]
+        [--mode sync|local_sgd|ring|ring_local_sgd]
 
 `--mode local_sgd` runs every job as local SGD (H = 12 inner steps of 24 samples a round, SGD
 with momentum kept across rounds, outer Nesterov lr 0.5, momentum 0.5: DiLoCo's 0.7 / 0.9
@@ -28,7 +28,9 @@ every job as synchronous ring rounds (the agents with `--peer-listen`; the mixed
 batches of 16 and the int8 wire codec): a member's chunks are recomputed from the start
 parameters it uploads, checked against the checksum its ring agreed on; a sixth cheat,
 `contribution` (honest chunks, 100 x its contribution into the all-reduce), meets the round's
-audit of every member's reduce-scatter.
+audit of every member's reduce-scatter. `--mode ring_local_sgd`: local SGD rounds (as
+`--mode local_sgd`) in a ring: a member's chunk of inner steps is recomputed from the start
+state it uploads with the round's start parameters, and the six cheats as in `--mode ring`.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ MODES = {
         'micro_batch = 8\ncompression = "int8"',
     ),
 }
+MODES["ring_local_sgd"] = MODES["local_sgd"]
+RING_MODES = ("ring", "ring_local_sgd")
 INNER_STEPS = 12
 
 
@@ -87,9 +91,9 @@ class Bench:
         self.cluster = cluster
         self.work = work
         self.global_batch, self.extra, self.mixed_extra = MODES[mode]
-        self.aggregation = "ring" if mode == "ring" else "ps"
+        self.aggregation = "ring" if mode in RING_MODES else "ps"
         # Samples a round trains (every inner step's global batch in local SGD).
-        self.per_round = self.global_batch * (INNER_STEPS if mode == "local_sgd" else 1)
+        self.per_round = self.global_batch * (INNER_STEPS if "local_sgd" in mode else 1)
         channel = cluster.operator_channel()
         self.jobs = job_pb2_grpc.JobServiceStub(channel)
         self.sched = scheduler_pb2_grpc.SchedulerServiceStub(channel)
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start_coordinator("--heartbeat-interval", "1.0")
         cluster.login()
         # Ring members serve their peers (mutual TLS with their node certificates).
-        peer = ["--peer-listen", "127.0.0.1:0"] if args.mode == "ring" else []
+        peer = ["--peer-listen", "127.0.0.1:0"] if args.mode in RING_MODES else []
         for name, slow in HONEST.items():
             cluster.start_agent(name, "--slowdown", slow, *peer)
         cluster.start_agent("spare", "--slowdown", "1", *peer)
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cheats: dict[str, dict[str, Any]] = {}
         # Ring members also cheat in what they put into the all-reduce (their ring audit).
-        for cheat in (*CHEATS, "contribution") if args.mode == "ring" else CHEATS:
+        for cheat in (*CHEATS, "contribution") if args.mode in RING_MODES else CHEATS:
             name = f"cheat-{cheat}"
             cluster.start_agent(
                 name,

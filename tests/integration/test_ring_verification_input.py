@@ -112,7 +112,13 @@ async def test_start_parameters_the_ring_did_not_agree_on_quarantine_the_member(
     # Its rounds until then were undone: none of it is applied in the live rounds.
     applied = {p.node_id for r in rounds for p in r.parts if p.status == "applied"}
     assert bad.node_id not in applied
-    assert [e for e in events if e.kind == "job.rolled_back"]
+    rolled = [e for e in events if e.kind == "job.rolled_back"]
+    assert rolled
+    # Tasks after it name the version the state was restored at (a local SGD member's inner
+    # optimizer starts afresh), those before none.
+    restored = {int(e.attrs["params_version"]) for e in rolled}
+    assert world["tasks"][0].restored_version == 0
+    assert world["tasks"][-1].restored_version == max(restored)
     # The honest members were checked too, and nobody else was accused.
     checked = {n for n, _, wanted in world["checked"] if wanted}
     assert len(checked) >= 2

@@ -318,6 +318,25 @@ def test_inner_optimizer_is_built_once_per_job(
     assert isinstance(opt, torch.optim.SGD) and opt.defaults["lr"] == pytest.approx(0.1)
 
 
+def test_a_restored_job_state_gets_a_fresh_inner_optimizer(
+    packed: PackedJob, program: TrainableProgram, dataset: ShardedDataset
+) -> None:
+    """Task.restored_version: the inner optimizer is kept while it stays the same, and built
+    anew once the job's state was restored (its momentum came from undone rounds)."""
+    job = LoadedJob(program=program, dataset=dataset)
+    task = agent_pb2.Task(restored_version=0)
+    assert not job.follow_restore(task)  # the first task: nothing stepped before
+    opt = inner_optimizer(job, packed.spec)
+    assert not job.follow_restore(task)
+    assert inner_optimizer(job, packed.spec) is opt
+    task.restored_version = 17  # a rollback (or a coordinator restart) restored version 17
+    assert job.follow_restore(task)
+    fresh = inner_optimizer(job, packed.spec)
+    assert fresh is not opt
+    assert not job.follow_restore(task)
+    assert inner_optimizer(job, packed.spec) is fresh
+
+
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "topk"])
 def test_encode_update_uses_the_spec_codec_and_job_error_feedback(
     program: TrainableProgram, dataset: ShardedDataset, codec: str
