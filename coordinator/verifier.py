@@ -48,16 +48,16 @@ is checked whatever its reputation.
 
 A coordinator restart keeps what the checks established (job state ``verification``, written
 after every change): each node's applied rounds that no check has vouched for yet, the nodes
-this job accused (their held pay is never released), the forced checks and the figures of the
-``job.verification`` event. The checks under way when it stopped cannot go on (their seeds and
-sketches were in memory): every node with unverified rounds has its next part checked, whose
+this job accused (their held pay is never released), the forced checks, the ring members'
+disputed hops and the figures of the ``job.verification`` event. The checks and ring audits
+under way when it stopped cannot go on (their seeds and sketches were in memory): every node
+with unverified rounds has its next part checked (and, in a ring, its round audited), whose
 pass vouches for them and whose failure undoes them, across the restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import random
@@ -82,6 +82,7 @@ from coordinator.sample_ranges import index_run_array
 from coordinator.screening import Screening, extend_history, per_step, screen
 from coordinator.snapshot_check import ring_start_problem, snapshot_problem
 from coordinator.store import FailedPreconditionError, InvalidArgumentError
+from coordinator.verification_state import StoredVerification
 from epochmesh.ring_evidence import RingEvidence, judge
 from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.tensors import decode_bundle, encode_bundle
@@ -235,20 +236,21 @@ class Verifier:
 
     # -- across a restart ------------------------------------------------------------------------
 
-    def state(self) -> dict[str, object]:
+    def state(self) -> StoredVerification:
         """What a restarted coordinator must know (see the module docstring)."""
         unverified = {n: set(r) for n, r in self._unverified.items() if r}
         for pc in self._pending.values():
             unverified.setdefault(pc.node_id, set()).add(pc.round)
-        return {
-            "as_of_round": self._closed_round,
-            "unverified": {n: sorted(r) for n, r in sorted(unverified.items())},
-            "force": sorted(self._force | {pc.node_id for pc in self._pending.values()}),
-            "accused": sorted(self._accused),
-            "trained": dict(self.trained),
-            "recomputed": dict(self.recomputed),
-            "verdicts": dict(self.verdicts),
-        }
+        return StoredVerification(
+            as_of_round=self._closed_round,
+            unverified=unverified,
+            force=self._force | {pc.node_id for pc in self._pending.values()},
+            accused=set(self._accused),
+            trained=dict(self.trained),
+            recomputed=dict(self.recomputed),
+            verdicts=dict(self.verdicts),
+            disputes={n: dict(p) for n, p in self._disputes.items()},
+        )
 
     def _changed_state(self) -> None:
         """Store the state soon (one writer task; it writes the newest state when it runs)."""
@@ -263,7 +265,7 @@ class Verifier:
     async def _save(self) -> None:
         while self._dirty:
             self._dirty = False
-            data = json.dumps(self.state(), separators=(",", ":")).encode()
+            data = self.state().to_bytes()
             try:
                 await self.runner.ctx.store.put_job_state(self.runner.job_id, STATE_KEY, data)
             except Exception:
@@ -281,38 +283,33 @@ class Verifier:
         if raw is None:
             return
         try:
-            state = json.loads(raw.decode())
-            as_of = int(state["as_of_round"])
-            unverified = {
-                str(n): {int(r) for r in rounds} for n, rounds in state["unverified"].items()
-            }
-            force = {str(n) for n in state["force"]}
-            accused = {str(n) for n in state["accused"]}
-            counts = [
-                {k: int(state[name].get(k, 0)) for k in getattr(self, name)}
-                for name in ("trained", "recomputed", "verdicts")
-            ]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            log.warning("job %s: stored verification state unreadable (%s)", job_id, e)
+            stored = StoredVerification.from_bytes(raw)
+        except ValueError as e:
+            log.warning("job %s: %s", job_id, e)
             return
+        unverified = stored.unverified
         for rec in await store.list_rounds(job_id):
-            if as_of < rec.round <= kept_up_to:
+            if stored.as_of_round < rec.round <= kept_up_to:
                 for part in rec.parts:
                     if part.status == "applied":
                         unverified.setdefault(part.node_id, set()).add(rec.round)
         self._unverified = unverified
         self.on_rolled_back(kept_up_to)
         self._closed_round = kept_up_to
-        self._force = force | {n for n, r in self._unverified.items() if r}
-        self._accused = accused
-        self.trained, self.recomputed, self.verdicts = counts
+        self._force = stored.force | {n for n, r in self._unverified.items() if r}
+        self._accused = stored.accused
+        self._disputes = stored.disputes
+        self.trained, self.recomputed, self.verdicts = (
+            {k: getattr(stored, name).get(k, 0) for k in getattr(self, name)}
+            for name in ("trained", "recomputed", "verdicts")
+        )
         log.info(
             "job %s: verification state restored: %d node(s) with unverified rounds (from round "
             "%s), %d accused",
             job_id,
             sum(1 for r in self._unverified.values() if r),
             self.first_unverified_round(),
-            len(accused),
+            len(stored.accused),
         )
         self._changed_state()
 
@@ -596,6 +593,7 @@ class Verifier:
         )
         for a, b in ((sender, receiver), (receiver, sender)):
             self._disputes.setdefault(a, {})[b] = audit.round
+        self._changed_state()
         for node in (sender, receiver):
             partners = self._disputes.get(node, {})
             if len(partners) >= 2 and node not in self._accused:

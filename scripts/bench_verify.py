@@ -29,8 +29,9 @@ batches of 16 and the int8 wire codec): a member's chunks are recomputed from th
 parameters it uploads, checked against the checksum its ring agreed on; a sixth cheat,
 `contribution` (honest chunks, 100 x its contribution into the all-reduce), meets the round's
 audit of every member's reduce-scatter. `--mode ring_local_sgd`: local SGD rounds (as
-`--mode local_sgd`) in a ring: a member's chunk of inner steps is recomputed from the start
-state it uploads with the round's start parameters, and the six cheats as in `--mode ring`.
+`--mode local_sgd`, but H = 24: a part of 24 chunks gets two checkers at once) in a ring: a
+member's chunk of inner steps is recomputed from the start state it uploads with the round's
+start parameters, and the six cheats as in `--mode ring`.
 """
 
 from __future__ import annotations
@@ -81,9 +82,16 @@ MODES = {
         'micro_batch = 8\ncompression = "int8"',
     ),
 }
-MODES["ring_local_sgd"] = MODES["local_sgd"]
+# Local SGD in a ring: H = 24 inner steps, so that a part has 24 chunks, and the chunk drawn
+# goes to two checkers at once, as a synchronous ring part's (with fewer, one at a time: a
+# mismatch then waits a ring round for its second checker).
+MODES["ring_local_sgd"] = (
+    24,
+    'sync = "local_sgd"\ninner_steps = 24\nouter_lr = 0.5\nouter_momentum = 0.5',
+    MODES["local_sgd"][2],
+)
 RING_MODES = ("ring", "ring_local_sgd")
-INNER_STEPS = 12
+INNER_STEPS = {"local_sgd": 12, "ring_local_sgd": 24}
 
 
 class Bench:
@@ -93,7 +101,7 @@ class Bench:
         self.global_batch, self.extra, self.mixed_extra = MODES[mode]
         self.aggregation = "ring" if mode in RING_MODES else "ps"
         # Samples a round trains (every inner step's global batch in local SGD).
-        self.per_round = self.global_batch * (INNER_STEPS if "local_sgd" in mode else 1)
+        self.per_round = self.global_batch * INNER_STEPS.get(mode, 1)
         channel = cluster.operator_channel()
         self.jobs = job_pb2_grpc.JobServiceStub(channel)
         self.sched = scheduler_pb2_grpc.SchedulerServiceStub(channel)
