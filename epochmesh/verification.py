@@ -147,8 +147,13 @@ def commitment_problem(
 #
 # A local SGD part is H inner steps (consecutive local_batch slices of its samples) from the
 # round's parameters and the node's inner optimizer state. Its chunks are runs of consecutive
-# steps (`step_chunk_bounds`); chunk k's "gradient" is the parameters before its steps minus
-# after them, so that the chunks add up (unweighted) to the part's pseudo-gradient. A chunk
+# steps; chunk k's "gradient" is the parameters before its steps minus after them, so that the
+# chunks add up (unweighted) to the part's pseudo-gradient. A time box may stop the node short
+# of its planned steps (by a quarter, typically): the node keeps its state at the start of
+# each piece of a grid twice as fine (`local_sgd_grid`), and once it stopped groups the pieces
+# it reached into at most verify_chunks chunks (`local_sgd_groups`), so that a part cut to half
+# its plan still has verify_chunks chunks and a check recomputes about 1/verify_chunks of what
+# it trained (cut from the planned steps, the chunks were 1/9 of it: 10.6 % for new nodes). A chunk
 # cannot be recomputed from the round's parameters alone, so with its update the node commits
 # to the state each chunk started from (`state_digest` of its parameters and inner optimizer
 # state); the state of the chunk drawn is uploaded after the sketches and checked against that
@@ -165,23 +170,36 @@ def step_chunk_bounds(steps: int, verify_chunks: int) -> list[tuple[int, int]]:
     return even_split(steps, min(verify_chunks, steps))
 
 
+def local_sgd_grid(steps: int, verify_chunks: int) -> list[tuple[int, int]]:
+    """The [start, end) step ranges of the pieces of a local SGD part of ``steps`` planned
+    steps: 2 x verify_chunks of at least one step (`step_chunk_bounds`); the node keeps its
+    state at the start of each piece it reaches."""
+    return step_chunk_bounds(steps, 2 * verify_chunks)
+
+
+def local_sgd_groups(pieces: int, verify_chunks: int) -> list[tuple[int, int]]:
+    """The [start, end) piece ranges of the chunks of a part whose node reached ``pieces``
+    pieces of its grid: at most ``verify_chunks`` chunks, sizes differing by at most one."""
+    return even_split(pieces, min(verify_chunks, pieces))
+
+
 def local_sgd_chunk_samples(
     part_samples: int, local_batch: int, verify_chunks: int, trained: int
 ) -> list[int]:
     """The samples of each chunk of a local SGD part of ``part_samples`` samples stepped
     ``local_batch`` at a time, of which a time box let the node train the first ``trained``
-    (whole steps, or all): the chunks of the planned steps, cut where the training stopped
-    (a chunk the node never reached is absent)."""
+    (whole steps, or all): the pieces of the planned steps' grid it reached (the last cut where
+    the training stopped), grouped (`local_sgd_groups`)."""
     if part_samples < 1 or local_batch < 1 or trained < 1:
         return []
     sizes = [min(local_batch, part_samples - s) for s in range(0, part_samples, local_batch)]
-    out: list[int] = []
-    for start, end in step_chunk_bounds(len(sizes), verify_chunks):
+    pieces: list[int] = []
+    for start, end in local_sgd_grid(len(sizes), verify_chunks):
         done = sum(sizes[:start])
         if done >= trained:
             break
-        out.append(min(sum(sizes[start:end]), trained - done))
-    return out
+        pieces.append(min(sum(sizes[start:end]), trained - done))
+    return [sum(pieces[a:b]) for a, b in local_sgd_groups(len(pieces), verify_chunks)]
 
 
 def state_digest(tensors: Mapping[str, torch.Tensor]) -> bytes:

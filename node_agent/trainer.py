@@ -33,7 +33,7 @@ the header carries one ChunkCommitment (samples, loss) per chunk. The chunk grad
 until PushUpdate answers; if it asks for sketches (`response.sketch.buckets` > 0), the
 CountSketch of every chunk's gradient under its seed goes back with CommitSketches. A failure
 there is logged: the round's update is in. A local SGD part's chunks are runs of consecutive
-inner steps (`epochmesh.verification.step_chunk_bounds`): the state (parameters and inner
+inner steps (`epochmesh.verification.local_sgd_grid`, grouped): the state (parameters and inner
 optimizer state) is copied before each chunk's first step, a chunk's "gradient" is its start
 parameters minus the next chunk's, and each commitment carries the SHA-256 of its start state;
 when the answer to the sketches names a chunk, its start state is uploaded (PushUpdate kind
@@ -49,7 +49,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -72,8 +72,9 @@ from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
     MAX_BUCKETS,
     chunk_bounds,
+    local_sgd_grid,
+    local_sgd_groups,
     state_digest,
-    step_chunk_bounds,
     with_round_start,
 )
 from node_agent.cheat import (
@@ -491,7 +492,7 @@ def local_sgd_steps(
     """Local SGD's inner loop: one optimizer step per slice (its gradient in chunks of at most
     ``micro_batch`` samples), then Δ = start − end.
 
-    ``chunk_steps`` (verification: `step_chunk_bounds`): the state (parameters and optimizer
+    ``chunk_steps`` (verification: `local_sgd_grid`): the state (parameters and optimizer
     state) is kept before the first step of each chunk, and the update carries the chunks
     (`local_chunks`) of the steps that ran.
 
@@ -788,7 +789,7 @@ def _compute(
             task.restored_version,
         )
     opt = inner_optimizer(job, spec)
-    chunk_steps = step_chunk_bounds(len(slices), task.verify_chunks) if verify else []
+    chunk_steps = local_sgd_grid(len(slices), task.verify_chunks) if verify else []
     todo = slices
     if lazy and chunk_steps:  # the first chunks' steps only; the rest made up below
         chunk_steps = chunk_steps[: lazy_count(len(chunk_steps))]
@@ -817,7 +818,41 @@ def _compute(
         update = lazy_local_chunks(update, slices, task.verify_chunks)
     elif lazy:
         update.num_samples, update.steps = len(indices), len(slices)  # claimed
-    return update if cheat is None else apply_cheat(cheat, job, task, update)
+    if cheat is not None:
+        update = apply_cheat(cheat, job, task, update)
+    if update.chunks is None:
+        return update
+    # The pieces it reached, grouped into the chunks it commits (a new update: a stale
+    # cheater keeps the pieces of this one for the next round).
+    return replace(update, chunks=grouped_local_chunks(update.chunks, task.verify_chunks))
+
+
+def grouped_local_chunks(pieces: ChunkGradients, verify_chunks: int) -> ChunkGradients:
+    """A local SGD part's chunks from the pieces of its grid it reached
+    (`epochmesh.verification.local_sgd_groups`): each chunk starts where its first piece
+    started, holds their samples, their sample-weighted loss and the sum of their parameter
+    differences."""
+    groups = local_sgd_groups(len(pieces.grads), verify_chunks)
+    samples = [sum(pieces.samples[a:b]) for a, b in groups]
+    losses = [
+        sum(n * x for n, x in zip(pieces.samples[a:b], pieces.losses[a:b], strict=True))
+        / max(1, total)
+        for (a, b), total in zip(groups, samples, strict=True)
+    ]
+    grads = []
+    for a, b in groups:
+        summed = {n: t.clone() for n, t in pieces.grads[a].items()}
+        for piece in pieces.grads[a + 1 : b]:
+            for n, t in piece.items():
+                summed[n].add_(t)
+        grads.append(summed)
+    return ChunkGradients(
+        samples=samples,
+        losses=losses,
+        grads=grads,
+        starts=[pieces.starts[a] for a, _ in groups],
+        digests=[pieces.digests[a] for a, _ in groups],
+    )
 
 
 def lazy_local_chunks(
@@ -826,7 +861,7 @@ def lazy_local_chunks(
     """Tests only: a lazy local SGD cheater's update: the chunks it stepped, then made-up ones
     for the rest of its planned steps (`fill_skipped`), with start states that fit them."""
     assert update.chunks is not None
-    bounds = step_chunk_bounds(len(slices), verify_chunks)
+    bounds = local_sgd_grid(len(slices), verify_chunks)
     sizes = [sum(len(s) for s in slices[a:b]) for a, b in bounds]
     losses, grads = fill_skipped(update.chunks.losses, update.chunks.grads, len(bounds))
     return made_up_local_update(update, sizes, losses, grads, len(slices))

@@ -17,13 +17,14 @@ way from round CHEAT_FROM on (the agent's test-only EPOCHMESH_TEST_CHEAT switch)
 `false_accusations`: honest nodes struck or quarantined over every job. Prints one JSON line:
 
     .venv/bin/python scripts/bench_verify.py [--samples 1920] [--epochs 3] [--trust-rounds 160]
-        [--mode sync|local_sgd|ring|ring_local_sgd]
+        [--mode sync|local_sgd|ring|ring_local_sgd] [--inner-steps H]
 
-`--mode local_sgd` runs every job as local SGD (H = 12 inner steps of 24 samples a round, SGD
-with momentum kept across rounds, outer Nesterov lr 0.5, momentum 0.5: DiLoCo's 0.7 / 0.9
-diverges on this model with so few inner steps; the mixed job: micro-batches of 8, int8
-pseudo-gradients):
-the checks recompute a chunk of inner steps from its uploaded start state. `--mode ring` runs
+`--mode local_sgd` runs every job as local SGD (H = 12 inner steps, or --inner-steps, of 24
+samples a round, SGD with momentum kept across rounds, outer Nesterov lr 0.5, momentum 0.5:
+DiLoCo's 0.7 / 0.9 diverges on this model with so few inner steps; the mixed job: micro-
+batches of 8, int8 pseudo-gradients): the checks recompute a chunk of inner steps from its
+uploaded start state. A chunk is at least one step: a part a time box cut to T < 12 steps
+costs a check 1/T of it. `--mode ring` runs
 every job as synchronous ring rounds (the agents with `--peer-listen`; the mixed job: micro-
 batches of 16 and the int8 wire codec): a member's chunks are recomputed from the start
 parameters it uploads, checked against the checksum its ring agreed on; a sixth cheat,
@@ -82,26 +83,28 @@ MODES = {
         'micro_batch = 8\ncompression = "int8"',
     ),
 }
-# Local SGD in a ring: H = 24 inner steps, so that a part has 24 chunks, and the chunk drawn
-# goes to two checkers at once, as a synchronous ring part's (with fewer, one at a time: a
-# mismatch then waits a ring round for its second checker).
-MODES["ring_local_sgd"] = (
-    24,
-    'sync = "local_sgd"\ninner_steps = 24\nouter_lr = 0.5\nouter_momentum = 0.5',
-    MODES["local_sgd"][2],
-)
+MODES["ring_local_sgd"] = MODES["local_sgd"]
 RING_MODES = ("ring", "ring_local_sgd")
+# Inner steps per round (--inner-steps overrides). Local SGD in a ring: H = 24, so that a part
+# has 24 chunks and the chunk drawn goes to two checkers at once, as a synchronous ring part's
+# (with fewer, one at a time: a mismatch then waits a ring round for its second checker).
 INNER_STEPS = {"local_sgd": 12, "ring_local_sgd": 24}
 
 
 class Bench:
-    def __init__(self, cluster: LocalCluster, work: Path, mode: str) -> None:
+    def __init__(self, cluster: LocalCluster, work: Path, mode: str, inner_steps: int) -> None:
         self.cluster = cluster
         self.work = work
-        self.global_batch, self.extra, self.mixed_extra = MODES[mode]
+        self.global_batch, extra, self.mixed_extra = MODES[mode]
+        if mode in INNER_STEPS:
+            inner_steps = inner_steps or INNER_STEPS[mode]
+            extra = extra.replace(
+                f"inner_steps = {INNER_STEPS['local_sgd']}", f"inner_steps = {inner_steps}"
+            )
+        self.extra = extra
         self.aggregation = "ring" if mode in RING_MODES else "ps"
         # Samples a round trains (every inner step's global batch in local SGD).
-        self.per_round = self.global_batch * INNER_STEPS.get(mode, 1)
+        self.per_round = self.global_batch * (inner_steps if mode in INNER_STEPS else 1)
         channel = cluster.operator_channel()
         self.jobs = job_pb2_grpc.JobServiceStub(channel)
         self.sched = scheduler_pb2_grpc.SchedulerServiceStub(channel)
@@ -239,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--mode", choices=sorted(MODES), default="sync")
+    parser.add_argument(
+        "--inner-steps",
+        type=int,
+        default=0,
+        help="local SGD modes: inner steps per round (default 12, in a ring 24)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-verify-"))
@@ -251,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, slow in HONEST.items():
             cluster.start_agent(name, "--slowdown", slow, *peer)
         cluster.start_agent("spare", "--slowdown", "1", *peer)
-        bench = Bench(cluster, work, args.mode)
+        bench = Bench(cluster, work, args.mode, args.inner_steps)
         bench.wait_ready([*HONEST, "spare"])
 
         trust_samples = args.trust_rounds * bench.per_round // 2
@@ -340,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     caught = [c["rounds_to_quarantine"] for c in cheats.values()]
     result = {
         "mode": args.mode,
+        "inner_steps": bench.per_round // bench.global_batch,
         "cheats": cheats,
         "max_rounds_to_quarantine": None if None in caught else max(caught),
         "max_loss_over_clean": max(c["loss_over_clean"] for c in cheats.values()),

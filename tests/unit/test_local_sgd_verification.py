@@ -17,6 +17,7 @@ import torch
 
 from coordinator.snapshot_check import snapshot_problem
 from epochmesh.dataset import ShardedDataset
+from epochmesh.optim import build_optimizer
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.program import TrainableProgram
 from epochmesh.sketch import combine, relative_distance, sketch
@@ -26,6 +27,8 @@ from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
     local_sgd_chunk_samples,
     local_sgd_commitment_problem,
+    local_sgd_grid,
+    local_sgd_groups,
     loss_matches,
     recompute_tolerance,
     state_digest,
@@ -40,7 +43,9 @@ from node_agent.tasks import TaskContext
 from node_agent.trainer import (
     ComputedUpdate,
     LoadedJob,
+    grouped_local_chunks,
     inner_step_slices,
+    local_sgd_steps,
     recompute_local_chunk,
     split_training_state,
     update_in_thread,
@@ -150,11 +155,19 @@ def test_step_chunks_and_their_samples() -> None:
     assert step_chunk_bounds(5, 12) == [(i, i + 1) for i in range(5)]
     assert step_chunk_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
     assert step_chunk_bounds(0, 3) == []
-    # 58 samples, 5 a step: 12 steps (the last of 3); 6 chunks of two steps.
+    # 58 samples, 5 a step: 12 steps (the last of 3); a grid of 12 pieces of one step, grouped
+    # into 6 chunks of two steps.
+    assert local_sgd_grid(12, 6) == [(i, i + 1) for i in range(12)]
     assert local_sgd_chunk_samples(58, 5, 6, 58) == [10, 10, 10, 10, 10, 8]
-    # A time box stopped it after 7 steps (35 samples): chunks cut there.
-    assert local_sgd_chunk_samples(58, 5, 6, 35) == [10, 10, 10, 5]
-    assert local_sgd_chunk_samples(58, 5, 6, 40) == [10, 10, 10, 10]
+    # A time box stopped it after 7 steps (35 samples): the 7 pieces it reached still make 6
+    # chunks (cut from the planned chunks of two steps, 4: a check would cost 1/4 of it).
+    assert local_sgd_groups(7, 6) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)]
+    assert local_sgd_chunk_samples(58, 5, 6, 35) == [10, 5, 5, 5, 5, 5]
+    assert local_sgd_chunk_samples(58, 5, 6, 40) == [10, 10, 5, 5, 5, 5]
+    # Fewer pieces than chunks: one chunk each. 30 steps (24 pieces) stopped after 22 steps
+    # (16 pieces): still 12 chunks.
+    assert local_sgd_chunk_samples(20, 5, 6, 10) == [5, 5]
+    assert len(local_sgd_chunk_samples(30 * 4, 4, 12, 22 * 5 * 4 // 5)) == 12
 
 
 def test_state_digest_is_of_names_types_shapes_and_bytes() -> None:
@@ -254,6 +267,49 @@ async def test_a_time_boxed_part_commits_the_chunks_it_reached(
     assert update.chunks is not None and update.chunks.samples == [5]
     commitments = [(c.samples, c.loss, c.start_digest) for c in update.chunks.commitments()]
     assert local_sgd_commitment_problem(commitments, 5, update.mean_loss, 58, 5, 6) == ""
+
+
+def test_a_part_cut_short_still_has_its_chunks(packed: PackedJob, dataset: ShardedDataset) -> None:
+    """A part a time box stopped after 7 of its 12 planned steps: the 7 pieces of its grid it
+    reached are grouped into 6 chunks (cut from 6 planned chunks of two steps it would have had
+    4, and a check would recompute a quarter of it): they add up to its pseudo-gradient, their
+    start states pass the coordinator's check, and the commitments fit."""
+    spec = local_spec(packed)
+    program = fresh(packed)
+    payload = encode_bundle(program.get_parameters())
+    slices = inner_step_slices(list(range(58)), 5, 12)
+    opt = build_optimizer(spec, program.parameters())
+    pieces = local_sgd_steps(
+        program,
+        opt,
+        slices[:7],  # where the box stopped it
+        dataset.get_batch,
+        SlowdownController(),
+        chunk_steps=local_sgd_grid(len(slices), 6),
+    )
+    assert pieces.chunks is not None and len(pieces.chunks.grads) == 7
+    chunks = grouped_local_chunks(pieces.chunks, 6)
+    assert chunks.samples == [10, 5, 5, 5, 5, 5] == local_sgd_chunk_samples(58, 5, 6, 35)
+    assert chunks.starts[1] is pieces.chunks.starts[2]
+    update = ComputedUpdate(
+        kind=pieces.kind,
+        tensors=pieces.tensors,
+        mean_loss=pieces.mean_loss,
+        compute_s=0.0,
+        num_samples=35,
+        steps=7,
+        chunks=chunks,
+    )
+    commitments = [(c.samples, c.loss, c.start_digest) for c in chunks.commitments()]
+    assert local_sgd_commitment_problem(commitments, 35, pieces.mean_loss, 58, 5, 6) == ""
+    sketches = sketches_of(update)
+    whole = sketch(pieces.tensors, SEED, BUCKETS)
+    assert relative_distance(whole, combine([(1.0, s) for s in sketches])) < 1e-6
+    for k in range(len(chunks.samples)):
+        problem, _ = snapshot_problem(
+            chunks.starts[k], chunks.digests[k], payload, sketches[:k], SEED, BUCKETS
+        )
+        assert problem == "", (k, problem)
 
 
 async def test_a_cheaters_made_up_chunks_are_not_reproduced(
