@@ -133,6 +133,11 @@ def test_a_cheating_ring_member_is_caught(
         check_cheater_undone(
             jobs, job_id, events, nodes, cheater, HONEST, cheater_rounds[0], N, EPOCHS
         )
+        if sync == "local_sgd":
+            # The honest members' inner momentum came from the undone rounds: after the
+            # rollback each of them that trained again started a fresh inner optimizer.
+            fresh = [n for n in HONEST if "a fresh inner optimizer" in agents[n].log_text()]
+            assert fresh, "no honest member started a fresh inner optimizer after the rollback"
     finally:
         for a in agents.values():
             a.kill9()
