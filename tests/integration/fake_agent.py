@@ -23,7 +23,12 @@ from epochmesh.optim import state_tensors
 from epochmesh.sketch import sketch
 from epochmesh.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
-from epochmesh.verification import chunk_bounds, local_sgd_chunk_samples, state_digest
+from epochmesh.verification import (
+    chunk_bounds,
+    local_sgd_chunk_samples,
+    state_digest,
+    with_round_start,
+)
 from tests.procs import async_wait_until
 
 if TYPE_CHECKING:
@@ -52,6 +57,7 @@ class FakeAgent:
         self.rate = samples_per_second
         self.on_train = on_train
         self.peer_address = peer_address
+        self.snapshots_taken = 0  # start states uploaded and taken (verification)
         self.node_id = ""
         self.lease_id = ""
         self.tasks: list[agent_pb2.Task] = []
@@ -258,7 +264,10 @@ class FakeAgent:
                 timeout=10,
             )
             if starts and drawn.snapshot_wanted:
-                await self.push_snapshot(task, starts[drawn.snapshot_chunk], drawn.snapshot_chunk)
+                state = starts[drawn.snapshot_chunk]
+                if task.spec.aggregation == "ring":  # with the round's start parameters
+                    state = with_round_start(state, starts[0])
+                await self.push_snapshot(task, state, drawn.snapshot_chunk)
             elif start is not None and drawn.snapshot_wanted:
                 state = {f"param/{n}": t for n, t in start.items()}
                 await self.push_snapshot(task, state, drawn.snapshot_chunk)
@@ -292,7 +301,7 @@ class FakeAgent:
     ) -> agent_pb2.PushUpdateResponse:
         """Upload a local SGD chunk's start state (PushUpdate kind "snapshot")."""
         header, payload = encode_bundle(state)
-        return await self._push(
+        reply = await self._push(
             task,
             payload,
             kind="snapshot",
@@ -300,6 +309,8 @@ class FakeAgent:
             bundle=header,
             snapshot_chunk=index,
         )
+        self.snapshots_taken += reply.accepted
+        return reply
 
     async def _push(
         self, task: agent_pb2.Task, payload: bytes, **header: object

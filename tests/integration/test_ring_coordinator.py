@@ -129,8 +129,9 @@ class FakeMember:
                 _, params = await agent.pull(task.job_id, task.params_version)
             names = list(params) if params is not None else self.world["names"]
             zeros = {n: torch.zeros(self.world["shapes"][n]) for n in names}
+            kind = "pseudo_gradient" if task.spec.sync == "local_sgd" else "gradient"
             await agent.push(
-                task, zeros, kind="gradient", num_samples=len(task_indices(task)), start=params
+                task, zeros, kind=kind, num_samples=len(task_indices(task)), start=params
             )
             return
         if self.kill_at_round and task.round >= self.kill_at_round:

@@ -123,3 +123,37 @@ async def test_start_parameters_the_ring_did_not_agree_on_quarantine_the_member(
     checked = {n for n, _, wanted in world["checked"] if wanted}
     assert len(checked) >= 2
     assert not [e for e in events if e.kind == "node.quarantined" and e.node_id != bad.node_id]
+
+
+async def test_an_honest_external_of_a_ring_job_passes_its_start_checks(
+    tmp_path: Path,
+) -> None:
+    """A ring job's external node (no peer address: its updates go through the coordinator)
+    uploads the parameters its checked part started from: they are taken (the ring agreed on
+    them), nobody is accused, and its parts count."""
+    packed = ring_job(tmp_path, min_nodes=3, max_nodes=3)
+    world = new_world(packed)
+    async with in_process_coordinator(
+        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+    ) as coord:
+        agents = [
+            await FakeAgent(
+                coord, f"m{i}", 200.0, FakeMember(world), peer_address=f"127.0.0.1:{i}"
+            ).start()
+            for i in (1, 2)
+        ]
+        external = await FakeAgent(coord, "ext", 200.0, FakeMember(world)).start()
+        agents.append(external)
+        try:
+            final, rounds, events = await run_job(coord, packed)
+            snapshots = external.snapshots_taken
+        finally:
+            for a in agents:
+                await a.stop()
+    assert final.state == common_pb2.JOB_STATE_SUCCEEDED, final.message
+    check_exactly_once(rounds)
+    assert not [e for e in events if e.kind in ("node.quarantined", "node.strike")]
+    assert any(
+        p.node_id == external.node_id and p.status == "applied" for r in rounds for p in r.parts
+    )
+    assert snapshots >= 1, "the external was never asked for a start state"
