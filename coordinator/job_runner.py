@@ -121,7 +121,7 @@ class JobRunner:
         # Verification (coordinator/verifier.py): a failed check asks for a rollback to the
         # state before this round; the state at the start of recent rounds is kept for it.
         self.verifier = Verifier(self)
-        self.billing.hold = self.verifier.enabled
+        self.billing.hold = True  # a part's pay waits for its checks (coordinator/verifier.py)
         self._rollback_before: int | None = None
         self._rollback_reason = ""
         self._snapshots: dict[int, tuple[dict[str, torch.Tensor], CheckpointManifest]] = {}
@@ -201,17 +201,16 @@ class JobRunner:
                     await self.verifier.settle()
                     if self._rollback_before is not None:
                         continue
-                    if self.verifier.enabled:
-                        summary = self.verifier.summary()
-                        await self.ctx.events.append(
-                            "job.verification",
-                            job_id=self.job_id,
-                            message=(
-                                f"verification: {summary['passed']} checks passed, "
-                                f"{summary['failed']} failed, {summary['undecided']} undecided"
-                            ),
-                            attrs=summary,
-                        )
+                    summary = self.verifier.summary()
+                    await self.ctx.events.append(
+                        "job.verification",
+                        job_id=self.job_id,
+                        message=(
+                            f"verification: {summary['passed']} checks passed, "
+                            f"{summary['failed']} failed, {summary['undecided']} undecided"
+                        ),
+                        attrs=summary,
+                    )
                     await self._finish()  # SUCCEEDED (terminal), or a ring job rolled back
                     continue
                 nodes = await self._gather_nodes()
@@ -1086,8 +1085,6 @@ class JobRunner:
     def rollback_floor(self) -> int | None:
         """The oldest round a verification rollback may still undo (read-only; the garbage
         collector keeps the newest checkpoint from before it): None when none may be."""
-        if not self.verifier.enabled:
-            return None
         if not self._restored:  # what its checks need is not known yet: keep every checkpoint
             return FLOOR_UNKNOWN
         rounds = [self._rollback_before, self.verifier.first_unverified_round()]
@@ -1097,7 +1094,7 @@ class JobRunner:
         """Keep the state at the start of round ``round_id`` while a rollback may need it (a
         copy of the parameters and optimizer state; older ones go once no update after them
         awaits its check; at most MAX_SNAPSHOTS, then checkpoints serve)."""
-        if not self.verifier.enabled or self.verifier.ring:
+        if self.verifier.ring:
             return  # ring rounds: the coordinator holds the state only at checkpoints
         self._snapshots[round_id] = self._checkpoint_state(last_round=round_id - 1)
         oldest = self.verifier.first_unverified_round()

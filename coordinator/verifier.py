@@ -27,7 +27,7 @@ chunk drawn is answered in CommitSketchesResponse and the node uploads that chun
 the round's parameters less the committed sketches of the chunks before it (else the node is
 accused with check "snapshot"); the checker runs the chunk's steps from that state.
 
-Ring members (sync rounds; docs/verification-protocol.md "Ring members"): the coordinator never
+Ring members (docs/verification-protocol.md "Ring members"): the coordinator never
 sees a member's update. The member commits its chunks with its report (ReportProgress), learns
 in the answer whether the part is checked (and the seed), and sends its chunk sketches with the
 sketch of its update; after the chunk is drawn it uploads the parameters the round started
@@ -40,7 +40,9 @@ own contribution (`epochmesh.ring_evidence`), a checked member's contribution mu
 b_i / B times its update, and `judge` names a member that contradicts itself (quarantined,
 check `ring_contribution`). A hop whose two ends disagree undoes the round without blaming
 either; the two are kept apart in later rings, and a member that two different neighbours
-disagree with is quarantined (check `ring_hops`).
+disagree with is quarantined (check `ring_hops`). A local SGD member commits start digests as a
+parameter-server local SGD node does, and uploads the drawn chunk's start state with the
+round's start parameters beside it: those are checked against the ring's checksum first.
 
 Screening (`coordinator.screening`) of each round's updates runs at no compute before they are
 applied: a flagged update is discarded (its samples return to pending) and the node's next part
@@ -63,7 +65,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -187,7 +189,6 @@ class Verifier:
         spec = runner.spec
         self.ring = spec.aggregation == "ring"
         self.local_sgd = spec.sync == "local_sgd"
-        self.enabled = True
         # Ring parts: twice the chunks, each checked by two checkers at once (`_start_checks`).
         self.verify_chunks = (2 if self.ring else 1) * VERIFY_CHUNKS
         self.rng = rng or random.SystemRandom()
@@ -220,7 +221,7 @@ class Verifier:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.enabled and self._watch is None:
+        if self._watch is None:
             self._watch = asyncio.create_task(self._watchdog(), name=f"verify-{self.runner.job_id}")
 
     async def stop(self) -> None:
@@ -254,8 +255,6 @@ class Verifier:
 
     def _changed_state(self) -> None:
         """Store the state soon (one writer task; it writes the newest state when it runs)."""
-        if not self.enabled:
-            return
         self._dirty = True
         if self._saver is None or self._saver.done():
             self._saver = asyncio.get_running_loop().create_task(
@@ -276,8 +275,6 @@ class Verifier:
         """After a coordinator restart, once the runner restored its state from the checkpoint
         after round ``kept_up_to`` (later rounds rolled back): the stored state, plus the
         applied parts of rounds recorded after it was written."""
-        if not self.enabled:
-            return
         store, job_id = self.runner.ctx.store, self.runner.job_id
         raw = await store.get_job_state(job_id, STATE_KEY)
         if raw is None:
@@ -342,21 +339,30 @@ class Verifier:
     # -- push ------------------------------------------------------------------------------------
 
     def commitment_problem(self, h: agent_pb2.UpdateHeader, part: Part | None) -> str:
-        if not self.enabled:
-            return ""
+        """Why an update's chunk commitments do not fit it ("")."""
+        if self.local_sgd and part is None:
+            return ""  # not an open part: the update is refused for that
+        return self._chunks_problem(h.chunks, h.num_samples, h.mean_loss, part)
+
+    def _chunks_problem(
+        self,
+        chunks: Sequence[agent_pb2.ChunkCommitment],
+        num_samples: int,
+        mean_loss: float,
+        part: Part | None,
+    ) -> str:
         if self.local_sgd:
-            if part is None:
-                return ""  # not an open part: the update is refused for that
+            assert part is not None
             return local_sgd_commitment_problem(
-                [(c.samples, c.loss, c.start_digest) for c in h.chunks],
-                h.num_samples,
-                h.mean_loss,
+                [(c.samples, c.loss, c.start_digest) for c in chunks],
+                num_samples,
+                mean_loss,
                 part.assigned or part.samples,
                 part.local_batch,
                 self.verify_chunks,
             )
         return commitment_problem(
-            [(c.samples, c.loss) for c in h.chunks], h.num_samples, h.mean_loss, self.verify_chunks
+            [(c.samples, c.loss) for c in chunks], num_samples, mean_loss, self.verify_chunks
         )
 
     async def on_update(
@@ -364,7 +370,7 @@ class Verifier:
     ) -> agent_pb2.CheckSpec | None:
         """The update of an open part was taken: draw whether it is checked, and if so its
         seed (for the PushUpdate response)."""
-        if not self.enabled or part is None or not h.chunks:
+        if part is None or not h.chunks:
             return None
         standing = self._draw(h.node_id, h.num_samples)
         if standing is None:
@@ -412,23 +418,7 @@ class Verifier:
 
     def ring_commitment_problem(self, req: agent_pb2.ReportProgressRequest, part: Part) -> str:
         """Why a ring member's successful report's chunk commitments do not fit it ("")."""
-        if not self.enabled:
-            return "" if not req.chunks else "the job's rounds are not verified"
-        if self.local_sgd:
-            return local_sgd_commitment_problem(
-                [(c.samples, c.loss, c.start_digest) for c in req.chunks],
-                req.samples_done,
-                req.mean_loss,
-                part.assigned or part.samples,
-                part.local_batch,
-                self.verify_chunks,
-            )
-        return commitment_problem(
-            [(c.samples, c.loss) for c in req.chunks],
-            req.samples_done,
-            req.mean_loss,
-            self.verify_chunks,
-        )
+        return self._chunks_problem(req.chunks, req.samples_done, req.mean_loss, part)
 
     def on_ring_report(
         self,
@@ -441,7 +431,7 @@ class Verifier:
         (its check's seed, the round audit's seed), each None when not drawn. Whose parts are
         checked is drawn for every member at the first report of the attempt, and the attempt
         is audited when any is: one seed, handed to each member only with its own report."""
-        if not self.enabled or not req.chunks:
+        if not req.chunks:
             return None, None
         key = (rs.round, attempt.number)
         if key not in self._audits:
@@ -1159,7 +1149,7 @@ class Verifier:
         honest updates fall outside the bands now and then (seen: norm ratios from 0.01 to
         800 in the two-tenant and fault-tolerance tests), so screening alone never discards
         or accuses; a recomputation decides."""
-        if not self.enabled or len(received) < 3:
+        if len(received) < 3:
             return []
         parts = [
             (p.samples, per_step(p.grads or {}, p.inner_steps) if self.local_sgd else p.grads or {})
@@ -1191,8 +1181,6 @@ class Verifier:
         )
 
     def on_round_closed(self, rs: RoundState) -> None:
-        if not self.enabled:
-            return
         for p in rs.parts.values():
             if p.status == "applied":
                 self._unverified.setdefault(p.node_id, set()).add(rs.round)

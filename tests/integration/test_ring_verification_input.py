@@ -37,10 +37,10 @@ pytestmark = pytest.mark.timeout(90)
 LOCAL_SGD = {"sync": "local_sgd", "inner_steps": 2}
 
 
-async def run_with(tmp_path: Path, wrong: str, sync: str = "sync") -> tuple:
+async def run_with(tmp_path: Path, wrong: str, sync: str = "sync", external: bool = False) -> tuple:
     """A ring job (``sync`` "local_sgd": of local SGD) on three members, the third getting
-    ``wrong`` wrong: (the job, its rounds, its events, the wrong member's agent, the
-    coordinator's view of it)."""
+    ``wrong`` wrong (``external``: the third an external node, no peer address): (the job, its
+    rounds, its events, the third's agent, the coordinator's view of it, the fakes' world)."""
     train = LOCAL_SGD if sync == "local_sgd" else None
     packed = ring_job(tmp_path, train, min_nodes=2, max_nodes=3)
     world = new_world(packed)
@@ -55,7 +55,8 @@ async def run_with(tmp_path: Path, wrong: str, sync: str = "sync") -> tuple:
             ).start()
             for i in (1, 2)
         ]
-        agents.append(await FakeAgent(coord, "bad", 200.0, bad, peer_address="127.0.0.1:3").start())
+        address = "" if external else "127.0.0.1:3"
+        agents.append(await FakeAgent(coord, "bad", 200.0, bad, peer_address=address).start())
         try:
             final, rounds, events = await run_job(coord, packed)
             info = coord.registry.get(agents[2].node_id)
@@ -131,29 +132,7 @@ async def test_an_honest_external_of_a_ring_job_passes_its_start_checks(
     """A ring job's external node (no peer address: its updates go through the coordinator)
     uploads the parameters its checked part started from: they are taken (the ring agreed on
     them), nobody is accused, and its parts count."""
-    packed = ring_job(tmp_path, min_nodes=3, max_nodes=3)
-    world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
-    ) as coord:
-        agents = [
-            await FakeAgent(
-                coord, f"m{i}", 200.0, FakeMember(world), peer_address=f"127.0.0.1:{i}"
-            ).start()
-            for i in (1, 2)
-        ]
-        external = await FakeAgent(coord, "ext", 200.0, FakeMember(world)).start()
-        agents.append(external)
-        try:
-            final, rounds, events = await run_job(coord, packed)
-            snapshots = external.snapshots_taken
-        finally:
-            for a in agents:
-                await a.stop()
-    assert final.state == common_pb2.JOB_STATE_SUCCEEDED, final.message
-    check_exactly_once(rounds)
+    _, rounds, events, ext, _, _ = await run_with(tmp_path, "", external=True)
     assert not [e for e in events if e.kind in ("node.quarantined", "node.strike")]
-    assert any(
-        p.node_id == external.node_id and p.status == "applied" for r in rounds for p in r.parts
-    )
-    assert snapshots >= 1, "the external was never asked for a start state"
+    assert any(p.node_id == ext.node_id and p.status == "applied" for r in rounds for p in r.parts)
+    assert ext.snapshots_taken >= 1, "the external was never asked for its start parameters"
