@@ -734,8 +734,8 @@ class Verifier:
     async def _agreed_start(self, pc: PendingCheck, tensors: Mapping[str, torch.Tensor]) -> bool:
         """A ring job's upload of the parameters a checked part started from ("param/<name>"):
         they must be the ones its ring agreed on (kept for the checker's recomputation, or the
-        local SGD start state's check). False when they are not (the node failed its check),
-        or the check is settled meanwhile."""
+        local SGD start state's check). False when the check ended here (failed: they are
+        not; undecided: the ring's checksum is gone) or was settled meanwhile."""
         agreed = await self.runner.rounds.agreed_params_checksum(pc.version)
         if agreed is None:
             await self._inconclusive(pc, f"the ring's checksum of version {pc.version} is gone")

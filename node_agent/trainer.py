@@ -33,8 +33,9 @@ the header carries one ChunkCommitment (samples, loss) per chunk. The chunk grad
 until PushUpdate answers; if it asks for sketches (`response.sketch.buckets` > 0), the
 CountSketch of every chunk's gradient under its seed goes back with CommitSketches. A failure
 there is logged: the round's update is in. A local SGD part's chunks are runs of consecutive
-inner steps (`epochmesh.verification.local_sgd_grid`, grouped): the state (parameters and inner
-optimizer state) is copied before each chunk's first step, a chunk's "gradient" is its start
+inner steps: the state (parameters and inner optimizer state) is copied before the first step
+of each piece of a grid (`epochmesh.verification.local_sgd_grid`), the pieces reached are
+grouped into chunks once it stopped (`grouped_local_chunks`), a chunk's "gradient" is its start
 parameters minus the next chunk's, and each commitment carries the SHA-256 of its start state;
 when the answer to the sketches names a chunk, its start state is uploaded (PushUpdate kind
 "snapshot") for a checker to run its steps from (`recompute_local_chunk`).
@@ -493,8 +494,8 @@ def local_sgd_steps(
     ``micro_batch`` samples), then Δ = start − end.
 
     ``chunk_steps`` (verification: `local_sgd_grid`): the state (parameters and optimizer
-    state) is kept before the first step of each chunk, and the update carries the chunks
-    (`local_chunks`) of the steps that ran.
+    state) is kept before the first step of each of these pieces, and the update carries the
+    pieces (`local_chunks`) of the steps that ran (the caller groups them into chunks).
 
     ``budget_s`` > 0 time-boxes the loop: it stops before the next step when that step would
     end further past ``budget_s`` seconds of stepping than short of it (judged by the mean
