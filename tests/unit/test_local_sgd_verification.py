@@ -167,7 +167,7 @@ def test_step_chunks_and_their_samples() -> None:
     # Fewer pieces than chunks: one chunk each. 30 steps (24 pieces) stopped after 22 steps
     # (16 pieces): still 12 chunks.
     assert local_sgd_chunk_samples(20, 5, 6, 10) == [5, 5]
-    assert len(local_sgd_chunk_samples(30 * 4, 4, 12, 22 * 5 * 4 // 5)) == 12
+    assert len(local_sgd_chunk_samples(30 * 4, 4, 12, 22 * 4)) == 12
 
 
 def test_state_digest_is_of_names_types_shapes_and_bytes() -> None:
