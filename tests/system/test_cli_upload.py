@@ -15,7 +15,13 @@ from client.rpc import Coordinator
 from client.upload import Uploader, blob_ref
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
-from tests.procs import CoordinatorProc, identity_for, start_coordinator, sync_channel_for
+from tests.procs import (
+    CoordinatorProc,
+    identity_for,
+    start_coordinator,
+    sync_channel_for,
+    wait_until,
+)
 from tests.system.test_cli_support import Cli, engine_available
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,6 +43,22 @@ def _blob_status(address: str, sha: str) -> job_pb2.GetBlobStatusResponse:
     with sync_channel_for(address) as channel:
         stub = job_pb2_grpc.JobServiceStub(channel)
         return stub.GetBlobStatus(job_pb2.GetBlobStatusRequest(sha256=sha), timeout=5)
+
+
+def _partial_status(address: str, sha: str) -> job_pb2.GetBlobStatusResponse:
+    """The status of a cut-off upload, once the coordinator has seen the stream end (the
+    client's abort reaches it after the client's call has returned: until then the blob is
+    NOT_FOUND)."""
+
+    def status() -> job_pb2.GetBlobStatusResponse | None:
+        try:
+            return _blob_status(address, sha)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return None
+
+    return wait_until(status, timeout=10, message="the cut-off upload never showed")  # type: ignore[return-value]
 
 
 def _cut_off_upload(address: str, data: bytes, chunks: int) -> None:
@@ -64,7 +86,7 @@ def test_upload_resumes_and_dedups(coordinator: CoordinatorProc) -> None:
     data = os.urandom(3 * MAX_CHUNK_BYTES + 12345)
     ref = blob_ref(data)
     _cut_off_upload(coordinator.address, data, chunks=2)
-    before = _blob_status(coordinator.address, ref.sha256)
+    before = _partial_status(coordinator.address, ref.sha256)
     assert not before.complete
     assert before.received_bytes <= 2 * MAX_CHUNK_BYTES
 
