@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from coordinator.config import (
+from coordinator.core.config import (
     DEFAULT_BLOB_QUOTA_BYTES,
     DEFAULT_DATA_DIR,
     DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -36,10 +36,10 @@ from coordinator.config import (
     LEASE_TTL_HEARTBEATS,
     CoordinatorConfig,
 )
-from coordinator.engine_api import EngineFactory
-from coordinator.store import CoordinatorError
+from coordinator.engine.api import EngineFactory
+from coordinator.store.base import CoordinatorError
 from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES, MAX_CHUNK_BYTES
-from epochmesh.program_inspection import (
+from epochmesh.program.inspection import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MEMORY_BASE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -312,7 +312,7 @@ def _duration(text: str) -> float:
 
 
 def add_retention_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of the garbage collector (coordinator/garbage_collector.py)."""
+    """Flags of the garbage collector (coordinator/store/gc.py)."""
     parser.add_argument(
         "--keep-checkpoints",
         type=_positive_int,
@@ -410,13 +410,13 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 def default_engine_factory() -> EngineFactory | None:
     """The training engine the console script runs with."""
-    from coordinator.engine import Engine
+    from coordinator.engine.engine import Engine
 
     return Engine
 
 
 async def serve(config: CoordinatorConfig, engine_factory: EngineFactory | None = None) -> int:
-    from coordinator.server import Coordinator
+    from coordinator.app import Coordinator
 
     coordinator = Coordinator(config, engine_factory=engine_factory or default_engine_factory())
     stop = asyncio.Event()
@@ -499,9 +499,9 @@ async def _create_token(
     max_uses: int = 0,
     cert_ttl_s: float | None = None,
 ) -> str:
-    from coordinator.config import CoordinatorConfig
-    from coordinator.sqlite_store import SqliteStore
-    from coordinator.tokens import DEFAULT_CERT_TTL_S, create_token, ensure_ca
+    from coordinator.core.config import CoordinatorConfig
+    from coordinator.store.sqlite import SqliteStore
+    from coordinator.trust.tokens import DEFAULT_CERT_TTL_S, create_token, ensure_ca
 
     config = CoordinatorConfig(data_dir=data_dir)
     ca = ensure_ca(data_dir)
@@ -522,7 +522,7 @@ async def _create_token(
 
 
 def run_token(args: argparse.Namespace) -> int:
-    from coordinator.tokens import check_donor, check_uses, parse_cert_ttl, parse_ttl
+    from coordinator.trust.tokens import check_donor, check_uses, parse_cert_ttl, parse_ttl
 
     try:
         ttl_s = parse_ttl(args.ttl)

@@ -25,8 +25,8 @@ import safetensors.torch
 import torch
 
 from epochmesh.errors import CodecError
-from epochmesh.tensors import from_safetensors
 from epochmesh.v1 import common_pb2
+from epochmesh.wire.tensors import from_safetensors
 
 ShardData = bytes | bytearray | memoryview | str | Path
 ShardSource = tuple[int, int, ShardData]

@@ -45,7 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from epochmesh.safetensors_file import safetensors_header
+from epochmesh.wire.safetensors_file import safetensors_header
 
 log = logging.getLogger(__name__)
 

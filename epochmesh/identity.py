@@ -23,7 +23,7 @@ Trust model (see DESIGN.md section 6 and docs/trust.md):
   not ask for one at all, and enrollment, health checks and reflection must work without
   one. So the coordinator's TLS authenticates the server only, and each call sends the
   caller's certificate (DER) plus an ECDSA signature by its key over the method name and a
-  timestamp, inside that TLS session; the coordinator verifies both (coordinator/auth.py).
+  timestamp, inside that TLS session; the coordinator verifies both (coordinator/trust/auth.py).
   Between peers (PeerService) it is plain mutual TLS (`peer_server_credentials`).
 - A join token is ``emt1.<secret>.<ca-fingerprint>``; the coordinator stores only the
   SHA-256 of the secret (`hash_secret`).

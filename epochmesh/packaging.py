@@ -24,7 +24,7 @@ active and batch norm normalizes with batch statistics while updating its runnin
 Trial runs: the eager run of model+loss on an example batch happens in a fresh Python process
 (`eager_check_main`), at the same time as the export here, and the load-back check (the program
 loaded as an agent loads it, batches of 1 and 2 samples run through it) in a confined one
-(`epochmesh.program_inspection`), after the archive passed validation: a model that crashes
+(`epochmesh.program.inspection`), after the archive passed validation: a model that crashes
 Python (a segmentation fault, an abort) fails with a one-line SpecError, not a dead process.
 
 Export cache: `build_job(..., cache=ExportCache)` (the CLI's submit) first looks the program up
@@ -59,8 +59,8 @@ from torch import nn
 
 from epochmesh.errors import ExportError, ProgramError, SpecError
 from epochmesh.export_cache import ExportCache, cache_key, model_sources, safetensors_digest
-from epochmesh.program import initial_state_metadata, validate_program_archive
-from epochmesh.program_inspection import (
+from epochmesh.program.archive import initial_state_metadata, validate_program_archive
+from epochmesh.program.inspection import (
     START_TIMEOUT_S,
     TEST_FAULT_ENV,
     ChildProcess,
@@ -79,8 +79,8 @@ from epochmesh.program_inspection import (
     signal_description,
 )
 from epochmesh.spec import LoadedSpec
-from epochmesh.tensors import from_safetensors, to_safetensors
 from epochmesh.v1 import common_pb2
+from epochmesh.wire.tensors import from_safetensors, to_safetensors
 
 log = logging.getLogger(__name__)
 

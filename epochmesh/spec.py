@@ -84,7 +84,7 @@ LOSSES = ("cross_entropy", "mse", "custom")
 OPTIMIZERS = ("sgd", "adamw")
 AGGREGATIONS = ("ps", "ring")
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
-# The cluster scheduler's tiers, highest first (coordinator.cluster_scheduler.Tier).
+# The cluster scheduler's tiers, highest first (coordinator.scheduling.cluster_scheduler.Tier).
 PRIORITIES = ("high", "normal", "low")
 DEFAULT_PRIORITY = "normal"
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")

@@ -22,7 +22,7 @@ import torch
 
 from epochmesh.optim import PARAM_PREFIX
 
-# Chunks per verified part. A check recomputes one of them (coordinator/reputation.py:
+# Chunks per verified part. A check recomputes one of them (coordinator/verification/reputation.py:
 # CHECK_FRACTION = 0.08 of them, at least one): 1/12 = 8.3 % of the part's compute.
 VERIFY_CHUNKS = 12
 # A chunk holds at least this many samples (a part of fewer than 2 x 12 samples has fewer

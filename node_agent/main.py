@@ -12,12 +12,12 @@ import time
 import grpc
 
 from epochmesh.identity import IdentityError
-from node_agent.cheat import CHEAT_ENV, cheat_from_environment
-from node_agent.config import AgentConfig, parse_args
-from node_agent.devices import DeviceError, select_device
-from node_agent.identity import CertificateRenewer, ensure_identity, set_insecure
-from node_agent.metrics import AgentMetrics
-from node_agent.worker import Agent
+from node_agent.core.config import AgentConfig, parse_args
+from node_agent.core.devices import DeviceError, select_device
+from node_agent.core.identity import CertificateRenewer, ensure_identity, set_insecure
+from node_agent.link.metrics import AgentMetrics
+from node_agent.runtime.worker import Agent
+from node_agent.testing.cheat import CHEAT_ENV, cheat_from_environment
 
 log = logging.getLogger("node_agent")
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info(
         "epochmesh-agent starting: coordinator %s, data dir %s", config.coordinator, config.data_dir
     )
-    try:  # tests only (fault injection, node_agent.cheat): not an option, never in --help
+    try:  # tests only (fault injection, node_agent.testing.cheat): not an option, never in --help
         cheat = cheat_from_environment()
     except ValueError as exc:
         log.error("%s", exc)

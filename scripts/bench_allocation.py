@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.allocator import split_batch
-from coordinator.ledger import EpochLedger
-from coordinator.throughput import ThroughputEstimator
+from coordinator.rounds.allocator import split_batch
+from coordinator.rounds.ledger import EpochLedger
+from coordinator.rounds.throughput import ThroughputEstimator
 
 POLICIES = ("weighted", "weighted_lr", "oracle", "equal")
 

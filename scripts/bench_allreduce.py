@@ -4,7 +4,7 @@ tensors, same processes, same run. Prints one JSON line of figures.
     scripts/bench_allreduce.py --peers 4 --mb 64            # plaintext, as gloo
     scripts/bench_allreduce.py --peers 4 --mb 64 --tls      # mutual TLS, as agents run it
 
-Our ring runs as agents run it: chunks over each PeerServer's bulk socket (`node_agent.bulk`,
+Our ring runs as agents run it: chunks over each PeerServer's bulk socket (`node_agent.ring.bulk`,
 set up per attempt through the OpenBulk RPC), or with `--transport grpc` over PushChunks (the
 fallback for peers without a bulk socket). `ours_streams` counts the attempts' streams by path.
 
@@ -84,8 +84,8 @@ def _run_worker(
     import torch.distributed as dist
 
     from epochmesh.identity import Identity
-    from node_agent.peer import PeerServer
-    from node_agent.ring_allreduce import Ring, RingTransport, ring_allreduce
+    from node_agent.ring.allreduce import Ring, RingTransport, ring_allreduce
+    from node_agent.ring.service import PeerServer
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.set_num_threads(1)
@@ -197,8 +197,8 @@ class _Floor:
     METHOD = "/epochmesh.bench.Floor/Sink"
 
     def __init__(self, rank: int, n: int, tensor: Any) -> None:
-        from epochmesh.ring import RingSchedule, chunk_elems_for
-        from node_agent.peer import ring_chunk_header
+        from epochmesh.ring.schedule import RingSchedule, chunk_elems_for
+        from node_agent.ring.service import ring_chunk_header
 
         self.n = n
         self.buf = tensor.numpy()
@@ -265,7 +265,7 @@ class _Floor:
     async def run(self) -> None:
         import asyncio
 
-        from node_agent.peer import frame_ring_chunk
+        from node_agent.ring.service import frame_ring_chunk
 
         async def send() -> None:
             call = self.method()
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
         from pathlib import Path
 
-        from coordinator.tokens import ensure_ca, issue_identity
+        from coordinator.trust.tokens import ensure_ca, issue_identity
 
         with tempfile.TemporaryDirectory() as tmp:
             ca = ensure_ca(Path(tmp))

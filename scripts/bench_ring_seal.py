@@ -48,7 +48,7 @@ def _median_s(fn: Callable[[], object], reps: int) -> float:
 
 
 def micro(members: int, mb: int, reps: int, identities: list[Any]) -> dict[str, Any]:
-    from epochmesh.ring_seal import SegmentSigner, SegmentVerifier, seal_message
+    from epochmesh.ring.seal import SegmentSigner, SegmentVerifier, seal_message
 
     buf = memoryview(bytearray(b"\x5a" * (mb * MiB)))
 
@@ -90,8 +90,8 @@ def micro(members: int, mb: int, reps: int, identities: list[Any]) -> dict[str, 
 async def ring(n: int, mb: int, reps: int, identities: list[Any]) -> dict[str, Any]:
     import torch
 
-    from node_agent.peer import PeerServer
-    from node_agent.ring_allreduce import Ring, RingTransport, ring_allreduce
+    from node_agent.ring.allreduce import Ring, RingTransport, ring_allreduce
+    from node_agent.ring.service import PeerServer
 
     ids = [f"node-{i}" for i in range(n)]
     servers = [
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ring", type=int, default=0, help="also run a real ring of n peers")
     parser.add_argument("--ring-mb", type=int, default=32)
     args = parser.parse_args(argv)
-    from coordinator.tokens import ensure_ca, issue_identity
+    from coordinator.trust.tokens import ensure_ca, issue_identity
 
     with tempfile.TemporaryDirectory() as tmp:
         ca = ensure_ca(Path(tmp))

@@ -20,8 +20,8 @@ Model (simulated time, nothing sleeps):
   preempted job loses nothing but its nodes.
 
 Policies (same trace, same simulator):
-- ours: `coordinator.cluster_scheduler.schedule` with holdings carried over (a moved node is
-  protected as long as the coordinator holds it, `coordinator.scheduling.hold_seconds`: 3
+- ours: `coordinator.scheduling.cluster_scheduler.schedule` with holdings carried over (a moved node is
+  protected as long as the coordinator holds it, `coordinator.engine.cluster_scheduling.hold_seconds`: 3
   rounds, or its job benchmark paid back at 20 % overhead),
   decayed tenant usage and attained service fed with each job's value x round_s, and each
   job's remaining samples (its size minus what it trained: what the engine knows from the
@@ -57,7 +57,8 @@ from typing import Protocol
 
 import numpy as np
 
-from coordinator.cluster_scheduler import (
+from coordinator.engine.cluster_scheduling import hold_seconds
+from coordinator.scheduling.cluster_scheduler import (
     Holding,
     JobRequest,
     NodeOffer,
@@ -66,7 +67,6 @@ from coordinator.cluster_scheduler import (
     Tier,
     schedule,
 )
-from coordinator.scheduling import hold_seconds
 
 log = logging.getLogger("bench_scheduler")
 

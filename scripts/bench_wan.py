@@ -2,7 +2,7 @@
 
 Three agents (`epochmesh-agent` processes, TLS on, enrolled with join tokens, see
 scripts/local_cluster.py) each dial the coordinator through their own emulated link
-(epochmesh/wan.py: a userspace TCP relay, 100 Mbit/s each way, 50 ms RTT). One coordinator,
+(epochmesh/testing/wan.py: a userspace TCP relay, 100 Mbit/s each way, 50 ms RTT). One coordinator,
 the same agents, and one job trained twice, one run after the other:
 
   (b) sync = "local_sgd", compression = "int8": each round every node runs about H = 700 inner
@@ -22,7 +22,7 @@ noise, so "the first round at or below the target" marks real progress in both r
 task lets the synchronous run cross a target by chance).
 
 Every agent emulates a device `--slowdown` (default 2) times slower than one core of this
-machine: compute is the agent's CPU time x F (node_agent/slowdown.py), so the three devices
+machine: compute is the agent's CPU time x F (node_agent/core/slowdown.py), so the three devices
 fit on the two shared cores. On a loaded machine (other processes competing for the cores)
 a step takes longer than F x its CPU time; that shows here as time neither computing nor
 communicating, so `load_avg` is part of the output: trust figures taken at a low load.
@@ -98,6 +98,7 @@ import torch
 from local_cluster import LocalCluster, wait_for
 from safetensors.torch import save_file
 
+from epochmesh.testing.wan import WanLink, WanThread, format_bandwidth, parse_bandwidth
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import (
     common_pb2,
@@ -106,7 +107,6 @@ from epochmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from epochmesh.wan import WanLink, WanThread, format_bandwidth, parse_bandwidth
 
 log = logging.getLogger("bench_wan")
 
@@ -514,7 +514,7 @@ def figures(run: Run, sampler: ByteSampler) -> dict[str, Any]:
     return out
 
 
-# An agent's round line (node_agent/trainer.py): "round N: pseudo_gradient of ... [cpu C, ...".
+# An agent's round line (node_agent/training/ps_round.py): "round N: pseudo_gradient of ... [cpu C, ...".
 AGENT_ROUND = re.compile(r"round (\d+): pseudo_gradient of \d+ samples .*?\[cpu ([0-9.]+),")
 
 

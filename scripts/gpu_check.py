@@ -2,7 +2,7 @@
 
 Real processes as in production (TLS, enrolled agents, the CLI; scripts/local_cluster.py):
 
-1. discovery: the agent's own device discovery (node_agent.devices) in this process;
+1. discovery: the agent's own device discovery (node_agent.core.devices) in this process;
 2. the agents' reference benchmark: two agents on cuda:0 and one on the CPU (all its cores),
    each one's samples/s and peak memory per batch size as the coordinator recorded them;
 3. a two-agent job sharing the GPU (both agents on cuda:0, the CPU agent cordoned): every
@@ -40,7 +40,7 @@ from bench_training import write_job as write_conv_job
 from local_cluster import ClusterError, LocalCluster, wait_for
 from safetensors.torch import load_file, save_file
 
-from node_agent.devices import discover_cuda
+from node_agent.core.devices import discover_cuda
 
 log = logging.getLogger("gpu_check")
 

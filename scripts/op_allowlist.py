@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Review aid for epochmesh/op_allowlist.py (issue 17); it changes nothing.
+"""Review aid for epochmesh/program/op_allowlist.py (issue 17); it changes nothing.
 
     .venv/bin/python scripts/op_allowlist.py core
         torch's core ATen overloads (torch.Tag.core) of the installed torch that are not on the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from epochmesh.op_allowlist import ALLOWED_ATEN_OPS
+from epochmesh.program.op_allowlist import ALLOWED_ATEN_OPS
 
 
 def core_overloads() -> Iterator[str]:

@@ -1,4 +1,4 @@
-"""Simulated spot checks driven by coordinator.reputation (issue 20). Prints one JSON line.
+"""Simulated spot checks driven by coordinator.verification.reputation (issue 20). Prints one JSON line.
 
     .venv/bin/python scripts/sim_reputation.py [--seed 0] [--nodes 50] [--rounds 600]
         [--join-every 10] [--cheaters-per-kind 6] [--micro-batches 64]
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.reputation import (
+from coordinator.verification.reputation import (
     CHECK_FRACTION,
     N0,
     P_FLOOR,

@@ -13,7 +13,7 @@ Several links at once (repeat --link):
 Link spec: NAME=LISTEN,TARGET,BANDWIDTH,RTT[,loss=P][,jitter=D][,return_bandwidth=B][,queue=D].
 Bandwidth in bit/s with units kbit/mbit/gbit (0 or "inf": unlimited); durations in ms/s/us.
 The model (latency, shared bandwidth, loss as retransmission delay) is described in
-epochmesh/wan.py.
+epochmesh/testing/wan.py.
 
 Output on stdout, one JSON line each:
   {"event": "ready", "links": {NAME: {"listen": "127.0.0.1:PORT", "target": ...}}}
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from epochmesh.wan import (
+from epochmesh.testing.wan import (
     DEFAULT_QUEUE_MS,
     LinkSpec,
     WanLink,

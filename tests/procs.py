@@ -9,7 +9,7 @@ Public helpers:
   ``DATA_DIR/coordinator.addr`` and a SERVING health check (``--listen HOST:PORT`` in
   EXTRA_ARGS wins, for a fixed port).
 - ``in_process_coordinator(data_dir, **config_overrides)``: async context manager yielding a
-  started in-process ``coordinator.server.Coordinator``.
+  started in-process ``coordinator.app.Coordinator``.
 
 TLS is on in every test, transparently: each coordinator the helpers start has its own CA
 (made on its first start in its data dir) and is remembered by address, so that
@@ -51,7 +51,7 @@ from epochmesh.identity import (
 )
 
 if TYPE_CHECKING:
-    from coordinator.server import Coordinator
+    from coordinator.app import Coordinator
 
 ADDR_FILE = "coordinator.addr"
 STDERR_LOG = "coordinator-stderr.log"
@@ -396,8 +396,8 @@ async def in_process_coordinator(
 ) -> AsyncIterator[Coordinator]:
     """A started in-process Coordinator on 127.0.0.1:0; ``overrides`` are CoordinatorConfig
     fields (e.g. heartbeat_interval_s=0.2, lease_ttl_s=0.6). Stopped on exit."""
-    from coordinator.config import CoordinatorConfig
-    from coordinator.server import Coordinator
+    from coordinator.app import Coordinator
+    from coordinator.core.config import CoordinatorConfig
 
     overrides.setdefault("listen", "127.0.0.1:0")
     overrides.setdefault("shutdown_grace_s", 1.0)

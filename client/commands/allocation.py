@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from client.commands.context import Context
-from client.commands.output import job_state_name, to_dict
+from client.commands.output import epoch_text, job_state_name, to_dict
 from client.render import (
     fmt_bandwidth,
     fmt_rate,
@@ -171,8 +171,6 @@ def _records(ctx: Context, job_id: str) -> list[common_pb2.RoundRecord]:
 
 
 def cmd_allocation(ctx: Context) -> int:
-    from client.commands.jobs import epoch_text
-
     job = ctx.get_job(ctx.args.job)
     coord = ctx.coordinator
     alloc = coord.call(

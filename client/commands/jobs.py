@@ -11,7 +11,15 @@ from pathlib import Path
 from client.commands.allocation import cmd_allocation
 from client.commands.cluster import print_events
 from client.commands.context import Context
-from client.commands.output import TERMINAL_JOB_STATES, job_state_name, parse_job_states, to_dict
+from client.commands.output import (
+    TERMINAL_JOB_STATES,
+    epoch_text,
+    has_loss,
+    job_fraction,
+    job_state_name,
+    parse_job_states,
+    to_dict,
+)
 from client.render import (
     ProgressLine,
     fmt_age,
@@ -27,25 +35,6 @@ from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
 
 RESULT_FILE = "model.safetensors"
-
-
-def epoch_text(job: common_pb2.Job) -> str:
-    """``3/8``: the current epoch counted from 1, capped at the total."""
-    total = job.spec.epochs
-    if total <= 0:
-        return str(job.epoch + 1)
-    current = total if job.state == common_pb2.JOB_STATE_SUCCEEDED else job.epoch + 1
-    return f"{min(current, total)}/{total}"
-
-
-def job_fraction(job: common_pb2.Job) -> float:
-    if job.state == common_pb2.JOB_STATE_SUCCEEDED:
-        return 1.0
-    return job.samples_done / job.samples_total if job.samples_total > 0 else 0.0
-
-
-def has_loss(job: common_pb2.Job) -> bool:
-    return job.round > 0
 
 
 def cmd_status(ctx: Context) -> int:

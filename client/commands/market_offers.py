@@ -205,8 +205,8 @@ def _spec_error(err: Exception, path: Path) -> CliError:
 def load_job(path: Path) -> tuple[common_pb2.JobSpec, int]:
     """The spec of the job.toml at ``path`` and the samples of its dataset (read from the
     safetensors header only); a bad job.toml or dataset is a usage error (exit 2)."""
-    from epochmesh.safetensors_file import dataset_samples
     from epochmesh.spec import load_spec
+    from epochmesh.wire.safetensors_file import dataset_samples
 
     try:
         loaded = load_spec(path, check_files=False)

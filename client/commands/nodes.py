@@ -13,7 +13,7 @@ from epochmesh.money import format_credits
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
-# Checks in a row before a node's check rate starts to fall (coordinator/reputation.py N0).
+# Checks in a row before a node's check rate starts to fall (coordinator/verification/reputation.py N0).
 NEW_UNTIL = 10
 # A job id's prefix shown in the table ("j-" and 6 hex: `status` accepts unique prefixes).
 JOB_ID_SHOWN = 8

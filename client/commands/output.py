@@ -147,3 +147,22 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
         return None
     limit = max(1, min(3, len(word) // 3))
     return best[2] if best[0] <= limit else None
+
+
+def epoch_text(job: common_pb2.Job) -> str:
+    """``3/8``: the current epoch counted from 1, capped at the total."""
+    total = job.spec.epochs
+    if total <= 0:
+        return str(job.epoch + 1)
+    current = total if job.state == common_pb2.JOB_STATE_SUCCEEDED else job.epoch + 1
+    return f"{min(current, total)}/{total}"
+
+
+def job_fraction(job: common_pb2.Job) -> float:
+    if job.state == common_pb2.JOB_STATE_SUCCEEDED:
+        return 1.0
+    return job.samples_done / job.samples_total if job.samples_total > 0 else 0.0
+
+
+def has_loss(job: common_pb2.Job) -> bool:
+    return job.round > 0

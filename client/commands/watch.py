@@ -20,8 +20,14 @@ from dataclasses import dataclass, field
 import grpc
 
 from client.commands.context import Context
-from client.commands.jobs import epoch_text, has_loss, job_fraction
-from client.commands.output import TERMINAL_JOB_STATES, job_state_name, to_dict
+from client.commands.output import (
+    TERMINAL_JOB_STATES,
+    epoch_text,
+    has_loss,
+    job_fraction,
+    job_state_name,
+    to_dict,
+)
 from client.render import (
     LiveBlock,
     Style,

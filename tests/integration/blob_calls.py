@@ -28,7 +28,7 @@ from epochmesh.v1 import (
 from tests.fixtures import write_mlp_job
 
 if TYPE_CHECKING:
-    from coordinator.server import Coordinator
+    from coordinator.app import Coordinator
 
 MIB = 1 << 20
 S = grpc.StatusCode

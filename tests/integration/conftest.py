@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from coordinator.server import Coordinator
+from coordinator.app import Coordinator
 from epochmesh.v1 import agent_pb2_grpc, job_pb2_grpc, scheduler_pb2_grpc
 from tests.procs import aio_channel_for
 

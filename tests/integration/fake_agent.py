@@ -21,7 +21,6 @@ import torch
 from epochmesh import identity as idm
 from epochmesh.optim import state_tensors
 from epochmesh.sketch import sketch
-from epochmesh.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
 from epochmesh.verification import (
     chunk_bounds,
@@ -29,10 +28,11 @@ from epochmesh.verification import (
     state_digest,
     with_round_start,
 )
+from epochmesh.wire.tensors import BundleAssembler, decode_bundle, encode_bundle, iter_chunks
 from tests.procs import async_wait_until
 
 if TYPE_CHECKING:
-    from coordinator.server import Coordinator
+    from coordinator.app import Coordinator
     from epochmesh.packaging import PackedJob
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from coordinator.server import Coordinator
+from coordinator.app import Coordinator
 from epochmesh.v1 import agent_pb2
-from node_agent.peer import PeerServer
-from node_agent.ring_allreduce import RingPeerFailed, RingTransport, ring_allreduce
+from node_agent.ring.allreduce import RingPeerFailed, RingTransport, ring_allreduce
+from node_agent.ring.service import PeerServer
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_ring_divergence import Member
 

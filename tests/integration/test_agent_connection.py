@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc
-from node_agent.connection import CoordinatorConnection, HeartbeatHooks
-from node_agent.identity import set_insecure
+from node_agent.core.identity import set_insecure
+from node_agent.link.connection import CoordinatorConnection, HeartbeatHooks
 from tests.procs import async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(60)

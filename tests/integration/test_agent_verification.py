@@ -29,23 +29,23 @@ from epochmesh.dataset import ShardedDataset
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.spec import load_spec
-from epochmesh.tensors import decode_bundle, encode_bundle
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from epochmesh.verification import chunk_bounds, commitment_problem
-from node_agent import trainer
-from node_agent.cache import BlobCache
-from node_agent.cheat import CHEAT_ENV, SCALE
-from node_agent.connection import CoordinatorConnection
-from node_agent.identity import set_insecure
-from node_agent.program_host import (
+from epochmesh.wire.tensors import decode_bundle, encode_bundle
+from node_agent.core.identity import set_insecure
+from node_agent.core.slowdown import SlowdownController
+from node_agent.link.cache import BlobCache
+from node_agent.link.connection import CoordinatorConnection
+from node_agent.runtime.dispatch import TaskContext, dispatch_task
+from node_agent.sandbox.host import (
     CRASHED,
     ChildLimits,
     ConfinedProgram,
     ProgramFault,
     ProgramHosts,
 )
-from node_agent.slowdown import SlowdownController
-from node_agent.tasks import TaskContext, dispatch_task
+from node_agent.testing.cheat import CHEAT_ENV, SCALE
+from node_agent.training import ps_round as trainer
 from tests.fixtures import write_mlp_job
 
 pytestmark = pytest.mark.timeout(180)

@@ -21,8 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
-from coordinator.server import Coordinator
-from coordinator.store import TokenRecord
+from coordinator.app import Coordinator
+from coordinator.store.base import TokenRecord
 from epochmesh import identity as idm
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import (
@@ -244,7 +244,7 @@ async def _enroll(coord: Coordinator, token: str, csr: bytes | None = None) -> s
 
 
 async def test_enrollment_tokens(coord: Coordinator) -> None:
-    from coordinator.tokens import create_token
+    from coordinator.trust.tokens import create_token
 
     assert coord.ca is not None
     single = await create_token(coord.store, coord.ca, NODE, ttl_s=60)
@@ -281,7 +281,7 @@ async def test_enrollment_tokens(coord: Coordinator) -> None:
 async def test_enroll_with_token_gives_a_working_identity(coord: Coordinator) -> None:
     import asyncio
 
-    from coordinator.tokens import create_token
+    from coordinator.trust.tokens import create_token
 
     assert coord.ca is not None
     token = await create_token(coord.store, coord.ca, SUBMITTER, ttl_s=60)
@@ -421,7 +421,7 @@ async def test_revocation_survives_a_restart(tmp_path: Path) -> None:
 async def test_insecure_mode_is_plaintext_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="coordinator.server"):
+    with caplog.at_level(logging.WARNING, logger="coordinator.app"):
         async with in_process_coordinator(tmp_path / "data", insecure=True) as coord:
             assert coord.ca is None
             async with grpc.aio.insecure_channel(coord.address) as ch:
@@ -439,7 +439,7 @@ async def test_peer_mtls_names_the_caller_and_checks_the_callee(tmp_path: Path) 
     handler reads the caller's node id; the dialer accepts only the node it meant to reach."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from coordinator.tokens import ensure_ca, issue_identity
+    from coordinator.trust.tokens import ensure_ca, issue_identity
 
     ca = ensure_ca(tmp_path / "ca")
     a = issue_identity(ca, NODE, "n-00000000aa")

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.server import Coordinator
+from coordinator.app import Coordinator
 from epochmesh.grpc_util import CHANNEL_OPTIONS
 from epochmesh.v1 import (
     agent_pb2,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine import Engine
-from coordinator.server import Coordinator
+from coordinator.app import Coordinator
+from coordinator.engine.engine import Engine
 from epochmesh.v1 import job_pb2
 from tests.integration.blob_calls import MIB, Party, S, header, refused, sha, tiny_job
 from tests.procs import in_process_coordinator

@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.blobs import BlobCaller
-from coordinator.engine import Engine
-from coordinator.server import Coordinator
+from coordinator.app import Coordinator
+from coordinator.engine.engine import Engine
+from coordinator.store.blobs import BlobCaller
 from epochmesh.packaging import PackedJob
 from epochmesh.v1 import agent_pb2, common_pb2, job_pb2
 from tests.integration.blob_calls import MIB, Party, S, chunks, header, refused, sha, tiny_job

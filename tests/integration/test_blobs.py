@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.server import Coordinator
+from coordinator.app import Coordinator
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
 from tests.procs import async_wait_until, in_process_coordinator

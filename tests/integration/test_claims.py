@@ -1,4 +1,4 @@
-"""Claims are not trusted (coordinator/claims.py), with the real engine over real gRPC + TLS;
+"""Claims are not trusted (coordinator/rounds/claims.py), with the real engine over real gRPC + TLS;
 the agents are played by the test (tests/integration/fake_agent.py).
 
 Three nodes compute at the same real speed (each part takes samples / 200 seconds). One of them
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.claims import BENCHMARK_CAP
-from coordinator.engine import Engine
+from coordinator.engine.engine import Engine
+from coordinator.rounds.claims import BENCHMARK_CAP
 from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec

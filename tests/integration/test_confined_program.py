@@ -1,4 +1,4 @@
-"""A job's program in its confined child (node_agent.program_host), with real child processes.
+"""A job's program in its confined child (node_agent.sandbox.host), with real child processes.
 
 - It computes what the program computes in-process, bit for bit, and sees the agent's
   parameter changes (optimizer steps on the shared parameters) without copies.
@@ -19,9 +19,9 @@ import torch
 
 from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
-from epochmesh.program import TrainableProgram
+from epochmesh.program.archive import TrainableProgram
 from epochmesh.spec import load_spec
-from node_agent.program_host import (
+from node_agent.sandbox.host import (
     CRASHED,
     HUNG,
     REFUSED,

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from coordinator.server import Coordinator
+from coordinator.app import Coordinator
 from epochmesh.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -489,7 +489,7 @@ class _BrokenEngine:
     """An engine whose allocation call has a bug, to check the server survives it."""
 
     def __init__(self, context: object) -> None:
-        from coordinator.engine_api import CoordinatorContext, NullEngine
+        from coordinator.engine.api import CoordinatorContext, NullEngine
 
         assert isinstance(context, CoordinatorContext)
         self._null = NullEngine(context)
@@ -521,7 +521,7 @@ class _RecordingEngine:
     instances: list[_RecordingEngine] = []
 
     def __init__(self, context: object) -> None:
-        from coordinator.engine_api import NullEngine
+        from coordinator.engine.api import NullEngine
 
         self._null = NullEngine(context)  # type: ignore[arg-type]
         self.calls: list[tuple[str, object]] = []

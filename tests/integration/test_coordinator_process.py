@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.main import build_parser, config_from_args
-from coordinator.sqlite_store import SqliteStore
+from coordinator.store.sqlite import SqliteStore
 from epochmesh.identity import Identity, coordinator_channel_options, identity_credentials
 from epochmesh.v1 import (
     agent_pb2,

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.credit_book import fund_escrow, grant
-from coordinator.credit_ledger import CreditLedger
-from coordinator.job_billing import JobBilling
+from coordinator.accounting.credit_book import fund_escrow, grant
 from coordinator.main import main as coordinator_main
-from coordinator.sqlite_store import SqliteStore
-from coordinator.store import TokenRecord
-from coordinator.tokens import create_token
+from coordinator.market.credit_ledger import CreditLedger
+from coordinator.market.job_billing import JobBilling
+from coordinator.store.base import TokenRecord
+from coordinator.store.sqlite import SqliteStore
+from coordinator.trust.tokens import create_token
 from epochmesh import identity as idm
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.test_job_billing import JOB, PRICE, part

@@ -269,7 +269,7 @@ def test_state_is_consistent_after_the_fuzzing(
 
 
 class _PeerServer:
-    """node_agent.peer.PeerService on an mTLS grpc.aio server in a thread of its own."""
+    """node_agent.ring.service.PeerService on an mTLS grpc.aio server in a thread of its own."""
 
     def __init__(self, identity: idm.Identity) -> None:
         self.identity = identity
@@ -283,7 +283,7 @@ class _PeerServer:
             raise RuntimeError("peer server did not start")
 
     async def _main(self) -> None:
-        from node_agent.peer import PeerService
+        from node_agent.ring.service import PeerService
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
@@ -304,8 +304,8 @@ class _PeerServer:
 
 @pytest.fixture(scope="module")
 def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[_PeerServer, grpc.Channel]]:
-    pytest.importorskip("node_agent.peer")
-    from coordinator.tokens import ensure_ca, issue_identity
+    pytest.importorskip("node_agent.ring.service")
+    from coordinator.trust.tokens import ensure_ca, issue_identity
 
     ca = ensure_ca(tmp_path_factory.mktemp("peer-ca"))
     server = _PeerServer(issue_identity(ca, "node", "n-00000000aa"))

@@ -21,8 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.server import Coordinator
-from coordinator.tokens import create_token
+from coordinator.app import Coordinator
+from coordinator.trust.tokens import create_token
 from epochmesh.identity import (
     AUTH_MAX_SKEW_MS,
     LOGIN_CODE_PREFIX,

@@ -17,11 +17,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator import tokens
+from coordinator.app import Coordinator
 from coordinator.main import main as coordinator_main
-from coordinator.server import Coordinator
-from coordinator.sqlite_store import SqliteStore
-from coordinator.tokens import (
+from coordinator.store.sqlite import SqliteStore
+from coordinator.trust import tokens
+from coordinator.trust.tokens import (
     DEFAULT_CERT_TTL_S,
     MAX_CERT_TTL_S,
     EnrollLimits,
@@ -38,7 +38,7 @@ from epochmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from node_agent.identity import CertificateRenewer, renew_if_due
+from node_agent.core.identity import CertificateRenewer, renew_if_due
 from tests.procs import async_wait_until, in_process_coordinator
 
 pytestmark = pytest.mark.timeout(60)
@@ -257,7 +257,7 @@ async def test_a_running_channel_follows_the_renewed_certificate(
     coord: Coordinator, tmp_path: Path
 ) -> None:
     """The agent's coordinator channel keeps working across its certificate's expiry once the
-    renewed one is in its data dir (the renewal by node_agent.identity.renew_if_due)."""
+    renewed one is in its data dir (the renewal by node_agent.core.identity.renew_if_due)."""
     short = backdated(coord, NODE, lifetime=8, age=6)  # expires in about 2 s
     directory = tmp_path / "agent"
     short.save(directory)

@@ -1,4 +1,4 @@
-"""coordinator.job_billing on a real SQLite store: a round is handed out only when the escrow
+"""coordinator.market.job_billing on a real SQLite store: a round is handed out only when the escrow
 covers it, applied parts are charged by the rule (re-runs of paid samples by the platform, the
 fee on top), pending charges count against the escrow until written, the paid samples are
 rebuilt from stored rounds, the refund empties the escrow."""
@@ -12,18 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.billing import earned_micro
-from coordinator.credit_book import fund_escrow, grant
-from coordinator.credit_ledger import CreditLedger
-from coordinator.job_billing import (
+from coordinator.accounting.billing import earned_micro
+from coordinator.accounting.credit_book import fund_escrow, grant
+from coordinator.market.credit_ledger import CreditLedger
+from coordinator.market.job_billing import (
     AboveMaxPrice,
     BudgetExhausted,
     JobBilling,
     per_credit,
     quantized_rate,
 )
-from coordinator.rounds import Part, part_record
-from coordinator.sqlite_store import SqliteStore
+from coordinator.rounds.round_state import Part, part_record
+from coordinator.store.sqlite import SqliteStore
 from epochmesh.quote import max_price_of
 from epochmesh.v1 import common_pb2
 

@@ -25,14 +25,14 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from coordinator.engine import Engine
+from coordinator.engine.engine import Engine
 from epochmesh import identity as idm
-from epochmesh.compression import ErrorFeedback
 from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec
-from epochmesh.tensors import decode_bundle, encode_bundle
 from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, job_pb2_grpc
+from epochmesh.wire.compression import ErrorFeedback
+from epochmesh.wire.tensors import decode_bundle, encode_bundle
 from tests.fixtures import make_classification, write_mlp_job
 from tests.integration.fake_agent import FakeAgent, submit_packed, task_indices
 from tests.procs import async_wait_until, in_process_coordinator

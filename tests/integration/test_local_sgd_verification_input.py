@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.engine import Engine
+from coordinator.engine.engine import Engine
 from epochmesh.packaging import build_job
 from epochmesh.sketch import sketch
 from epochmesh.spec import load_spec

@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.credit_book import Entry, InsufficientCredits, fund_escrow, grant
-from coordinator.credit_ledger import CreditLedger
-from coordinator.sqlite_store import SqliteStore
+from coordinator.accounting.credit_book import Entry, InsufficientCredits, fund_escrow, grant
+from coordinator.market.credit_ledger import CreditLedger
+from coordinator.store.sqlite import SqliteStore
 from epochmesh import identity as idm
 from epochmesh.money import MICRO
 from epochmesh.v1 import market_pb2, market_pb2_grpc

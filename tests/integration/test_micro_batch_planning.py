@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.engine import Engine
+from coordinator.engine.engine import Engine
 from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec

@@ -1,4 +1,4 @@
-"""A renewed node certificate (node_agent/identity.py writes it to DATA_DIR/cert.pem) is served
+"""A renewed node certificate (node_agent/core/identity.py writes it to DATA_DIR/cert.pem) is served
 by the running PeerServer at once, on its gRPC port and on its bulk socket, read off real TLS
 handshakes; a ring between renewed and not yet renewed nodes still sums right.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.tokens import ensure_ca, issue_identity
+from coordinator.trust.tokens import ensure_ca, issue_identity
 from epochmesh import identity as idm
-from node_agent.peer import PeerServer
-from node_agent.ring_allreduce import RingTransport
+from node_agent.ring.allreduce import RingTransport
+from node_agent.ring.service import PeerServer
 from tests.integration.test_ring_allreduce import Peers, _allreduce_all, _data, _expected
 from tests.procs import async_wait_until
 
@@ -84,7 +84,7 @@ async def test_a_renewed_certificate_is_served_on_the_grpc_port_and_the_bulk_soc
         await _allreduce_all(peers, bufs, round_=1)
         assert all(b.numpy().tobytes() == _expected(inputs) for b in bufs)
 
-        # The renewal (node_agent.identity.renew_now): same key, a new certificate in cert.pem.
+        # The renewal (node_agent.core.identity.renew_now): same key, a new certificate in cert.pem.
         renewed = idm.sign_csr(
             idm.create_csr(ids[0].key_pem),
             ca.cert_pem,

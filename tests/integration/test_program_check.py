@@ -14,16 +14,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.engine import Engine
-from coordinator.server import Coordinator
+from coordinator.app import Coordinator
+from coordinator.engine.engine import Engine
 from epochmesh.export_cache import ExportCache
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.packaging import PackedJob, build_job
-from epochmesh.program import TrainableProgram, read_initial_state
-from epochmesh.program_inspection import TEST_FAULT_ENV
+from epochmesh.program.archive import TrainableProgram, read_initial_state
+from epochmesh.program.inspection import TEST_FAULT_ENV
 from epochmesh.spec import load_spec
-from epochmesh.tensors import to_safetensors
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
+from epochmesh.wire.tensors import to_safetensors
 from tests.fixtures import write_mlp_job
 from tests.fixtures.hostile_programs import HUGE_POWER, sparse_program, with_shape_expression
 from tests.procs import aio_channel_for, in_process_coordinator

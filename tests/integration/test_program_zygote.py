@@ -1,4 +1,4 @@
-"""Program children forked by the agent's zygote (node_agent.program_zygote), with real processes.
+"""Program children forked by the agent's zygote (node_agent.sandbox.zygote), with real processes.
 
 - Children are the zygote's (not the agent's), and the zygote is the agent's; a later child
   skips the interpreter's start and torch's import (the figures are logged, not asserted).
@@ -26,8 +26,8 @@ import torch
 from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.spec import load_spec
-from node_agent import program_host
-from node_agent.program_host import (
+from node_agent.sandbox import host as program_host
+from node_agent.sandbox.host import (
     CRASHED,
     ProgramFault,
     ProgramHosts,
@@ -170,7 +170,7 @@ def test_the_zygote_exits_when_the_agent_stops_it(job: PackedJob, hosts: Program
 AGENT = """
 import sys, time
 from pathlib import Path
-from node_agent.program_host import ProgramHosts, zygote_pid
+from node_agent.sandbox.host import ProgramHosts, zygote_pid
 hosts = ProgramHosts("cpu", threads=1, memory_budget=1 << 30)
 prog = hosts.load(Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]).read_bytes())
 Path(sys.argv[3]).write_text(f"{zygote_pid()} {prog.pid}")

@@ -8,10 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.events import EventLog
-from coordinator.nodes import RESTORED_LEASE_TTLS, LeaseExpiredError, NodeRegistry, is_node_id
-from coordinator.sqlite_store import SqliteStore
-from coordinator.store import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from coordinator.nodes.registry import (
+    RESTORED_LEASE_TTLS,
+    LeaseExpiredError,
+    NodeRegistry,
+    is_node_id,
+)
+from coordinator.store.base import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from coordinator.store.events import EventLog
+from coordinator.store.sqlite import SqliteStore
 from epochmesh.v1 import common_pb2
 from tests.procs import async_wait_until
 
@@ -309,7 +314,7 @@ async def test_online_since_and_part_counts_are_kept_in_memory_then_stored(
 ) -> None:
     clock = Clock()
     wall = [1_000_000]
-    monkeypatch.setattr("coordinator.nodes.now_ms", lambda: wall[0])
+    monkeypatch.setattr("coordinator.nodes.registry.now_ms", lambda: wall[0])
     reg, _ = await make_registry(store, clock)
     a = await reg.register(name="a")
     b = await reg.register(name="b")

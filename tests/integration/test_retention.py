@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.checkpoint import CheckpointManifest
-from coordinator.engine import Engine
-from coordinator.retention import job_references
-from coordinator.server import Coordinator
-from coordinator.sqlite_store import SqliteStore
+from coordinator.app import Coordinator
+from coordinator.engine.engine import Engine
+from coordinator.store.checkpoint import CheckpointManifest
+from coordinator.store.retention import job_references
+from coordinator.store.sqlite import SqliteStore
 from epochmesh import identity as idm
 from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
@@ -173,10 +173,10 @@ async def test_disk_use_stays_bounded_and_old_events_go(tmp_path: Path) -> None:
 GC_SCRIPT = """
 import asyncio, sys
 from pathlib import Path
-from coordinator.blobs import BlobStore
-from coordinator.garbage_collector import GarbageCollector
-from coordinator.retention import RetentionPolicy
-from coordinator.sqlite_store import SqliteStore
+from coordinator.store.blobs import BlobStore
+from coordinator.store.gc import GarbageCollector
+from coordinator.store.retention import RetentionPolicy
+from coordinator.store.sqlite import SqliteStore
 
 async def main(data_dir):
     store = await SqliteStore.open(data_dir / "coordinator.db")

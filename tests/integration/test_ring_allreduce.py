@@ -24,10 +24,11 @@ import torch
 
 from epochmesh.errors import CodecError
 from epochmesh.identity import Identity
-from epochmesh.ring import RingSchedule, chunk_elems_for, simulate_allreduce
+from epochmesh.ring.schedule import RingSchedule, chunk_elems_for, simulate_allreduce
 from epochmesh.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from node_agent import ring_allreduce as ra
-from node_agent.peer import (
+from node_agent.ring import allreduce as ra
+from node_agent.ring.allreduce import Ring, RingPeerFailed, RingTransport, ring_allreduce
+from node_agent.ring.service import (
     PeerServer,
     StateSnapshot,
     WireError,
@@ -40,7 +41,6 @@ from node_agent.peer import (
     probe_link,
     ring_chunk_header,
 )
-from node_agent.ring_allreduce import Ring, RingPeerFailed, RingTransport, ring_allreduce
 from tests.procs import async_wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -390,7 +390,7 @@ async def test_a_bad_chunk_fails_the_attempt_and_names_the_sender() -> None:
 
 
 async def test_mutual_tls_ring_checks_who_sends(tmp_path: Path) -> None:
-    from coordinator.tokens import ensure_ca, issue_identity
+    from coordinator.trust.tokens import ensure_ca, issue_identity
 
     ca = ensure_ca(tmp_path / "ca")
     identities = [issue_identity(ca, "node", f"node-{i}") for i in range(3)]
@@ -560,7 +560,7 @@ def _victim_main(conn: Any, rank: int, numel: int, mode: str, after_chunks: int)
     received `after_chunks` chunks, i.e. in the middle of the reduce."""
     import asyncio
 
-    from node_agent import ring_allreduce as ra
+    from node_agent.ring import allreduce as ra
 
     advance = ra._ReceiveSlot._advance
 

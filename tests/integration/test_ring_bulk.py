@@ -1,4 +1,4 @@
-"""The ring's bulk data path (node_agent.bulk) over real sockets on loopback: it carries the ring,
+"""The ring's bulk data path (node_agent.ring.bulk) over real sockets on loopback: it carries the ring,
 its handshake checks tokens and certificates, bad or stale streams are refused and blamed on the
 sender, and a peer without a (reachable) bulk socket is served over PushChunks instead.
 
@@ -22,10 +22,10 @@ import torch
 from epochmesh.identity import Identity
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import peer_pb2, peer_pb2_grpc
-from node_agent import bulk
-from node_agent.bulk import BulkError
-from node_agent.peer import PeerServer, peer_channel, ring_chunk_header
-from node_agent.ring_allreduce import RingPeerFailed, ring_allreduce
+from node_agent.ring import bulk
+from node_agent.ring.allreduce import RingPeerFailed, ring_allreduce
+from node_agent.ring.bulk import BulkError
+from node_agent.ring.service import PeerServer, peer_channel, ring_chunk_header
 from tests.integration.test_ring_allreduce import (
     Peers,
     _allreduce_all,
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _identities(tmp_path: Path, n: int) -> tuple[object, list[Identity]]:
-    from coordinator.tokens import ensure_ca, issue_identity
+    from coordinator.trust.tokens import ensure_ca, issue_identity
 
     ca = ensure_ca(tmp_path / "ca")
     return ca, [issue_identity(ca, "node", f"node-{i}") for i in range(n)]
@@ -120,7 +120,7 @@ async def test_the_ring_runs_over_the_bulk_socket(tmp_path: Path, tls: bool) -> 
 
 
 async def test_tokens_and_certificates_are_checked(tmp_path: Path) -> None:
-    from coordinator.tokens import ensure_ca, issue_identity
+    from coordinator.trust.tokens import ensure_ca, issue_identity
 
     ca, identities = _identities(tmp_path, 2)
     mallory = issue_identity(ca, "node", "node-9")  # type: ignore[arg-type]

@@ -19,13 +19,12 @@ import grpc
 import pytest
 import torch
 
-from coordinator.engine import Engine
+from coordinator.engine.engine import Engine
 from epochmesh import identity as idm
 from epochmesh.export_cache import ExportCache
 from epochmesh.optim import state_tensors
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.spec import load_spec
-from epochmesh.tensors import encode_bundle, params_checksum
 from epochmesh.v1 import (
     agent_pb2,
     common_pb2,
@@ -40,6 +39,7 @@ from epochmesh.verification import (
     state_digest,
     with_round_start,
 )
+from epochmesh.wire.tensors import encode_bundle, params_checksum
 from tests.fixtures import write_mlp_job
 from tests.integration.fake_agent import (
     FakeAgent,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine import Engine
-from coordinator.ring_rounds import Agreement, checksum_verdict
+from coordinator.engine.engine import Engine
+from coordinator.engine.strategies.ring import Agreement, checksum_verdict
 from epochmesh import identity as idm
 from epochmesh.v1 import agent_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.fake_agent import FakeAgent, submit_packed

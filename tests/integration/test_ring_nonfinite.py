@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine import Engine
+from coordinator.engine.engine import Engine
 from epochmesh.v1 import agent_pb2, common_pb2
-from node_agent.peer import PeerServer
+from node_agent.ring.service import PeerServer
 from tests.integration.ring_members import RingMember, ring_agents
 from tests.integration.test_ring_coordinator import check_exactly_once, new_world, ring_job, run_job
 from tests.procs import in_process_coordinator

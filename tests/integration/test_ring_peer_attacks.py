@@ -18,9 +18,9 @@ import pytest
 
 from epochmesh.identity import Identity
 from epochmesh.v1 import agent_pb2, peer_pb2, peer_pb2_grpc
-from node_agent import bulk
-from node_agent.peer import PUSH_CHUNKS, abort_chunk, peer_channel, ring_chunk_header
-from node_agent.ring_allreduce import RingPeerFailed, ring_allreduce
+from node_agent.ring import bulk
+from node_agent.ring.allreduce import RingPeerFailed, ring_allreduce
+from node_agent.ring.service import PUSH_CHUNKS, abort_chunk, peer_channel, ring_chunk_header
 from tests.integration.test_ring_allreduce import (
     Peers,
     _allreduce_all,
@@ -36,7 +36,7 @@ KEY = ("job", 5, 0)
 
 
 def _identities(tmp_path: Path, names: Sequence[str]) -> list[Identity]:
-    from coordinator.tokens import ensure_ca, issue_identity
+    from coordinator.trust.tokens import ensure_ca, issue_identity
 
     ca = ensure_ca(tmp_path / "ca")
     return [issue_identity(ca, "node", name) for name in names]  # type: ignore[arg-type]

@@ -17,18 +17,18 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.engine import Engine
-from epochmesh.ring import ALL_GATHER
-from epochmesh.ring_seal import SegmentSigner, seal_message
+from coordinator.engine.engine import Engine
+from epochmesh.ring.schedule import ALL_GATHER
+from epochmesh.ring.seal import SegmentSigner, seal_message
 from epochmesh.v1 import agent_pb2, common_pb2, peer_pb2
-from node_agent.bulk import BulkError
-from node_agent.peer import PeerServer, RingKey
-from node_agent.ring_allreduce import (
+from node_agent.ring.allreduce import (
     RingOutput,
     RingPeerFailed,
     RingTransport,
     ring_allreduce,
 )
+from node_agent.ring.bulk import BulkError
+from node_agent.ring.service import PeerServer, RingKey
 from tests.integration.ring_members import RingMember, ring_agents
 from tests.integration.test_ring_allreduce import Peers, _allreduce_all, _data, _expected
 from tests.integration.test_ring_coordinator import check_exactly_once, new_world, ring_job, run_job

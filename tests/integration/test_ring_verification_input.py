@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine import Engine
+from coordinator.engine.engine import Engine
 from epochmesh.v1 import common_pb2
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_ring_coordinator import (

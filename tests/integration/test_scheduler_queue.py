@@ -22,7 +22,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.engine import Engine
+from coordinator.engine.engine import Engine
 from epochmesh import identity as idm
 from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
@@ -40,7 +40,7 @@ from tests.integration.fake_agent import FakeAgent, task_indices
 from tests.procs import async_wait_until, in_process_coordinator
 
 if TYPE_CHECKING:
-    from coordinator.server import Coordinator
+    from coordinator.app import Coordinator
 
 pytestmark = pytest.mark.timeout(120)
 

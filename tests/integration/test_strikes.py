@@ -2,7 +2,7 @@
 refused update, quarantine (and its event) at the limit.
 
 The engine here is a small real one: it decodes the streamed bundle with the shared codec
-(`epochmesh.tensors.BundleAssembler`) against the expected parameter shapes, as the training
+(`epochmesh.wire.tensors.BundleAssembler`) against the expected parameter shapes, as the training
 engine does; the strike bookkeeping under test is the coordinator's (AgentService +
 NodeRegistry), whatever engine refuses the update.
 """
@@ -18,13 +18,13 @@ import grpc
 import pytest
 import torch
 
-from coordinator.engine_api import CoordinatorContext, NullEngine
-from coordinator.nodes import DEFAULT_STRIKE_LIMIT
-from coordinator.store import InvalidArgumentError
-from coordinator.tokens import create_token
+from coordinator.engine.api import CoordinatorContext, NullEngine
+from coordinator.nodes.registry import DEFAULT_STRIKE_LIMIT
+from coordinator.store.base import InvalidArgumentError
+from coordinator.trust.tokens import create_token
 from epochmesh import identity as idm
-from epochmesh.tensors import BundleAssembler, encode_bundle, iter_chunks
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from epochmesh.wire.tensors import BundleAssembler, encode_bundle, iter_chunks
 from tests.procs import in_process_coordinator
 
 pytestmark = pytest.mark.timeout(60)

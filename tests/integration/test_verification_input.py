@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.engine import Engine
+from coordinator.engine.engine import Engine
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.engine import Engine
-from coordinator.sqlite_store import SqliteStore
-from coordinator.verifier import STATE_KEY
+from coordinator.engine.engine import Engine
+from coordinator.engine.verifier import STATE_KEY
+from coordinator.store.sqlite import SqliteStore
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2

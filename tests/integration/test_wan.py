@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epochmesh.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS
-from epochmesh.wan import Site, WanLink, WanThread
+from epochmesh.testing.wan import Site, WanLink, WanThread
 from tests.procs import async_wait_until, wait_until
 
 pytestmark = pytest.mark.timeout(30)

@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator.engine_api import CoordinatorContext, NullEngine
-from coordinator.store import FailedPreconditionError
+from coordinator.engine.api import CoordinatorContext, NullEngine
+from coordinator.store.base import FailedPreconditionError
 from epochmesh.packaging import LossWrapper, export_program
-from epochmesh.program import TrainableProgram
-from epochmesh.tensors import encode_bundle, to_safetensors
+from epochmesh.program.archive import TrainableProgram
 from epochmesh.v1 import agent_pb2, common_pb2
+from epochmesh.wire.tensors import encode_bundle, to_safetensors
 from tests.procs import async_wait_until, in_process_coordinator
 from tests.system.test_agent import AgentProc
 

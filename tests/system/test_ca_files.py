@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.tokens import CertificateAuthority, issue_identity
+from coordinator.trust.tokens import CertificateAuthority, issue_identity
 from epochmesh import identity as idm
 from epochmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.procs import console_script, start_coordinator

@@ -2,7 +2,7 @@
 
 Pure parts first (totals, the per-node sums from round records, the formatting helpers), then
 end to end: a real coordinator, two real agents that dial it through emulated links (20 ms RTT,
-50 Mbit/s, epochmesh/wan.py), a local SGD job, and the `epochmesh` CLI as a subprocess. While
+50 Mbit/s, epochmesh/testing/wan.py), a local SGD job, and the `epochmesh` CLI as a subprocess. While
 the job runs, the live allocation shows each node's compute and communicate seconds, its RTT
 (at least the link's 20 ms) and bandwidth, and totals that are the sums; once the job has been
 cancelled, the times come from the recorded rounds and match them exactly.
@@ -27,8 +27,8 @@ from client.commands.allocation import (
     total_line,
 )
 from client.render import fmt_bandwidth, fmt_rtt, fmt_seconds, time_split_bar
+from epochmesh.testing.wan import WanLink, WanThread
 from epochmesh.v1 import common_pb2
-from epochmesh.wan import WanLink, WanThread
 from tests.fixtures import write_mlp_job
 from tests.procs import console_script, start_coordinator, token_for, wait_until
 from tests.system.test_agent import AgentProc, list_nodes

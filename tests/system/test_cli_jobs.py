@@ -45,7 +45,7 @@ pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(
         not ENGINE_AVAILABLE,
-        reason="epochmesh-coordinator runs without the training engine (coordinator/engine.py)",
+        reason="epochmesh-coordinator runs without the training engine (coordinator/engine/engine.py)",
     ),
 ]
 

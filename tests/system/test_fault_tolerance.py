@@ -40,8 +40,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from epochmesh.testing.wan import WanLink, WanThread
 from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
-from epochmesh.wan import WanLink, WanThread
 from tests.fixtures import write_job
 from tests.procs import CoordinatorProc, console_script, free_port, start_coordinator, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
@@ -115,7 +115,7 @@ def job_doc(name: str, **overrides: Any) -> dict[str, Any]:
 
 
 class Relay:
-    """A plain TCP relay to the coordinator (epochmesh.wan, no emulated delay) on a fixed port,
+    """A plain TCP relay to the coordinator (epochmesh.testing.wan, no emulated delay) on a fixed port,
     which can be cut (every connection reset, nothing listening) and restored."""
 
     def __init__(self, target: str) -> None:

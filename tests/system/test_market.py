@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.billing import earned_micro
+from coordinator.accounting.billing import earned_micro
 from epochmesh.money import MICRO, parse_credits
 from epochmesh.v1 import common_pb2, job_pb2
 from tests.fixtures import write_job

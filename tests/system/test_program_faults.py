@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from epochmesh.v1 import common_pb2
-from node_agent.program_host import TEST_FAULT_FILE
+from node_agent.sandbox.host import TEST_FAULT_FILE
 from tests.fixtures import write_mlp_job
 from tests.fixtures.hostile import NAN_LOSS, write_model
 from tests.procs import start_coordinator, wait_until

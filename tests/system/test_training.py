@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from coordinator.engine import WATCH_MIN_INTERVAL_S
+from coordinator.engine.engine import WATCH_MIN_INTERVAL_S
 from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
 from tests.fixtures import write_dataset, write_job
 from tests.procs import console_script, start_coordinator, sync_channel_for, wait_until

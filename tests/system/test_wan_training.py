@@ -1,7 +1,7 @@
 """Local SGD with int8 over emulated WAN links reaches the loss of synchronous fp32 training.
 
 Real processes: an `epochmesh-coordinator`, two `epochmesh-agent`s that each dial it through
-their own emulated link (epochmesh/wan.py relays on a thread of this test: 50 Mbit/s, 20 ms
+their own emulated link (epochmesh/testing/wan.py relays on a thread of this test: 50 Mbit/s, 20 ms
 RTT), and the `epochmesh` CLI. The same job (the fixtures' tiny classifier, 16 -> 32 -> 4, on
 512 samples, 3 epochs, global batch 64) is trained twice on that cluster:
 
@@ -42,8 +42,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from epochmesh.testing.wan import WanLink, WanThread
 from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
-from epochmesh.wan import WanLink, WanThread
 from tests.fixtures import MLP_DIR, make_classification, write_mlp_job
 from tests.procs import (
     console_script,

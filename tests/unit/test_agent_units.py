@@ -17,7 +17,24 @@ import pytest
 
 from epochmesh.money import format_credits
 from epochmesh.v1 import agent_pb2, common_pb2
-from node_agent.benchmark import (
+from node_agent.core.config import parse_args, parse_price, parse_size
+from node_agent.core.devices import (
+    DeviceError,
+    assemble,
+    cpu_device,
+    cpu_model_name,
+    cuda_device,
+    discover_cuda,
+    discover_devices,
+    format_driver,
+    select_device,
+)
+from node_agent.core.identity import load_node_id, save_node_id
+from node_agent.core.slowdown import SlowdownController, padding_seconds, parse_factor
+from node_agent.core.watch_file import WatchedValue
+from node_agent.link.cache import BlobCache, CacheError
+from node_agent.link.connection import Backoff, is_transient
+from node_agent.training.benchmark import (
     MAX_EXTRAPOLATION,
     QUICK_PLAN,
     BenchmarkCancelled,
@@ -38,24 +55,7 @@ from node_agent.benchmark import (
     run_compute_benchmark,
     step_time_estimate,
 )
-from node_agent.cache import BlobCache, CacheError
-from node_agent.config import parse_args, parse_price, parse_size
-from node_agent.connection import Backoff, is_transient
-from node_agent.devices import (
-    DeviceError,
-    assemble,
-    cpu_device,
-    cpu_model_name,
-    cuda_device,
-    discover_cuda,
-    discover_devices,
-    format_driver,
-    select_device,
-)
-from node_agent.identity import load_node_id, save_node_id
-from node_agent.reference_model import reference_step_factory
-from node_agent.slowdown import SlowdownController, padding_seconds, parse_factor
-from node_agent.watch_file import WatchedValue
+from node_agent.training.reference_model import reference_step_factory
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -839,7 +839,7 @@ def test_price_follows_its_watch_file_and_keeps_the_old_one_on_bad_text(
 def test_cpu_time_slowdown_does_not_pad_time_spent_waiting() -> None:
     """With measure_cpu_time, a step pays F times the CPU it used: time it spent waiting for a
     core (wall time beyond its CPU time) is not multiplied."""
-    from node_agent.slowdown import SlowdownController
+    from node_agent.core.slowdown import SlowdownController
 
     wall = [0.0]
     cpu = [0.0]

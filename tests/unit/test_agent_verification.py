@@ -1,9 +1,9 @@
 """The agent's side of verification (issue 20) without networking: a part cut into chunks whose
 weighted sum is the part's gradient and whose commitments fit it, the test-only cheats
-(node_agent.cheat) and their consistency: for an honest update and for every cheated one, the
+(node_agent.testing.cheat) and their consistency: for an honest update and for every cheated one, the
 sample-weighted sum of the chunks' sketches is the sketch of the update sent (a smart cheater
 passes the sketch check; only recomputation catches it). The real exported program
-(epochmesh.program.TrainableProgram) of the tests' MLP computes every gradient."""
+(epochmesh.program.archive.TrainableProgram) of the tests' MLP computes every gradient."""
 
 from __future__ import annotations
 
@@ -16,13 +16,17 @@ import torch
 
 from epochmesh.dataset import ShardedDataset
 from epochmesh.packaging import PackedJob, build_job
-from epochmesh.program import TrainableProgram
+from epochmesh.program.archive import TrainableProgram
 from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import chunk_bounds, commitment_problem
-from node_agent.cache import BlobCache
-from node_agent.cheat import (
+from node_agent.core.identity import set_insecure
+from node_agent.core.slowdown import SlowdownController
+from node_agent.link.cache import BlobCache
+from node_agent.link.connection import CoordinatorConnection
+from node_agent.runtime.dispatch import TaskContext
+from node_agent.testing.cheat import (
     CHEAT_ENV,
     SCALE,
     UPDATE_KINDS,
@@ -37,11 +41,7 @@ from node_agent.cheat import (
     randomized,
     round_generator,
 )
-from node_agent.connection import CoordinatorConnection
-from node_agent.identity import set_insecure
-from node_agent.slowdown import SlowdownController
-from node_agent.tasks import TaskContext
-from node_agent.trainer import (
+from node_agent.training.ps_round import (
     ChunkGradients,
     ComputedUpdate,
     LoadedJob,

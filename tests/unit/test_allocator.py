@@ -1,4 +1,4 @@
-"""Unit tests of coordinator.allocator: local batches and epoch segments."""
+"""Unit tests of coordinator.rounds.allocator: local batches and epoch segments."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.allocator import apportion, equal_split, quotas, segments, split_batch
+from coordinator.rounds.allocator import apportion, equal_split, quotas, segments, split_batch
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from coordinator.cluster_scheduler import Plan, Tier
+from coordinator.scheduling.cluster_scheduler import Plan, Tier
 
 pytestmark = pytest.mark.timeout(120)
 

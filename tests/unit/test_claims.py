@@ -1,11 +1,11 @@
-"""coordinator.claims: reported compute seconds and benchmarks are believed only as far as the
+"""coordinator.rounds.claims: reported compute seconds and benchmarks are believed only as far as the
 coordinator's own observations go."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.claims import (
+from coordinator.rounds.claims import (
     BENCHMARK_CAP,
     CLAIM_TOLERANCE,
     capped_benchmarks,

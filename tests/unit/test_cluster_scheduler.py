@@ -1,4 +1,4 @@
-"""Unit and property tests of coordinator.cluster_scheduler (pure: no clock, no I/O)."""
+"""Unit and property tests of coordinator.scheduling.cluster_scheduler (pure: no clock, no I/O)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.cluster_scheduler import (
+from coordinator.scheduling.cluster_scheduler import (
     Holding,
     JobRequest,
     NodeOffer,

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from epochmesh.compression import (
+from epochmesh.errors import CodecError
+from epochmesh.wire.compression import (
     CODECS,
     FP16_MAX,
     INT8_BLOCK,
@@ -22,7 +23,6 @@ from epochmesh.compression import (
     encoded_size,
     topk_count,
 )
-from epochmesh.errors import CodecError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""epochmesh.confine: real child processes confine themselves and try what confinement must stop
+"""epochmesh.program.confine: real child processes confine themselves and try what confinement must stop
 (files, sockets, processes, signals, limits) and what it must leave (reading the runtime,
 threads, torch); the parent moves a busy child's CPU limit; the seccomp filter's decisions,
 run through a small BPF interpreter, for both architectures' tables."""
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from epochmesh import confine
-from epochmesh.confine import (
+from epochmesh.program import confine
+from epochmesh.program.confine import (
     ARCHES,
     RET_ALLOW,
     RET_ERRNO,
@@ -41,7 +41,7 @@ on_linux = pytest.mark.skipif(not LINUX, reason="process confinement is Linux-on
 
 PRELUDE = """
 import json, os, resource, socket, subprocess, sys, threading
-from epochmesh.confine import Confinement, confine_self, data_bytes, runtime_read_paths
+from epochmesh.program.confine import Confinement, confine_self, data_bytes, runtime_read_paths
 out = {}
 def attempt(name, fn):
     try:

@@ -1,5 +1,5 @@
-"""The market's money rules (epochmesh/money.py, coordinator/billing.py,
-coordinator/credit_book.py), pure: parsing credits, the billing rule, and a hypothesis model of
+"""The market's money rules (epochmesh/money.py, coordinator/accounting/billing.py,
+coordinator/accounting/credit_book.py), pure: parsing credits, the billing rule, and a hypothesis model of
 a job's life (grants, escrow at submit, rounds with failed and late parts, coordinator
 roll-backs, a budget that runs out, top-ups, cancel) against the ledger's invariants."""
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.billing import BilledSamples, PartCharge, charge_part, earned_micro
-from coordinator.credit_book import (
+from coordinator.accounting.billing import BilledSamples, PartCharge, charge_part, earned_micro
+from coordinator.accounting.credit_book import (
     MINT,
     PLATFORM,
     CreditBook,

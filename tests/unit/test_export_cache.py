@@ -24,8 +24,8 @@ from epochmesh.export_cache import (
 )
 from epochmesh.packaging import PackedJob, _cache_key, build_job
 from epochmesh.spec import load_spec
-from epochmesh.tensors import to_safetensors
 from epochmesh.v1 import common_pb2
+from epochmesh.wire.tensors import to_safetensors
 from tests.fixtures import make_classification, write_job, write_mlp_job
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""epochmesh.identity and coordinator.tokens: CA, CSRs, certificates, tokens, call signatures."""
+"""epochmesh.identity and coordinator.trust.tokens: CA, CSRs, certificates, tokens, call signatures."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from coordinator.tokens import ensure_ca, parse_ttl
+from coordinator.trust.tokens import ensure_ca, parse_ttl
 from epochmesh import identity as idm
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.tokens import (
+from coordinator.trust.tokens import (
     MAX_CERT_TTL_S,
     CertificateAuthority,
     EnrollLimits,

@@ -1,4 +1,4 @@
-"""Unit tests of coordinator.ledger: exactly-once coverage of every epoch, whatever fails."""
+"""Unit tests of coordinator.rounds.ledger: exactly-once coverage of every epoch, whatever fails."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.allocator import split_batch
-from coordinator.ledger import EpochLedger, LedgerInvariantError, epoch_order, index_runs
+from coordinator.rounds.allocator import split_batch
+from coordinator.rounds.ledger import EpochLedger, LedgerInvariantError, epoch_order, index_runs
 
 pytestmark = pytest.mark.timeout(90)
 

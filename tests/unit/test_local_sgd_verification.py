@@ -1,7 +1,7 @@
 """Local SGD verification without networking (issue 20): a part's inner steps cut into chunks
 whose parameter differences add up to its pseudo-gradient, the state each chunk started from
 committed by digest, the coordinator's check of an uploaded start state
-(coordinator/snapshot_check.py), and a checker's recomputation of one chunk from it
+(coordinator/verification/snapshot_check.py), and a checker's recomputation of one chunk from it
 (trainer.recompute_local_chunk): an honest chunk is reproduced, a cheater's made-up chunk is
 not, whichever start states it commits. The real exported program of the tests' MLP computes
 every step."""
@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.snapshot_check import snapshot_problem
+from coordinator.verification.snapshot_check import snapshot_problem
 from epochmesh.dataset import ShardedDataset
 from epochmesh.optim import build_optimizer
 from epochmesh.packaging import PackedJob, build_job
-from epochmesh.program import TrainableProgram
+from epochmesh.program.archive import TrainableProgram
 from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.spec import load_spec
-from epochmesh.tensors import encode_bundle
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
     local_sgd_chunk_samples,
@@ -34,13 +33,14 @@ from epochmesh.verification import (
     state_digest,
     step_chunk_bounds,
 )
-from node_agent.cache import BlobCache
-from node_agent.cheat import UPDATE_KINDS, Cheat
-from node_agent.connection import CoordinatorConnection
-from node_agent.identity import set_insecure
-from node_agent.slowdown import SlowdownController
-from node_agent.tasks import TaskContext
-from node_agent.trainer import (
+from epochmesh.wire.tensors import encode_bundle
+from node_agent.core.identity import set_insecure
+from node_agent.core.slowdown import SlowdownController
+from node_agent.link.cache import BlobCache
+from node_agent.link.connection import CoordinatorConnection
+from node_agent.runtime.dispatch import TaskContext
+from node_agent.testing.cheat import UPDATE_KINDS, Cheat
+from node_agent.training.ps_round import (
     ComputedUpdate,
     LoadedJob,
     grouped_local_chunks,

@@ -1,11 +1,11 @@
-"""A job's node-set bookkeeping (coordinator/node_set.py), without a network: which nodes a
+"""A job's node-set bookkeeping (coordinator/rounds/node_set.py), without a network: which nodes a
 round uses, which leave, exclusion after repeated failures, job-fault verdicts, departures."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.node_set import JOB_FAULT_NODES, MAX_CONSECUTIVE_FAILURES, JobNodeSet
+from coordinator.rounds.node_set import JOB_FAULT_NODES, MAX_CONSECUTIVE_FAILURES, JobNodeSet
 
 pytestmark = pytest.mark.timeout(30)
 

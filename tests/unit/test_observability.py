@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.cluster_view import ClusterState, QueueEntry, Viewer, redact_jobs
-from coordinator.dashboard_access import Sessions, is_loopback_host, login_required
-from coordinator.metrics import cluster_families
-from coordinator.round_stats import Histogram, JobRounds, RoundStats
+from coordinator.observability.cluster_view import ClusterState, QueueEntry, Viewer, redact_jobs
+from coordinator.observability.dashboard_access import Sessions, is_loopback_host, login_required
+from coordinator.observability.metrics import cluster_families
+from coordinator.observability.round_stats import Histogram, JobRounds, RoundStats
 from epochmesh.v1 import common_pb2
 
 pytestmark = pytest.mark.timeout(30)

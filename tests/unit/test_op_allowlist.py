@@ -1,4 +1,4 @@
-"""The operator allow-list (epochmesh.op_allowlist) and the archive check built on it (issue 17).
+"""The operator allow-list (epochmesh.program.op_allowlist) and the archive check built on it (issue 17).
 
 Ordinary models, exported as packaging exports them, pass and load; the sparse model of
 tests/fixtures/hostile.py (its export only traces, with fake tensors: it never runs here), an
@@ -6,7 +6,7 @@ archive edited to call an operator off the list, sparse layouts and unknown dtyp
 shapes with powers or huge constants are refused with one line naming what.
 
 The catalogue below is also how the list was made: add a model or layer to it to see which of
-its operators the list refuses (then review them, see epochmesh/op_allowlist.py).
+its operators the list refuses (then review them, see epochmesh/program/op_allowlist.py).
 """
 
 from __future__ import annotations
@@ -29,12 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import epochmesh.op_allowlist
+import epochmesh.program.op_allowlist
 from epochmesh.errors import ExportError, ProgramError
-from epochmesh.op_allowlist import ALLOWED_ATEN_OPS
 from epochmesh.packaging import LossWrapper, export_program
-from epochmesh.program import TrainableProgram, initial_state_metadata, validate_program_archive
-from epochmesh.tensors import to_safetensors
+from epochmesh.program.archive import (
+    TrainableProgram,
+    initial_state_metadata,
+    validate_program_archive,
+)
+from epochmesh.program.op_allowlist import ALLOWED_ATEN_OPS
+from epochmesh.wire.tensors import to_safetensors
 from tests.fixtures import MLP_DIR
 from tests.fixtures.hostile import SPARSE_OUT_OF_RANGE
 from tests.fixtures.hostile_programs import HUGE_POWER, with_shape_expression
@@ -729,7 +733,7 @@ def test_the_list_is_clean_literal_and_sorted() -> None:
         _, name, overload = op.split(".")
         assert getattr(getattr(torch.ops.aten, name), overload) is not None, op
     # Literal, sorted sets in the source: a torch upgrade cannot widen them.
-    source = Path(epochmesh.op_allowlist.__file__).read_text()
+    source = Path(epochmesh.program.op_allowlist.__file__).read_text()
     literals = [
         [e.value for e in node.elts]
         for node in ast.walk(ast.parse(source))
@@ -753,7 +757,7 @@ def test_every_entry_is_core_or_emitted_by_the_catalogue() -> None:
     for name in CASES:
         collect(model_json(exported(name)[1])["graph_module"]["graph"])
     not_core = {op for op in ALLOWED_ATEN_OPS if not _is_core(op)}
-    assert not_core == epochmesh.op_allowlist._EMITTED
+    assert not_core == epochmesh.program.op_allowlist._EMITTED
     assert sorted(not_core - emitted) == []
 
 

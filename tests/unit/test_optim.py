@@ -14,8 +14,8 @@ from epochmesh.optim import (
     optimizer_state_tensors,
 )
 from epochmesh.spec import parse_spec
-from epochmesh.tensors import from_safetensors, to_safetensors
 from epochmesh.v1 import common_pb2
+from epochmesh.wire.tensors import from_safetensors, to_safetensors
 
 pytestmark = pytest.mark.timeout(60)
 

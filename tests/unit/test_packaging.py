@@ -11,8 +11,8 @@ from epochmesh.dataset import ShardedDataset, ranges_to_indices
 from epochmesh.errors import CodecError, ExportError, SpecError
 from epochmesh.packaging import DEFAULT_SHARD_BYTES, PackedJob, build_job, describe
 from epochmesh.spec import load_spec
-from epochmesh.tensors import from_safetensors, safetensors_metadata, to_safetensors
 from epochmesh.v1 import common_pb2
+from epochmesh.wire.tensors import from_safetensors, safetensors_metadata, to_safetensors
 from tests.fixtures import (
     MLP_DIR,
     make_classification,
@@ -140,7 +140,7 @@ def loss_fn(out, y, w):
     packed = build_job(load_spec(write_job(tmp_path, src, data, doc)), shard_samples=4)
     assert packed.spec.loss == "custom"
     assert list(from_safetensors(packed.shards[0][2])) == ["x", "z", "y", "w"]
-    from epochmesh.program import TrainableProgram
+    from epochmesh.program.archive import TrainableProgram
 
     prog = TrainableProgram.from_bytes(packed.program, packed.initial_state)
     for b in (1, 2, 3, 7, 11):
@@ -161,7 +161,7 @@ def test_mse_loss(tmp_path: Path) -> None:
     data = {"x": torch.randn(9, 16, generator=g), "y": torch.randn(9, 4, generator=g)}
     doc = {**DOC, "model": {"loss": "mse"}}
     packed = build_job(load_spec(write_job(tmp_path, LINEAR, data, doc)))
-    from epochmesh.program import TrainableProgram
+    from epochmesh.program.archive import TrainableProgram
 
     prog = TrainableProgram.from_bytes(packed.program, packed.initial_state)
     torch.manual_seed(3)

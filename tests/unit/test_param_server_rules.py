@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.param_server import ParameterServer
+from coordinator.aggregation.param_server import ParameterServer
 from epochmesh.v1 import common_pb2
 
 pytestmark = pytest.mark.timeout(60)

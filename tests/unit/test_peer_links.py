@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from node_agent.peer_links import MAX_LINKS, PeerLinks
+from node_agent.ring.links import MAX_LINKS, PeerLinks
 from tests.procs import async_wait_until
 
 pytestmark = pytest.mark.timeout(20)

@@ -16,9 +16,9 @@ from epochmesh.errors import ProgramError
 from epochmesh.export_cache import ExportCache
 from epochmesh.optim import build_optimizer
 from epochmesh.packaging import PackedJob, build_job
-from epochmesh.program import TrainableProgram, read_initial_state, validate_program_archive
+from epochmesh.program.archive import TrainableProgram, read_initial_state, validate_program_archive
 from epochmesh.spec import load_spec
-from epochmesh.tensors import from_safetensors, to_safetensors
+from epochmesh.wire.tensors import from_safetensors, to_safetensors
 from tests.fixtures import MLP_DIR, make_classification, write_job, write_mlp_job
 
 pytestmark = pytest.mark.timeout(120)

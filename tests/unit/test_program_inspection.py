@@ -1,4 +1,4 @@
-"""epochmesh.program_inspection: the verdict on a child's exit (pure, table-driven), and real
+"""epochmesh.program.inspection: the verdict on a child's exit (pure, table-driven), and real
 confined children loading a good, a malformed, a hanging and a misbehaving program."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
-from epochmesh.program_inspection import (
+from epochmesh.program.inspection import (
     MAX_ANSWER_BYTES,
     READY,
     TEST_FAULT_ENV,

@@ -1,4 +1,4 @@
-"""Shared regions between the agent and a program child (node_agent.program_wire)."""
+"""Shared regions between the agent and a program child (node_agent.sandbox.wire)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from node_agent.program_wire import Layout, Region
+from node_agent.sandbox.wire import Layout, Region
 
 pytestmark = pytest.mark.timeout(10)
 

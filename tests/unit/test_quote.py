@@ -39,9 +39,9 @@ from epochmesh.quote import (
     quote,
     quote_job,
 )
-from epochmesh.safetensors_file import dataset_samples
 from epochmesh.spec import parse_spec
 from epochmesh.v1 import common_pb2
+from epochmesh.wire.safetensors_file import dataset_samples
 from tests.fixtures import write_dataset
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Unit tests of coordinator.reputation: check probability, check sampling, the record."""
+"""Unit tests of coordinator.verification.reputation: check probability, check sampling, the record."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.reputation import (
+from coordinator.verification.reputation import (
     CHECK_FRACTION,
     MAX_EVIDENCE_CHARS,
     N0,

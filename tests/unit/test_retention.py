@@ -1,6 +1,6 @@
-"""Retention: the pure policy (coordinator/retention.py), the store's retention queries on a real
-SQLite file, the agent's blob cache cap (node_agent/cache.py) and the program child's device
-warm-up on a CPU (node_agent/program_child.py)."""
+"""Retention: the pure policy (coordinator/store/retention.py), the store's retention queries on a real
+SQLite file, the agent's blob cache cap (node_agent/link/cache.py) and the program child's device
+warm-up on a CPU (node_agent/sandbox/child.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.blobs import BlobStore
-from coordinator.garbage_collector import GarbageCollector
-from coordinator.retention import (
+from coordinator.store.base import BlobRecord
+from coordinator.store.blobs import BlobStore
+from coordinator.store.gc import GarbageCollector
+from coordinator.store.retention import (
     FLOOR_UNKNOWN,
     LIVE_STATES,
     ManifestError,
@@ -27,11 +28,10 @@ from coordinator.retention import (
     keep_for,
     manifest_references,
 )
-from coordinator.sqlite_store import SqliteStore
-from coordinator.store import BlobRecord
+from coordinator.store.sqlite import SqliteStore
 from epochmesh.v1 import agent_pb2, common_pb2
-from node_agent.cache import BlobCache
-from node_agent.program_child import warm_up_device_libraries
+from node_agent.link.cache import BlobCache
+from node_agent.sandbox.child import warm_up_device_libraries
 
 pytestmark = pytest.mark.timeout(30)
 

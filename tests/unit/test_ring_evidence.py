@@ -1,4 +1,4 @@
-"""epochmesh.ring_evidence: ring members' sketches of their reduce-scatter, and the judge that
+"""epochmesh.ring.evidence: ring members' sketches of their reduce-scatter, and the judge that
 checks every member against itself and every hop against its two ends (pure; the ring is
 simulated here with the real schedule and wire codecs)."""
 
@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from epochmesh.ring import RingSchedule, chunk_elems_for
-from epochmesh.ring_evidence import (
+from epochmesh.ring.evidence import (
     HOP_TOLERANCE,
     SELF_TOLERANCE,
     FlatSketch,
@@ -19,6 +18,7 @@ from epochmesh.ring_evidence import (
     judge,
     member_evidence,
 )
+from epochmesh.ring.schedule import RingSchedule, chunk_elems_for
 from epochmesh.sketch import relative_distance, sketch
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,7 +30,7 @@ NUMEL = sum(math.prod(s) for s in SHAPES.values())
 def simulate(
     contributions: list[torch.Tensor], codec: str, chunk_elems: int = 256
 ) -> tuple[RingSchedule, list[torch.Tensor], list[torch.Tensor]]:
-    """A ring all-reduce as node_agent.ring_allreduce runs it (reduce-scatter adding decoded
+    """A ring all-reduce as node_agent.ring.allreduce runs it (reduce-scatter adding decoded
     chunks, the owner's sum through the codec, all-gather copying): the schedule, every rank's
     received reduce-scatter values and its final buffer."""
     n = len(contributions)

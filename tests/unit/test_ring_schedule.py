@@ -1,4 +1,4 @@
-"""The pure ring all-reduce schedule (epochmesh.ring): coverage, exactly-once reduction,
+"""The pure ring all-reduce schedule (epochmesh.ring.schedule): coverage, exactly-once reduction,
 all-gather distribution, bit-identical sums, deadlines and the ring order."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochmesh.compression import encoded_size
 from epochmesh.limits import MAX_CHUNK_BYTES
-from epochmesh.ring import (
+from epochmesh.ring.schedule import (
     ALL_GATHER,
     REDUCE_SCATTER,
     RING_CODECS,
@@ -24,6 +23,7 @@ from epochmesh.ring import (
     simulate_allreduce,
     step_deadline_s,
 )
+from epochmesh.wire.compression import encoded_size
 
 pytestmark = pytest.mark.timeout(60)
 

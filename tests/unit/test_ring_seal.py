@@ -1,5 +1,5 @@
-"""Seals of ring all-gather segments (epochmesh.ring_seal) and their check in a ring member's
-receive slot (node_agent.ring_allreduce._ReceiveSlot), without a network: a segment that does
+"""Seals of ring all-gather segments (epochmesh.ring.seal) and their check in a ring member's
+receive slot (node_agent.ring.allreduce._ReceiveSlot), without a network: a segment that does
 not match its owner's seal is refused naming the left neighbour that delivered it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from epochmesh.identity import Identity
-from epochmesh.ring import ALL_GATHER
-from epochmesh.ring_seal import (
+from epochmesh.ring.schedule import ALL_GATHER
+from epochmesh.ring.seal import (
     OwnerRevoked,
     Seal,
     SealError,
@@ -24,8 +24,8 @@ from epochmesh.ring_seal import (
     seal_message,
 )
 from epochmesh.v1 import agent_pb2, common_pb2
-from node_agent import ring_allreduce as ra
-from node_agent.peer import ChunkRejected, RingChunkView
+from node_agent.ring import allreduce as ra
+from node_agent.ring.service import ChunkRejected, RingChunkView
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,7 +37,7 @@ DIGEST = hashlib.sha256(b"segment").digest()
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
     """Node identities of one CA, a submitter's of the same CA and a node-0 of another CA."""
-    from coordinator.tokens import ensure_ca, issue_identity
+    from coordinator.trust.tokens import ensure_ca, issue_identity
 
     base: Path = tmp_path_factory.mktemp("ca")
     ca, other = ensure_ca(base / "ca"), ensure_ca(base / "other")

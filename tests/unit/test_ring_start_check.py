@@ -1,4 +1,4 @@
-"""coordinator.snapshot_check.ring_start_problem: a ring member's upload of the parameters its
+"""coordinator.verification.snapshot_check.ring_start_problem: a ring member's upload of the parameters its
 checked part started from is taken only when they are the job's parameters and hash to the
 checksum its ring agreed on (pure)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.snapshot_check import ring_start_problem
-from epochmesh.tensors import params_checksum
+from coordinator.verification.snapshot_check import ring_start_problem
 from epochmesh.verification import split_round_start, state_digest, with_round_start
+from epochmesh.wire.tensors import params_checksum
 
 pytestmark = pytest.mark.timeout(30)
 

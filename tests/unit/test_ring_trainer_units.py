@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from epochmesh.optim import build_round_optimizer, optimizer_state_tensors
-from epochmesh.tensors import params_checksum
 from epochmesh.v1 import agent_pb2, common_pb2
-from node_agent import ring_trainer as rt
-from node_agent.config import (
+from epochmesh.wire.tensors import params_checksum
+from node_agent.core.config import (
     DEFAULT_PEER_LISTEN,
     advertised_peer_address,
     parse_args,
     split_host_port,
 )
-from node_agent.peer import StateSnapshot
+from node_agent.ring.service import StateSnapshot
+from node_agent.training import ring_round as rt
 
 pytestmark = pytest.mark.timeout(30)
 

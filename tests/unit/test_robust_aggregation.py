@@ -1,4 +1,4 @@
-"""Unit tests of coordinator.robust_aggregation: mean, trimmed_mean, centered_clip."""
+"""Unit tests of coordinator.aggregation.robust: mean, trimmed_mean, centered_clip."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.param_server import ParameterServer
-from coordinator.robust_aggregation import (
+from coordinator.aggregation.param_server import ParameterServer
+from coordinator.aggregation.robust import (
     ACCEPTED_RULES,
     AggregationRule,
     aggregate,

@@ -1,4 +1,4 @@
-"""Unit tests of the sample-range encoding of coordinator.sample_ranges (index runs of a round's
+"""Unit tests of the sample-range encoding of coordinator.rounds.sample_ranges (index runs of a round's
 parts, appended to Task / RoundPart messages as wire bytes instead of message objects)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.ledger import EpochLedger, index_runs
-from coordinator.sample_ranges import (
+from coordinator.rounds.ledger import EpochLedger, index_runs
+from coordinator.rounds.sample_ranges import (
     ROUND_PART_RANGES_FIELD,
     TASK_RANGES_FIELD,
     encode_ranges_field,

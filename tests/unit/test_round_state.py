@@ -1,4 +1,4 @@
-"""The open round's part lifecycle (coordinator/rounds.py), table-driven, without a network:
+"""The open round's part lifecycle (coordinator/rounds/round_state.py), table-driven, without a network:
 updates taken or refused, time-boxed prefixes, failures, and what the round still awaits."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.rounds import Part, RoundState
+from coordinator.rounds.round_state import Part, RoundState
 
 pytestmark = pytest.mark.timeout(30)
 

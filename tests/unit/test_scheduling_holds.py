@@ -1,4 +1,4 @@
-"""How long a job keeps a node it claimed (coordinator/scheduling.py): derived from the job's
+"""How long a job keeps a node it claimed (coordinator/engine/cluster_scheduling.py): derived from the job's
 round time and the node's job benchmark unless the operator fixed it, and honoured by the
 scheduler's passes (a node within its hold is not moved to a same-tier job)."""
 
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.scheduling import (
+from coordinator.engine.cluster_scheduling import (
     HOLD_ROUNDS,
     MAX_BENCH_OVERHEAD,
     MIN_HOLD_S,
     ClusterScheduling,
     hold_seconds,
 )
-from coordinator.sqlite_store import SqliteStore
+from coordinator.store.sqlite import SqliteStore
 from epochmesh.v1 import common_pb2
 
 pytestmark = pytest.mark.timeout(30)

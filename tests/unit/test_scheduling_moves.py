@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.scheduling import ClusterScheduling
-from coordinator.sqlite_store import SqliteStore
+from coordinator.engine.cluster_scheduling import ClusterScheduling
+from coordinator.store.sqlite import SqliteStore
 from tests.unit.test_scheduling_holds import Runner, nodes
 
 pytestmark = pytest.mark.timeout(30)

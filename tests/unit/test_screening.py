@@ -1,4 +1,4 @@
-"""Unit tests of coordinator.screening on synthetic rounds shaped like real training.
+"""Unit tests of coordinator.verification.screening on synthetic rounds shaped like real training.
 
 The synthetic round: a true gradient ``g`` (|g| = 1) and, per node, the mean of ``b`` per-sample
 gradients ``g + noise``. The per-sample noise has the covariance of a trained network's
@@ -19,7 +19,7 @@ from functools import cache
 import pytest
 import torch
 
-from coordinator.screening import (
+from coordinator.verification.screening import (
     HISTORY_KEEP,
     Screening,
     ScreenParams,

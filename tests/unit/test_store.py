@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.sqlite_store import LATEST_SCHEMA_VERSION, MIGRATIONS, SqliteStore
-from coordinator.store import (
+from coordinator.store.base import (
     AlreadyExistsError,
     HeartbeatUpdate,
     NodeRecord,
@@ -20,6 +19,7 @@ from coordinator.store import (
     is_job_id,
     kind_matches,
 )
+from coordinator.store.sqlite import LATEST_SCHEMA_VERSION, MIGRATIONS, SqliteStore
 from epochmesh.v1 import common_pb2
 
 pytestmark = pytest.mark.timeout(30)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.store import ResourceExhaustedError
-from coordinator.stream_caps import StreamCaps
+from coordinator.core.stream_caps import StreamCaps
+from coordinator.store.base import ResourceExhaustedError
 
 pytestmark = pytest.mark.timeout(10)
 

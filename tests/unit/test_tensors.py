@@ -9,10 +9,11 @@ import warnings
 import pytest
 import torch
 
-from epochmesh.compression import ErrorFeedback, decode
 from epochmesh.errors import CodecError
 from epochmesh.limits import MAX_CHUNK_BYTES
-from epochmesh.tensors import (
+from epochmesh.v1 import common_pb2
+from epochmesh.wire.compression import ErrorFeedback, decode
+from epochmesh.wire.tensors import (
     BundleAssembler,
     BundleLimits,
     decode_bundle,
@@ -25,7 +26,6 @@ from epochmesh.tensors import (
     to_safetensors,
     validate_header,
 )
-from epochmesh.v1 import common_pb2
 
 pytestmark = pytest.mark.timeout(60)
 

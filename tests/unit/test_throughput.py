@@ -1,4 +1,4 @@
-"""Unit tests of coordinator.throughput: re-estimation from rounds and deadlines."""
+"""Unit tests of coordinator.rounds.throughput: re-estimation from rounds and deadlines."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from coordinator.allocator import split_batch
-from coordinator.throughput import (
+from coordinator.rounds.allocator import split_batch
+from coordinator.rounds.throughput import (
     COMM_SLACK,
     MAX_SLACK,
     MIN_DEADLINE_S,

@@ -1,4 +1,4 @@
-"""Unit tests of the per-step time model of coordinator.throughput (local SGD planning).
+"""Unit tests of the per-step time model of coordinator.rounds.throughput (local SGD planning).
 
 An inner step of b samples costs ``a + b * c`` seconds. Planning local SGD by samples/s
 (proportional split) hands a node measured at a larger batch even more; planning by the
@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-from coordinator.allocator import split_batch
-from coordinator.throughput import (
+from coordinator.rounds.allocator import split_batch
+from coordinator.rounds.throughput import (
     MAX_FIXED_FRACTION,
     StepModel,
     ThroughputEstimator,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.main import main
-from coordinator.tokens import check_donor
+from coordinator.trust.tokens import check_donor
 
 pytestmark = pytest.mark.timeout(30)
 

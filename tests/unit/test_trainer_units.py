@@ -13,22 +13,22 @@ import pytest
 import torch
 from torch import nn
 
-from epochmesh.compression import ErrorFeedback, decode
 from epochmesh.dataset import ShardedDataset
 from epochmesh.export_cache import ExportCache
 from epochmesh.optim import build_optimizer
 from epochmesh.packaging import PackedJob, build_job
-from epochmesh.program import TrainableProgram
+from epochmesh.program.archive import TrainableProgram
 from epochmesh.spec import load_spec
-from epochmesh.tensors import decode_bundle, from_safetensors
 from epochmesh.v1 import agent_pb2, common_pb2
-from node_agent.cache import BlobCache
-from node_agent.connection import CoordinatorConnection
-from node_agent.identity import set_insecure
-from node_agent.peer import PeerServer, StateSnapshot
-from node_agent.slowdown import SlowdownController
-from node_agent.tasks import TaskContext
-from node_agent.trainer import (
+from epochmesh.wire.compression import ErrorFeedback, decode
+from epochmesh.wire.tensors import decode_bundle, from_safetensors
+from node_agent.core.identity import set_insecure
+from node_agent.core.slowdown import SlowdownController
+from node_agent.link.cache import BlobCache
+from node_agent.link.connection import CoordinatorConnection
+from node_agent.ring.service import PeerServer, StateSnapshot
+from node_agent.runtime.dispatch import TaskContext
+from node_agent.training.ps_round import (
     KIND_GRADIENT,
     KIND_PSEUDO_GRADIENT,
     ComputedUpdate,

@@ -6,9 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from epochmesh.compression import ErrorFeedback
 from epochmesh.sketch import combine, relative_distance, sketch
-from epochmesh.tensors import decode_bundle, encode_bundle
 from epochmesh.verification import (
     CONSISTENCY_TOLERANCE,
     chunk_bounds,
@@ -17,6 +15,8 @@ from epochmesh.verification import (
     loss_matches,
     recompute_tolerance,
 )
+from epochmesh.wire.compression import ErrorFeedback
+from epochmesh.wire.tensors import decode_bundle, encode_bundle
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""coordinator.verification_state: a job's verification state survives its stored form (a
+"""coordinator.verification.restart_state: a job's verification state survives its stored form (a
 coordinator restart reads it back), ring members' disputed hops included; a state written
 before disputes were kept still reads; a damaged one is refused with a reason (pure)."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from coordinator.verification_state import StoredVerification
+from coordinator.verification.restart_state import StoredVerification
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from epochmesh.wan import (
+from epochmesh.testing.wan import (
     MSS_BYTES,
     FlowShaper,
     LinkSpec,

@@ -1,0 +1,1080 @@
+"""A job's program, run in a confined child process (node_agent.sandbox.child).
+
+`ConfinedProgram` offers the agent what `epochmesh.program.archive.TrainableProgram` offers (names,
+live parameters for optimizers, state, loss and gradients of a batch), but the program itself
+runs in a child that never holds the node's key, certificate or tokens, has no network, and
+runs under resource limits (epochmesh.program.confine). Parameters and buffers live in shared memory
+that the agent owns (a memfd): the agent's optimizer steps and parameter loads change what the
+child computes with, without copies; batches go through a shared arena and gradients come
+back through a shared region; only small JSON messages cross the socket pair.
+
+Children are forked by the agent's zygote (node_agent.sandbox.zygote, `ZygoteClient`): a fresh
+interpreter with the children's minimal environment, started for the first child, that has
+imported torch, so that a child skips the interpreter's start and torch's import. Forking from
+it, never from the agent, keeps the agent's key, certificate and tokens out of every child's
+memory. When no zygote can serve, a child starts as a fresh interpreter.
+
+A crash, a limit hit, a hang (no answer within `timeout_s`) or an error of the child raises
+`ProgramFault`: the task fails with the reason, and the next call starts a fresh child, which
+loads the program again and finds the state where the agent left it. A non-finite loss or
+gradient is a `ProgramFault` too: the job's fault, not the node's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import resource
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Any, Protocol, TypeVar
+
+import psutil
+import torch
+
+from epochmesh.errors import ProgramError
+from epochmesh.program.archive import (
+    ALIASES_METADATA_KEY,
+    PARAMS_METADATA_KEY,
+    assign_tensors,
+    read_initial_state,
+)
+from epochmesh.program.confine import describe_exit, set_cpu_limit
+from epochmesh.v1 import common_pb2
+from epochmesh.wire.tensors import to_safetensors
+from node_agent.sandbox.wire import (
+    ALIGN,
+    Layout,
+    Region,
+    WireError,
+    read_message,
+    send_message,
+)
+from node_agent.training.benchmark import MEMORY_HEADROOM, Point, fitting, linear_fit
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TEST_HOOKS_ENV = "EPOCHMESH_TEST_HOOKS"
+# Tests only (with EPOCHMESH_TEST_HOOKS=1): a file in the agent's data dir whose content (crash,
+# hang or alloc) the next step of a program passes to its child, which then fails so.
+TEST_FAULT_FILE = "test-program-fault"
+# Environment a child gets from the agent (nothing else: no tokens, no credentials).
+_PASSED_ENV = ("LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", TEST_HOOKS_ENV)
+
+CHILD_OVERHEAD_BYTES = 512 << 20
+JOB_MEMORY_FACTOR = 2  # measured tensor memory -> the child's memory limit after a benchmark
+START_TIMEOUT_S = 120.0  # a fresh interpreter importing torch on a busy machine
+LOAD_TIMEOUT_S = 300.0  # loading a large exported program
+DEFAULT_STEP_TIMEOUT_S = 120.0
+MIN_STEP_TIMEOUT_S = 10.0
+CPU_SLACK_S = 30.0
+MAX_LOG_LINE_CHARS = 500
+MAX_REPORTED_CPU_S = 1e6  # a child's CPU figure for one request beyond this is nonsense
+FORK_TIMEOUT_S = 30.0  # the zygote's answer to a fork
+ZYGOTE_MODULE = "node_agent.sandbox.zygote"
+
+# Kinds of ProgramFault.
+CRASHED = "crashed"
+HUNG = "hung"
+MEMORY = "memory"
+NONFINITE = "nonfinite"
+REFUSED = "refused"
+FAILED = "failed"
+
+
+class ProgramFault(Exception):
+    """The job's program failed on this node (see the module docstring): the job's fault."""
+
+    def __init__(self, reason: str, kind: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+class ProgramMemoryError(ProgramFault, MemoryError):
+    """The program ran out of its child's memory limit (a benchmark takes it as out of memory)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, MEMORY)
+
+
+@dataclass
+class ChildLimits:
+    """What a program child may use."""
+
+    memory_bytes: int | None = None  # private memory beyond its start-up use (RLIMIT_DATA)
+    threads: int | None = None  # torch threads (also the CPU seconds per wall second allowed)
+    device: str = "cpu"
+    fault_file: Path | None = None  # tests only: see TEST_FAULT_FILE
+
+
+# The agent's zygote (node_agent.sandbox.zygote), started by the first child it needs.
+_zygote: ZygoteClient | None = None
+_zygote_lock = threading.Lock()
+
+
+class ProgramChild:
+    """One child process and its socket; every failure to answer becomes a ProgramFault."""
+
+    def __init__(self, limits: ChildLimits) -> None:
+        self.limits = limits
+        env = _child_env()
+        started = _fork_child(env) or _spawn_child(env)
+        self.proc, self.sock, stderr = started
+        self.pid = self.proc.pid
+        threading.Thread(
+            target=_log_lines, args=(stderr, self.pid), daemon=True, name="child-log"
+        ).start()
+        self._cpu = 0.0
+        self.confinement = ""
+        hello = {
+            "op": "hello",
+            "device": limits.device,
+            "threads": limits.threads or torch.get_num_threads(),
+            "memory_bytes": limits.memory_bytes or 0,
+        }
+        ready = self.request(hello, timeout_s=START_TIMEOUT_S)
+        self.confinement = str(ready.get("confinement", ""))[:200]
+        base = ready.get("data_base")
+        self.data_base = base if type(base) is int and base >= 0 else 0
+        log.info("program child %d started (%s)", self.pid, self.confinement)
+
+    def request(
+        self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout_s: float
+    ) -> dict[str, Any]:
+        """Send a message, wait for the answer; ProgramFault for a dead, hung or failing child
+        (it is killed then)."""
+        if self.proc.poll() is None:
+            # A backstop behind the wall-clock timeout below (which stops a hung child): CPU
+            # for the whole timeout on every thread, plus slack (a limit of just that was
+            # seen to fire early on a busy host).
+            threads = self.limits.threads or torch.get_num_threads()
+            try:
+                set_cpu_limit(self.pid, CPU_SLACK_S + 2 * timeout_s * max(1, threads))
+            except (OSError, ValueError):
+                pass  # it is exiting
+        try:
+            send_message(self.sock, message, fds)
+        except OSError:
+            raise self._dead() from None
+        ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        if not ready:
+            self.kill()
+            raise ProgramFault(
+                f"the job's program did not answer within {timeout_s:.0f} s (hung); stopped it",
+                HUNG,
+            )
+        try:
+            reply, extra = read_message(self.sock)
+        except (WireError, OSError):
+            raise self._dead() from None
+        for fd in extra:  # the child has no business sending descriptors
+            os.close(fd)
+        cpu = reply.get("cpu")
+        if type(cpu) is float and 0.0 <= cpu < MAX_REPORTED_CPU_S:
+            self._cpu += cpu
+        if reply.get("ok") is True:
+            return reply
+        kind = reply.get("kind")
+        error = str(reply.get("error", "unknown error"))[:500]
+        if kind == "memory":
+            self.kill()
+            raise ProgramMemoryError(
+                f"the job's program ran out of its memory limit ({error}); stopped it"
+            )
+        if kind == "value":
+            raise ValueError(error)
+        raise ProgramFault(f"the job's program failed: {error}", FAILED)
+
+    def _dead(self) -> ProgramFault:
+        try:
+            code: int | None = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.proc.returncode
+        self.sock.close()
+        how = describe_exit(code) if code is not None else "stopped answering"
+        return ProgramFault(f"the job's program {how}", CRASHED)
+
+    def lower_memory_limit(self, memory_bytes: int) -> None:
+        """Lower the child's memory limit (RLIMIT_DATA) to its start-up use + `memory_bytes`,
+        from outside (it cannot change its own limits); never raises it."""
+        limit = self.data_base + memory_bytes
+        with contextlib.suppress(OSError, ValueError):  # it is exiting
+            _, hard = resource.prlimit(self.pid, resource.RLIMIT_DATA)
+            if hard == resource.RLIM_INFINITY or limit < hard:
+                resource.prlimit(self.pid, resource.RLIMIT_DATA, (limit, limit))
+
+    def cpu_seconds(self) -> float:
+        """CPU time the child spent on the requests it answered (its own process_time figures:
+        /proc counts in 10 ms ticks, coarser than a small step, and would add its start-up)."""
+        return self._cpu
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("program child %d did not die", self.pid)
+        self.sock.close()
+
+    def close(self) -> None:
+        """Ask the child to exit, without waiting (a thread reaps it, killing it if it lingers):
+        callable from the agent's event loop."""
+        if self.proc.poll() is None:
+            try:
+                send_message(self.sock, {"op": "exit"})
+            except OSError:
+                pass
+            threading.Thread(target=self._reap, name=f"reap-{self.pid}", daemon=True).start()
+        else:
+            self.sock.close()
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+
+def _log_lines(stream: IO[bytes] | None, pid: int, what: str = "program child") -> None:
+    """Forward a program child's (or the zygote's) stderr to the agent's log, line by line,
+    until it closes."""
+    if stream is None:
+        return
+    with contextlib.suppress(OSError, ValueError), stream:
+        for line in stream:
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                log.warning("%s %d: %s", what, pid, text[:MAX_LOG_LINE_CHARS])
+
+
+def _child_env() -> dict[str, str]:
+    """The whole environment of a program child (and of the zygote): nothing of the agent's
+    but _PASSED_ENV, so no tokens and no credentials."""
+    env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+    env["PATH"] = "/usr/bin:/bin"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    # numpy's BLAS pool would start with `import torch`, before confinement: a thread that
+    # Landlock (before ABI 8) would not cover (and that a fork would not carry). torch's own
+    # pool starts after it.
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    return env
+
+
+def _start_interpreter(
+    module: str, env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """``python -m MODULE FD`` with `env` as its whole environment, in "/", no descriptor of
+    the agent's but its end of a socket pair (FD) and a pipe for its stderr: a pipe, not the
+    agent's stderr, since a confined child may not write files (a log file would refuse its
+    lines), and its lines reach the agent's log this way. Returns the process and the agent's
+    end of the socket pair."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd="/",
+            close_fds=True,
+        )
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    return proc, parent
+
+
+def _spawn_child(env: dict[str, str]) -> tuple[ChildProcess, socket.socket, IO[bytes]]:
+    """A program child as a fresh interpreter (when no zygote serves): its process, the
+    agent's end of its socket pair, its stderr."""
+    proc, parent = _start_interpreter("node_agent.sandbox.child", env)
+    assert proc.stderr is not None
+    return proc, parent, proc.stderr
+
+
+def _fork_child(env: dict[str, str]) -> tuple[ChildProcess, socket.socket, IO[bytes]] | None:
+    """A program child forked by the agent's zygote (started on first use); None, with a
+    warning, when no zygote can serve (the caller starts a fresh interpreter instead)."""
+    global _zygote
+    with _zygote_lock:
+        zygote = _zygote
+        if zygote is None or not zygote.serving:
+            try:
+                zygote = _zygote = ZygoteClient(env)
+            except ZygoteError as e:
+                log.warning("no program zygote (%s): children start as fresh interpreters", e)
+                return None
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    read_end, write_end = os.pipe()
+    try:
+        proc = zygote.fork(child.fileno(), write_end, env)
+    except ZygoteError as e:
+        log.warning("the program zygote failed (%s): this child starts as a fresh interpreter", e)
+        parent.close()
+        os.close(read_end)
+        return None
+    finally:
+        child.close()
+        os.close(write_end)
+    return proc, parent, os.fdopen(read_end, "rb")
+
+
+def stop_zygote() -> None:
+    """Stop the agent's zygote (a later child starts a new one): it forks no more and exits
+    once its last child is gone."""
+    global _zygote
+    with _zygote_lock:
+        zygote, _zygote = _zygote, None
+    if zygote is not None:
+        zygote.stop()
+
+
+def zygote_pid() -> int | None:
+    """The pid of the zygote serving now, if any."""
+    with _zygote_lock:
+        zygote = _zygote
+    return zygote.pid if zygote is not None and zygote.serving else None
+
+
+class ChildProcess(Protocol):
+    """What ProgramChild uses of its process: a Popen, or a ForkedChild."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+class ForkedChild:
+    """A child forked by the zygote, with Popen's part that ProgramChild uses: its exit status
+    comes from the zygote's report (Popen's convention: -N for signal N), signals go through a
+    pidfd (never to a reused pid)."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        self._pidfd = pidfd  # closed when this handle is dropped: no thread can use it then
+        self._returncode: int | None = None
+        self._orphaned = False  # the zygote died before reporting this child's exit
+        self._cond = threading.Condition()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self._pidfd)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    def exited(self, returncode: int) -> None:
+        """The zygote's report."""
+        with self._cond:
+            if self._returncode is None:
+                self._returncode = returncode
+            self._cond.notify_all()
+
+    def orphaned(self) -> None:
+        """The zygote is gone without reporting this child (which it took with it)."""
+        with self._cond:
+            self._orphaned = True
+            self._cond.notify_all()
+
+    def poll(self) -> int | None:
+        return self._wait(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._wait(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"program child {self.pid}", timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it has exited
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def _wait(self, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._returncode is None and not self._orphaned:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            if self._returncode is not None:
+                return self._returncode
+        # Orphaned: no report will come. A zygote's child dies with it (SIGKILL), and its
+        # pidfd turns readable once it has exited.
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        exited, _, _ = select.select([self._pidfd], [], [], remaining)
+        if not exited:
+            return None
+        with self._cond:
+            if self._returncode is None:
+                self._returncode = -signal.SIGKILL
+            return self._returncode
+
+
+class ZygoteError(Exception):
+    """The zygote could not be started, or failed to fork a child."""
+
+
+class ZygoteClient:
+    """The agent's end of its program zygote (node_agent.sandbox.zygote): a fresh interpreter
+    with the children's minimal environment that forks them. A thread started here starts it
+    (it dies with that thread: PR_SET_PDEATHSIG) and reads its answers and exit reports."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future[ForkedChild]] = {}
+        self._children: dict[int, ForkedChild] = {}
+        self._next_id = 0
+        self._stopping = False
+        self._gone = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        ready: Future[int] = Future()
+        threading.Thread(
+            target=self._run, args=(env, ready), daemon=True, name="program-zygote"
+        ).start()
+        try:
+            self.pid = ready.result(timeout=START_TIMEOUT_S)
+        except FutureTimeout:
+            self.kill()
+            raise ZygoteError(f"it did not start within {START_TIMEOUT_S:.0f} s") from None
+        log.info("program zygote %d started", self.pid)
+
+    @property
+    def serving(self) -> bool:
+        return not (self._gone or self._stopping)
+
+    def fork(self, sock_fd: int, stderr_fd: int, env: dict[str, str]) -> ForkedChild:
+        """A child on `sock_fd` (the child's end of its socket pair) with `stderr_fd` as its
+        stderr and `env` as its environment; the caller keeps and closes both descriptors."""
+        fut: Future[ForkedChild] = Future()
+        with self._lock:
+            if not self.serving or self._sock is None:
+                raise ZygoteError("it has stopped")
+            request_id = self._next_id
+            self._next_id += 1
+            self._pending[request_id] = fut
+            try:
+                message = {"op": "fork", "id": request_id, "env": env}
+                send_message(self._sock, message, [sock_fd, stderr_fd])
+            except OSError as e:
+                self._pending.pop(request_id, None)
+                raise ZygoteError(f"it cannot be reached: {e}") from None
+        try:
+            return fut.result(timeout=FORK_TIMEOUT_S)
+        except FutureTimeout:
+            with self._lock:
+                mine = self._pending.pop(request_id, None) is not None
+            if not mine:  # answered meanwhile: the answer is being delivered
+                return fut.result()
+            self.kill()  # a zygote that does not fork is broken
+            raise ZygoteError(f"it did not fork within {FORK_TIMEOUT_S:.0f} s") from None
+
+    def stop(self) -> None:
+        """Fork no more; the zygote exits once its last child is gone."""
+        with self._lock:
+            self._stopping = True
+            if self._sock is not None and not self._gone:
+                with contextlib.suppress(OSError):
+                    send_message(self._sock, {"op": "stop"})
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(OSError):
+                self._proc.kill()
+
+    def _run(self, env: dict[str, str], ready: Future[int]) -> None:
+        try:
+            proc, parent = _start_interpreter(ZYGOTE_MODULE, env)
+        except OSError as e:
+            ready.set_exception(ZygoteError(str(e)))
+            return
+        self._proc, self._sock = proc, parent
+        threading.Thread(
+            target=_log_lines,
+            args=(proc.stderr, proc.pid, "program zygote"),
+            daemon=True,
+            name="zygote-log",
+        ).start()
+        try:
+            hello, fds = read_message(parent)
+            _close_fds(fds)
+            if hello.get("op") != "ready":
+                raise WireError(f"it answered {hello.get('op')!r}, not 'ready'")
+            ready.set_result(proc.pid)
+            while True:
+                self._dispatch(*read_message(parent))
+        except (WireError, OSError) as e:
+            reason = str(e)
+        except Exception as e:  # a bug here: waiters must not hang on a zygote nobody reads
+            log.exception("reading the program zygote's answers failed")
+            reason = str(e)
+            proc.kill()
+        self._lost()
+        parent.close()
+        code = proc.wait()
+        if not ready.done():
+            ready.set_exception(ZygoteError(f"it {describe_exit(code)} ({reason})"))
+        elif not self._stopping:
+            log.warning("the program zygote %d %s; a new one starts", proc.pid, describe_exit(code))
+
+    def _dispatch(self, message: dict[str, Any], fds: list[int]) -> None:
+        op = message.get("op")
+        pid = message.get("pid")
+        pid = pid if type(pid) is int and pid > 0 else None
+        if op == "forked":
+            request_id = message.get("id")
+            with self._lock:
+                fut = self._pending.pop(request_id, None) if type(request_id) is int else None
+            if pid is not None and len(fds) == 1:
+                child = ForkedChild(pid, fds[0])
+                with self._lock:
+                    self._children[pid] = child
+                if fut is not None:
+                    fut.set_result(child)
+                else:  # its requester gave up
+                    child.kill()
+                return
+            _close_fds(fds)
+            if fut is not None:
+                fut.set_exception(ZygoteError(str(message.get("error", "no child"))[:200]))
+            return
+        _close_fds(fds)
+        code = message.get("status")
+        if op == "exited" and pid is not None and type(code) is int:
+            with self._lock:
+                exited = self._children.pop(pid, None)
+            if exited is not None:
+                exited.exited(code)
+
+    def _lost(self) -> None:
+        """The zygote has gone: fail what waits on it; its children died with it."""
+        with self._lock:
+            self._gone = True
+            pending, self._pending = self._pending, {}
+            children, self._children = self._children, {}
+        for fut in pending.values():
+            fut.set_exception(ZygoteError("it exited"))
+        for child in children.values():
+            child.orphaned()
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class ConfinedProgram:
+    """TrainableProgram's interface over a program child (see the module docstring)."""
+
+    def __init__(
+        self,
+        program: bytes,
+        initial_state: bytes,
+        limits: ChildLimits,
+    ) -> None:
+        init = read_initial_state(initial_state, require_params=False)
+        self.device = torch.device(limits.device)
+        # room for the program's own bytes, loaded there
+        self._program_room = 4 * (len(program) + len(initial_state))
+        if limits.memory_bytes is not None:
+            limits = replace(limits, memory_bytes=limits.memory_bytes + self._program_room)
+        self.limits = limits
+        self.timeout_s = DEFAULT_STEP_TIMEOUT_S
+        self.aliases = dict(init.aliases)
+        # From the initial state's metadata (packaging writes it), else from the first load.
+        self._declared_params = list(init.param_names) if init.param_names is not None else None
+        self.param_names: list[str] = []
+        self.state_names: list[str] = list(init.state)
+        self.buffer_names: list[str] = []
+        self.num_user_inputs = 0
+        self._program = Region.create("program", len(program))
+        self._program.write(0, program)
+        self._init = Region.create("initial-state", len(initial_state))
+        self._init.write(0, initial_state)
+        self._sizes = (len(program), len(initial_state))
+        own = [k for k in self.state_names if k not in self.aliases]
+        self._state_layout = Layout.of((k, init.state[k].dtype, init.state[k].shape) for k in own)
+        self._state = Region.create("state", self._state_layout.size)
+        self._tensors = self._state.views(self._state_layout)
+        with torch.no_grad():
+            for k in own:
+                self._tensors[k].copy_(init.state[k])
+        for alias, canonical in self.aliases.items():
+            self._tensors[alias] = self._tensors[canonical]
+        self._grad_layout: Layout | None = None
+        self._grads: Region | None = None
+        self._grad_views: dict[str, torch.Tensor] = {}
+        self._arena: Region | None = None
+        # Chunked calls (chunked_loss_and_grads): one gradient layout per chunk, grown as needed.
+        self._chunk_grads: Region | None = None
+        self._child: ProgramChild | None = None
+        self._lock = threading.Lock()
+        self.track_memory = False
+        self.last_peak_bytes = 0
+        self.restarts = -1
+        self._cpu_of_dead = 0.0
+        self._start()
+
+    # -- the child ------------------------------------------------------------------------------
+
+    def _start(self) -> ProgramChild:
+        if self._child is not None and self._child.alive:
+            return self._child
+        if self._child is not None:
+            self._cpu_of_dead += self._child.cpu_seconds()
+        self.restarts += 1
+        child = ProgramChild(self.limits)
+        self._child = child
+        try:
+            reply = child.request(
+                {
+                    "op": "load",
+                    "program_bytes": self._sizes[0],
+                    "init_bytes": self._sizes[1],
+                    "device": str(self.device),
+                    "layout": self._state_layout.to_json(),
+                },
+                [self._program.fd, self._init.fd, self._state.fd],
+                timeout_s=LOAD_TIMEOUT_S,
+            )
+        except ValueError as e:
+            child.kill()
+            raise ProgramFault(f"the job's program was refused on this node: {e}", REFUSED) from e
+        except ProgramFault as e:
+            child.kill()
+            raise ProgramFault(f"loading the job's program failed: {e}", e.kind) from e
+        try:
+            self._take_names(reply)
+        except ProgramFault:
+            child.kill()
+            raise
+        assert self._grad_layout is not None and self._grads is not None
+        child.request(
+            {"op": "grads", "layout": self._grad_layout.to_json()},
+            [self._grads.fd],
+            timeout_s=MIN_STEP_TIMEOUT_S,
+        )
+        if self._arena is not None:
+            child.request({"op": "arena"}, [self._arena.fd], timeout_s=MIN_STEP_TIMEOUT_S)
+        if self._chunk_grads is not None:
+            child.request(
+                {"op": "chunk_grads"}, [self._chunk_grads.fd], timeout_s=MIN_STEP_TIMEOUT_S
+            )
+        return child
+
+    def _take_names(self, reply: dict[str, Any]) -> None:
+        """The parameter names of the child's first load (checked against the initial state's
+        metadata and tensors); later loads must name the same."""
+        names = reply.get("param_names")
+        own = {k for k in self.state_names if k not in self.aliases}
+        if (
+            not isinstance(names, list)
+            or not all(isinstance(n, str) and n in own for n in names)
+            or len(set(names)) != len(names)
+            or not all(self._tensors[n].is_floating_point() for n in names)
+        ):
+            raise ProgramFault("the program names parameters its initial state lacks", REFUSED)
+        expected = self._declared_params if self._grad_layout is None else self.param_names
+        if expected is not None and names != expected:
+            raise ProgramFault("the program's parameters differ from its initial state's", REFUSED)
+        inputs = reply.get("num_user_inputs")
+        self.num_user_inputs = inputs if type(inputs) is int and inputs > 0 else 0
+        if self._grad_layout is not None:
+            return
+        self.param_names = list(names)
+        params = set(names)
+        self.buffer_names = [k for k in self.state_names if k not in params | set(self.aliases)]
+        for k in self.param_names:
+            self._tensors[k].requires_grad_(True)
+        self._grad_layout = Layout.of(
+            (k, torch.float32, self._tensors[k].shape) for k in self.param_names
+        )
+        self._grads = Region.create("grads", self._grad_layout.size)
+        self._grad_views = self._grads.views(self._grad_layout)
+
+    @property
+    def confinement(self) -> str:
+        return self._child.confinement if self._child is not None else ""
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None and self._child.alive else None
+
+    def limit_memory(self, memory_bytes: int) -> None:
+        """Tighten the memory limit to `memory_bytes` beyond start-up (plus room for the
+        program's own bytes), for this child and the ones after it; a looser figure than the
+        current one changes nothing."""
+        total = memory_bytes + self._program_room
+        with self._lock:
+            if self.limits.memory_bytes is not None and total >= self.limits.memory_bytes:
+                return
+            self.limits = replace(self.limits, memory_bytes=total)
+            if self._child is not None and self._child.alive:
+                self._child.lower_memory_limit(total)
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """The current limit beyond the child's start-up use."""
+        return self.limits.memory_bytes
+
+    def cpu_seconds(self) -> float:
+        """CPU time of every child this program ran in (for the slowdown's compute clock)."""
+        child = self._child
+        return self._cpu_of_dead + (child.cpu_seconds() if child is not None else 0.0)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._child is not None:
+                self._cpu_of_dead += self._child.cpu_seconds()
+                self._child.close()
+                self._child = None
+
+    def probe(self, **message: Any) -> str:
+        """Tests only (EPOCHMESH_TEST_HOOKS=1): ask the child to try something."""
+        with self._lock:
+            reply = self._start().request({"op": "probe", **message}, timeout_s=60.0)
+        return str(reply.get("outcome", ""))
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._tensors[k] for k in self.param_names]
+
+    def get_parameters(self) -> dict[str, torch.Tensor]:
+        return {k: self._tensors[k].detach().clone() for k in self.param_names}
+
+    def set_parameters(self, params: Mapping[str, torch.Tensor]) -> None:
+        self._assign(params, self.param_names, "parameters")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: self._tensors[k].detach().clone() for k in self.state_names}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._assign(state, self.state_names, "state")
+
+    def state_bytes(self) -> bytes:
+        meta = {PARAMS_METADATA_KEY: json.dumps(self.param_names)}
+        if self.aliases:
+            meta[ALIASES_METADATA_KEY] = json.dumps(self.aliases)
+        return to_safetensors(self.state_dict(), metadata=meta)
+
+    def _assign(self, values: Mapping[str, torch.Tensor], names: list[str], what: str) -> None:
+        assign_tensors(self._tensors, values, names, what, skip=self.aliases)
+
+    # -- compute --------------------------------------------------------------------------------
+
+    def _place(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """Write the batch into the arena (grown as needed); its layout as JSON."""
+        specs = [(str(i), t.dtype, tuple(t.shape)) for i, t in enumerate(tensors)]
+        layout = Layout.of(specs)
+        if self._arena is None or self._arena.size < layout.size:
+            self._arena = Region.create("arena", max(layout.size * 2, 1 << 20))
+            if self._child is not None and self._child.alive:
+                self._child.request({"op": "arena"}, [self._arena.fd], timeout_s=30.0)
+        views = self._arena.views(layout)
+        with torch.no_grad():
+            for slot, t in zip(layout.slots, tensors, strict=True):
+                views[slot.name].copy_(t.detach().to("cpu"))
+        return layout.to_json()
+
+    def _step(
+        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], grads: bool
+    ) -> float:
+        args = [*inputs, *targets]
+        if self.num_user_inputs and len(args) != self.num_user_inputs:
+            raise ValueError(
+                f"the program takes {self.num_user_inputs} tensors (inputs then targets), "
+                f"got {len(inputs)} + {len(targets)}"
+            )
+        with self._lock:
+            child = self._start()
+            placed = self._place(args)
+            n_in = len(inputs)
+            layout = placed["slots"]
+            message: dict[str, Any] = {
+                "op": "step",
+                "inputs": {"slots": layout[:n_in], "size": placed["size"]},
+                "targets": {"slots": layout[n_in:], "size": placed["size"]},
+                "grads": grads,
+                "track_memory": self.track_memory,
+            }
+            fault = self._test_fault()
+            if fault:
+                message["fault"] = fault
+            reply = child.request(message, timeout_s=self.timeout_s)
+        peak = reply.get("peak")
+        self.last_peak_bytes = peak if type(peak) is int and peak >= 0 else 0
+        return _loss_of(reply.get("loss"))
+
+    def _test_fault(self) -> str:
+        path = self.limits.fault_file
+        if path is None or os.environ.get(TEST_HOOKS_ENV) != "1":
+            return ""
+        try:
+            kind = path.read_text().strip()
+            path.unlink()
+        except OSError:
+            return ""
+        log.warning("test hook: the program's next step will %s", kind)
+        return kind
+
+    def loss_and_grads(
+        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+    ) -> tuple[float, dict[str, torch.Tensor]]:
+        """Mean loss of the batch and its gradients (float32 CPU copies); ProgramFault for a
+        non-finite loss (the trainer checks the gradients of the whole update)."""
+        loss = self._step(inputs, targets, grads=True)
+        return loss, {k: v.clone() for k, v in self._grad_views.items()}
+
+    def loss(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
+        return self._step(inputs, targets, grads=False)
+
+    def chunked_loss_and_grads(
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        bounds: Sequence[tuple[int, int]],
+        micro_batch: int = 0,
+    ) -> list[tuple[float, dict[str, torch.Tensor]]]:
+        """The mean loss and gradient (float32 CPU copies) of each slice [start, end) of the
+        batch on its own, in micro-batches of at most ``micro_batch`` samples accumulated as
+        node_agent.training.ps_round.accumulated_loss_and_grads does: the same numbers as one such call
+        per slice, in one request to the child (a verified part's chunks, issue 20: twelve
+        round trips to the child cost more than the small models' compute). ProgramFault for
+        a non-finite loss."""
+        args = [*inputs, *targets]
+        if self.num_user_inputs and len(args) != self.num_user_inputs:
+            raise ValueError(
+                f"the program takes {self.num_user_inputs} tensors (inputs then targets), "
+                f"got {len(inputs)} + {len(targets)}"
+            )
+        n = int(inputs[0].shape[0]) if inputs else 0
+        spans = [(int(a), int(b)) for a, b in bounds]
+        if not all(0 <= a < b <= n for a, b in spans):
+            raise ValueError(f"chunk bounds {spans[:4]}... do not fit a batch of {n}")
+        if not spans:
+            return []
+        with self._lock:
+            child = self._start()
+            assert self._grad_layout is not None
+            stride = -(-self._grad_layout.size // ALIGN) * ALIGN
+            size = stride * len(spans)
+            if self._chunk_grads is None or self._chunk_grads.size < size:
+                if self._chunk_grads is not None:
+                    self._chunk_grads.close_fd()
+                self._chunk_grads = Region.create("chunk-grads", size)
+                child.request(
+                    {"op": "chunk_grads"}, [self._chunk_grads.fd], timeout_s=MIN_STEP_TIMEOUT_S
+                )
+            placed = self._place(args)
+            n_in = len(inputs)
+            layout = placed["slots"]
+            message: dict[str, Any] = {
+                "op": "chunks",
+                "inputs": {"slots": layout[:n_in], "size": placed["size"]},
+                "targets": {"slots": layout[n_in:], "size": placed["size"]},
+                "bounds": [list(b) for b in spans],
+                "stride": stride,
+                "micro_batch": max(0, int(micro_batch)),
+                "track_memory": self.track_memory,
+            }
+            fault = self._test_fault()
+            if fault:
+                message["fault"] = fault
+            reply = child.request(message, timeout_s=self.timeout_s)
+            peak = reply.get("peak")
+            self.last_peak_bytes = peak if type(peak) is int and peak >= 0 else 0
+            losses = reply.get("losses")
+            if not isinstance(losses, list) or len(losses) != len(spans):
+                raise ProgramFault("the job's program answered without its chunks' losses", FAILED)
+            specs = [(k, torch.float32, self._tensors[k].shape) for k in self.param_names]
+            out: list[tuple[float, dict[str, torch.Tensor]]] = []
+            for i, raw in enumerate(losses):
+                loss = _loss_of(raw)
+                views = self._chunk_grads.views(Layout.of(specs, start=i * stride))
+                out.append((loss, {k: v.clone() for k, v in views.items()}))
+        return out
+
+
+def _loss_of(raw: Any) -> float:
+    """A loss the child answered (non-finite ones come as strings); ProgramFault when it is
+    missing or not finite."""
+    loss = raw
+    if isinstance(loss, str):
+        loss = float(loss) if loss in ("nan", "inf", "-inf") else None
+    if not isinstance(loss, int | float) or isinstance(loss, bool):
+        raise ProgramFault("the job's program answered without a loss", FAILED)
+    if not math.isfinite(loss):
+        raise ProgramFault(f"the job's program computed a non-finite loss ({loss})", NONFINITE)
+    return float(loss)
+
+
+def load_confined(program: bytes, initial_state: bytes, limits: ChildLimits) -> ConfinedProgram:
+    """A ConfinedProgram; ProgramFault when the program is refused or its child fails."""
+    try:
+        return ConfinedProgram(program, initial_state, limits)
+    except ProgramError as e:
+        raise ProgramFault(f"the job's program was refused on this node: {e}", REFUSED) from e
+
+
+class ChildMemoryMeter:
+    """node_agent.training.benchmark's MemoryMeter for a confined program: the child counts the peak
+    tensor memory of a tracked step (as CpuMemoryMeter does in-process)."""
+
+    def __init__(self, program_of: Callable[[], ConfinedProgram]) -> None:
+        self._program_of = program_of
+        self._peak = 0
+
+    def reset(self) -> None:
+        self._peak = 0
+
+    def track(self, fn: Callable[[], T]) -> T:
+        prog = self._program_of()
+        prog.track_memory = True
+        try:
+            result = fn()
+        finally:
+            prog.track_memory = False
+        self._peak = max(self._peak, prog.last_peak_bytes)
+        return result
+
+    def peak_bytes(self) -> int:
+        return self._peak
+
+
+def child_memory_budget(device: common_pb2.Device, memory_limit_bytes: int | None) -> int:
+    """Private memory a program child may use beyond its start-up use, before the program's
+    own bytes: on a CPU what a batch may use there (--memory-limit, else MEMORY_HEADROOM of the
+    machine's memory), on a GPU a quarter of the host's memory (activations live on the
+    device); plus CHILD_OVERHEAD_BYTES for the allocator and scratch space."""
+    if device.kind in ("cpu", ""):
+        budget = memory_limit_bytes or int(device.total_memory_bytes * MEMORY_HEADROOM)
+    else:
+        budget = psutil.virtual_memory().total // 4
+    if budget <= 0:
+        budget = psutil.virtual_memory().total // 2
+    return budget + CHILD_OVERHEAD_BYTES
+
+
+def job_memory_budget(points: Sequence[Point], max_batch: int) -> int | None:
+    """Memory a program child needs for a job after its benchmark (CPU devices): twice the
+    tensor memory the benchmark measured (or its memory line reaches) at the largest batch the
+    node will be given, plus CHILD_OVERHEAD_BYTES; None without a usable measurement."""
+    fits = [p for p in fitting(points) if p.peak_memory_bytes > 0]
+    if not fits or max_batch < 1:
+        return None
+    peak = max(p.peak_memory_bytes for p in fits)
+    line = linear_fit([p.batch_size for p in fits], [p.peak_memory_bytes for p in fits])
+    if line is not None:
+        intercept, slope = line
+        peak = max(peak, int(intercept + slope * max_batch))
+    return JOB_MEMORY_FACTOR * peak + CHILD_OVERHEAD_BYTES
+
+
+class ProgramHosts:
+    """The agent's confined programs: loads them with the agent's limits, sums their CPU time
+    (the slowdown's compute clock), stops them all at shutdown."""
+
+    def __init__(
+        self,
+        device: str,
+        threads: int | None,
+        memory_budget: int | None,
+        fault_file: Path | None = None,
+    ) -> None:
+        self.device = device
+        self.threads = threads
+        self.memory_budget = memory_budget
+        self.fault_file = fault_file
+        self._programs: list[ConfinedProgram] = []
+        self._job_budgets: dict[str, int] = {}
+        self._cpu_of_closed = 0.0
+        self._lock = threading.Lock()
+
+    def limit_job_memory(
+        self, job_id: str, budget: int | None, loaded: ConfinedProgram | None = None
+    ) -> None:
+        """After a job's benchmark: its programs' memory limit, never above the device's, for
+        `loaded` and every later load of the job (CPU devices; on a GPU the batch lives in
+        device memory and the benchmark does not measure the child's host memory)."""
+        if budget is None or not job_id or not self.device.startswith("cpu"):
+            return
+        if self.memory_budget is not None:
+            budget = min(budget, self.memory_budget)
+        with self._lock:
+            self._job_budgets[job_id] = budget
+        if loaded is not None:
+            loaded.limit_memory(budget)
+        log.info("job %s: its program's memory limit is now %d MiB", job_id, budget >> 20)
+
+    def load(self, program: bytes, initial_state: bytes, job_id: str = "") -> ConfinedProgram:
+        with self._lock:
+            budget = self._job_budgets.get(job_id, self.memory_budget)
+        limits = ChildLimits(
+            memory_bytes=budget,
+            threads=self.threads,
+            device=self.device,
+            fault_file=self.fault_file,
+        )
+        prog = load_confined(program, initial_state, limits)
+        with self._lock:
+            self._programs.append(prog)
+        return prog
+
+    def release(self, prog: ConfinedProgram) -> None:
+        """Stop a program the agent no longer keeps."""
+        prog.close()
+        with self._lock:
+            if prog in self._programs:
+                self._programs.remove(prog)
+                self._cpu_of_closed += prog.cpu_seconds()
+
+    def cpu_seconds(self) -> float:
+        with self._lock:
+            programs = list(self._programs)
+            closed = self._cpu_of_closed
+        return closed + sum(p.cpu_seconds() for p in programs)
+
+    def close_all(self) -> None:
+        """Stop every program, then the zygote (at the agent's shutdown)."""
+        with self._lock:
+            programs, self._programs = self._programs, []
+        for p in programs:
+            p.close()
+        stop_zygote()

@@ -1,0 +1,203 @@
+"""Tests only: an agent that cheats on its updates (fault injection for verification, issue 20).
+
+Switched on by the environment variable ``EPOCHMESH_TEST_CHEAT`` (not an option: it is no
+part of the agent's interface), ``"KIND"`` or ``"KIND:FROM_ROUND"``: from task.round
+FROM_ROUND on (default 0: every round) the agent's parameter-server updates are wrong in one
+of these ways:
+
+- ``scaled``: every chunk gradient (and so the update) x SCALE;
+- ``flipped``: every chunk gradient x -1;
+- ``random``: every chunk gradient replaced by Gaussian noise of the same L2 norm (per
+  tensor, so the whole gradient's norm is kept too), seeded from the round;
+- ``lazy``: only the first ceil(k/4) chunks are computed (the others' compute is really
+  skipped); each skipped chunk claims the mean of the computed chunks' gradients and losses;
+- ``stale``: the previous round's chunk gradients and losses (what the agent computed then) are
+  sent again; the first cheated round, with nothing kept, is honest;
+- ``contribution`` (ring members only; honest elsewhere): its chunks, update and report are
+  honest, but it puts SCALE x its contribution into the all-reduce and computes its evidence of
+  the round (epochmesh.ring.evidence) from the honest one, as if that had been sent.
+
+The cheater is a smart one: its update is always the sample-weighted sum of the chunk
+gradients it will sketch (the trainer rebuilds it from them), so it passes the consistency
+check of the sketches and only a recomputation (or screening) catches it. Without chunks
+(an unverified job) the same is done to the whole update (lazy: a quarter of the samples
+computed, all of them claimed).
+
+The functions here are pure; node_agent.training.ps_round applies them after the honest computation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+CHEAT_ENV = "EPOCHMESH_TEST_CHEAT"
+
+SCALED = "scaled"
+FLIPPED = "flipped"
+RANDOM = "random"
+LAZY = "lazy"
+STALE = "stale"
+CONTRIBUTION = "contribution"
+# The cheats on a part's update (and its chunks); CONTRIBUTION is a ring member's cheat on what
+# it puts into the all-reduce.
+UPDATE_KINDS = (SCALED, FLIPPED, RANDOM, LAZY, STALE)
+KINDS = (*UPDATE_KINDS, CONTRIBUTION)
+
+SCALE = 100.0
+# A lazy cheater computes this share of its chunks (or samples), at least one.
+LAZY_SHARE = 4
+
+Grads = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Cheat:
+    kind: str
+    from_round: int = 0
+
+    def active_at(self, round_: int) -> bool:
+        return round_ >= self.from_round
+
+    def describe(self) -> str:
+        when = f"from round {self.from_round}" if self.from_round > 0 else "every round"
+        return f"{self.kind} updates {when}"
+
+
+@lru_cache(maxsize=8)
+def parse_cheat(text: str) -> Cheat:
+    """``"KIND"`` or ``"KIND:FROM_ROUND"``; ValueError with a clear message otherwise."""
+    kind, sep, start = text.strip().partition(":")
+    kind = kind.strip().lower()
+    if kind not in KINDS:
+        raise ValueError(
+            f"{CHEAT_ENV}={text!r}: the kind must be one of {', '.join(KINDS)} "
+            "(optionally followed by :FROM_ROUND)"
+        )
+    from_round = 0
+    if sep:
+        try:
+            from_round = int(start.strip())
+        except ValueError:
+            raise ValueError(
+                f"{CHEAT_ENV}={text!r}: FROM_ROUND must be a whole number >= 0"
+            ) from None
+        if from_round < 0:
+            raise ValueError(f"{CHEAT_ENV}={text!r}: FROM_ROUND must be a whole number >= 0")
+    return Cheat(kind, from_round)
+
+
+def cheat_from_environment(environ: Mapping[str, str] | None = None) -> Cheat | None:
+    """The cheat the environment asks for (None: an honest agent); ValueError when its value
+    is not valid."""
+    text = (os.environ if environ is None else environ).get(CHEAT_ENV, "")
+    if not text.strip():
+        return None
+    return parse_cheat(text)
+
+
+# -- transformations (pure) -------------------------------------------------------------------
+
+
+def scaled(grads: Mapping[str, torch.Tensor], factor: float) -> Grads:
+    return {k: g * factor for k, g in grads.items()}
+
+
+def noise_like(grads: Mapping[str, torch.Tensor], generator: torch.Generator) -> Grads:
+    """Gaussian noise with each tensor's shape, dtype and L2 norm (so the whole gradient's
+    norm too); tensors drawn in sorted name order."""
+    out: Grads = {}
+    for name in sorted(grads):
+        g = grads[name]
+        noise = torch.randn(g.shape, generator=generator, dtype=torch.float64)
+        norm = float(noise.norm())
+        target = float(g.double().norm())
+        if norm > 0.0:
+            noise *= target / norm
+        out[name] = noise.to(g.dtype)
+    return {k: out[k] for k in grads}
+
+
+def round_generator(round_: int, salt: int = 0) -> torch.Generator:
+    """The random cheat's generator for a round (deterministic, so tests can reproduce it)."""
+    return torch.Generator().manual_seed((int(round_) * 1_000_003 + salt) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def randomized(grads: Sequence[Mapping[str, torch.Tensor]], round_: int) -> list[Grads]:
+    """Every gradient replaced by noise of its norms, from the round's generator."""
+    gen = round_generator(round_)
+    return [noise_like(g, gen) for g in grads]
+
+
+def lazy_count(total: int) -> int:
+    """How many of ``total`` chunks (or samples) a lazy cheater computes: ceil(total/4)."""
+    if total <= 0:
+        return 0
+    return max(1, math.ceil(total / LAZY_SHARE))
+
+
+def fill_skipped(
+    losses: Sequence[float], grads: Sequence[Mapping[str, torch.Tensor]], total: int
+) -> tuple[list[float], list[Grads]]:
+    """The computed chunks, then ``total - len(grads)`` more that each claim the mean of the
+    computed chunks' gradients and losses."""
+    if not grads or len(losses) != len(grads):
+        raise ValueError("a lazy cheater needs at least one computed chunk")
+    if len(grads) > total:
+        raise ValueError(f"{len(grads)} chunks computed, more than the {total} of the part")
+    out_losses = [float(x) for x in losses]
+    out_grads = [dict(g) for g in grads]
+    if len(grads) == total:
+        return out_losses, out_grads
+    mean_loss = sum(out_losses) / len(out_losses)
+    mean: Grads = {}
+    for name in grads[0]:
+        acc = grads[0][name].clone()
+        for g in grads[1:]:
+            acc.add_(g[name])
+        mean[name] = acc / len(grads)
+    for _ in range(total - len(grads)):
+        out_losses.append(mean_loss)
+        out_grads.append({k: v.clone() for k, v in mean.items()})
+    return out_losses, out_grads
+
+
+def cheat_chunks(
+    cheat: Cheat,
+    round_: int,
+    losses: Sequence[float],
+    grads: Sequence[Mapping[str, torch.Tensor]],
+    previous: tuple[Sequence[float], Sequence[Mapping[str, torch.Tensor]]] | None = None,
+) -> tuple[list[float], list[Grads]]:
+    """The chunks' losses and gradients a cheater sends instead of the honest ones (scaled,
+    flipped, random, stale; lazy is done while computing, see `fill_skipped`). ``previous``:
+    the previous round's honest chunks (stale); without them, or with another number of
+    chunks, the honest ones are sent."""
+    out_losses = [float(x) for x in losses]
+    if cheat.kind == SCALED:
+        return out_losses, [scaled(g, SCALE) for g in grads]
+    if cheat.kind == FLIPPED:
+        return out_losses, [scaled(g, -1.0) for g in grads]
+    if cheat.kind == RANDOM:
+        return out_losses, randomized(grads, round_)
+    if cheat.kind == STALE and previous is not None and len(previous[1]) == len(grads):
+        return [float(x) for x in previous[0]], [dict(g) for g in previous[1]]
+    return out_losses, [dict(g) for g in grads]
+
+
+def cheat_update(
+    cheat: Cheat,
+    round_: int,
+    loss: float,
+    tensors: Mapping[str, torch.Tensor],
+    previous: tuple[float, Mapping[str, torch.Tensor]] | None = None,
+) -> tuple[float, Grads]:
+    """`cheat_chunks` for an update without chunks (one "chunk": the whole update)."""
+    prev = None if previous is None else ([previous[0]], [previous[1]])
+    losses, grads = cheat_chunks(cheat, round_, [loss], [tensors], prev)
+    return losses[0], grads[0]
