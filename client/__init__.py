@@ -1,0 +1,1 @@
+"""The epochmesh CLI: main > commands > upload | plot | config | render > rpc. May import: epochmesh."""

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.rpc import CliError, ExitCode
-from epochmesh.identity import Identity, IdentityError, write_private
+from epochmesh.fsutil import write_private
+from epochmesh.identity import Identity, IdentityError
 
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
 ENV_COORDINATOR = "EPOCHMESH_COORDINATOR"

@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--insecure", action="store_true", default=argparse.SUPPRESS)
     common.add_argument("--no-color", action="store_true", default=argparse.SUPPRESS)
 
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub: argparse._SubParsersAction[argparse.ArgumentParser] = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_Parser
+    )
     submit.register(sub, [common])
     jobs.register(sub, [common])
     watch.register(sub, [common])

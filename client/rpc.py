@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -150,6 +150,14 @@ def error_from_rpc(err: grpc.RpcError, what: str, address: str) -> CliError:
 
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class ServerStream(Iterator[T_co], Protocol[T_co]):
+    """A server-streaming call as gRPC returns it: its messages, and `cancel()`."""
+
+    def cancel(self) -> bool: ...
+
 
 # After a failed connection attempt, how long a retry may take before we give up early.
 _FAILURE_GRACE_S = 0.5
@@ -213,9 +221,9 @@ class Coordinator:
         self.channel: grpc.Channel = (
             sync_channel(address) if identity is None else secure_sync_channel(address, identity)
         )
-        self.jobs = job_pb2_grpc.JobServiceStub(self.channel)
-        self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
-        self.market = market_pb2_grpc.MarketServiceStub(self.channel)
+        self.jobs = job_pb2_grpc.JobServiceStub(self.channel)  # type: ignore[no-untyped-call]
+        self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)  # type: ignore[no-untyped-call]
+        self.market = market_pb2_grpc.MarketServiceStub(self.channel)  # type: ignore[no-untyped-call]
         self._connected = False
 
     def connect(self) -> Coordinator:
@@ -246,7 +254,9 @@ class Coordinator:
         except grpc.RpcError as err:
             raise error_from_rpc(err, what, self.address) from None
 
-    def stream(self, what: str, method: Callable[..., Iterator[T]], request: Any) -> Iterator[T]:
+    def stream(
+        self, what: str, method: Callable[..., ServerStream[T]], request: Any
+    ) -> Iterator[T]:
         """Iterates a server stream (no deadline); failures become CliError."""
         self.connect()
         call = method(request)

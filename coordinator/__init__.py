@@ -1,0 +1,1 @@
+"""The coordinator: layers from the top main > app > api | observability > engine > market | nodes | trust > store > rounds | aggregation | verification | scheduling | accounting > core. May import: epochmesh."""

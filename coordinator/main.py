@@ -36,8 +36,8 @@ from coordinator.core.config import (
     LEASE_TTL_HEARTBEATS,
     CoordinatorConfig,
 )
+from coordinator.core.errors import CoordinatorError
 from coordinator.engine.api import EngineFactory
-from coordinator.store.base import CoordinatorError
 from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES, MAX_CHUNK_BYTES
 from epochmesh.program.inspection import (
     DEFAULT_CONCURRENCY,

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import safetensors
 import torch
@@ -327,7 +327,7 @@ def _pick_loss(module: ModuleType, spec: common_pb2.JobSpec, fname: str) -> Loss
         if spec.loss != "custom":
             log.info("%s defines loss_fn; it replaces loss = %r", fname, spec.loss)
         spec.loss = "custom"
-        return loss_fn
+        return cast(Callable[..., torch.Tensor], loss_fn)
     if spec.loss == "custom":
         raise SpecError(
             f'{fname} defines no loss_fn but job.toml says loss = "custom": define '

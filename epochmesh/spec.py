@@ -654,7 +654,14 @@ def validate_job_spec(spec: common_pb2.JobSpec) -> None:
     if spec.loss != "custom" and len(spec.targets) != 1:
         raise err(f"loss {spec.loss!r} takes exactly one target (got {len(spec.targets)})")
 
-    def rng(name: str, v: float, lo: float, hi: float | None, lo_open=False, hi_open=False):
+    def rng(
+        name: str,
+        v: float,
+        lo: float,
+        hi: float | None,
+        lo_open: bool = False,
+        hi_open: bool = False,
+    ) -> None:
         if not math.isfinite(v):
             raise err(f"{name} must be finite (got {v})")
         if (v <= lo) if lo_open else (v < lo):

@@ -14,7 +14,7 @@ import grpc
 from epochmesh.identity import IdentityError
 from node_agent.core.config import AgentConfig, parse_args
 from node_agent.core.devices import DeviceError, select_device
-from node_agent.core.identity import CertificateRenewer, ensure_identity, set_insecure
+from node_agent.core.identity import CertificateRenewer, ensure_identity
 from node_agent.link.metrics import AgentMetrics
 from node_agent.runtime.worker import Agent
 from node_agent.testing.cheat import CHEAT_ENV, cheat_from_environment
@@ -58,7 +58,6 @@ def prepare_identity(config: AgentConfig) -> int:
         return 2
     if config.insecure:
         log.warning("--insecure: talking plaintext to the coordinator, without a certificate")
-        set_insecure(True)
         return 0
     retry_s = 5.0
     while True:

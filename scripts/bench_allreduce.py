@@ -84,8 +84,9 @@ def _run_worker(
     import torch.distributed as dist
 
     from epochmesh.identity import Identity
-    from node_agent.ring.allreduce import Ring, RingTransport, ring_allreduce
+    from node_agent.ring.allreduce import Ring, ring_allreduce
     from node_agent.ring.service import PeerServer
+    from node_agent.ring.transport import RingTransport
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.set_num_threads(1)
@@ -198,7 +199,7 @@ class _Floor:
 
     def __init__(self, rank: int, n: int, tensor: Any) -> None:
         from epochmesh.ring.schedule import RingSchedule, chunk_elems_for
-        from node_agent.ring.service import ring_chunk_header
+        from node_agent.ring.wire import ring_chunk_header
 
         self.n = n
         self.buf = tensor.numpy()
@@ -265,7 +266,7 @@ class _Floor:
     async def run(self) -> None:
         import asyncio
 
-        from node_agent.ring.service import frame_ring_chunk
+        from node_agent.ring.wire import frame_ring_chunk
 
         async def send() -> None:
             call = self.method()

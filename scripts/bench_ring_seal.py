@@ -90,8 +90,9 @@ def micro(members: int, mb: int, reps: int, identities: list[Any]) -> dict[str, 
 async def ring(n: int, mb: int, reps: int, identities: list[Any]) -> dict[str, Any]:
     import torch
 
-    from node_agent.ring.allreduce import Ring, RingTransport, ring_allreduce
+    from node_agent.ring.allreduce import Ring, ring_allreduce
     from node_agent.ring.service import PeerServer
+    from node_agent.ring.transport import RingTransport
 
     ids = [f"node-{i}" for i in range(n)]
     servers = [

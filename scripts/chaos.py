@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local_cluster import BIN, ClusterError, LocalCluster, wait_for  # noqa: E402
 
-from epochmesh.identity import (  # noqa: E402
+from epochmesh.identity import (
     Identity,
     channel_credentials,
     coordinator_channel_options,

@@ -28,11 +28,7 @@ from typing import TypeVar
 
 import grpc
 
-from epochmesh.identity import (
-    coordinator_channel_options,
-    enroll_with_token,
-    identity_credentials,
-)
+from epochmesh.identity import coordinator_channel_options, enroll_with_token, identity_credentials
 
 BIN = Path(sys.executable).parent
 if not (BIN / "epochmesh-coordinator").exists():  # console scripts elsewhere (a system python)

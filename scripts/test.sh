@@ -18,6 +18,9 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# Types ([tool.mypy] in pyproject.toml: the pure packages and the seams strict). The layer
+# contracts (import-linter) and the purity and circle checks run in tests/test_architecture.py.
+.venv/bin/mypy
 # One process by default. EPOCHMESH_TEST_WORKERS=2 runs two pytest-xdist workers: measured on
 # these 2 cores, one worker ~21 min, two ~17.5 min, three ~17.5 min (each test slower; the suite
 # is ~25 CPU-minutes), but under the doubled load a timing-sensitive system test (a share

@@ -1,1 +1,1 @@
-"""The CLI's commands, one module per group; each exposes ``register(subparsers, common)``."""
+"""The CLI's commands, one module per group; each exposes ``register(subparsers, common)``. May import: client.upload | plot | config | render | rpc, epochmesh."""

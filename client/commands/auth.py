@@ -10,12 +10,7 @@ import grpc
 from client.commands.context import Context
 from client.config import credentials_dir, load_credentials, save_login
 from client.rpc import CliError, ExitCode, error_from_rpc
-from epochmesh.identity import (
-    AUTH_MAX_SKEW_MS,
-    IdentityError,
-    enroll_with_token,
-    make_login_code,
-)
+from epochmesh.identity import AUTH_MAX_SKEW_MS, IdentityError, enroll_with_token, make_login_code
 from epochmesh.v1 import scheduler_pb2
 
 
@@ -121,7 +116,9 @@ def cmd_revoke(ctx: Context) -> int:
     return ExitCode.OK
 
 
-def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: list[argparse.ArgumentParser]
+) -> None:
     p = sub.add_parser(
         "login",
         parents=common,

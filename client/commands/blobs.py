@@ -64,7 +64,9 @@ def cmd_blobs_delete(ctx: Context) -> int:
     return ExitCode.OK
 
 
-def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: list[argparse.ArgumentParser]
+) -> None:
     p = sub.add_parser(
         "blobs",
         help="manage the blobs you uploaded",

@@ -90,7 +90,9 @@ def cmd_stats(ctx: Context) -> int:
     return ExitCode.OK
 
 
-def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: list[argparse.ArgumentParser]
+) -> None:
     p = sub.add_parser(
         "events",
         parents=common,

@@ -125,11 +125,14 @@ class Context:
         if not ref:
             raise CliError(ExitCode.USAGE, "empty job id", "list jobs with `epochmesh status`")
         try:
-            return coord.call("GetJob", coord.jobs.GetJob, job_pb2.GetJobRequest(job_id=ref))
+            job: common_pb2.Job = coord.call(
+                "GetJob", coord.jobs.GetJob, job_pb2.GetJobRequest(job_id=ref)
+            )
+            return job
         except CliError as err:
             if err.code not in (ExitCode.NOT_FOUND, ExitCode.USAGE):
                 raise
-        jobs = list(
+        jobs: list[common_pb2.Job] = list(
             coord.call("ListJobs", coord.jobs.ListJobs, job_pb2.ListJobsRequest(limit=10_000)).jobs
         )
         matches = [j for j in jobs if j.job_id.startswith(ref) or j.name == ref]
@@ -158,13 +161,14 @@ class Context:
         if not ref:
             raise CliError(ExitCode.USAGE, "empty node id", "list nodes with `epochmesh nodes`")
         try:
-            return coord.call(
+            node: common_pb2.NodeInfo = coord.call(
                 "GetNode", coord.scheduler.GetNode, scheduler_pb2.GetNodeRequest(node_id=ref)
             )
+            return node
         except CliError as err:
             if err.code not in (ExitCode.NOT_FOUND, ExitCode.USAGE):
                 raise
-        nodes = list(
+        nodes: list[common_pb2.NodeInfo] = list(
             coord.call(
                 "ListNodes", coord.scheduler.ListNodes, scheduler_pb2.ListNodesRequest()
             ).nodes

@@ -476,7 +476,9 @@ def _quote_job(ctx: Context, ref: str) -> int:
     return ExitCode.OK
 
 
-def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: list[argparse.ArgumentParser]
+) -> None:
     p = sub.add_parser(
         "offers",
         parents=common,

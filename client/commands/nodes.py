@@ -126,7 +126,9 @@ cmd_uncordon = _node_action("uncordon", "Uncordon", "uncordoned")
 cmd_drain = _node_action("drain", "Drain", "draining")
 
 
-def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: list[argparse.ArgumentParser]
+) -> None:
     p = sub.add_parser(
         "nodes",
         parents=common,

@@ -47,7 +47,7 @@ def enum_short_name(enum: EnumDescriptor, number: int) -> str:
     if value is None:
         return str(number)
     prefix = _enum_prefix(enum)
-    name = value.name[len(prefix) :] if value.name.startswith(prefix) else value.name
+    name: str = value.name[len(prefix) :] if value.name.startswith(prefix) else value.name
     return name.lower()
 
 
@@ -61,8 +61,9 @@ def node_state_name(state: int) -> str:
 
 def _parse_states(
     text: str, names: tuple[str, ...], enum: Any, prefix: str, what: str
-) -> list[int]:
-    out: list[int] = []
+) -> list[Any]:
+    # protobuf's enum wrapper is untyped at run time: its numbers are the generated enum type.
+    out: list[Any] = []
     for raw in text.split(","):
         name = raw.strip().lower()
         if not name:
@@ -79,12 +80,12 @@ def _parse_states(
     return out
 
 
-def parse_node_states(text: str) -> list[int]:
+def parse_node_states(text: str) -> list[common_pb2.NodeState]:
     """``"online,busy"`` -> the NodeState numbers; a typo is a usage error with a suggestion."""
     return _parse_states(text, NODE_STATES, common_pb2.NodeState, "NODE_STATE_", "node")
 
 
-def parse_job_states(text: str) -> list[int]:
+def parse_job_states(text: str) -> list[common_pb2.JobState]:
     return _parse_states(text, JOB_STATES, common_pb2.JobState, "JOB_STATE_", "job")
 
 
@@ -104,7 +105,7 @@ def to_dict(message: Message) -> Any:
     """A proto message as plain JSON-able data (see the module docstring)."""
     descriptor: Descriptor = message.DESCRIPTOR
     if descriptor.full_name == "epochmesh.v1.SampleRange":
-        return [message.start, message.stop]  # type: ignore[attr-defined]
+        return [message.start, message.stop]
     out: dict[str, Any] = {}
     for field in descriptor.fields:
         value = getattr(message, field.name)

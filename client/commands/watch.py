@@ -329,7 +329,9 @@ def cmd_watch(ctx: Context) -> int:
     return watch_job(ctx, job.job_id, reconnect_s=ctx.args.reconnect)
 
 
-def register(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: list[argparse.ArgumentParser]
+) -> None:
     p = sub.add_parser(
         "watch",
         parents=common,

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from epochmesh.v1 import common_pb2
+
 SECONDS_PER_HOUR = 3600
 PPM = 1_000_000
 # Rates are quantised to micro-samples per second, so that the rule is exact integer arithmetic.
 RATE_SCALE = 1_000_000
+RATE_QUANTUM = 1_000_000  # billed rates are kept to micro-samples per second
 
 
 def earned_micro(price_per_hour: int, samples: int, rate: float) -> int:
@@ -128,3 +131,12 @@ class BilledSamples:
         np.add.at(delta, runs[:, 0], 1)
         np.add.at(delta, runs[:, 1], -1)
         return np.cumsum(delta[:-1]) > 0
+
+
+def per_credit(spec: common_pb2.JobSpec) -> bool:
+    """Whether the job prefers samples/s per credit (a budget, no deadline) to speed."""
+    return spec.budget_micro > 0 and not spec.HasField("deadline_seconds")
+
+
+def quantized_rate(rate: float) -> float:
+    return round(rate * RATE_QUANTUM) / RATE_QUANTUM if rate > 0 else 0.0

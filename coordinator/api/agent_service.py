@@ -9,27 +9,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
+from typing import TypeAlias
 
 import grpc
 
+from coordinator.core.errors import CoordinatorError, InvalidArgumentError, PermissionDeniedError
+from coordinator.core.ids import check_text, require_node_id, require_sha256
+from coordinator.core.principal import current_principal
 from coordinator.core.stream_caps import StreamCaps, fetch_caps
 from coordinator.engine.api import TrainingEngine
-from coordinator.nodes.registry import NodeRegistry, require_node_id, require_price
-from coordinator.store.base import (
-    CoordinatorError,
-    InvalidArgumentError,
-    PermissionDeniedError,
-    check_text,
-)
-from coordinator.store.blobs import BlobStore, require_sha256
-from coordinator.trust.auth import current_principal, require_self
+from coordinator.nodes.registry import NodeRegistry, require_price
+from coordinator.store.blobs import BlobStore
+from coordinator.trust.auth import require_self
 from epochmesh.errors import CodecError
 from epochmesh.identity import ROLE_NODE
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import MAX_BUCKETS, MAX_CHUNKS
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 MAX_DEVICES = 64
 # Values of each part of a ring member's evidence (segments x buckets: 1 MiB of float64).

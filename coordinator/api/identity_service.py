@@ -7,10 +7,13 @@ does (coordinator/trust/auth.py). Both are rate-limited per peer address and in 
 from __future__ import annotations
 
 import time
+from typing import TypeAlias
 
 import grpc
 
-from coordinator.store.base import FailedPreconditionError, Store, check_text
+from coordinator.core.errors import FailedPreconditionError
+from coordinator.core.ids import check_text
+from coordinator.store.base import Store
 from coordinator.store.events import EventLog
 from coordinator.trust import tokens
 from coordinator.trust.auth import Authorizer
@@ -24,7 +27,7 @@ from coordinator.trust.tokens import (
 from epochmesh.identity import load_certificate
 from epochmesh.v1 import identity_pb2
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 RENEW_METHOD = "epochmesh.v1.IdentityService/RenewCertificate"
 

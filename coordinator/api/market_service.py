@@ -7,6 +7,8 @@ With ``--insecure`` there is no caller identity and every account is open (as fo
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import grpc
 
 from coordinator.accounting.credit_book import (
@@ -17,22 +19,19 @@ from coordinator.accounting.credit_book import (
     grant,
     tenant_account,
 )
-from coordinator.api.job_service import get_job
+from coordinator.api.queries import get_job
+from coordinator.core.errors import InvalidArgumentError, PermissionDeniedError
+from coordinator.core.ids import check_text
+from coordinator.core.principal import current_principal
 from coordinator.engine.api import TrainingEngine
 from coordinator.market.credit_ledger import CreditLedger
-from coordinator.store.base import (
-    InvalidArgumentError,
-    PermissionDeniedError,
-    Store,
-    check_text,
-)
-from coordinator.trust.auth import current_principal
+from coordinator.store.base import Store
 from epochmesh.identity import ROLE_SUBMITTER
 from epochmesh.money import MAX_CREDITS, MICRO
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2, market_pb2
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 ACCOUNT_KINDS = ("tenant", "donor", "escrow")
 MAX_STATEMENT = 10_000

@@ -8,34 +8,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Collection
+from typing import TypeAlias
 
 import grpc
 
-from coordinator.api.job_service import get_job, get_queue, list_jobs, watch_caps
-from coordinator.core.stream_caps import StreamCaps
-from coordinator.engine.api import TrainingEngine
-from coordinator.nodes.registry import NodeRegistry, is_node_id, state_name
-from coordinator.store.base import (
+from coordinator.api.queries import get_job, get_queue, list_jobs, watch_caps
+from coordinator.core.errors import (
     CoordinatorError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
-    Store,
-    check_text,
-    is_job_id,
 )
+from coordinator.core.ids import USER_ID_PREFIX, check_text, is_job_id, is_node_id
+from coordinator.core.principal import current_principal_id
+from coordinator.core.stream_caps import StreamCaps
+from coordinator.engine.api import TrainingEngine
+from coordinator.nodes.registry import NodeRegistry, state_name
+from coordinator.store.base import Store
 from coordinator.store.blobs import BlobStore
 from coordinator.store.events import EventLog
-from coordinator.trust.auth import (
-    Authorizer,
-    current_principal_id,
-    owner_filter,
-    require_job_access,
-)
-from coordinator.trust.tokens import USER_ID_PREFIX
+from coordinator.trust.auth import Authorizer, owner_filter, require_job_access
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 MAX_KIND_FILTERS = 32
 
@@ -49,7 +44,8 @@ def check_node_states(states: Collection[int]) -> list[int]:
 
 
 def job_state_name(state: int) -> str:
-    return common_pb2.JobState.Name(state).removeprefix("JOB_STATE_")  # type: ignore[arg-type]
+    name: str = common_pb2.JobState.Name(state)
+    return name.removeprefix("JOB_STATE_")
 
 
 class SchedulerService:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from coordinator.store.base import ResourceExhaustedError
+from coordinator.core.errors import ResourceExhaustedError
 
 
 class StreamCaps:

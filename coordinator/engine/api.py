@@ -25,11 +25,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 import grpc
 
-from coordinator.store.base import UnimplementedError
+from coordinator.core.errors import UnimplementedError
 from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from coordinator.store.blobs import BlobStore
     from coordinator.store.events import EventLog
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 @dataclass

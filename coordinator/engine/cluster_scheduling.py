@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.market.job_billing import per_credit
+from coordinator.accounting.billing import per_credit
 from coordinator.scheduling.cluster_scheduler import (
     Holding,
     JobRequest,

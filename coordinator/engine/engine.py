@@ -20,21 +20,22 @@ from collections import deque
 from collections.abc import AsyncIterator, Collection
 
 from coordinator.accounting.credit_book import InsufficientCredits, fund_escrow, tenant_account
-from coordinator.engine.api import CoordinatorContext, Ctx
-from coordinator.engine.cluster_scheduling import ClusterScheduling
-from coordinator.engine.job_runner import TERMINAL, JobRunner
-from coordinator.engine.strategies.parameter_server import ParameterServerRounds
-from coordinator.engine.strategies.ring import RingRounds
-from coordinator.rounds.allocator import segments, split_batch
-from coordinator.scheduling.cluster_scheduler import JobPlan, Plan
-from coordinator.store.base import (
+from coordinator.core.errors import (
     AbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
 )
-from coordinator.store.blobs import BlobCaller, require_sha256
+from coordinator.core.ids import require_sha256
+from coordinator.core.principal import current_principal, current_principal_id
+from coordinator.engine.api import CoordinatorContext, Ctx
+from coordinator.engine.cluster_scheduling import ClusterScheduling
+from coordinator.engine.job_runner import TERMINAL, JobRunner
+from coordinator.engine.strategies import STRATEGIES, ParameterServerRounds, RingRounds
+from coordinator.rounds.allocator import segments, split_batch
+from coordinator.scheduling.cluster_scheduler import JobPlan, Plan
+from coordinator.store.blobs import BlobCaller
 from epochmesh.errors import CodecError, SpecError
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.money import format_credits
@@ -138,7 +139,7 @@ class Engine:
         await self.program_inspector.close()
 
     def _start_runner(self, job: common_pb2.Job) -> JobRunner:
-        aggregation = RingRounds if job.spec.aggregation == "ring" else ParameterServerRounds
+        aggregation = STRATEGIES.get(job.spec.aggregation, ParameterServerRounds)
         runner = JobRunner(self, job, aggregation)
         self.runners[job.job_id] = runner
         self.scheduling.invalidate()
@@ -619,7 +620,7 @@ class Engine:
         live = part is not None and part.task_id == req.task_id and part.member
         if live and not req.failed and len(req.chunks) > MAX_CHUNKS:
             problem = f"{len(req.chunks)} chunk commitments (at most {MAX_CHUNKS})"
-        elif live and not req.failed:
+        elif live and part is not None and not req.failed:
             problem = runner.verifier.ring_commitment_problem(req, part)
         else:
             problem = ""
@@ -633,7 +634,7 @@ class Engine:
         was = part.status if part is not None else ""
         attempt = runner.rounds.attempt if isinstance(runner.rounds, RingRounds) else None
         runner.rounds.on_report(req)
-        if live and rs is not None and attempt is not None:
+        if live and part is not None and rs is not None and attempt is not None:
             if was == "pending" and part.status == "reported":
                 check, audit = runner.verifier.on_ring_report(req, part, rs, attempt)
                 if check is not None:
@@ -651,7 +652,9 @@ class Engine:
             raise InvalidArgumentError(f"{what}: no blob given")
         require_sha256(ref.sha256, f"{what} sha256")
         record = await self.ctx.blobs.get(ref.sha256)
-        if record is None or not await self.ctx.blobs.visible(ref.sha256, BlobCaller.current()):
+        if record is None or not await self.ctx.blobs.visible(
+            ref.sha256, BlobCaller.of(current_principal())
+        ):
             raise FailedPreconditionError(
                 f"{what}: blob {ref.sha256} is not uploaded (a job names only blobs its "
                 "submitter uploaded or its earlier jobs use)"
@@ -725,7 +728,7 @@ class Engine:
         budget = job.spec.budget_micro
         try:
             async with self.ctx.store.transaction():
-                job = await self.ctx.store.create_job(job, owner="")
+                job = await self.ctx.store.create_job(job, owner=current_principal_id())
                 await self.ctx.store.add_job_blobs(job.job_id, job_blob_shas(job))
                 if budget > 0:
                     entry = fund_escrow(job.job_id, job.owner, budget, now_ms(), "budget")

@@ -9,7 +9,6 @@ the open `RoundState` and wake it. The round protocol and the fault rules: docs/
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -21,6 +20,16 @@ import numpy as np
 import torch
 
 from coordinator.aggregation.param_server import ParameterServer
+from coordinator.core.errors import FailedPreconditionError
+from coordinator.engine.job_state import (
+    checkpoint_state,
+    load_benchmarks,
+    load_job_state,
+    new_ledger,
+    save_benchmarks,
+)
+from coordinator.engine.job_tasks import JobShards
+from coordinator.engine.ports import JobPort, RingStatePort
 from coordinator.engine.round_writer import RoundWriter
 from coordinator.engine.verifier import Verifier
 from coordinator.market.job_billing import AboveMaxPrice, BudgetExhausted, JobBilling
@@ -31,15 +40,10 @@ from coordinator.rounds.round_state import NodeStats, Part, RoundState
 from coordinator.rounds.sample_ranges import (
     TASK_RANGES_FIELD,
     encode_ranges_field,
-    touched_shards,
 )
-from coordinator.store.base import FailedPreconditionError
 from coordinator.store.checkpoint import CheckpointManifest, tensors_from_bytes
 from coordinator.store.retention import FLOOR_UNKNOWN
-from epochmesh.errors import ProgramError
 from epochmesh.money import format_credits
-from epochmesh.program.archive import read_initial_state
-from epochmesh.program.inspection import inspect_program_async
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.wire.tensors import encode_bundle, to_safetensors
@@ -66,7 +70,7 @@ class JobRunner:
         self,
         host: RunnerHost,
         job: common_pb2.Job,
-        aggregation: Callable[[JobRunner], Aggregation],
+        aggregation: Callable[[JobPort], Aggregation],
     ) -> None:
         """``aggregation`` makes the job's round strategy (coordinator/engine/strategies/parameter_server.py or
         coordinator/engine/strategies/ring.py) for this runner."""
@@ -90,7 +94,7 @@ class JobRunner:
         self.aliases: dict[str, str] = {}  # tied weights: {alias: parameter name}
         self.params_payload: tuple[common_pb2.TensorBundle, bytes] | None = None
         self.params_payload_version = -1
-        self._shard_starts: np.ndarray | None = None  # the job's shards' starts (a task's shards)
+        self.shards = JobShards(job)  # the job's shards (which ones a task needs)
         self._state_payload: tuple[tuple[int, bool], common_pb2.TensorBundle, bytes] | None = None
         self.next_round = 1
         self.rounds_applied = 0
@@ -120,7 +124,8 @@ class JobRunner:
         self.ended = False
         # Verification (coordinator/engine/verifier.py): a failed check asks for a rollback to the
         # state before this round; the state at the start of recent rounds is kept for it.
-        self.verifier = Verifier(self)
+        ring_state = self.rounds if isinstance(self.rounds, RingStatePort) else None
+        self.verifier = Verifier(self, ring_state=ring_state)
         self.billing.hold = (
             True  # a part's pay waits for its checks (coordinator/engine/verifier.py)
         )
@@ -248,31 +253,8 @@ class JobRunner:
 
     # -- restore / init -------------------------------------------------------------------------
 
-    async def _load_state(self) -> tuple[list[str], dict[str, torch.Tensor], dict[str, str]]:
-        """Parameter names, initial state and tied-weight aliases of the job.
-
-        They come from the initial state's metadata (written by packaging; the program was
-        checked against them at submission), which spares a restarted coordinator the first
-        torch.export load (about two seconds). A state without that metadata (a client other
-        than the CLI) has its program loaded for the names, in a confined child process
-        (epochmesh.program.inspection), never in this process."""
-        state_bytes = await self.ctx.blobs.read_bytes(self.job.initial_state.sha256)
-        init = await asyncio.to_thread(read_initial_state, state_bytes, require_params=False)
-        if init.param_names is not None:
-            return list(init.param_names), dict(init.state), dict(init.aliases)
-        program = await self.ctx.blobs.read_bytes(self.job.program.sha256)
-        inspection = await inspect_program_async(program, state_bytes)
-        if not inspection.ok or not inspection.param_names:
-            reason = inspection.reason or "it lists no parameters"
-            raise ProgramError(f"the job's program could not be loaded again: {reason}")
-        return list(inspection.param_names), dict(init.state), dict(init.aliases)
-
-    def _new_ledger(self, epoch: int) -> EpochLedger:
-        block = self.job.shards[0].count if self.job.shards else None
-        return EpochLedger(self.job.num_samples, epoch, self.spec.seed, block_size=block)
-
     async def restore(self) -> None:
-        names, state_dict, self.aliases = await self._load_state()
+        names, state_dict, self.aliases = await load_job_state(self.ctx, self.job)
         self.state_names = list(state_dict)
         skip = set(names) | set(self.aliases)
         self.buffers = {k: v for k, v in state_dict.items() if k not in skip}
@@ -288,7 +270,7 @@ class JobRunner:
         await self.billing.restore(store, all_rounds)
         self.next_round = (max((r.round for r in all_rounds), default=0)) + 1
         if latest is None:
-            self.ledger = self._new_ledger(0)
+            self.ledger = new_ledger(self.job, 0)
             await self._checkpoint(last_round=0)
         else:
             _, manifest_bytes = latest
@@ -333,23 +315,11 @@ class JobRunner:
             )
             await store.update_job(job)
             await self.verifier.restore(manifest.round)
-        for key_node, result in (await self._load_benchmarks()).items():
+        for key_node, result in (await load_benchmarks(self.ctx.store, self.job_id)).items():
             self.bench[key_node] = result
         self.params_payload = None
         await self.rounds.restored(resumed=latest is not None)
         self._restored = True
-
-    async def _load_benchmarks(self) -> dict[str, common_pb2.BenchmarkResult]:
-        out: dict[str, common_pb2.BenchmarkResult] = {}
-        raw = await self.ctx.store.get_job_state(self.job_id, "benchmarks")
-        if raw:
-            for node_id, data in json.loads(raw.decode()).items():
-                out[node_id] = common_pb2.BenchmarkResult.FromString(bytes.fromhex(data))
-        return out
-
-    async def _save_benchmarks(self) -> None:
-        data = {n: r.SerializeToString().hex() for n, r in self.bench.items()}
-        await self.ctx.store.put_job_state(self.job_id, "benchmarks", json.dumps(data).encode())
 
     # -- node set -------------------------------------------------------------------------------
 
@@ -417,7 +387,7 @@ class JobRunner:
             return
         for node_id, reason in departed.items():
             await self._drop_node(node_id, reason)
-        await self._save_benchmarks()
+        await save_benchmarks(self.ctx.store, self.job_id, self.bench)
 
     def _drop_ghosts(self) -> None:
         """Give the segments of ledger nodes that are not in the job (restored from a checkpoint
@@ -453,7 +423,9 @@ class JobRunner:
             return
         self.node_set.benchmark_answered(node_id, time.monotonic())
         self.bench[node_id] = result
-        asyncio.get_running_loop().create_task(self._save_benchmarks())
+        asyncio.get_running_loop().create_task(
+            save_benchmarks(self.ctx.store, self.job_id, self.bench)
+        )
         self.wake()
 
     async def _join(self, node_id: str) -> None:
@@ -606,14 +578,8 @@ class JobRunner:
                 part.error = f"no heartbeat for more than {silent_s:.2f}s (node unresponsive)"
                 log.info("job %s round %d: %s is silent", self.job_id, rs.round, part.node_id)
 
-    def _shards_of(self, runs: np.ndarray) -> list[common_pb2.Shard]:
-        """The job's shards that hold the samples of ``runs`` (what a task must fetch)."""
-        if self._shard_starts is None:
-            self._shard_starts = np.array([s.start for s in self.job.shards], dtype=np.int64)
-        return [self.job.shards[int(i)] for i in touched_shards(self._shard_starts, runs)]
-
     def train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
-        shards = self._shards_of(part.ranges)
+        shards = self.shards.of(part.ranges)
         task = agent_pb2.Task(
             task_id=part.task_id,
             kind=agent_pb2.TASK_KIND_TRAIN,
@@ -752,7 +718,9 @@ class JobRunner:
         when the parameter server does not hold the job's newest state (see may_checkpoint)."""
         if not self.rounds.may_checkpoint(last_round):
             return
-        await self.writer.checkpoint(*self._checkpoint_state(last_round))
+        await self.writer.checkpoint(
+            *checkpoint_state(self.ps, self.ledger, self.job, self.rounds_applied, last_round)
+        )
 
     async def _checkpoint_soon(self, last_round: int) -> None:
         """A checkpoint of the state now, written in the background while the next round runs
@@ -764,25 +732,11 @@ class JobRunner:
         if not self.writer.background:
             await self._checkpoint(last_round)
             return
-        await self.writer.checkpoint_soon(*self._checkpoint_state(last_round))
-
-    def _checkpoint_state(
-        self, last_round: int
-    ) -> tuple[dict[str, torch.Tensor], CheckpointManifest]:
-        tensors = {k: v.clone() for k, v in self.ps.state_tensors().items()}
-        manifest = CheckpointManifest(
-            round=last_round,
-            epoch=self.ledger.epoch,
-            params_version=self.ps.version,
-            rounds_applied=self.rounds_applied,
-            samples_done=self.job.samples_done,
-            tensors_sha256="",
-            ledger=self.ledger.to_state(),
-            last_loss=self.job.last_loss,
+        await self.writer.checkpoint_soon(
+            *checkpoint_state(self.ps, self.ledger, self.job, self.rounds_applied, last_round)
         )
-        return tensors, manifest
 
-    async def _set_state(self, state: int, message: str) -> None:
+    async def _set_state(self, state: common_pb2.JobState, message: str) -> None:
         if self.job.state == state and self.job.message == message:
             return
         # Whoever sees the new state (PAUSED, a terminal one) finds every closed round stored.
@@ -996,7 +950,7 @@ class JobRunner:
         ``round_id``) from parameters ``version`` and sketch the gradient (coordinator/
         verifier.py). Local SGD (``local_batch`` > 0): run the chunk's steps from the start
         state ``payload``, which travels inline whatever its size."""
-        shards = self._shards_of(runs)
+        shards = self.shards.of(runs)
         task = agent_pb2.Task(
             task_id=task_id,
             kind=agent_pb2.TASK_KIND_CHECK,
@@ -1098,7 +1052,9 @@ class JobRunner:
         awaits its check; at most MAX_SNAPSHOTS, then checkpoints serve)."""
         if self.verifier.ring:
             return  # ring rounds: the coordinator holds the state only at checkpoints
-        self._snapshots[round_id] = self._checkpoint_state(last_round=round_id - 1)
+        self._snapshots[round_id] = checkpoint_state(
+            self.ps, self.ledger, self.job, self.rounds_applied, last_round=round_id - 1
+        )
         oldest = self.verifier.first_unverified_round()
         for r in sorted(self._snapshots)[:-1]:
             if (oldest is None or r < oldest) or len(self._snapshots) > MAX_SNAPSHOTS:

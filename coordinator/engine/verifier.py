@@ -67,14 +67,22 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from coordinator.core.errors import FailedPreconditionError, InvalidArgumentError
+from coordinator.engine.checker_selection import (
+    checker_candidates,
+    device_kind,
+    draw_checker,
+    slice_runs,
+)
+from coordinator.engine.ports import JobPort, RingStatePort
+from coordinator.engine.ring_audits import RingAudit, RingAudits
+from coordinator.engine.verification_store import StateWriter, read_stored
+from coordinator.rounds.ring_verdicts import RingAttempt
 from coordinator.rounds.round_state import Part, RoundState
-from coordinator.rounds.sample_ranges import index_run_array
-from coordinator.store.base import FailedPreconditionError, InvalidArgumentError
 from coordinator.verification.reputation import (
     CHECK_FRACTION,
     P_FLOOR,
@@ -85,7 +93,6 @@ from coordinator.verification.reputation import (
 from coordinator.verification.restart_state import StoredVerification
 from coordinator.verification.screening import Screening, extend_history, per_step, screen
 from coordinator.verification.snapshot_check import ring_start_problem, snapshot_problem
-from epochmesh.ring.evidence import RingEvidence, judge
 from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
@@ -98,11 +105,7 @@ from epochmesh.verification import (
     recompute_tolerance,
     split_round_start,
 )
-from epochmesh.wire.tensors import decode_bundle, encode_bundle
-
-if TYPE_CHECKING:
-    from coordinator.engine.job_runner import JobRunner
-    from coordinator.engine.strategies.ring import RingAttempt
+from epochmesh.wire.tensors import encode_bundle
 
 log = logging.getLogger(__name__)
 NS = common_pb2.NodeState
@@ -116,10 +119,6 @@ MIN_CHECK_WAIT_S = 15.0
 WATCH_EVERY_S = 0.25
 # How long the job's end waits for the last checks.
 SETTLE_MAX_S = 120.0
-# Ring audits (round, attempt) remembered at most (older ones are dropped unjudged).
-AUDITS_KEPT = 16
-# The job state key of what a restarted coordinator must know (see the module docstring).
-STATE_KEY = "verification"
 
 
 @dataclass
@@ -160,32 +159,20 @@ class PendingCheck:
     standing: str = "new"  # the node's standing when its part was drawn (see Verifier.samples)
 
 
-@dataclass
-class RingAudit:
-    """One audited ring round attempt: its members' evidence of the all-reduce, under one
-    seed (see the module docstring)."""
-
-    round: int
-    attempt: int
-    order: list[str]
-    codec: str
-    seed: int
-    buckets: int
-    scales: dict[str, float]  # member -> b_i / B
-    gateway: str
-    external: tuple[common_pb2.TensorBundle, bytes] | None
-    draws: dict[str, str | None]  # member -> its standing when its part is checked, else None
-    deadline: float
-    evidence: dict[str, RingEvidence] = field(default_factory=dict)
-    updates: dict[str, torch.Tensor] = field(default_factory=dict)  # checked members' sketches
-    applied: bool = False  # its attempt is the one the round applied
-
-
 class Verifier:
     """The verification state of one job (see the module docstring)."""
 
-    def __init__(self, runner: JobRunner, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        runner: JobPort,
+        rng: random.Random | None = None,
+        *,
+        ring_state: RingStatePort | None = None,
+    ) -> None:
+        """``ring_state``: the ring strategy's agreed state, for a ring job's audits and
+        start-parameter checks (None in a parameter-server job)."""
         self.runner = runner
+        self.ring_state = ring_state
         spec = runner.spec
         self.ring = spec.aggregation == "ring"
         self.local_sgd = spec.sync == "local_sgd"
@@ -204,19 +191,15 @@ class Verifier:
         self._changed = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
         self._closed_round = 0  # every applied round up to it is in _unverified or verified
-        self._dirty = False
-        self._saver: asyncio.Task[None] | None = None
+        self._writer = StateWriter(runner, self.state)
         # Samples trained and recomputed, by the node's standing when its update came: "new"
         # (checked every round), "trusted" (at the floor probability), "building" (between):
         # the check overhead is recomputed / trained (a sample costs the same either way).
         self.trained: dict[str, int] = {"new": 0, "building": 0, "trusted": 0}
         self.recomputed: dict[str, int] = {"new": 0, "building": 0, "trusted": 0}
         self.verdicts: dict[str, int] = {"passed": 0, "failed": 0, "undecided": 0}
-        # Ring audits by (round, attempt): None where the draw audited nothing. Members' TRAIN
-        # tasks -> their audit; disputed hops: node -> {the other end: round}.
-        self._audits: dict[tuple[int, int], RingAudit | None] = {}
-        self._audit_of: dict[str, tuple[int, int]] = {}
-        self._disputes: dict[str, dict[str, int]] = {}
+        # Ring audits (coordinator/engine/ring_audits.py): their verdicts come back here.
+        self.audits = RingAudits(runner, self, evidence_wait_s=MIN_SKETCH_WAIT_S)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -232,8 +215,7 @@ class Verifier:
             except asyncio.CancelledError:
                 pass
             self._watch = None
-        if self._saver is not None:
-            await self._saver
+        await self._writer.written()
 
     # -- across a restart ------------------------------------------------------------------------
 
@@ -250,52 +232,26 @@ class Verifier:
             trained=dict(self.trained),
             recomputed=dict(self.recomputed),
             verdicts=dict(self.verdicts),
-            disputes={n: dict(p) for n, p in self._disputes.items()},
+            disputes={n: dict(p) for n, p in self.audits.disputes.items()},
         )
 
-    def _changed_state(self) -> None:
+    def changed_state(self) -> None:
         """Store the state soon (one writer task; it writes the newest state when it runs)."""
-        self._dirty = True
-        if self._saver is None or self._saver.done():
-            self._saver = asyncio.get_running_loop().create_task(
-                self._save(), name=f"verify-save-{self.runner.job_id}"
-            )
-
-    async def _save(self) -> None:
-        while self._dirty:
-            self._dirty = False
-            data = self.state().to_bytes()
-            try:
-                await self.runner.ctx.store.put_job_state(self.runner.job_id, STATE_KEY, data)
-            except Exception:
-                log.exception("job %s: verification state not stored", self.runner.job_id)
-                return
+        self._writer.changed()
 
     async def restore(self, kept_up_to: int) -> None:
         """After a coordinator restart, once the runner restored its state from the checkpoint
         after round ``kept_up_to`` (later rounds rolled back): the stored state, plus the
         applied parts of rounds recorded after it was written."""
-        store, job_id = self.runner.ctx.store, self.runner.job_id
-        raw = await store.get_job_state(job_id, STATE_KEY)
-        if raw is None:
+        stored = await read_stored(self.runner, kept_up_to)
+        if stored is None:
             return
-        try:
-            stored = StoredVerification.from_bytes(raw)
-        except ValueError as e:
-            log.warning("job %s: %s", job_id, e)
-            return
-        unverified = stored.unverified
-        for rec in await store.list_rounds(job_id):
-            if stored.as_of_round < rec.round <= kept_up_to:
-                for part in rec.parts:
-                    if part.status == "applied":
-                        unverified.setdefault(part.node_id, set()).add(rec.round)
-        self._unverified = unverified
+        self._unverified = stored.unverified
         self.on_rolled_back(kept_up_to)
         self._closed_round = kept_up_to
         self._force = stored.force | {n for n, r in self._unverified.items() if r}
         self._accused = stored.accused
-        self._disputes = stored.disputes
+        self.audits.disputes = stored.disputes
         self.trained, self.recomputed, self.verdicts = (
             {k: getattr(stored, name).get(k, 0) for k in getattr(self, name)}
             for name in ("trained", "recomputed", "verdicts")
@@ -303,12 +259,12 @@ class Verifier:
         log.info(
             "job %s: verification state restored: %d node(s) with unverified rounds (from round "
             "%s), %d accused",
-            job_id,
+            self.runner.job_id,
             sum(1 for r in self._unverified.values() if r),
             self.first_unverified_round(),
             len(stored.accused),
         )
-        self._changed_state()
+        self.changed_state()
 
     async def settle(self, max_s: float = SETTLE_MAX_S) -> None:
         """Wait until every pending check has its verdict (each has a deadline), at most
@@ -399,7 +355,7 @@ class Verifier:
             digests=[c.start_digest for c in h.chunks] if self.local_sgd else [],
             local_batch=part.local_batch,
         )
-        self._changed_state()
+        self.changed_state()
         return agent_pb2.CheckSpec(seed=seed, buckets=SKETCH_BUCKETS)
 
     def _draw(self, node_id: str, samples: int) -> str | None:
@@ -434,7 +390,7 @@ class Verifier:
         if not req.chunks:
             return None, None
         key = (rs.round, attempt.number)
-        if key not in self._audits:
+        if key not in self.audits.audits:
             draws = {m: self._draw(m, rs.parts[m].samples) for m in attempt.order if m in rs.parts}
             audit = None
             if any(d is not None for d in draws.values()):
@@ -442,7 +398,7 @@ class Verifier:
                     round=rs.round,
                     attempt=attempt.number,
                     order=list(attempt.order),
-                    codec=self.runner.rounds.ring_codec(),
+                    codec=self._ring_state().ring_codec(),
                     seed=self.rng.getrandbits(63),
                     buckets=SKETCH_BUCKETS,
                     scales={
@@ -455,13 +411,11 @@ class Verifier:
                     draws=draws,
                     deadline=time.monotonic() + self._sketch_wait(),
                 )
-            self._audits[key] = audit
-            for old in sorted(self._audits)[:-AUDITS_KEPT]:
-                self._drop_audit(old)
-        audit = self._audits[key]
+            self.audits.add(key, audit)
+        audit = self.audits.audits[key]
         if audit is None or req.node_id not in audit.scales:
             return None, None
-        self._audit_of[req.task_id] = key
+        self.audits.audit_of[req.task_id] = key
         spec = agent_pb2.CheckSpec(seed=audit.seed, buckets=audit.buckets)
         standing = audit.draws.get(req.node_id)
         if standing is None or req.node_id in self._accused:
@@ -482,123 +436,15 @@ class Verifier:
             digests=[c.start_digest for c in req.chunks] if self.local_sgd else [],
             local_batch=part.local_batch,
         )
-        self._changed_state()
+        self.changed_state()
         return spec, spec
+
+    def _ring_state(self) -> RingStatePort:
+        assert self.ring_state is not None, "a ring job's verifier is given the ring's state"
+        return self.ring_state
 
     def _sketch_wait(self) -> float:
         return max(MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds())
-
-    def _drop_audit(self, key: tuple[int, int]) -> None:
-        audit = self._audits.pop(key, None)
-        if audit is not None:
-            for task_id in [t for t, k in self._audit_of.items() if k == key]:
-                del self._audit_of[task_id]
-
-    @property
-    def ring_disputes(self) -> dict[str, set[str]]:
-        """Ring members -> the right neighbours they must not get (disputed hops)."""
-        return {n: set(partners) for n, partners in self._disputes.items()}
-
-    async def _on_ring_evidence(self, req: agent_pb2.CommitSketchesRequest) -> None:
-        """A member's evidence of an audited round (and, for a checked member, the sketch of
-        its update): judged once every member's is in."""
-        key = self._audit_of.get(req.task_id)
-        audit = self._audits.get(key) if key is not None else None
-        if audit is None or req.node_id not in audit.scales or req.node_id in audit.evidence:
-            raise FailedPreconditionError(
-                f"no ring evidence is awaited for task {req.task_id!r} of node {req.node_id}"
-            )
-        ring = req.ring
-        if ring.seed != audit.seed or ring.buckets != audit.buckets:
-            problem = (
-                f"ring evidence under seed {ring.seed} / {ring.buckets} buckets; the round's is "
-                f"{audit.seed} / {audit.buckets}"
-            )
-        else:
-            try:
-                evidence = RingEvidence.from_flat(
-                    [ring.sent, ring.received, ring.own, ring.result],
-                    len(audit.order),
-                    audit.buckets,
-                )
-                problem = ""
-            except ValueError as exc:
-                problem = str(exc)
-        if problem:
-            self._drop_audit(key)  # it cannot be judged: the round is undone instead
-            self.runner.undo_from(audit.round, f"{req.node_id}: malformed ring evidence")
-            raise InvalidArgumentError(f"ring evidence refused: {problem}")
-        audit.evidence[req.node_id] = evidence
-        if len(req.update_sketch) == audit.buckets and audit.draws.get(req.node_id) is not None:
-            audit.updates[req.node_id] = torch.tensor(list(req.update_sketch), dtype=torch.float64)
-        if len(audit.evidence) == len(audit.scales):
-            self._drop_audit(key)
-            await self._judge_audit(audit)
-
-    async def _judge_audit(self, audit: RingAudit) -> None:
-        """Every member's evidence is in: judge it (`epochmesh.ring.evidence.judge`), checked
-        members' contributions against their update sketches, and act on the verdict."""
-        expected: dict[str, torch.Tensor] = {}
-        external = None
-        if audit.external is not None and audit.gateway:
-            external = await asyncio.to_thread(
-                lambda: sketch(decode_bundle(*audit.external), audit.seed, audit.buckets)
-            )
-        for m, update in audit.updates.items():
-            expected[m] = audit.scales[m] * update
-            if m == audit.gateway and external is not None:
-                expected[m] = expected[m] + external
-        verdict = await asyncio.to_thread(judge, audit.order, audit.codec, audit.evidence, expected)
-        if verdict.clean:
-            log.info(
-                "job %s: ring round %d (attempt %d) audited: %d members agree",
-                self.runner.job_id,
-                audit.round,
-                audit.attempt,
-                len(audit.order),
-            )
-            return
-        for node, why in verdict.liars.items():
-            await self._condemn(
-                node,
-                audit.round,
-                f"its contribution to ring round {audit.round}: {why}",
-                {"check": "ring_contribution", "seed": str(audit.seed), "why": why[:300]},
-                accuse=True,
-            )
-        for sender, receiver, why in verdict.hops:
-            await self._disputed_hop(audit, sender, receiver, why)
-
-    async def _disputed_hop(self, audit: RingAudit, sender: str, receiver: str, why: str) -> None:
-        """``sender`` and ``receiver`` disagree on what passed between them: one of them lies.
-        The round is undone; the two are kept apart from now on, and a member two different
-        neighbours disagree with is quarantined."""
-        reason = f"ring round {audit.round}: {why}"
-        self.runner.undo_from(audit.round, reason)
-        await self.runner.ctx.events.append(
-            "round.disputed",
-            job_id=self.runner.job_id,
-            message=f"{reason}; the round is undone, the two are kept apart"[:1024],
-            attrs={"round": str(audit.round), "sender": sender, "receiver": receiver},
-        )
-        for a, b in ((sender, receiver), (receiver, sender)):
-            self._disputes.setdefault(a, {})[b] = audit.round
-        self._changed_state()
-        for node in (sender, receiver):
-            partners = self._disputes.get(node, {})
-            if len(partners) >= 2 and node not in self._accused:
-                await self._condemn(
-                    node,
-                    audit.round,
-                    f"{len(partners)} ring neighbours ({', '.join(sorted(partners))}) disagree "
-                    "with what it says passed between them",
-                    {
-                        "check": "ring_hops",
-                        "neighbours": ",".join(sorted(partners)),
-                        "rounds": ",".join(str(r) for r in sorted(set(partners.values()))),
-                    },
-                    accuse=True,
-                )
 
     # -- sketches --------------------------------------------------------------------------------
 
@@ -609,7 +455,7 @@ class Verifier:
         the answer names the chunk whose start state a local SGD node or a ring member uploads
         next."""
         if req.HasField("ring"):
-            await self._on_ring_evidence(req)
+            await self.audits.on_evidence(req)
             if req.task_id not in self._pending:  # none wanted, or judged meanwhile
                 return agent_pb2.CommitSketchesResponse()
         pc = self._pending.get(req.task_id)
@@ -736,7 +582,7 @@ class Verifier:
         they must be the ones its ring agreed on (kept for the checker's recomputation, or the
         local SGD start state's check). False when the check ended here (failed: they are
         not; undecided: the ring's checksum is gone) or was settled meanwhile."""
-        agreed = await self.runner.rounds.agreed_params_checksum(pc.version)
+        agreed = await self._ring_state().agreed_params_checksum(pc.version)
         if agreed is None:
             await self._inconclusive(pc, f"the ring's checksum of version {pc.version} is gone")
             return False
@@ -759,36 +605,6 @@ class Verifier:
 
     # -- recomputation ---------------------------------------------------------------------------
 
-    def _donor(self, node_id: str) -> str:
-        return self.runner.ctx.registry.donor_of(node_id) or node_id
-
-    def _device_kind(self, node_id: str) -> str:
-        info = self.runner.ctx.registry.get(node_id)
-        if info is None or not info.devices:
-            return "cpu"
-        return info.devices[0].kind or "cpu"
-
-    def _candidates(self, pc: PendingCheck) -> list[str]:
-        """Nodes that may recompute ``pc``'s chunk: of a donor neither the node's nor an earlier
-        checker's, live and in good standing; the job's own nodes first (they hold its program
-        and data), else any other such node (it loads them for the check)."""
-        registry = self.runner.ctx.registry
-        donors = {self._donor(pc.node_id)} | {self._donor(c.node_id) for c in pc.checkers}
-
-        def eligible(n: str) -> bool:
-            if n in pc.tried or n == pc.node_id or self._donor(n) in donors:
-                return False
-            info = registry.get(n)
-            if info is None or info.state not in (NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY):
-                return False
-            return not self.runner.host.is_silent(n)
-
-        members = sorted(n for n in self.runner.nodes if eligible(n))
-        if members:
-            return members
-        others = registry.list((NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY))
-        return sorted(n.node_id for n in others if eligible(n.node_id))
-
     async def _start_checks(self, pc: PendingCheck) -> None:
         """The chunk drawn goes to its first checker; in a ring job at once to a second one of
         a third donor too (where there is one): its members are busy in the next ring round, so
@@ -803,7 +619,9 @@ class Verifier:
             and not self._settled(pc)
             and len(pc.checkers) == 1
             and len(pc.tried) < MAX_CHECKERS
-            and self._candidates(pc)
+            and checker_candidates(
+                self.runner, pc.node_id, [c.node_id for c in pc.checkers], pc.tried
+            )
         ):
             await self._next_checker(pc)
 
@@ -813,7 +631,9 @@ class Verifier:
         if len(pc.tried) >= MAX_CHECKERS:
             await self._inconclusive(pc, f"{len(pc.tried)} checkers failed or did not answer")
             return
-        candidates = self._candidates(pc)
+        candidates = checker_candidates(
+            self.runner, pc.node_id, [c.node_id for c in pc.checkers], pc.tried
+        )
         if not candidates:
             why = (
                 "no node of another donor to recompute its chunk"
@@ -823,10 +643,10 @@ class Verifier:
             )
             await self._inconclusive(pc, why)
             return
-        node = self._draw_checker(candidates)
+        node = draw_checker(self.runner, candidates, self.rng)
         start = int(sum(n for n, _ in pc.chunks[: pc.chunk]))
         end = start + int(pc.chunks[pc.chunk][0])
-        runs = _slice_runs(pc.ranges, start, end)
+        runs = slice_runs(pc.ranges, start, end)
         task_id = "c-" + uuid.uuid4().hex[:12]
         task = self.runner.check_task(
             task_id,
@@ -843,27 +663,6 @@ class Verifier:
         self._by_check_task[task_id] = pc.task_id
         self.recomputed[pc.standing] += end - start
         self.runner.host.enqueue(node, task, self.runner.job_id, front=True)
-
-    def _draw_checker(self, candidates: list[str]) -> str:
-        """One of ``candidates``, drawn with probability in proportion to its speed (its
-        measured samples/s on this job, else its reference benchmark): every node then spends
-        about the same share of its time on checks, so the split by speed stays right and a
-        slow node does not hold its next part back recomputing a fast node's chunk."""
-        estimator = self.runner.planner.estimator
-
-        def rate(n: str) -> float:
-            try:
-                return estimator.estimate(n)
-            except KeyError:  # not (yet) planned on this job: its reference benchmark
-                return self.runner.host.reference_rate(n)
-
-        weights = [max(1e-9, rate(n)) for n in candidates]
-        x = self.rng.random() * sum(weights)
-        for n, w in zip(candidates, weights, strict=True):
-            x -= w
-            if x < 0:
-                return n
-        return candidates[-1]
 
     def is_check_task(self, node_id: str, task_id: str) -> bool:
         pc = self._pending.get(self._by_check_task.get(task_id, ""))
@@ -911,8 +710,8 @@ class Verifier:
         assert pc.chunk_sketches is not None
         theirs = torch.tensor(list(req.sketch), dtype=torch.float64)
         tolerance = recompute_tolerance(
-            self._device_kind(pc.node_id),
-            self._device_kind(req.node_id),
+            device_kind(self.runner.ctx.registry, pc.node_id),
+            device_kind(self.runner.ctx.registry, req.node_id),
             local_sgd=bool(pc.digests),
         )
         checker.distance = relative_distance(theirs, pc.chunk_sketches[pc.chunk])
@@ -982,7 +781,7 @@ class Verifier:
             return
         self._forget(pc)
         self.verdicts["passed"] += 1
-        self._changed_state()
+        self.changed_state()
         # Verified: the node's rounds up to this one, but any whose own check still runs.
         running = {p.round for p in self._pending.values() if p.node_id == pc.node_id}
         rounds = self._unverified.get(pc.node_id)
@@ -1008,7 +807,7 @@ class Verifier:
             return
         self._forget(pc)
         self.verdicts["undecided"] += 1
-        self._changed_state()
+        self.changed_state()
         log.warning(
             "job %s: the check of %s's round %d is undecided: %s",
             self.runner.job_id,
@@ -1032,9 +831,9 @@ class Verifier:
         if self._settled(pc):
             return
         self._forget(pc)
-        await self._condemn(pc.node_id, pc.round, reason, evidence, accuse=accuse)
+        await self.condemn(pc.node_id, pc.round, reason, evidence, accuse=accuse)
 
-    async def _condemn(
+    async def condemn(
         self, node: str, round_id: int, reason: str, evidence: Mapping[str, str], *, accuse: bool
     ) -> None:
         """``node``'s work of round ``round_id`` is wrong (``accuse``: proven, quarantine) or
@@ -1050,7 +849,7 @@ class Verifier:
         # early it was caught; undoing that round costs one round when it was not.
         rounds = self._unverified.pop(node, set()) | {round_id}
         first = min(rounds)
-        self._changed_state()
+        self.changed_state()
         attrs = {"round": str(round_id), **evidence}
         if accuse:
             text = f"failed verification in job {self.runner.job_id}: {reason}"
@@ -1069,40 +868,12 @@ class Verifier:
         if not gone:
             await self.runner.ctx.registry.add_strike(pc.node_id, strike, job_id=self.runner.job_id)
 
-    async def _overdue_audits(self, now: float) -> None:
-        """Audits past their deadline: one whose round was not applied (its attempt failed)
-        is dropped; else every member that sent no evidence has its rounds undone and, while
-        online, a strike."""
-        for key, audit in list(self._audits.items()):
-            if audit is None or now <= audit.deadline:
-                continue
-            self._drop_audit(key)
-            if not audit.applied:
-                continue
-            for node in [m for m in audit.order if m not in audit.evidence]:
-                gone = not self.runner.ctx.registry.is_alive(node)
-                why = "went offline before it sent" if gone else "did not send"
-                await self._condemn(
-                    node,
-                    audit.round,
-                    f"it {why} its evidence of ring round {audit.round} (seed sent)",
-                    {"check": "ring_evidence_missing"},
-                    accuse=False,
-                )
-                if not gone:
-                    await self.runner.ctx.registry.add_strike(
-                        node,
-                        f"no evidence of audited ring round {audit.round} within "
-                        f"{MIN_SKETCH_WAIT_S:g}s of its report",
-                        job_id=self.runner.job_id,
-                    )
-
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
             now = time.monotonic()
             try:
-                await self._overdue_audits(now)
+                await self.audits.overdue(now)
             except Exception:
                 log.exception("job %s: ring audits failed", self.runner.job_id)
             for pc in list(self._pending.values()):
@@ -1163,7 +934,7 @@ class Verifier:
                 self._force.add(p.node_id)
                 flagged.append((p, figures.reason))
         if flagged:
-            self._changed_state()
+            self.changed_state()
         return flagged
 
     def round_started(
@@ -1185,18 +956,17 @@ class Verifier:
             if p.status == "applied":
                 self._unverified.setdefault(p.node_id, set()).add(rs.round)
         self._closed_round = max(self._closed_round, rs.round)
-        self._changed_state()
+        self.changed_state()
+
+    @property
+    def ring_disputes(self) -> dict[str, set[str]]:
+        """Ring members -> the right neighbours they must not get (disputed hops)."""
+        return self.audits.disputed_partners()
 
     def ring_attempt_applied(self, round_id: int, attempt: int) -> None:
-        """Ring round ``round_id`` was applied as its attempt ``attempt`` computed it: that
-        attempt's audit waits for every member's evidence; the round's failed attempts' audits
-        are dropped (their members may never have been told the seed)."""
-        for key, audit in list(self._audits.items()):
-            if audit is not None and audit.round == round_id:
-                if audit.attempt == attempt:
-                    audit.applied = True
-                else:
-                    self._drop_audit(key)
+        """Ring round ``round_id`` was applied as its attempt ``attempt`` computed it (see
+        `RingAudits.attempt_applied`)."""
+        self.audits.attempt_applied(round_id, attempt)
 
     def on_rolled_back(self, after_round: int) -> None:
         """Rounds after ``after_round`` were undone: nothing of them is left to verify for the
@@ -1205,7 +975,7 @@ class Verifier:
             for r in [r for r in rounds if r > after_round]:
                 rounds.discard(r)
         self._closed_round = min(self._closed_round, after_round)
-        self._changed_state()
+        self.changed_state()
 
     def summary(self) -> dict[str, str]:
         """The job's verification figures (the ``job.verification`` event's attributes):
@@ -1222,13 +992,3 @@ class Verifier:
     def payload(self, version: int) -> tuple[common_pb2.TensorBundle, bytes] | None:
         """The parameters of an older version kept for a check's recomputation."""
         return self._payloads.get(version)
-
-
-def _slice_runs(runs: np.ndarray, start: int, end: int) -> np.ndarray:
-    """The indices ``start .. end-1`` (positions in the runs' order) as runs."""
-    idx = (
-        np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in runs])
-        if len(runs)
-        else np.zeros(0, np.int64)
-    )
-    return index_run_array(idx[start:end])

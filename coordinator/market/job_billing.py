@@ -28,7 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.accounting.billing import BilledSamples, PartCharge, charge_part, earned_micro
+from coordinator.accounting.billing import (
+    BilledSamples,
+    PartCharge,
+    charge_part,
+    earned_micro,
+    quantized_rate,
+)
 from coordinator.accounting.credit_book import (
     FEE_RETURNED,
     FORFEITED,
@@ -53,8 +59,6 @@ from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-
-RATE_QUANTUM = 1_000_000  # billed rates are kept to micro-samples per second
 
 
 class BudgetExhausted(Exception):
@@ -117,15 +121,6 @@ def _held_charges(
             fee=f["fee"],
         )
     return out
-
-
-def per_credit(spec: common_pb2.JobSpec) -> bool:
-    """Whether the job prefers samples/s per credit (a budget, no deadline) to speed."""
-    return spec.budget_micro > 0 and not spec.HasField("deadline_seconds")
-
-
-def quantized_rate(rate: float) -> float:
-    return round(rate * RATE_QUANTUM) / RATE_QUANTUM if rate > 0 else 0.0
 
 
 class JobBilling:

@@ -24,6 +24,7 @@ node itself. The registry reads it at load and at register and shows it as the l
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import secrets
@@ -31,14 +32,9 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.store.base import (
-    FailedPreconditionError,
-    HeartbeatUpdate,
-    InvalidArgumentError,
-    NodeRecord,
-    NotFoundError,
-    Store,
-)
+from coordinator.core.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from coordinator.core.ids import new_node_id
+from coordinator.store.base import HeartbeatUpdate, NodeRecord, Store
 from coordinator.store.events import EventLog
 from coordinator.verification.reputation import (
     ReputationRecord,
@@ -62,8 +58,6 @@ OFFLINE = NS.NODE_STATE_OFFLINE
 QUARANTINED = NS.NODE_STATE_QUARANTINED
 
 DONOR_LABEL = "donor"
-NODE_ID_PREFIX = "n-"
-NODE_ID_HEX = 10
 LEASE_EXPIRED = "lease expired: register again"
 # Refused updates a node may send before it is quarantined.
 DEFAULT_STRIKE_LIMIT = 3
@@ -77,24 +71,6 @@ RESTORED_LEASE_TTLS = 2
 MAX_PRICE_MICRO_PER_HOUR = MAX_CREDITS * MICRO
 
 OfflineListener = Callable[[str], Awaitable[None]]
-
-
-def new_node_id() -> str:
-    return NODE_ID_PREFIX + secrets.token_hex(NODE_ID_HEX // 2)
-
-
-def is_node_id(value: str) -> bool:
-    if len(value) != len(NODE_ID_PREFIX) + NODE_ID_HEX or not value.startswith(NODE_ID_PREFIX):
-        return False
-    return all(c in "0123456789abcdef" for c in value[len(NODE_ID_PREFIX) :])
-
-
-def require_node_id(value: str, field: str = "node_id") -> str:
-    if not value:
-        raise InvalidArgumentError(f"{field} is required")
-    if not is_node_id(value):
-        raise InvalidArgumentError(f"malformed {field} {value[:80]!r} (expected n- and 10 hex)")
-    return value
 
 
 def require_price(value: int, field: str = "price_micro_per_hour") -> int:
@@ -112,7 +88,8 @@ def describe_price(micro_per_hour: int) -> str:
 
 def state_name(state: int) -> str:
     """ "ONLINE" for NODE_STATE_ONLINE, and so on."""
-    return NS.Name(state).removeprefix("NODE_STATE_")  # type: ignore[arg-type]
+    name: str = NS.Name(state)
+    return name.removeprefix("NODE_STATE_")
 
 
 class LeaseExpiredError(FailedPreconditionError):
@@ -253,7 +230,7 @@ class NodeRegistry:
         node = self._nodes.get(node_id)
         return node is not None and self._leased(node, self._clock())
 
-    def eligible_nodes(self) -> list[common_pb2.NodeInfo]:
+    def eligible_nodes(self) -> builtins.list[common_pb2.NodeInfo]:
         """Leased nodes that may get new work: ONLINE or BUSY."""
         now = self._clock()
         return [
@@ -627,7 +604,7 @@ class NodeRegistry:
 
     # -- lease expiry and heartbeat flushing ----------------------------------------------------
 
-    async def sweep(self) -> list[str]:
+    async def sweep(self) -> builtins.list[str]:
         """Mark every node whose lease lapsed OFFLINE; returns their ids."""
         now = self._clock()
         lapsed = [n for n in self._nodes.values() if n.info.state != OFFLINE and now > n.expires]

@@ -16,8 +16,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from coordinator.core.ids import is_job_id
 from coordinator.observability.round_stats import Histogram, JobRounds, RoundStats
-from coordinator.store.base import Store, is_job_id
+from coordinator.store.base import Store
 from epochmesh.identity import ROLE_OPERATOR, ROLE_SUBMITTER
 from epochmesh.spec import DEFAULT_PRIORITY
 from epochmesh.v1 import common_pb2, scheduler_pb2
@@ -48,11 +49,13 @@ MAX_EVENT_KINDS = 256
 
 
 def node_state_name(state: int) -> str:
-    return common_pb2.NodeState.Name(state).removeprefix("NODE_STATE_")  # type: ignore[arg-type]
+    name: str = common_pb2.NodeState.Name(state)
+    return name.removeprefix("NODE_STATE_")
 
 
 def job_state_name(state: int) -> str:
-    return common_pb2.JobState.Name(state).removeprefix("JOB_STATE_")  # type: ignore[arg-type]
+    name: str = common_pb2.JobState.Name(state)
+    return name.removeprefix("JOB_STATE_")
 
 
 @dataclass(frozen=True)
@@ -371,7 +374,7 @@ class ClusterView:
             try:
                 alloc = await self._engine.get_allocation(
                     scheduler_pb2.GetAllocationRequest(job_id=job_id),
-                    None,  # type: ignore[arg-type]
+                    None,
                 )
                 for na in alloc.nodes:
                     allocation[na.node_id] = {

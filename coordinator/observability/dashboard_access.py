@@ -24,10 +24,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from coordinator.core.errors import PermissionDeniedError, UnauthenticatedError
+from coordinator.core.ids import new_user_id
 from coordinator.observability.cluster_view import Viewer
-from coordinator.store.base import PermissionDeniedError, Store, UnauthenticatedError
+from coordinator.store.base import Store
 from coordinator.trust.auth import Authorizer
-from coordinator.trust.tokens import CertificateAuthority, join_token_hash, new_user_id
+from coordinator.trust.tokens import CertificateAuthority, join_token_hash
 from epochmesh import identity
 from epochmesh.timeutil import now_ms
 

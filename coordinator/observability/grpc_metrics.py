@@ -48,12 +48,15 @@ def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> st
     """The status a call ended with: the code the handler set or aborted with, else OK for a
     normal return, CANCELLED for a cancelled call and UNKNOWN for an escaped exception."""
     code = context.code()
+    name: str
     if isinstance(code, grpc.StatusCode):
-        return code.name
+        name = code.name
+        return name
     if isinstance(code, int):
         for status in grpc.StatusCode:
             if status.value[0] == code:
-                return status.name
+                name = status.name
+                return name
     if exc is None:
         return "OK"
     if isinstance(exc, asyncio.CancelledError):
@@ -61,7 +64,8 @@ def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> st
     return "UNKNOWN"
 
 
-class GrpcMetrics(grpc.aio.ServerInterceptor):
+# grpc ships no types: its interceptor base is Any to mypy.
+class GrpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """The interceptor and the metrics it keeps (registered in ``registry``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:

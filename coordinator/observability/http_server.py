@@ -34,9 +34,11 @@ from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, urlsplit
 
+from coordinator.core.errors import CoordinatorError
+from coordinator.core.ids import require_job_id
 from coordinator.observability.cluster_view import ClusterState, ClusterView, Viewer
 from coordinator.observability.dashboard_access import (
     SESSION_COOKIE,
@@ -48,7 +50,7 @@ from coordinator.observability.dashboard_access import (
     redeem_login_token,
 )
 from coordinator.observability.metrics import CoordinatorMetrics
-from coordinator.store.base import CoordinatorError, Store, require_job_id
+from coordinator.store.base import Store
 from coordinator.trust.auth import Authorizer
 from coordinator.trust.tokens import CertificateAuthority
 from epochmesh.identity import LOGIN_CODE_PREFIX, ROLE_OPERATOR
@@ -427,7 +429,9 @@ class HttpServer:
         if ":" in family_host:
             import socket
 
-            server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+            server_cls = cast(
+                type[_Server], type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+            )
         self._server = server_cls((family_host, self._port), handler)
         port = self._server.server_address[1]
         self.address = f"[{family_host}]:{port}" if ":" in family_host else f"{family_host}:{port}"

@@ -84,7 +84,7 @@ class RoundPlanner:
         if not fits:
             return result.samples_per_second
         best = min(fits, key=lambda p: abs(math.log(p.batch_size / max(1, expected_batch))))
-        return best.samples_per_second
+        return float(best.samples_per_second)
 
     def believed_bench_rate(
         self, node_id: str, expected_batch: int, nodes: list[str] | None = None

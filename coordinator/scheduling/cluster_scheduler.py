@@ -189,7 +189,8 @@ class TenantUsage:
         self._usage: dict[str, tuple[float, int]] = {}  # tenant -> (usage, at_ms)
 
     def _decayed(self, value: float, at_ms: int, now_ms: int) -> float:
-        return value * 0.5 ** (max(0, now_ms - at_ms) / 1000 / self.half_life_s)
+        factor: float = 0.5 ** (max(0, now_ms - at_ms) / 1000 / self.half_life_s)
+        return value * factor
 
     def add(self, tenant: str, node_seconds: float, now_ms: int) -> None:
         if node_seconds < 0 or not math.isfinite(node_seconds):

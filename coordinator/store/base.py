@@ -7,14 +7,12 @@ Records that mirror a proto message are handed in and out as proto messages (cop
 a returned message never changes the store). Getters return None for a missing record;
 updates of a missing record raise `NotFoundError`.
 
-Domain errors: the coordinator's modules raise the `CoordinatorError` subclasses below; the
-gRPC layer (coordinator/app.py `rpc_errors`) turns each into the status code named by its
-``code`` attribute, with the exception's message as details.
+Domain errors: the store raises the `CoordinatorError` subclasses of coordinator/core/errors.py
+(turned into gRPC status codes by the gRPC layer).
 """
 
 from __future__ import annotations
 
-import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -22,114 +20,6 @@ from dataclasses import dataclass
 
 from coordinator.accounting.credit_book import Entry
 from epochmesh.v1 import common_pb2
-
-# -- domain errors ------------------------------------------------------------------------------
-
-
-class CoordinatorError(Exception):
-    """Base of the errors the coordinator answers with a specific gRPC status."""
-
-    code = "INTERNAL"
-
-
-class InvalidArgumentError(CoordinatorError):
-    code = "INVALID_ARGUMENT"
-
-
-class NotFoundError(CoordinatorError):
-    code = "NOT_FOUND"
-
-
-class AlreadyExistsError(CoordinatorError):
-    code = "ALREADY_EXISTS"
-
-
-class FailedPreconditionError(CoordinatorError):
-    code = "FAILED_PRECONDITION"
-
-
-class AbortedError(CoordinatorError):
-    code = "ABORTED"
-
-
-class ResourceExhaustedError(CoordinatorError):
-    code = "RESOURCE_EXHAUSTED"
-
-
-class DataLossError(CoordinatorError):
-    code = "DATA_LOSS"
-
-
-class DeadlineExceededError(CoordinatorError):
-    code = "DEADLINE_EXCEEDED"
-
-
-class UnavailableError(CoordinatorError):
-    code = "UNAVAILABLE"
-
-
-class UnimplementedError(CoordinatorError):
-    code = "UNIMPLEMENTED"
-
-
-class UnauthenticatedError(CoordinatorError):
-    code = "UNAUTHENTICATED"
-
-
-class PermissionDeniedError(CoordinatorError):
-    code = "PERMISSION_DENIED"
-
-
-class StoreError(CoordinatorError):
-    """The store cannot be used (e.g. its schema is newer than this program)."""
-
-    code = "INTERNAL"
-
-
-# -- input checks -------------------------------------------------------------------------------
-
-
-def check_text(value: str, field: str, max_len: int = 256, required: bool = False) -> str:
-    """InvalidArgumentError unless ``value`` is a short, printable string (non-empty if
-    ``required``)."""
-    if not value:
-        if required:
-            raise InvalidArgumentError(f"{field} is required")
-        return value
-    if len(value) > max_len:
-        raise InvalidArgumentError(f"{field} is too long ({len(value)} > {max_len} characters)")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise InvalidArgumentError(f"{field} must not contain control characters")
-    return value
-
-
-def require_job_id(value: str, field: str = "job_id") -> str:
-    if not value:
-        raise InvalidArgumentError(f"{field} is required")
-    if not is_job_id(value):
-        raise InvalidArgumentError(f"malformed {field} {value[:80]!r} (expected j- and 10 hex)")
-    return value
-
-
-# -- ids ----------------------------------------------------------------------------------------
-
-JOB_ID_PREFIX = "j-"
-ID_HEX_CHARS = 10
-
-
-def new_job_id() -> str:
-    return JOB_ID_PREFIX + secrets.token_hex(ID_HEX_CHARS // 2)
-
-
-def is_job_id(value: str) -> bool:
-    return _is_prefixed_hex(value, JOB_ID_PREFIX)
-
-
-def _is_prefixed_hex(value: str, prefix: str) -> bool:
-    if len(value) != len(prefix) + ID_HEX_CHARS or not value.startswith(prefix):
-        return False
-    return all(c in "0123456789abcdef" for c in value[len(prefix) :])
-
 
 # -- records ------------------------------------------------------------------------------------
 

@@ -38,46 +38,28 @@ from pathlib import Path
 from typing import BinaryIO
 
 from coordinator.core.config import CoordinatorConfig
-from coordinator.core.stream_caps import StreamCaps
-from coordinator.store.base import (
+from coordinator.core.errors import (
     AbortedError,
-    BlobRecord,
-    BlobStats,
     DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
-    Store,
 )
+from coordinator.core.ids import is_sha256, require_sha256
+from coordinator.core.stream_caps import StreamCaps
+from coordinator.store.base import BlobRecord, BlobStats, Store
 from coordinator.store.events import EventLog
 from coordinator.store.retention import LIVE_STATES, job_references
-from coordinator.trust.auth import current_principal
-from epochmesh.identity import ROLE_OPERATOR
+from epochmesh.identity import ROLE_OPERATOR, Principal
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-_HEX = frozenset("0123456789abcdef")
 _READ_BLOCK = 1 << 20
 # Upload file I/O runs here, so that a cancelled upload can wait for its last write to end.
 _UPLOAD_IO = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="blob-io")
-
-
-def is_sha256(value: str) -> bool:
-    """Lowercase hex sha256 (64 characters)."""
-    return len(value) == 64 and all(c in _HEX for c in value)
-
-
-def require_sha256(value: str, field: str = "sha256") -> str:
-    if not value:
-        raise InvalidArgumentError(f"{field} is required")
-    if not is_sha256(value):
-        raise InvalidArgumentError(
-            f"{field} must be 64 lowercase hex characters, got {value[:80]!r}"
-        )
-    return value
 
 
 def sha256_file(path: Path) -> str:
@@ -112,9 +94,9 @@ class BlobCaller:
     full_access: bool
 
     @classmethod
-    def current(cls) -> BlobCaller:
-        """The caller of the RPC being handled (coordinator/trust/auth.py)."""
-        principal = current_principal()
+    def of(cls, principal: Principal | None) -> BlobCaller:
+        """The blob caller acting for ``principal``, the caller of the RPC being handled
+        (coordinator/core/principal.py `current_principal()`; None with --insecure)."""
         if principal is None:
             return cls("", True)
         return cls(principal.id, principal.role == ROLE_OPERATOR)

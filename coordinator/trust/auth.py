@@ -1,7 +1,7 @@
 """Who is calling, and may they: the coordinator's per-RPC role and ownership checks.
 
 Every RPC of AgentService, JobService and SchedulerService goes through `Authorizer.check`
-(called by the handler wrapper in coordinator/app.py) before its handler runs:
+(called by the handler wrapper in coordinator/api/handlers.py) before its handler runs:
 
 - no certificate in the call credentials (epochmesh.identity.CertificateAuth), one not issued
   by the coordinator's CA, an expired one, a bad or stale call signature, or a certificate
@@ -9,9 +9,9 @@ Every RPC of AgentService, JobService and SchedulerService goes through `Authori
 - a role the method does not admit (`POLICY`): PERMISSION_DENIED.
 
 The caller's `Principal` is then available to the handler and everything it calls (the engine
-included) through `current_principal()` (a contextvar set for the handler's task). Ownership
-helpers used by the services: `require_self(node_id)` (a node acts only as itself),
-`require_job_access(job)` (a submitter sees only its own jobs) and
+included) through `current_principal()` (coordinator/core/principal.py: a contextvar set for
+the handler's task). Ownership helpers used by the services: `require_self(node_id)` (a node
+acts only as itself), `require_job_access(job)` (a submitter sees only its own jobs) and
 `require_priority_change(job, priority)` (a submitter may lower its own job's priority, never
 raise it). With ``--insecure`` there is no certificate and no check: `current_principal()` is
 None and the helpers allow everything.
@@ -19,7 +19,6 @@ None and the helpers allow everything.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import time
 from collections import OrderedDict
@@ -29,8 +28,9 @@ from dataclasses import dataclass
 import grpc
 from cryptography import x509
 
+from coordinator.core.errors import PermissionDeniedError, UnauthenticatedError
+from coordinator.core.principal import current_principal
 from coordinator.scheduling.cluster_scheduler import tier_of
-from coordinator.store.base import PermissionDeniedError, UnauthenticatedError
 from epochmesh.identity import (
     AUTH_CERT_KEY,
     AUTH_MAX_SKEW_MS,
@@ -50,9 +50,6 @@ from epochmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-_PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
-    "epochmesh_principal", default=None
-)
 
 # Operators administer the cluster: every RPC admits them (acting as a node included, e.g.
 # for tooling and tests); nodes and submitters get only their own services.
@@ -128,24 +125,10 @@ POLICY: dict[str, frozenset[str]] = {
 }
 
 
-def current_principal() -> Principal | None:
-    """The caller of the RPC being handled (None: insecure mode, or outside an RPC)."""
-    return _PRINCIPAL.get()
-
-
-def current_principal_id() -> str:
-    principal = _PRINCIPAL.get()
-    return principal.id if principal is not None else ""
-
-
-def set_principal(principal: Principal | None) -> contextvars.Token[Principal | None]:
-    return _PRINCIPAL.set(principal)
-
-
 def require_self(node_id: str) -> None:
     """PERMISSION_DENIED unless the calling node is ``node_id`` (operators and insecure mode
     pass)."""
-    principal = _PRINCIPAL.get()
+    principal = current_principal()
     if principal is None or principal.role != ROLE_NODE:
         return
     if node_id and node_id != principal.id:
@@ -157,7 +140,7 @@ def require_self(node_id: str) -> None:
 
 def owner_filter() -> str | None:
     """The owner a job listing is restricted to: the submitter's id, else None (all)."""
-    principal = _PRINCIPAL.get()
+    principal = current_principal()
     if principal is not None and principal.role == ROLE_SUBMITTER:
         return principal.id
     return None
@@ -165,7 +148,7 @@ def owner_filter() -> str | None:
 
 def require_job_access(job: common_pb2.Job) -> None:
     """PERMISSION_DENIED when a submitter reaches for another submitter's job."""
-    principal = _PRINCIPAL.get()
+    principal = current_principal()
     if principal is None or principal.role != ROLE_SUBMITTER:
         return
     if job.owner != principal.id:
@@ -176,7 +159,7 @@ def require_priority_change(job: common_pb2.Job, priority: str) -> None:
     """PERMISSION_DENIED when a submitter reaches for another submitter's job, or would raise
     its own job's priority tier (only operators raise; ``priority`` must be a known tier)."""
     require_job_access(job)
-    principal = _PRINCIPAL.get()
+    principal = current_principal()
     if principal is None or principal.role != ROLE_SUBMITTER:
         return
     before = job.spec.priority or DEFAULT_PRIORITY
@@ -202,7 +185,7 @@ class Authorizer:
 
     Cost per call: a certificate is verified against the CA once (cached by its DER), and a
     call signature once per (certificate, method, timestamp, signature): clients reuse a
-    method's signature for `AUTH_SIGNATURE_REUSE_MS` (epochmesh/identity.py), so the ECDSA
+    method's signature for `AUTH_SIGNATURE_REUSE_MS` (epochmesh/identity/), so the ECDSA
     verification (about 70 us) is paid once per client and method per minute and every other
     call costs a dictionary lookup. Validity, the timestamp window and revocation are checked
     on every call."""

@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import stat
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -41,17 +40,17 @@ from pathlib import Path
 
 from cryptography import x509
 
-from coordinator.nodes.registry import new_node_id
-from coordinator.store.base import (
+from coordinator.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     PermissionDeniedError,
     ResourceExhaustedError,
-    Store,
-    TokenRecord,
     UnauthenticatedError,
 )
+from coordinator.core.ids import new_node_id, new_user_id
+from coordinator.store.base import Store, TokenRecord
 from epochmesh import identity
+from epochmesh.fsutil import make_private_dir, write_private
 from epochmesh.timeutil import duration_seconds, now_ms
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,6 @@ DEFAULT_CERT_TTL_S = 30 * 24 * 3600.0
 MAX_CERT_TTL_S = 90 * 24 * 3600.0
 MIN_CERT_TTL_S = 600.0
 MAX_TOKEN_USES = 100_000
-USER_ID_PREFIX = "u-"
 
 _DONOR_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -154,7 +152,7 @@ class CertificateAuthority:
 
 def ensure_data_dir(data_dir: Path) -> None:
     """Create the data dir 0700; warn about an existing one that others may read."""
-    identity.make_private_dir(data_dir)
+    make_private_dir(data_dir)
     mode = stat.S_IMODE(data_dir.stat().st_mode)
     if mode & 0o077:
         log.warning(
@@ -221,8 +219,8 @@ def ensure_ca(data_dir: Path, hosts: tuple[str, ...] = ()) -> CertificateAuthori
         if not have_cert:
             cert_pem, key_pem = identity.create_ca(hosts)
             # The key first: the certificate's arrival completes the pair.
-            identity.write_private(key_path, key_pem)
-            identity.write_private(cert_path, cert_pem, mode=0o644)
+            write_private(key_path, key_pem)
+            write_private(cert_path, cert_pem, mode=0o644)
             log.info(
                 "created the coordinator CA in %s (fingerprint %s)",
                 data_dir,
@@ -266,8 +264,8 @@ def ensure_server_certificate(
             problem = "none yet"
         if problem:
             cert_pem, key_pem = identity.create_server_certificate(ca.cert_pem, ca.key_pem, hosts)
-            identity.write_private(key_path, key_pem)
-            identity.write_private(cert_path, cert_pem, mode=0o644)
+            write_private(key_path, key_pem)
+            write_private(cert_path, cert_pem, mode=0o644)
             log.info(
                 "issued the coordinator's TLS server certificate (%s) in %s", problem, data_dir
             )
@@ -315,10 +313,6 @@ async def create_token(
         )
     )
     return token
-
-
-def new_user_id() -> str:
-    return USER_ID_PREFIX + secrets.token_hex(5)
 
 
 @dataclass(frozen=True)

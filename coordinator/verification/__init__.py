@@ -1,1 +1,1 @@
-"""TODO"""
+"""PURE. The rules of checking strangers' work: reputation, screening, snapshot checks, restart state. May import: coordinator.core, epochmesh."""

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
+from typing import cast
 
 import torch
 
@@ -173,7 +174,7 @@ def screen(
     nodes = []
     for i in range(n):
         judged = ref is not None and i in plausible
-        noisier = judged and plausible.index(i) in ref.noisier
+        noisier = judged and ref is not None and plausible.index(i) in ref.noisier
         nodes.append(_judge(figs[i], bands[i], ref if judged else None, noisier, why_not, p))
     flagged = sum(x.suspicious for x in nodes)
     return Screening(True, f"{n} nodes screened, {flagged} suspicious", tuple(nodes))
@@ -394,7 +395,10 @@ def _figures(parts: Sequence[tuple[int, Update]], samples: list[int]) -> list[_F
                     c = vals[1]
                 else:
                     # The t-th of the others in sorted order is at t below i's rank, else t + 1.
-                    c = sum(vals.gather(0, (t + (rank[i] <= t))[None])[0] for t in mids)
+                    c = cast(
+                        torch.Tensor,
+                        sum(vals.gather(0, (t + (rank[i] <= t))[None])[0] for t in mids),
+                    )
                     c = c / len(mids)
                 dot[i] += block[i].dot(c)
                 centre2[i] += c.dot(c)

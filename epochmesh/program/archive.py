@@ -307,8 +307,7 @@ def _check_graph(graph: Any, subgraphs: set[int], depth: int) -> None:
     for node in graph.get("nodes") or []:
         if not isinstance(node, dict):
             raise ProgramError("graph node is not an object")
-        target = node.get("target")
-        _check_target(target)
+        target = _check_target(node.get("target"))
         for inp in node.get("inputs") or []:
             arg = inp.get("arg") if isinstance(inp, dict) else None
             if not isinstance(arg, dict):
@@ -415,11 +414,12 @@ def _walk(obj: Any, subgraphs: set[int]) -> None:
             _walk(v, subgraphs)
 
 
-def _check_target(target: Any) -> None:
+def _check_target(target: Any) -> str:
+    """``target`` when the program may call it; ProgramError otherwise."""
     if not isinstance(target, str):
         raise ProgramError("graph node without a target")
     if target in _OPERATOR_TARGETS or target in _OTHER_TARGETS or target in _HOP_TARGETS:
-        return
+        return target
     m = _ATEN_TARGET.match(target)
     if not m:
         raise ProgramError(
@@ -428,7 +428,7 @@ def _check_target(target: Any) -> None:
         )
     op = f"aten.{m.group(1)}.{m.group(2)}"
     if op in ALLOWED_ATEN_OPS:
-        return
+        return target
     try:
         schema = getattr(getattr(torch.ops.aten, m.group(1)), m.group(2))._schema
         why = _ALLOW_LIST_REFUSAL
@@ -887,7 +887,7 @@ class TrainableProgram:
             p.grad = None
         with torch.enable_grad():
             loss = self._run(inputs, targets)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         grads: dict[str, torch.Tensor] = {}
         for k, p in zip(self.param_names, self.parameters(), strict=True):
             g = p.grad
@@ -961,7 +961,7 @@ def _tie(module: torch.nn.Module, alias: str, canonical: str) -> None:
     """Make `alias` the very tensor `canonical` is (torch.export.load unties tied weights)."""
     target = module.get_parameter(canonical) if _is_param(module, canonical) else None
     if target is None:
-        target = module.get_buffer(canonical)
+        target = module.get_buffer(canonical)  # type: ignore[assignment]  # a Tensor, not a Parameter
     parent_name, _, leaf = alias.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
     if leaf in parent._parameters:

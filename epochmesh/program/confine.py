@@ -719,7 +719,7 @@ def _install_seccomp(libc: ctypes.CDLL, arch: Arch, program: list[Instruction]) 
         if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
             return False  # EPERM: refused by a container's seccomp policy
         _check(-1, "seccomp(GET_ACTION_AVAIL)")
-    filters = (_SockFilter * len(program))(*program)
+    filters = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
     fprog = _SockFprog(len(program), filters)
     result = _syscall(
         libc, nr, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(fprog)

@@ -526,8 +526,10 @@ class WanLink:
         ``server.down``; the RTT is the sum of both sites' RTTs. Sites are shared objects:
         every relay built over the same Site competes for its bandwidth."""
         self = cls.__new__(cls)
-        to_target = [w for w in (client and client.up, server and server.down) if w is not None]
-        to_client = [w for w in (server and server.up, client and client.down) if w is not None]
+        c_up, c_down = (client.up, client.down) if client else (None, None)
+        s_up, s_down = (server.up, server.down) if server else (None, None)
+        to_target = [w for w in (c_up, s_down) if w is not None]
+        to_client = [w for w in (s_up, c_down) if w is not None]
         rtt_ms = (client.rtt_ms if client else 0.0) + (server.rtt_ms if server else 0.0)
         self._init(
             listen,
@@ -722,9 +724,9 @@ class WanLink:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
                 for t in done:
-                    exc = t.exception()
-                    if exc is not None:
-                        raise exc
+                    failure = t.exception()
+                    if failure is not None:
+                        raise failure
             clean = True
         except (ConnectionError, _ConnectionLost, OSError) as exc:
             log.debug("wan link %s: connection ended: %r", self.name, exc)

@@ -1,1 +1,1 @@
-"""TODO"""
+"""Tensors on the wire: the codec, compression and safetensors files. May import: epochmesh's flat modules."""

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+from epochmesh.fsutil import write_private
 from epochmesh.identity import (
     CERT_FILE,
     ROLE_NODE,
@@ -36,7 +37,6 @@ from epochmesh.identity import (
     load_certificate,
     renew_identity,
     renewal_due_s,
-    write_private,
 )
 
 log = logging.getLogger(__name__)
@@ -73,19 +73,11 @@ def save_node_id(data_dir: Path, node_id: str) -> None:
     os.replace(tmp, path)
 
 
-_insecure = False
-
-
-def set_insecure(insecure: bool) -> None:
-    """Process-wide: talk plaintext to the coordinator (``--insecure``)."""
-    global _insecure
-    _insecure = insecure
-
-
-def transport_identity(data_dir: Path) -> Identity | None:
-    """The identity to dial the coordinator with; None in --insecure mode. IdentityError when
-    DATA_DIR holds none (the agent must enroll first)."""
-    if _insecure:
+def transport_identity(data_dir: Path, insecure: bool) -> Identity | None:
+    """The identity to dial the coordinator with; None when ``insecure`` (the agent's
+    ``--insecure``: plaintext). IdentityError when DATA_DIR holds none (the agent must enroll
+    first)."""
+    if insecure:
         return None
     if not Identity.exists(data_dir):
         raise IdentityError(

@@ -24,7 +24,7 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,7 +42,7 @@ from epochmesh.identity import (
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from node_agent.core.identity import load_node_id, save_node_id, transport_identity
-from node_agent.training.benchmark import bandwidth_bytes_per_second
+from node_agent.core.measure import bandwidth_bytes_per_second
 
 log = logging.getLogger(__name__)
 
@@ -190,15 +190,18 @@ class CoordinatorConnection:
         make_register_request: Callable[[], agent_pb2.RegisterRequest],
         *,
         stop: asyncio.Event | None = None,
-        on_registered: Callable[[], Awaitable[None]] | None = None,
+        on_registered: Callable[[], Coroutine[Any, Any, None]] | None = None,
         on_refused: Callable[[str], None] | None = None,
         price: Callable[[], int] = lambda: 0,
         backoff_base: float = BACKOFF_BASE_S,
         backoff_cap: float = BACKOFF_CAP_S,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        insecure: bool = False,
     ) -> None:
         self.address = address
         self.data_dir = data_dir
+        # --insecure: plaintext to the coordinator, and to peers, without a certificate.
+        self.insecure = insecure
         self._make_register_request = make_register_request
         self._stop = stop or asyncio.Event()
         self._on_registered = on_registered
@@ -209,8 +212,8 @@ class CoordinatorConnection:
         self.refused = ""  # why the coordinator refuses this agent's certificate, once it does
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
-        self._channel = open_channel(address, transport_identity(data_dir), interceptors)
-        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+        self._channel = open_channel(address, transport_identity(data_dir, insecure), interceptors)
+        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)  # type: ignore[no-untyped-call, unused-ignore]
         self.node_id = load_node_id(data_dir)
         self.lease_id = ""
         self.lease_ttl_s = 0.0

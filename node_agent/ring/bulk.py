@@ -58,27 +58,23 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol, cast
 
 import grpc
 from cryptography import x509
 
 from epochmesh import identity as idm
+from epochmesh.fsutil import write_private
 from epochmesh.limits import MAX_CHUNK_BYTES
-from node_agent.ring.service import (
+from node_agent.ring.mailbox import AttemptExpired, ChunkRejected, RingMailbox
+from node_agent.ring.wire import (
     ABORT_PHASE,
-    AttemptExpired,
-    ChunkRejected,
     RingKey,
-    TooManyTokens,
     WireError,
-    _varint,
     failed_id_of,
     parse_checked_ring_chunk,
+    varint,
 )
-
-if TYPE_CHECKING:
-    from node_agent.ring.service import PeerService
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +113,28 @@ class BulkError(Exception):
         self.failed_node = failed_node
 
 
+class TooManyTokens(Exception):
+    """A peer holds as many unused bulk tokens as it may (RESOURCE_EXHAUSTED)."""
+
+
+class BulkHost(Protocol):
+    """What a `BulkListener` uses of the PeerService it serves (`node_agent.ring.service`).
+
+    Declared here so that the dependency runs one way: the service imports this module and
+    hands itself to the listener; this module never imports the service. The listener reads
+    `revoked` at each handshake, waits on `mailbox` for an attempt's receive slot (bounded by
+    `join_timeout_s`) and adds every applied data chunk to the two counters, exactly as
+    PushChunks does.
+    """
+
+    # Node ids whose certificates the coordinator revoked: refused at the handshake.
+    revoked: frozenset[str]
+    mailbox: RingMailbox
+    join_timeout_s: float
+    received_bytes: int  # payload bytes of data chunks applied, all time
+    received_chunks: int
+
+
 # ---------------------------------------------------------------------------------------------
 # TLS contexts from an Identity (PEM bytes; `ssl` loads a key only from a file)
 
@@ -124,8 +142,8 @@ class BulkError(Exception):
 def _load_chain(ctx: ssl.SSLContext, identity: idm.Identity) -> None:
     with tempfile.TemporaryDirectory(prefix="epochmesh-tls-") as tmp:
         cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
-        idm.write_private(cert, identity.cert_pem)
-        idm.write_private(key, identity.key_pem)
+        write_private(cert, identity.cert_pem)
+        write_private(key, identity.key_pem)
         ctx.load_cert_chain(str(cert), str(key))
     ctx.load_verify_locations(cadata=identity.ca_pem.decode())
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -275,7 +293,8 @@ class _TlsConn(_Conn):
         n = len(view)
         while got < n:  # one record (16 KiB at most) per read
             try:
-                k = self._ssl.read(n - got, view[got:])
+                # With a buffer, read returns the byte count (typeshed says bytes).
+                k = cast(int, self._ssl.read(n - got, view[got:]))
             except ssl.SSLWantReadError:
                 break
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
@@ -362,8 +381,8 @@ def chunk_head(header: bytes, offset: int) -> bytes:
     """The RingChunk head of a bulk frame: `header` plus a DataChunk holding only `offset`."""
     if not offset:
         return header
-    inner = b"\x08" + _varint(offset)
-    return header + b"\x4a" + _varint(len(inner)) + inner
+    inner = b"\x08" + varint(offset)
+    return header + b"\x4a" + varint(len(inner)) + inner
 
 
 class BulkOutput:
@@ -515,13 +534,14 @@ class _Grant:
 class BulkListener:
     """A PeerServer's bulk socket: hands out tokens (via OpenBulk) and receives ring streams.
 
-    `service` is the PeerService whose mailbox, join timeout and counters the streams use.
+    `service` is the PeerService (a `BulkHost`) whose mailbox, join timeout and counters the
+    streams use.
     With an `identity` the socket speaks mutual TLS with node certificates.
     """
 
     def __init__(
         self,
-        service: PeerService,
+        service: BulkHost,
         host: str,
         *,
         identity: idm.Identity | None = None,
@@ -852,6 +872,7 @@ def listen_host(listen: str) -> str:
 
 __all__ = [
     "BulkError",
+    "BulkHost",
     "BulkListener",
     "BulkOutput",
     "MAX_HEAD_BYTES",
@@ -860,4 +881,5 @@ __all__ = [
     "connect",
     "listen_host",
     "server_ssl_context",
+    "TooManyTokens",
 ]

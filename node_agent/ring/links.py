@@ -1,11 +1,12 @@
 """Measured links from this agent to the other members of its rings.
 
-The coordinator orders a ring by agent -> agent link figures (`epochmesh.ring.schedule.ring_order`), which
-only the agents can measure. `PeerLinks` keeps, per peer node id, the round trip and bandwidth
-of its last probe (PeerService Ping: `node_agent.ring.service.probe_link`), probes in the background
-the members of a new ring assignment it has no fresh figure for (one at a time, each bounded in
-time), and lists the fresh figures for the ring members in the form ReportProgressRequest
-carries them (`peer_links`, at most `MAX_LINKS`).
+The coordinator orders a ring by agent -> agent link figures
+(`epochmesh.ring.schedule.ring_order`), which only the agents can measure. `PeerLinks` keeps, per
+peer node id, the round trip and bandwidth of its last probe (PeerService Ping:
+`node_agent.ring.client.probe_link`), probes in the background the members of a new ring
+assignment it has no fresh figure for (one at a time, each bounded in time), and lists the fresh
+figures for the ring members in the form ReportProgressRequest carries them (`peer_links`, at
+most `MAX_LINKS`).
 
     links = PeerLinks()
     links.refresh(members, probe)        # at the start of a ring task: returns at once

@@ -1,4 +1,4 @@
-"""The PeerService an agent runs for its ring neighbours (grpc.aio), and its client helpers.
+"""The PeerService an agent runs for its ring neighbours (grpc.aio), and the server hosting it.
 
 Server side (`PeerServer` wraps a grpc.aio server with this service, health and reflection):
 
@@ -43,12 +43,9 @@ presents a node certificate of the coordinator's CA, and a ring stream is accept
 the node its chunks name (the left neighbour; any member for an abort): PERMISSION_DENIED
 otherwise. Requests that do not parse are INVALID_ARGUMENT, never UNKNOWN.
 
-Data path. ``PushChunks`` does not go through protobuf objects: requests are handled as raw
-bytes (`frame_ring_chunk` writes a RingChunk around a payload with one copy, `parse_ring_chunk`
-reads one and returns the payload as a memoryview of the received bytes, no copy). The bytes on
-the wire are ordinary RingChunk messages, so generated stubs interoperate both ways. This
-roughly halves the CPU the data path needs, which decides the throughput when several agents
-share a machine.
+Data path. ``PushChunks`` handles its requests as raw bytes, not protobuf objects
+(`node_agent.ring.wire`). The receive slots are in `node_agent.ring.mailbox`, the callers' side
+(`ping`, `ring_status`, `probe_link`, `fetch_state`, `peer_channel`) in `node_agent.ring.client`.
 """
 
 from __future__ import annotations
@@ -58,528 +55,43 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
-import math
-import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Protocol
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from epochmesh import identity as idm
-from epochmesh.errors import CodecError
-from epochmesh.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS
-from epochmesh.limits import MAX_CHUNK_BYTES
-from epochmesh.v1 import common_pb2, peer_pb2
+from epochmesh.grpc_util import SERVER_OPTIONS
+from epochmesh.v1 import peer_pb2
 from epochmesh.wire.tensors import (
-    BundleAssembler,
-    BundleLimits,
-    Expected,
     encode_bundle,
     iter_chunks,
 )
-
-if TYPE_CHECKING:
-    from node_agent.ring.bulk import BulkListener
+from node_agent.ring.bulk import BulkListener, TooManyTokens, listen_host
+from node_agent.ring.mailbox import (
+    Announcement,
+    AttemptExpired,
+    ChunkRejected,
+    RingMailbox,
+    StateAuthorizer,
+    StateProvider,
+)
+from node_agent.ring.wire import (
+    ABORT_PHASE,
+    FAILED_NODE_KEY,
+    MAX_ID_CHARS,
+    SERVICE_NAME,
+    RingChunkView,
+    RingKey,
+    WireError,
+    failed_id_of,
+    parse_checked_ring_chunk,
+)
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = "epochmesh.v1.PeerService"
-PUSH_CHUNKS = f"/{SERVICE_NAME}/PushChunks"
-TRANSFER_STATE = f"/{SERVICE_NAME}/TransferState"
-PING = f"/{SERVICE_NAME}/Ping"
-OPEN_BULK = f"/{SERVICE_NAME}/OpenBulk"
-ABORT_PHASE = "abort"
-FAILED_NODE_KEY = "epochmesh-failed-node"
-MAX_ID_CHARS = 256
-
-RingKey = tuple[str, int, int]  # (job_id, round, attempt)
-
-
-class WireError(ValueError):
-    """Bytes that are not a well-formed RingChunk (answered with INVALID_ARGUMENT)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Wire framing of RingChunk without protobuf objects for the payload
-
-
-@dataclass(frozen=True)
-class RingChunkView:
-    """A parsed RingChunk whose payload is a view of the received bytes."""
-
-    job_id: str
-    round: int
-    attempt: int
-    from_node_id: str
-    phase: str
-    step: int
-    segment: int
-    spec: common_pb2.TensorSpec
-    offset: int
-    payload: memoryview
-    last: bool
-    # The owner's seal of an all-gather segment (on its last chunk; empty otherwise).
-    segment_digest: bytes = b""
-    owner_signature: bytes = b""
-    owner_certificate: bytes = b""
-
-    @property
-    def key(self) -> RingKey:
-        return (self.job_id, self.round, self.attempt)
-
-
-def _varint(value: int) -> bytes:
-    if value < 0:
-        value += 1 << 64
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= end:
-            raise WireError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift >= 70:
-            raise WireError("varint longer than 10 bytes")
-
-
-def _skip_field(buf: bytes, pos: int, end: int, wire_type: int) -> int:
-    if wire_type == 0:
-        return _read_varint(buf, pos, end)[1]
-    if wire_type == 1:
-        pos += 8
-    elif wire_type == 2:
-        length, pos = _read_varint(buf, pos, end)
-        pos += length
-    elif wire_type == 5:
-        pos += 4
-    else:
-        raise WireError(f"unsupported wire type {wire_type}")
-    if pos > end:
-        raise WireError("field runs past the end of the message")
-    return pos
-
-
-def ring_chunk_header(
-    *,
-    job_id: str,
-    round: int,
-    attempt: int,
-    from_node_id: str,
-    phase: str,
-    step: int = 0,
-    segment: int = 0,
-    spec: common_pb2.TensorSpec | None = None,
-    last: bool = False,
-) -> bytes:
-    """Serialized RingChunk fields other than `chunk` (prefix of `frame_ring_chunk`)."""
-    msg = peer_pb2.RingChunk(
-        job_id=job_id,
-        round=round,
-        attempt=attempt,
-        from_node_id=from_node_id,
-        phase=phase,
-        step=step,
-        segment=segment,
-        last=last,
-    )
-    if spec is not None:
-        msg.spec.CopyFrom(spec)
-    return msg.SerializeToString()
-
-
-def ring_chunk_seal(digest: bytes, signature: bytes, certificate: bytes) -> bytes:
-    """Serialized RingChunk seal fields (11-13), appended to a chunk's header."""
-    return peer_pb2.RingChunk(
-        segment_digest=digest, owner_signature=signature, owner_certificate=certificate
-    ).SerializeToString()
-
-
-def frame_ring_chunk(header: bytes, offset: int, payload: bytes | memoryview) -> bytes:
-    """A serialized RingChunk: `header` (from `ring_chunk_header`) plus field 9, the DataChunk
-    {offset, data=payload}. One copy of the payload; equal to what protobuf would produce."""
-    n = memoryview(payload).nbytes
-    inner = (b"\x08" + _varint(offset) if offset else b"") + b"\x12" + _varint(n)
-    return b"".join((header, b"\x4a", _varint(len(inner) + n), inner, payload))
-
-
-def parse_ring_chunk(data: bytes) -> RingChunkView:
-    """Parse a serialized RingChunk; the payload is a zero-copy view of `data`.
-
-    Accepts any valid encoding (fields in any order, unknown fields skipped); the DataChunk
-    (field 9) must appear at most once. One-byte tags and lengths (every field our senders
-    write except the chunk itself) take a fast path.
-    """
-    end = len(data)
-    pos = 0
-    spans: list[tuple[int, int]] = []  # header fields, adjacent ones merged
-    chunk_span: tuple[int, int] | None = None
-    while pos < end:
-        start = pos
-        tag = data[pos]
-        if tag < 0x80:
-            pos += 1
-        else:
-            tag, pos = _read_varint(data, pos, end)
-        number, wire_type = tag >> 3, tag & 7
-        if number == 0:
-            raise WireError("field number 0")
-        if number == 9:
-            if wire_type != 2:
-                raise WireError("RingChunk.chunk must be length-delimited")
-            if chunk_span is not None:
-                raise WireError("RingChunk.chunk appears twice")
-            length, pos = _read_varint(data, pos, end)
-            if pos + length > end:
-                raise WireError("RingChunk.chunk runs past the end of the message")
-            chunk_span = (pos, pos + length)
-            pos += length
-            continue
-        if wire_type == 2 and pos < end and data[pos] < 0x80:
-            pos += 1 + data[pos]
-            if pos > end:
-                raise WireError("field runs past the end of the message")
-        elif wire_type == 0 and pos < end and data[pos] < 0x80:
-            pos += 1
-        else:
-            pos = _skip_field(data, pos, end, wire_type)
-        if spans and spans[-1][1] == start:
-            spans[-1] = (spans[-1][0], pos)
-        else:
-            spans.append((start, pos))
-    mv = memoryview(data)
-    if len(spans) == 1:
-        header_bytes = data[spans[0][0] : spans[0][1]]
-    else:
-        header_bytes = b"".join([mv[a:b] for a, b in spans])
-    try:
-        head = peer_pb2.RingChunk.FromString(header_bytes)
-    except Exception as exc:  # protobuf's DecodeError
-        raise WireError(f"malformed RingChunk: {exc}") from None
-    offset = 0
-    payload = mv[0:0]
-    if chunk_span is not None:
-        pos, cend = chunk_span
-        while pos < cend:
-            tag, pos = _read_varint(data, pos, cend)
-            number, wire_type = tag >> 3, tag & 7
-            if number == 1 and wire_type == 0:
-                offset, pos = _read_varint(data, pos, cend)
-                if offset >= 1 << 63:
-                    offset -= 1 << 64
-            elif number == 2 and wire_type == 2:
-                length, pos = _read_varint(data, pos, cend)
-                if pos + length > cend:
-                    raise WireError("DataChunk.data runs past the end of the chunk")
-                payload = mv[pos : pos + length]
-                pos += length
-            else:
-                pos = _skip_field(data, pos, cend, wire_type)
-    return RingChunkView(
-        job_id=head.job_id,
-        round=head.round,
-        attempt=head.attempt,
-        from_node_id=head.from_node_id,
-        phase=head.phase,
-        step=head.step,
-        segment=head.segment,
-        spec=head.spec,
-        offset=offset,
-        payload=payload,
-        last=head.last,
-        segment_digest=head.segment_digest,
-        owner_signature=head.owner_signature,
-        owner_certificate=head.owner_certificate,
-    )
-
-
-def abort_chunk(key: RingKey, from_node_id: str, failed_node_id: str) -> bytes:
-    """The RingChunk reporting that `failed_node_id` failed in attempt `key`."""
-    job_id, round_, attempt = key
-    header = ring_chunk_header(
-        job_id=job_id, round=round_, attempt=attempt, from_node_id=from_node_id, phase=ABORT_PHASE
-    )
-    return frame_ring_chunk(header, 0, failed_node_id.encode())
-
-
-def failed_node_from_metadata(metadata: object) -> str | None:
-    """The failed node a PeerService named in its trailing metadata, if any."""
-    try:
-        for k, v in metadata or ():  # type: ignore[attr-defined]
-            if k == FAILED_NODE_KEY:
-                return v.decode() if isinstance(v, bytes) else str(v)
-    except (TypeError, ValueError):
-        return None
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Receive routing
-
-
-class ChunkRejected(Exception):
-    """A data chunk that does not fit the receive slot; `code` is the gRPC status to answer,
-    `failed_node` the node the refusal names as failed (None: the chunk's sender)."""
-
-    failed_node: str | None = None
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class RingReceiver(Protocol):
-    """What the mailbox routes a PushChunks stream to (see node_agent.ring.allreduce)."""
-
-    key: RingKey
-    left_node_id: str
-    members: frozenset[str]
-    attached: bool
-
-    def on_chunk(self, chunk: RingChunkView) -> None:
-        """Apply one data chunk; ChunkRejected if it is not the expected one."""
-
-    def on_abort(self, failed_node_id: str, reporter: str) -> None:
-        """A member reports that `failed_node_id` failed in this attempt."""
-
-    def on_stream_end(self, reason: str) -> None:
-        """The left neighbour's stream ended: done if every chunk arrived, else a failure of the
-        left neighbour for `reason` (ignored once the attempt has failed)."""
-
-    def failed_node(self) -> str | None:
-        """The failed node once this attempt has failed, else None."""
-
-    def starved_s(self) -> float:
-        """Seconds this node has been waiting for the left neighbour's data (0 if it is not)."""
-
-    def bulk_target(self, chunk: RingChunkView, nbytes: int, scratch: memoryview) -> memoryview:
-        """Check the header of the next chunk (`chunk`, payload not read yet, `nbytes` long;
-        ChunkRejected as `on_chunk`) and say where to receive its payload: straight into the
-        destination where it is only copied, else `scratch` (or a buffer of its own when the
-        receiver keeps it). Then `bulk_received` with that view."""
-
-    def bulk_received(self, payload: memoryview) -> None:
-        """The payload of the chunk `bulk_target` was asked about arrived in its target."""
-
-    @property
-    def complete(self) -> bool:
-        """Every expected chunk has arrived."""
-
-
-@dataclass(frozen=True)
-class RingStatus:
-    """A node's state in one ring attempt, as its Ping answers it (`ring_status`)."""
-
-    known: bool  # the attempt is running here, or failed here recently
-    starved_s: float  # waiting that long for its own left neighbour's data (0: not waiting)
-    failed_node_id: str  # the node the attempt found failed ("" while it has not failed)
-
-
-@dataclass(frozen=True)
-class Announcement:
-    """An attempt this node takes part in: its members and this node's left neighbour."""
-
-    members: frozenset[str]
-    left_node_id: str
-    expires: float  # time.monotonic()
-
-
-class AttemptExpired(Exception):
-    """The (job, round, attempt) is over on this node (finished, failed or superseded)."""
-
-
-class RingMailbox:
-    """Receive slots of this node by (job, round, attempt), and what arrives before them.
-
-    One slot per job at a time: registering one replaces the job's previous slot, and its
-    (round, attempt) becomes the job's current one (also when it is lower, e.g. after the
-    coordinator rolled the job back to a checkpoint). A stream for a (round, attempt) at or
-    below the current one without a slot is over (`AttemptExpired`); a higher one may wait
-    for its slot. Aborts for attempts without a slot yet are remembered (a bounded number)
-    and fail the slot as soon as it registers.
-    """
-
-    def __init__(
-        self, *, max_pending_aborts: int = 256, max_jobs: int = 1024, max_announced: int = 256
-    ) -> None:
-        self._slots: dict[RingKey, RingReceiver] = {}
-        self._current: OrderedDict[str, tuple[int, int]] = OrderedDict()  # job -> (round, att.)
-        self._aborts: OrderedDict[RingKey, tuple[str, str]] = OrderedDict()
-        # Attempts the coordinator announced to this node (ring tasks it received), by key.
-        self._announced: OrderedDict[RingKey, Announcement] = OrderedDict()
-        self._max_announced = max_announced
-        # Failed node of attempts whose slot closed after a failure, for neighbours that ask.
-        self._failed: OrderedDict[RingKey, str] = OrderedDict()
-        self._changed = asyncio.Event()
-        self._max_pending_aborts = max_pending_aborts
-        self._max_jobs = max_jobs
-
-    def is_expired(self, key: RingKey) -> bool:
-        job_id, round_, attempt = key
-        current = self._current.get(job_id)
-        return current is not None and key not in self._slots and (round_, attempt) <= current
-
-    def announce(self, key: RingKey, node_ids: Sequence[str], rank: int, ttl_s: float) -> None:
-        """The coordinator gave this node a task of attempt `key` (ring `node_ids`, this node
-        at `rank`): its left neighbour may connect, and its members may report failures, from
-        now until the slot closes (or `ttl_s` passes without one)."""
-        n = len(node_ids)
-        if n < 1 or not 0 <= rank < n or self.is_expired(key):
-            return
-        now = time.monotonic()
-        for k in [k for k, a in self._announced.items() if a.expires <= now]:
-            del self._announced[k]
-        self._announced[key] = Announcement(
-            frozenset(node_ids), node_ids[(rank - 1) % n], now + max(ttl_s, 1.0)
-        )
-        self._announced.move_to_end(key)
-        while len(self._announced) > self._max_announced:
-            self._announced.popitem(last=False)
-        self._notify()
-
-    def attempt(self, key: RingKey) -> Announcement | None:
-        """Members and left neighbour of an open attempt (its slot is registered, or it was
-        announced and is not over); None otherwise."""
-        receiver = self._slots.get(key)
-        if receiver is not None:
-            return Announcement(receiver.members, receiver.left_node_id, math.inf)
-        if self.is_expired(key):
-            return None
-        ann = self._announced.get(key)
-        if ann is None or ann.expires <= time.monotonic():
-            return None
-        return ann
-
-    async def wait_open(self, key: RingKey, timeout: float) -> Announcement | None:
-        """`attempt(key)` once it is open (None after `timeout` s); AttemptExpired if over."""
-        deadline = time.monotonic() + timeout
-        while True:
-            ann = self.attempt(key)
-            if ann is not None:
-                return ann
-            if self.is_expired(key):
-                raise AttemptExpired(f"ring attempt {key} is over on this node")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                return None
-
-    def register(self, receiver: RingReceiver) -> None:
-        """Open the slot (replacing the job's previous one) and apply a pending abort."""
-        job_id, round_, attempt = receiver.key
-        for key in [k for k in self._slots if k[0] == job_id]:
-            self.unregister(self._slots[key])
-        self._current[job_id] = (round_, attempt)
-        self._current.move_to_end(job_id)
-        while len(self._current) > self._max_jobs:
-            self._current.popitem(last=False)
-        self._slots[receiver.key] = receiver
-        pending = self._aborts.pop(receiver.key, None)
-        if pending is not None:
-            receiver.on_abort(*pending)
-        self._notify()
-
-    def unregister(self, receiver: RingReceiver) -> None:
-        if self._slots.get(receiver.key) is receiver:
-            del self._slots[receiver.key]
-            self._announced.pop(receiver.key, None)
-            failed = receiver.failed_node()
-            if failed is not None:
-                self._failed[receiver.key] = failed
-                while len(self._failed) > self._max_pending_aborts:
-                    self._failed.popitem(last=False)
-            self._notify()
-
-    def status(self, key: RingKey) -> RingStatus:
-        """What this node knows of attempt `key`: for a neighbour deciding whom to blame."""
-        receiver = self._slots.get(key)
-        if receiver is not None:
-            return RingStatus(True, receiver.starved_s(), receiver.failed_node() or "")
-        failed = self._failed.get(key)
-        if failed is not None:
-            return RingStatus(True, 0.0, failed)
-        return RingStatus(False, 0.0, "")
-
-    def get(self, key: RingKey) -> RingReceiver | None:
-        return self._slots.get(key)
-
-    def abort(self, key: RingKey, failed_node_id: str, reporter: str) -> None:
-        """Route an abort report to its slot, or remember it until the slot registers. Only
-        for an open attempt (`attempt`; the caller checked that the reporter and the failed
-        node are members): a report for any other attempt is dropped."""
-        receiver = self._slots.get(key)
-        if receiver is not None:
-            receiver.on_abort(failed_node_id, reporter)
-            return
-        if self.attempt(key) is None:
-            return
-        self._aborts[key] = (failed_node_id, reporter)
-        while len(self._aborts) > self._max_pending_aborts:
-            self._aborts.popitem(last=False)
-
-    async def wait_for(self, key: RingKey, timeout: float) -> RingReceiver | None:
-        """The slot for `key` once registered (None after `timeout` s); AttemptExpired."""
-        deadline = time.monotonic() + timeout
-        while True:
-            receiver = self._slots.get(key)
-            if receiver is not None:
-                return receiver
-            if self.is_expired(key):
-                raise AttemptExpired(f"ring attempt {key} is over on this node")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            event = self._changed
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except TimeoutError:
-                return None
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-
-# ---------------------------------------------------------------------------------------------
-# State transfer
-
-
-@dataclass(frozen=True)
-class StateSnapshot:
-    """Parameters and optimizer state of a job at `version`, in a fixed name order."""
-
-    version: int
-    tensors: Mapping[str, torch.Tensor]
-
-
-# (job_id, min_version) -> the newest snapshot, or None when this node has no state of the job.
-StateProvider = Callable[[str, int], Awaitable[StateSnapshot | None]]
-# (job id, requesting node id) -> None when that node may have the job's state, else why not.
-StateAuthorizer = Callable[[str, str], Awaitable[str | None]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -594,10 +106,6 @@ class BulkIssuer(Protocol):
     def issue(self, key: RingKey, from_node_id: str) -> tuple[bytes, float]:
         """A one-time token for `from_node_id`'s stream of attempt `key`, and its lifetime;
         TooManyTokens past the per-peer cap."""
-
-
-class TooManyTokens(Exception):
-    """A peer holds as many unused bulk tokens as it may (RESOURCE_EXHAUSTED)."""
 
 
 # How long a ring stream for an attempt this node was not (yet) given a task of waits for the
@@ -815,6 +323,7 @@ class PeerService:
                     except WireError as exc:
                         receiver.on_stream_end(f"sent a malformed chunk: {exc}")
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                        raise AssertionError("unreachable: abort raises") from None
                 failed = receiver.failed_node()
                 if failed is not None:
                     await _abort_failed(context, key, failed)
@@ -1070,25 +579,6 @@ async def _parse_request(cls: Any, raw: bytes, context: grpc.aio.ServicerContext
         raise AssertionError("unreachable: abort raises") from None
 
 
-def parse_checked_ring_chunk(raw: bytes) -> RingChunkView:
-    if not isinstance(raw, bytes | bytearray | memoryview):
-        raise WireError("expected a serialized RingChunk")
-    chunk = parse_ring_chunk(bytes(raw) if not isinstance(raw, bytes) else raw)
-    if not chunk.job_id or len(chunk.job_id) > MAX_ID_CHARS:
-        raise WireError(f"job_id must have 1..{MAX_ID_CHARS} characters")
-    if not chunk.from_node_id or len(chunk.from_node_id) > MAX_ID_CHARS:
-        raise WireError(f"from_node_id must have 1..{MAX_ID_CHARS} characters")
-    return chunk
-
-
-def failed_id_of(chunk: RingChunkView) -> str:
-    try:
-        text = bytes(chunk.payload[:MAX_ID_CHARS]).decode()
-    except UnicodeDecodeError:
-        raise WireError("an abort chunk's data must be the failed node id in UTF-8") from None
-    return text or chunk.from_node_id
-
-
 async def _abort_failed(context: grpc.aio.ServicerContext, key: RingKey, failed: str) -> None:
     await context.abort(
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -1212,8 +702,6 @@ class PeerServer:
         )
 
     async def _start_bulk(self) -> None:
-        from node_agent.ring.bulk import BulkListener, listen_host
-
         listener = BulkListener(self.service, listen_host(self.listen), identity=self._identity)
         try:
             await listener.start()
@@ -1231,111 +719,3 @@ class PeerServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
-
-
-# ---------------------------------------------------------------------------------------------
-# Client helpers
-
-
-async def ping(channel: grpc.aio.Channel, *, timeout: float, payload: bytes = b"") -> float:
-    """Round-trip seconds of one Ping (raises grpc.aio.AioRpcError / TimeoutError)."""
-    call = channel.unary_unary(
-        PING,
-        request_serializer=peer_pb2.PingRequest.SerializeToString,
-        response_deserializer=peer_pb2.PingResponse.FromString,
-    )
-    t0 = time.perf_counter()
-    reply = await call(peer_pb2.PingRequest(payload=payload), timeout=timeout)
-    if reply.payload != payload:
-        raise ValueError("peer echoed a different payload")
-    return time.perf_counter() - t0
-
-
-async def ring_status(channel: grpc.aio.Channel, key: RingKey, *, timeout: float) -> RingStatus:
-    """Ping a ring member and return its state in attempt `key` (a peer from before this field
-    answers "unknown"). Raises grpc.aio.AioRpcError / TimeoutError when it does not answer."""
-    call = channel.unary_unary(
-        PING,
-        request_serializer=peer_pb2.PingRequest.SerializeToString,
-        response_deserializer=peer_pb2.PingResponse.FromString,
-    )
-    job_id, round_, attempt = key
-    reply = await call(
-        peer_pb2.PingRequest(job_id=job_id, round=round_, attempt=attempt), timeout=timeout
-    )
-    starved = reply.starved_s if math.isfinite(reply.starved_s) else 0.0
-    return RingStatus(reply.attempt_known, max(starved, 0.0), reply.failed_node_id)
-
-
-async def probe_link(
-    channel: grpc.aio.Channel, *, payload_bytes: int = MAX_CHUNK_BYTES, timeout: float = 10.0
-) -> tuple[float, float]:
-    """(rtt_s, bandwidth_bytes_per_s) to a peer: best of three empty pings, then a payload
-    round trip (it travels both ways: 2 * payload_bytes over the time beyond the rtt)."""
-    rtt = min([await ping(channel, timeout=timeout) for _ in range(3)])
-    payload = bytes(min(payload_bytes, MAX_CHUNK_BYTES))
-    t = min([await ping(channel, timeout=timeout, payload=payload) for _ in range(2)])
-    bandwidth = 2 * len(payload) / max(t - rtt, 1e-6)
-    return rtt, bandwidth
-
-
-async def fetch_state(
-    channel: grpc.aio.Channel,
-    job_id: str,
-    *,
-    node_id: str = "",
-    min_version: int = 0,
-    expected: Expected | None = None,
-    timeout: float | None = None,
-    limits: BundleLimits | None = None,
-) -> StateSnapshot:
-    """Pull a job's parameters and optimizer state from a live peer (TransferState).
-
-    Validates everything (`BundleAssembler`: header, chunk order and sizes, sha256, names,
-    dtypes, shapes with `expected`, NaN/Inf). Raises grpc.aio.AioRpcError from the peer and
-    CodecError for a bad stream.
-    """
-    call = channel.unary_stream(
-        TRANSFER_STATE,
-        request_serializer=peer_pb2.TransferStateRequest.SerializeToString,
-        response_deserializer=peer_pb2.TransferStateResponse.FromString,
-    )
-    stream = call(
-        peer_pb2.TransferStateRequest(job_id=job_id, node_id=node_id, version=min_version),
-        timeout=timeout,
-    )
-    assembler: BundleAssembler | None = None
-    version = -1
-    async for part in stream:
-        which = part.WhichOneof("part")
-        if which == "header":
-            if assembler is not None:
-                raise CodecError("state transfer sent two headers")
-            if part.header.job_id != job_id:
-                raise CodecError(f"state transfer is for job {part.header.job_id!r}")
-            version = part.header.version
-            assembler = BundleAssembler(part.header.bundle, limits, expected=expected)
-        elif which == "chunk":
-            if assembler is None:
-                raise CodecError("state transfer sent data before its header")
-            assembler.add(part.chunk)
-        else:
-            raise CodecError("state transfer sent an empty message")
-    if assembler is None:
-        raise CodecError("state transfer ended without a header")
-    if version < min_version:
-        raise CodecError(f"peer sent version {version}, older than {min_version}")
-    tensors = assembler.finish()
-    return StateSnapshot(version=version, tensors=tensors)
-
-
-def peer_channel(
-    address: str, node_id: str = "", identity: idm.Identity | None = None
-) -> grpc.aio.Channel:
-    """A channel to the PeerService of node `node_id` at `address`: mutual TLS that checks the
-    peer's certificate names `node_id` when an `identity` is given, else plaintext."""
-    if identity is None:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    if not node_id:
-        raise ValueError("a TLS channel to a peer needs the peer's node id")
-    return idm.peer_aio_channel(address, node_id, identity)

@@ -5,7 +5,7 @@ Start-up order (registration comes first so that a node shows up within a couple
    DATA_DIR/price (SIGUSR1 re-reads both; a new price goes out with a heartbeat at once); start
    the PeerService on --peer-listen (unless --no-peer): mutual TLS with the node's certificate, or
    plaintext with --insecure; it serves ring all-reduce chunks and this agent's ring state
-   (node_agent.training.ring_round.provide_state);
+   (node_agent.training.ring_state.provide_state);
 2. Register with the advertised PeerService address (retried with backoff until the
    coordinator answers; every re-registration sends it again), start the heartbeat task;
 3. reference benchmark of the built-in model on the training device (on the compute thread),
@@ -62,8 +62,9 @@ from node_agent.link.connection import (
     device_summary,
 )
 from node_agent.link.metrics import AgentMetrics, process_tree_rss
+from node_agent.ring.runtime import PeerRuntime
 from node_agent.ring.service import PeerServer
-from node_agent.runtime.dispatch import TaskContext, dispatch_task
+from node_agent.runtime.dispatch import dispatch_task
 from node_agent.sandbox.host import TEST_FAULT_FILE, ProgramHosts, child_memory_budget
 from node_agent.training.benchmark import (
     FULL_PLAN,
@@ -74,8 +75,9 @@ from node_agent.training.benchmark import (
     benchmark_model,
     build_result,
 )
+from node_agent.training.context import TaskContext
 from node_agent.training.reference_model import reference_step_factory
-from node_agent.training.ring_round import PeerRuntime, provide_state
+from node_agent.training.ring_state import provide_state
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +243,7 @@ class Agent:
             on_refused=self._on_refused,
             price=self.price.get,
             interceptors=self.metrics.interceptors() if self.metrics is not None else (),
+            insecure=config.insecure,
         )
         if self.metrics is not None:
             self.metrics.watch(config.cache_dir, self._device_memory)
@@ -337,7 +340,7 @@ class Agent:
         """Listen on --peer-listen (OSError when that fails) and work out the address to
         advertise. TLS with the node certificate unless --insecure."""
         config = self.config
-        identity = transport_identity(config.data_dir)
+        identity = transport_identity(config.data_dir, config.insecure)
         server = PeerServer(
             config.peer_listen,
             state_provider=provide_state,

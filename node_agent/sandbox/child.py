@@ -48,6 +48,7 @@ import torch
 from epochmesh.errors import ProgramError
 from epochmesh.program.archive import TrainableProgram
 from epochmesh.program.confine import Confinement, confine_self, data_bytes, runtime_read_paths
+from node_agent.core.measure import CpuMemoryMeter, is_out_of_memory
 from node_agent.sandbox.wire import (
     ALIGN,
     Layout,
@@ -56,7 +57,6 @@ from node_agent.sandbox.wire import (
     read_message,
     send_message,
 )
-from node_agent.training.benchmark import CpuMemoryMeter, is_out_of_memory
 
 log = logging.getLogger("epochmesh.program_child")
 
@@ -257,7 +257,7 @@ class ProgramRunner:
         out: dict[str, torch.Tensor],
     ) -> float:
         """The slice's mean loss, its gradient written to ``out`` (float32): the arithmetic of
-        node_agent.training.ps_round.accumulated_loss_and_grads over one `step` per micro-batch (each
+        node_agent.training.compute.accumulated_loss_and_grads over one `step` per micro-batch (each
         micro-batch's gradient taken as float32 on the CPU, then weighted and summed there),
         so that a chunk computed here equals one computed call by call."""
         n = int(inputs[0].shape[0]) if inputs else 0
@@ -445,11 +445,11 @@ def warm_up_device_libraries(device: str) -> tuple[str, ...]:
     loss = (rows @ w).square().mean() + torch.nn.functional.linear(rows, w, b).square().mean()
     opened.append("cublas")
     cudnn = torch.backends.cudnn
-    if cudnn.is_available() and cudnn.enabled:
+    if cudnn.is_available() and cudnn.enabled:  # type: ignore[no-untyped-call, unused-ignore]
         k = torch.randn(3, 3, 1, 1, device=dev, requires_grad=True)
         loss = loss + torch.nn.functional.conv2d(x, k).square().mean()
-        opened.append(f"cudnn {cudnn.version()}")
-    loss.backward()
+        opened.append(f"cudnn {cudnn.version()}")  # type: ignore[no-untyped-call, unused-ignore]
+    loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
     torch.cuda.synchronize(dev)
     return tuple(opened)
 

@@ -6,18 +6,18 @@ of the chunk (`ranges`, in the checked node's order), the version the checked no
 from (`params_version`: inline in `params_bundle`/`params_data` for a small model, else
 PullParameters), and the sketch to answer with (`check.seed`, `check.buckets`).
 
-The agent loads the job as a TRAIN round does (`trainer.load_for_task`: the program is kept
-for the job's own rounds), makes it hold that version (`trainer.ensure_params`: the job's
+The agent loads the job as a TRAIN round does (`load_for_task`: the program is kept
+for the job's own rounds), makes it hold that version (`ensure_params`: the job's
 `version` then names it, so that a later TRAIN task of the job loads its own), computes the
 chunk's mean loss and gradient with the job's micro_batch
-(`trainer.accumulated_loss_and_grads`, as the checked node computed each chunk) through the
+(`accumulated_loss_and_grads`, as the checked node computed each chunk) through the
 slowdown controller (a slowed agent is slow here too) and answers ReportCheck with the loss,
 the gradient's CountSketch (epochmesh.sketch, float64) and the device seconds it took.
 
-A local SGD check (`trainer.is_local_sgd`) carries the checked node's state at the chunk's start
+A local SGD check (`is_local_sgd`) carries the checked node's state at the chunk's start
 inline ("param/<name>", "optim/<key>/<name>": its parameters and inner optimizer state): the
 agent runs the chunk's inner steps (local_batch samples each) from it with a fresh inner
-optimizer loaded with that state (`trainer.recompute_local_chunk`) and sketches the parameters
+optimizer loaded with that state (`recompute_local_chunk`) and sketches the parameters
 before the steps minus after. The job's program then holds that state, not a version of the
 job: its `version` is forgotten (the next TRAIN task fetches its own). On a ring member the
 ring's live state is marked gone from the program (its next round loads its kept snapshot).
@@ -41,10 +41,19 @@ from epochmesh.v1 import agent_pb2
 from epochmesh.verification import MAX_BUCKETS
 from epochmesh.wire.tensors import decode_bundle
 from node_agent.link.connection import Expired
-from node_agent.runtime.dispatch import TaskContext
 from node_agent.sandbox.host import NONFINITE, ConfinedProgram, ProgramFault
-from node_agent.training import ps_round as trainer
-from node_agent.training import ring_round as ring_trainer
+from node_agent.training import ring_state
+from node_agent.training.compute import (
+    accumulated_loss_and_grads,
+    inner_step_slices,
+    is_local_sgd,
+    recompute_local_chunk,
+    require_finite,
+    step_timeout,
+)
+from node_agent.training.context import TaskContext
+from node_agent.training.jobs import LoadedJob, load_for_task
+from node_agent.training.params import ensure_params
 
 
 @dataclass
@@ -61,7 +70,7 @@ def check_problem(task: agent_pb2.Task) -> str:
         return f"the check asks for {task.check.buckets} sketch buckets (1 to {MAX_BUCKETS})"
     if not task.job_id:
         return "the check names no job"
-    if trainer.is_local_sgd(task.spec):
+    if is_local_sgd(task.spec):
         if not task.HasField("params_bundle"):
             return "a local SGD check carries no start state"
         if task.local_batch < 1:
@@ -71,22 +80,20 @@ def check_problem(task: agent_pb2.Task) -> str:
     return ""
 
 
-def local_check_in_thread(
-    ctx: TaskContext, job: trainer.LoadedJob, task: agent_pb2.Task
-) -> CheckResult:
+def local_check_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> CheckResult:
     """A local SGD chunk's loss and parameter difference sketch from the start state the task
     carries; runs on the compute thread."""
     if isinstance(job.program, ConfinedProgram):
-        job.program.timeout_s = trainer.step_timeout(task)
+        job.program.timeout_s = step_timeout(task)
     indices = ranges_to_indices(task.ranges)
     state = decode_bundle(task.params_bundle, task.params_data)
-    slices = trainer.inner_step_slices(indices, task.local_batch, len(indices))
+    slices = inner_step_slices(indices, task.local_batch, len(indices))
     job.version = -1  # the program holds the checked node's state from now on
     ctx.check_cancelled()
-    update = trainer.recompute_local_chunk(
+    update = recompute_local_chunk(
         job.program, task.spec, state, slices, job.dataset.get_batch, ctx.slowdown
     )
-    trainer.require_finite(update)
+    require_finite(update)
     ctx.check_cancelled()
     values = sketch(update.tensors, task.check.seed, task.check.buckets).tolist()
     return CheckResult(
@@ -94,11 +101,11 @@ def local_check_in_thread(
     )
 
 
-def check_in_thread(ctx: TaskContext, job: trainer.LoadedJob, task: agent_pb2.Task) -> CheckResult:
+def check_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> CheckResult:
     """The chunk's loss and gradient sketch from the parameters the job holds (the task's
     version); runs on the compute thread."""
     if isinstance(job.program, ConfinedProgram):
-        job.program.timeout_s = trainer.step_timeout(task)
+        job.program.timeout_s = step_timeout(task)
     indices = ranges_to_indices(task.ranges)
     if not indices:
         raise ValueError("the check names no samples")
@@ -109,7 +116,7 @@ def check_in_thread(ctx: TaskContext, job: trainer.LoadedJob, task: agent_pb2.Ta
     inputs, targets = job.dataset.get_batch(indices)
     program, micro = job.program, task.spec.micro_batch
     loss, grads = ctx.slowdown.timed_step(
-        lambda: trainer.accumulated_loss_and_grads(program, inputs, targets, micro)
+        lambda: accumulated_loss_and_grads(program, inputs, targets, micro)
     )
     compute_s = ctx.slowdown.last_device_seconds
     gradient = {k: g.detach().to("cpu", torch.float32) for k, g in grads.items()}
@@ -128,18 +135,18 @@ async def run_check_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     problem = check_problem(task)
     if problem:
         raise ValueError(problem)
-    job = await trainer.load_for_task(ctx, task)
+    job = await load_for_task(ctx, task)
     loaded = time.monotonic()
     ctx.check_cancelled()
-    local = trainer.is_local_sgd(task.spec)
-    ring = ring_trainer.job_state(task.job_id)
+    local = is_local_sgd(task.spec)
+    ring = ring_state.job_state(task.job_id)
     if ring is not None:
         # A ring member checking another's part: the program's parameters are set to the
         # checked version, so the ring's live state is no longer in it (its next round loads
         # its own from the snapshots it keeps).
         ring.live_version = None
     if not local:
-        await trainer.ensure_params(ctx, job, task)
+        await ensure_params(ctx, job, task)
         if job.version != task.params_version:
             raise ValueError(
                 f"the parameters fetched are version {job.version}, the check needs "

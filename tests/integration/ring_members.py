@@ -13,8 +13,10 @@ import torch
 
 from coordinator.app import Coordinator
 from epochmesh.v1 import agent_pb2
-from node_agent.ring.allreduce import RingPeerFailed, RingTransport, ring_allreduce
+from node_agent.ring.allreduce import ring_allreduce
+from node_agent.ring.failure import RingPeerFailed
 from node_agent.ring.service import PeerServer
+from node_agent.ring.transport import RingTransport
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_ring_divergence import Member
 

@@ -4,14 +4,12 @@ coordinator is reachable again, the lease is renewed at once, not at the next he
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc
-from node_agent.core.identity import set_insecure
 from node_agent.link.connection import CoordinatorConnection, HeartbeatHooks
 from tests.procs import async_wait_until, free_port
 
@@ -58,20 +56,13 @@ async def wait_heartbeats(servicer: Coordinator, n: int, timeout: float) -> None
     await asyncio.wait_for(reached(), timeout)
 
 
-@pytest.fixture
-def insecure() -> Iterator[None]:
-    set_insecure(True)
-    yield
-    set_insecure(False)
-
-
-async def test_a_call_that_gets_through_again_renews_the_lease_at_once(
-    tmp_path: Path, insecure: None
-) -> None:
+async def test_a_call_that_gets_through_again_renews_the_lease_at_once(tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
     servicer = Coordinator()
     server = await serve(address, servicer)
-    conn = CoordinatorConnection(address, tmp_path / "agent", agent_pb2.RegisterRequest)
+    conn = CoordinatorConnection(
+        address, tmp_path / "agent", agent_pb2.RegisterRequest, insecure=True
+    )
     conn.node_id, conn.lease_id = "n-0123456789", "lease"
     hooks = HeartbeatHooks(
         current_task_id=lambda: "",

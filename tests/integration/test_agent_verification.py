@@ -27,16 +27,16 @@ import torch
 
 from epochmesh.dataset import ShardedDataset
 from epochmesh.packaging import PackedJob, build_job
+from epochmesh.program.archive import TrainableProgram
 from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from epochmesh.verification import chunk_bounds, commitment_problem
 from epochmesh.wire.tensors import decode_bundle, encode_bundle
-from node_agent.core.identity import set_insecure
 from node_agent.core.slowdown import SlowdownController
 from node_agent.link.cache import BlobCache
 from node_agent.link.connection import CoordinatorConnection
-from node_agent.runtime.dispatch import TaskContext, dispatch_task
+from node_agent.runtime.dispatch import dispatch_task
 from node_agent.sandbox.host import (
     CRASHED,
     ChildLimits,
@@ -45,7 +45,9 @@ from node_agent.sandbox.host import (
     ProgramHosts,
 )
 from node_agent.testing.cheat import CHEAT_ENV, SCALE
-from node_agent.training import ps_round as trainer
+from node_agent.training import jobs, ps_round
+from node_agent.training.compute import accumulated_loss_and_grads
+from node_agent.training.context import TaskContext
 from tests.fixtures import write_mlp_job
 
 pytestmark = pytest.mark.timeout(180)
@@ -127,8 +129,8 @@ class Agent:
         )
 
     @property
-    def job(self) -> trainer.LoadedJob:
-        return trainer._jobs[JOB]
+    def job(self) -> jobs.LoadedJob:
+        return jobs._jobs[JOB]
 
 
 @pytest.fixture(scope="module")
@@ -147,30 +149,28 @@ async def agent(
 ) -> AsyncIterator[Agent]:
     """A stand-in coordinator on loopback, and the agent's state for the job: its program
     loaded (as a benchmark leaves it), its shards loaded."""
-    set_insecure(True)
     stand_in = StandIn()
     server = grpc.aio.server()
     agent_pb2_grpc.add_AgentServiceServicer_to_server(stand_in, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     connection = CoordinatorConnection(
-        f"127.0.0.1:{port}", tmp_path / "agent", lambda: agent_pb2.RegisterRequest()
+        f"127.0.0.1:{port}", tmp_path / "agent", lambda: agent_pb2.RegisterRequest(), insecure=True
     )
     programs, program = loaded
     dataset = ShardedDataset(packed.shards, inputs=["x"], targets=["y"])
-    assert trainer.adopt_loaded(programs, JOB, program, dataset)
+    assert jobs.adopt_loaded(programs, JOB, program, dataset)
     try:
         yield Agent(stand_in, connection, programs, program, tmp_path)
     finally:
-        trainer._jobs.pop(JOB, None)  # the program stays for the next test
+        jobs._jobs.pop(JOB, None)  # the program stays for the next test
         await connection.close()
         await server.stop(None)
-        set_insecure(False)
 
 
 def params_of(version: int, packed: PackedJob, shift: float = 0.0) -> dict[str, Any]:
     """A task's inline parameters: the job's initial ones (+ shift)."""
-    program = trainer.TrainableProgram.from_bytes(packed.program, packed.initial_state)
+    program = TrainableProgram.from_bytes(packed.program, packed.initial_state)
     params = {k: v + shift for k, v in program.get_parameters().items()}
     bundle, data = encode_bundle(params)
     return {"params_version": version, "params_bundle": bundle, "params_data": data}
@@ -232,7 +232,7 @@ async def test_a_verified_round_commits_its_chunks_and_sends_their_sketches(
 ) -> None:
     agent.stand_in.ask = agent_pb2.CheckSpec(seed=987654321, buckets=BUCKETS)
     task = train_task(packed, 3, 60, 60, K, **params_of(1, packed))
-    await trainer.run_train_task(agent.ctx(task), task)
+    await ps_round.run_train_task(agent.ctx(task), task)
     [(header, tensors)] = agent.stand_in.updates
     assert header.num_samples == 60 and len(header.chunks) == K
     chunks = [(c.samples, c.loss) for c in header.chunks]
@@ -250,7 +250,7 @@ async def test_a_verified_round_commits_its_chunks_and_sends_their_sketches(
     # The batched call of the child gives what one call per chunk gives, bit for bit.
     inputs, targets = batch
     for i, (a, b) in enumerate(chunk_bounds(60, K)):
-        chunk_loss, chunk_grads = trainer.accumulated_loss_and_grads(
+        chunk_loss, chunk_grads = accumulated_loss_and_grads(
             agent.program, [t[a:b] for t in inputs], [t[a:b] for t in targets]
         )
         assert chunk_loss == header.chunks[i].loss
@@ -271,7 +271,7 @@ async def test_a_check_of_another_version_leaves_the_job_to_load_its_own(
     agent: Agent, packed: PackedJob
 ) -> None:
     first = train_task(packed, 1, 0, 48, K, **params_of(1, packed))
-    await trainer.run_train_task(agent.ctx(first), first)
+    await ps_round.run_train_task(agent.ctx(first), first)
     # A check of an older version (inline: a small model), then the job's next round.
     check = check_task(packed, "c-2", 0, 4, 42, **params_of(7, packed, shift=0.01))
     await dispatch_task(agent.ctx(check))
@@ -279,7 +279,7 @@ async def test_a_check_of_another_version_leaves_the_job_to_load_its_own(
     assert not report.failed, report.error
     assert agent.job.version == 7
     again = train_task(packed, 2, 0, 48, K, **params_of(1, packed))
-    await trainer.run_train_task(agent.ctx(again), again)
+    await ps_round.run_train_task(agent.ctx(again), again)
     (h1, t1), (h2, t2) = agent.stand_in.updates
     assert agent.job.version == 1
     assert [c.loss for c in h1.chunks] == [c.loss for c in h2.chunks]
@@ -308,7 +308,7 @@ async def test_without_verify_chunks_a_round_is_one_gradient(
 ) -> None:
     agent.stand_in.ask = agent_pb2.CheckSpec(seed=5, buckets=BUCKETS)  # asked all the same
     task = train_task(packed, 1, 0, 60, 0, **params_of(1, packed))
-    await trainer.run_train_task(agent.ctx(task), task)
+    await ps_round.run_train_task(agent.ctx(task), task)
     [(header, tensors)] = agent.stand_in.updates
     assert len(header.chunks) == 0 and agent.stand_in.sketches == []
     loss, grads = agent.program.loss_and_grads(*agent.job.dataset.get_batch(list(range(60))))
@@ -334,7 +334,7 @@ async def test_the_cheat_switch_starts_at_its_round(
     agent.stand_in.ask = agent_pb2.CheckSpec(seed=77, buckets=BUCKETS)
     for round_ in (1, 2):
         task = train_task(packed, round_, 0, 60, K, **params_of(1, packed))
-        await trainer.run_train_task(agent.ctx(task), task)
+        await ps_round.run_train_task(agent.ctx(task), task)
     (h1, t1), (h2, t2) = agent.stand_in.updates
     ratio = float(flat(t2).norm() / flat(t1).norm())
     assert ratio == pytest.approx(SCALE, rel=1e-5)

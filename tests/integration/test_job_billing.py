@@ -12,16 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.accounting.billing import earned_micro
+from coordinator.accounting.billing import earned_micro, per_credit, quantized_rate
 from coordinator.accounting.credit_book import fund_escrow, grant
 from coordinator.market.credit_ledger import CreditLedger
-from coordinator.market.job_billing import (
-    AboveMaxPrice,
-    BudgetExhausted,
-    JobBilling,
-    per_credit,
-    quantized_rate,
-)
+from coordinator.market.job_billing import AboveMaxPrice, BudgetExhausted, JobBilling
 from coordinator.rounds.round_state import Part, part_record
 from coordinator.store.sqlite import SqliteStore
 from epochmesh.quote import max_price_of

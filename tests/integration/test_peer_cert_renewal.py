@@ -14,8 +14,9 @@ import pytest
 
 from coordinator.trust.tokens import ensure_ca, issue_identity
 from epochmesh import identity as idm
-from node_agent.ring.allreduce import RingTransport
+from epochmesh.fsutil import write_private
 from node_agent.ring.service import PeerServer
+from node_agent.ring.transport import RingTransport
 from tests.integration.test_ring_allreduce import Peers, _allreduce_all, _data, _expected
 from tests.procs import async_wait_until
 
@@ -94,7 +95,7 @@ async def test_a_renewed_certificate_is_served_on_the_grpc_port_and_the_bulk_soc
             lifetime_s=7200,
         )
         assert _der(renewed) != old
-        idm.write_private(tmp_path / "node-0" / idm.CERT_FILE, renewed)
+        write_private(tmp_path / "node-0" / idm.CERT_FILE, renewed)
 
         async def renewed_served() -> bool:
             return await served() == (_der(renewed), _der(renewed))

@@ -26,14 +26,9 @@ import torch
 from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.spec import load_spec
-from node_agent.sandbox import host as program_host
-from node_agent.sandbox.host import (
-    CRASHED,
-    ProgramFault,
-    ProgramHosts,
-    stop_zygote,
-    zygote_pid,
-)
+from node_agent.sandbox import spawn
+from node_agent.sandbox.host import CRASHED, ProgramFault, ProgramHosts
+from node_agent.sandbox.spawn import stop_zygote, zygote_pid
 from tests.fixtures import write_mlp_job
 from tests.procs import wait_until
 
@@ -148,8 +143,8 @@ def test_without_a_zygote_children_start_as_fresh_interpreters(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     stop_zygote()
-    monkeypatch.setattr(program_host, "ZYGOTE_MODULE", "node_agent.no_such_module")
-    with caplog.at_level(logging.WARNING, logger=program_host.__name__):
+    monkeypatch.setattr(spawn, "ZYGOTE_MODULE", "node_agent.no_such_module")
+    with caplog.at_level(logging.WARNING, logger=spawn.__name__):
         prog = hosts.load(job.program, job.initial_state)
     assert "no program zygote" in caplog.text
     assert prog.pid is not None and parent_of(prog.pid) == os.getpid()
@@ -170,7 +165,8 @@ def test_the_zygote_exits_when_the_agent_stops_it(job: PackedJob, hosts: Program
 AGENT = """
 import sys, time
 from pathlib import Path
-from node_agent.sandbox.host import ProgramHosts, zygote_pid
+from node_agent.sandbox.host import ProgramHosts
+from node_agent.sandbox.spawn import zygote_pid
 hosts = ProgramHosts("cpu", threads=1, memory_budget=1 << 30)
 prog = hosts.load(Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]).read_bytes())
 Path(sys.argv[3]).write_text(f"{zygote_pid()} {prog.pid}")

@@ -8,13 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.nodes.registry import (
-    RESTORED_LEASE_TTLS,
-    LeaseExpiredError,
-    NodeRegistry,
-    is_node_id,
-)
-from coordinator.store.base import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from coordinator.core.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from coordinator.core.ids import is_node_id
+from coordinator.nodes.registry import RESTORED_LEASE_TTLS, LeaseExpiredError, NodeRegistry
 from coordinator.store.events import EventLog
 from coordinator.store.sqlite import SqliteStore
 from epochmesh.v1 import common_pb2

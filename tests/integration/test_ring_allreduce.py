@@ -26,19 +26,19 @@ from epochmesh.errors import CodecError
 from epochmesh.identity import Identity
 from epochmesh.ring.schedule import RingSchedule, chunk_elems_for, simulate_allreduce
 from epochmesh.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from node_agent.ring import allreduce as ra
-from node_agent.ring.allreduce import Ring, RingPeerFailed, RingTransport, ring_allreduce
-from node_agent.ring.service import (
-    PeerServer,
-    StateSnapshot,
+from node_agent.ring.allreduce import Ring, ring_allreduce
+from node_agent.ring.client import fetch_state, peer_channel, ping, probe_link
+from node_agent.ring.failure import RingPeerFailed
+from node_agent.ring.mailbox import StateSnapshot
+from node_agent.ring.plan import attempt_plan
+from node_agent.ring.receive import ReceiveSlot
+from node_agent.ring.service import PeerServer
+from node_agent.ring.transport import RingTransport
+from node_agent.ring.wire import (
     WireError,
     abort_chunk,
-    fetch_state,
     frame_ring_chunk,
     parse_ring_chunk,
-    peer_channel,
-    ping,
-    probe_link,
     ring_chunk_header,
 )
 from tests.procs import async_wait_until
@@ -512,8 +512,8 @@ async def test_a_silent_member_is_named_not_its_starved_neighbours() -> None:
     async with started_peers(n) as peers:
         survivors = [r for r in range(n) if r != victim]
         # The victim's receive side of the attempt, with no run behind it.
-        plan = ra._plan(n, numel, "none", victim)
-        hung = ra._ReceiveSlot(
+        plan = attempt_plan(n, numel, "none", victim)
+        hung = ReceiveSlot(
             key, plan.expect, victim, "none", _data(victim, numel).numpy(), peers.ids
         )
         peers.servers[victim].mailbox.register(hung)
@@ -560,9 +560,7 @@ def _victim_main(conn: Any, rank: int, numel: int, mode: str, after_chunks: int)
     received `after_chunks` chunks, i.e. in the middle of the reduce."""
     import asyncio
 
-    from node_agent.ring import allreduce as ra
-
-    advance = ra._ReceiveSlot._advance
+    advance = ReceiveSlot._advance
 
     def advance_then_stop(slot: Any, nbytes: int) -> None:
         # Right in the data path: a watcher task may only run after many more chunks.
@@ -571,7 +569,7 @@ def _victim_main(conn: Any, rank: int, numel: int, mode: str, after_chunks: int)
             conn.send("stopping")
             os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
 
-    ra._ReceiveSlot._advance = advance_then_stop  # type: ignore[method-assign]
+    ReceiveSlot._advance = advance_then_stop  # type: ignore[method-assign]
 
     async def main() -> None:
         server = PeerServer("127.0.0.1:0")

@@ -23,9 +23,12 @@ from epochmesh.identity import Identity
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import peer_pb2, peer_pb2_grpc
 from node_agent.ring import bulk
-from node_agent.ring.allreduce import RingPeerFailed, ring_allreduce
+from node_agent.ring.allreduce import ring_allreduce
 from node_agent.ring.bulk import BulkError
-from node_agent.ring.service import PeerServer, peer_channel, ring_chunk_header
+from node_agent.ring.client import peer_channel
+from node_agent.ring.failure import RingPeerFailed
+from node_agent.ring.service import PeerServer
+from node_agent.ring.wire import ring_chunk_header
 from tests.integration.test_ring_allreduce import (
     Peers,
     _allreduce_all,

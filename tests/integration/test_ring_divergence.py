@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.engine.engine import Engine
-from coordinator.engine.strategies.ring import Agreement, checksum_verdict
+from coordinator.rounds.ring_verdicts import Agreement, checksum_verdict
 from epochmesh import identity as idm
 from epochmesh.v1 import agent_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.fake_agent import FakeAgent, submit_packed

@@ -19,8 +19,10 @@ import pytest
 from epochmesh.identity import Identity
 from epochmesh.v1 import agent_pb2, peer_pb2, peer_pb2_grpc
 from node_agent.ring import bulk
-from node_agent.ring.allreduce import RingPeerFailed, ring_allreduce
-from node_agent.ring.service import PUSH_CHUNKS, abort_chunk, peer_channel, ring_chunk_header
+from node_agent.ring.allreduce import ring_allreduce
+from node_agent.ring.client import peer_channel
+from node_agent.ring.failure import RingPeerFailed
+from node_agent.ring.wire import PUSH_CHUNKS, abort_chunk, ring_chunk_header
 from tests.integration.test_ring_allreduce import (
     Peers,
     _allreduce_all,

@@ -21,14 +21,12 @@ from coordinator.engine.engine import Engine
 from epochmesh.ring.schedule import ALL_GATHER
 from epochmesh.ring.seal import SegmentSigner, seal_message
 from epochmesh.v1 import agent_pb2, common_pb2, peer_pb2
-from node_agent.ring.allreduce import (
-    RingOutput,
-    RingPeerFailed,
-    RingTransport,
-    ring_allreduce,
-)
+from node_agent.ring.allreduce import ring_allreduce
 from node_agent.ring.bulk import BulkError
-from node_agent.ring.service import PeerServer, RingKey
+from node_agent.ring.failure import RingPeerFailed
+from node_agent.ring.service import PeerServer
+from node_agent.ring.transport import RingOutput, RingTransport
+from node_agent.ring.wire import RingKey
 from tests.integration.ring_members import RingMember, ring_agents
 from tests.integration.test_ring_allreduce import Peers, _allreduce_all, _data, _expected
 from tests.integration.test_ring_coordinator import check_exactly_once, new_world, ring_job, run_job

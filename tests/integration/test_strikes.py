@@ -18,9 +18,9 @@ import grpc
 import pytest
 import torch
 
+from coordinator.core.errors import InvalidArgumentError
 from coordinator.engine.api import CoordinatorContext, NullEngine
 from coordinator.nodes.registry import DEFAULT_STRIKE_LIMIT
-from coordinator.store.base import InvalidArgumentError
 from coordinator.trust.tokens import create_token
 from epochmesh import identity as idm
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from coordinator.engine.engine import Engine
-from coordinator.engine.verifier import STATE_KEY
+from coordinator.engine.verification_store import STATE_KEY
 from coordinator.store.sqlite import SqliteStore
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec

@@ -18,7 +18,7 @@ import pytest
 
 from epochmesh import identity as idm
 from epochmesh.grpc_util import CHANNEL_OPTIONS
-from node_agent.ring.service import fetch_state, peer_channel, ping
+from node_agent.ring.client import fetch_state, peer_channel, ping
 from tests.fixtures import write_mlp_job
 from tests.procs import identity_for, start_coordinator, wait_until
 from tests.system.test_agent import AgentProc, coordinator_args, list_nodes

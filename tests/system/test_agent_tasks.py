@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coordinator.core.errors import FailedPreconditionError
 from coordinator.engine.api import CoordinatorContext, NullEngine
-from coordinator.store.base import FailedPreconditionError
 from epochmesh.packaging import LossWrapper, export_program
 from epochmesh.program.archive import TrainableProgram
 from epochmesh.v1 import agent_pb2, common_pb2

@@ -15,6 +15,7 @@ import pytest
 
 from coordinator.trust.tokens import CertificateAuthority, issue_identity
 from epochmesh import identity as idm
+from epochmesh.fsutil import write_private
 from epochmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.procs import console_script, start_coordinator
 
@@ -93,8 +94,8 @@ def test_an_older_data_dir_with_the_ca_alone_keeps_working(tmp_path: Path) -> No
     # What an older coordinator made: the CA, served as the server certificate itself, and
     # a node enrolled with a 365-day certificate.
     ca_pem, ca_key = idm.create_ca()
-    idm.write_private(data / "ca.key", ca_key)
-    idm.write_private(data / "ca.pem", ca_pem, mode=0o644)
+    write_private(data / "ca.key", ca_key)
+    write_private(data / "ca.pem", ca_pem, mode=0o644)
     old_operator = issue_identity(
         CertificateAuthority(ca_pem, ca_key), "operator", lifetime_s=365 * 86400
     )

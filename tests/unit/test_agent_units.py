@@ -30,21 +30,12 @@ from node_agent.core.devices import (
     select_device,
 )
 from node_agent.core.identity import load_node_id, save_node_id
-from node_agent.core.slowdown import SlowdownController, padding_seconds, parse_factor
-from node_agent.core.watch_file import WatchedValue
-from node_agent.link.cache import BlobCache, CacheError
-from node_agent.link.connection import Backoff, is_transient
-from node_agent.training.benchmark import (
+from node_agent.core.measure import (
     MAX_EXTRAPOLATION,
-    QUICK_PLAN,
-    BenchmarkCancelled,
-    BenchmarkPlan,
     CpuMemoryMeter,
     MemoryLimitExceeded,
     Point,
     bandwidth_bytes_per_second,
-    benchmark_model,
-    build_result,
     estimate_peak_bytes,
     headline_samples_per_second,
     is_out_of_memory,
@@ -52,8 +43,19 @@ from node_agent.training.benchmark import (
     live_cpu_tensor_bytes,
     max_batch_size,
     memory_capacity,
-    run_compute_benchmark,
     step_time_estimate,
+)
+from node_agent.core.slowdown import SlowdownController, padding_seconds, parse_factor
+from node_agent.core.watch_file import WatchedValue
+from node_agent.link.cache import BlobCache, CacheError
+from node_agent.link.connection import Backoff, is_transient
+from node_agent.training.benchmark import (
+    QUICK_PLAN,
+    BenchmarkCancelled,
+    BenchmarkPlan,
+    benchmark_model,
+    build_result,
+    run_compute_benchmark,
 )
 from node_agent.training.reference_model import reference_step_factory
 

@@ -21,11 +21,9 @@ from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import chunk_bounds, commitment_problem
-from node_agent.core.identity import set_insecure
 from node_agent.core.slowdown import SlowdownController
 from node_agent.link.cache import BlobCache
 from node_agent.link.connection import CoordinatorConnection
-from node_agent.runtime.dispatch import TaskContext
 from node_agent.testing.cheat import (
     CHEAT_ENV,
     SCALE,
@@ -41,15 +39,14 @@ from node_agent.testing.cheat import (
     randomized,
     round_generator,
 )
-from node_agent.training.ps_round import (
-    ChunkGradients,
-    ComputedUpdate,
-    LoadedJob,
+from node_agent.training.compute import (
     chunked_gradient_step,
     combine_chunks,
     gradient_step,
     update_in_thread,
 )
+from node_agent.training.context import TaskContext
+from node_agent.training.jobs import ChunkGradients, ComputedUpdate, LoadedJob
 from tests.fixtures import write_mlp_job
 
 pytestmark = pytest.mark.timeout(120)
@@ -257,9 +254,9 @@ def test_stale_repeats_the_previous_chunks_and_update() -> None:
 
 @pytest.fixture
 async def ctx(tmp_path: Path) -> AsyncIterator[TaskContext]:
-    set_insecure(True)  # a plaintext channel that is never used: nothing here calls out
+    # A plaintext channel that is never used: nothing here calls out.
     connection = CoordinatorConnection(
-        "127.0.0.1:1", tmp_path / "agent", lambda: agent_pb2.RegisterRequest()
+        "127.0.0.1:1", tmp_path / "agent", lambda: agent_pb2.RegisterRequest(), insecure=True
     )
     try:
         yield TaskContext(
@@ -272,7 +269,6 @@ async def ctx(tmp_path: Path) -> AsyncIterator[TaskContext]:
         )
     finally:
         await connection.close()
-        set_insecure(False)
 
 
 def train_task(

@@ -22,6 +22,7 @@ from coordinator.trust.tokens import (
     peer_key,
 )
 from epochmesh import identity as idm
+from epochmesh.fsutil import write_private
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -91,8 +92,8 @@ def test_lifetime_and_use_bounds() -> None:
 
 def test_write_private_is_atomic_and_private(tmp_path: Path) -> None:
     target = tmp_path / "new" / "key.pem"
-    idm.write_private(target, b"secret")
-    idm.write_private(target, b"secret 2")
+    write_private(target, b"secret")
+    write_private(target, b"secret 2")
     assert target.read_bytes() == b"secret 2"
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
     assert stat.S_IMODE(target.parent.stat().st_mode) == 0o700

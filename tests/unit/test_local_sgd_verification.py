@@ -2,7 +2,7 @@
 whose parameter differences add up to its pseudo-gradient, the state each chunk started from
 committed by digest, the coordinator's check of an uploaded start state
 (coordinator/verification/snapshot_check.py), and a checker's recomputation of one chunk from it
-(trainer.recompute_local_chunk): an honest chunk is reproduced, a cheater's made-up chunk is
+(node_agent.training.compute.recompute_local_chunk): an honest chunk is reproduced, a cheater's made-up chunk is
 not, whichever start states it commits. The real exported program of the tests' MLP computes
 every step."""
 
@@ -34,15 +34,11 @@ from epochmesh.verification import (
     step_chunk_bounds,
 )
 from epochmesh.wire.tensors import encode_bundle
-from node_agent.core.identity import set_insecure
 from node_agent.core.slowdown import SlowdownController
 from node_agent.link.cache import BlobCache
 from node_agent.link.connection import CoordinatorConnection
-from node_agent.runtime.dispatch import TaskContext
 from node_agent.testing.cheat import UPDATE_KINDS, Cheat
-from node_agent.training.ps_round import (
-    ComputedUpdate,
-    LoadedJob,
+from node_agent.training.compute import (
     grouped_local_chunks,
     inner_step_slices,
     local_sgd_steps,
@@ -50,6 +46,8 @@ from node_agent.training.ps_round import (
     split_training_state,
     update_in_thread,
 )
+from node_agent.training.context import TaskContext
+from node_agent.training.jobs import ComputedUpdate, LoadedJob
 from tests.fixtures import write_mlp_job
 
 pytestmark = pytest.mark.timeout(120)
@@ -84,9 +82,9 @@ def local_spec(packed: PackedJob, optimizer: str = "sgd") -> common_pb2.JobSpec:
 
 @pytest.fixture
 async def ctx(tmp_path: Path) -> AsyncIterator[TaskContext]:
-    set_insecure(True)  # a plaintext channel that is never used: nothing here calls out
+    # A plaintext channel that is never used: nothing here calls out.
     connection = CoordinatorConnection(
-        "127.0.0.1:1", tmp_path / "agent", lambda: agent_pb2.RegisterRequest()
+        "127.0.0.1:1", tmp_path / "agent", lambda: agent_pb2.RegisterRequest(), insecure=True
     )
     try:
         yield TaskContext(
@@ -99,7 +97,6 @@ async def ctx(tmp_path: Path) -> AsyncIterator[TaskContext]:
         )
     finally:
         await connection.close()
-        set_insecure(False)
 
 
 def local_task(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from node_agent.core.measure import Point
 from node_agent.sandbox.host import CHILD_OVERHEAD_BYTES, JOB_MEMORY_FACTOR, job_memory_budget
-from node_agent.training.benchmark import Point
 
 pytestmark = pytest.mark.timeout(10)
 MiB = 1 << 20

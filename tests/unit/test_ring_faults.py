@@ -1,5 +1,5 @@
 """Who is struck for bad data sent into a ring, NaN/Inf or a tampered all-gather segment
-(coordinator.engine.strategies.ring.fault_verdict), and how the next ring puts another witness next to an
+(coordinator.rounds.ring_verdicts.fault_verdict), and how the next ring puts another witness next to an
 accused member (keep_apart)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from coordinator.engine.strategies.ring import fault_verdict, keep_apart
+from coordinator.rounds.ring_verdicts import fault_verdict, keep_apart
 from epochmesh.v1 import agent_pb2
 
 pytestmark = pytest.mark.timeout(10)

@@ -1,5 +1,5 @@
 """Seals of ring all-gather segments (epochmesh.ring.seal) and their check in a ring member's
-receive slot (node_agent.ring.allreduce._ReceiveSlot), without a network: a segment that does
+receive slot (node_agent.ring.receive.ReceiveSlot), without a network: a segment that does
 not match its owner's seal is refused naming the left neighbour that delivered it."""
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from epochmesh.ring.seal import (
     seal_message,
 )
 from epochmesh.v1 import agent_pb2, common_pb2
-from node_agent.ring import allreduce as ra
-from node_agent.ring.service import ChunkRejected, RingChunkView
+from node_agent.ring.mailbox import ChunkRejected
+from node_agent.ring.plan import attempt_plan
+from node_agent.ring.receive import ReceiveSlot
+from node_agent.ring.wire import RingChunkView
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -159,7 +161,7 @@ RANK = 1  # receives from node-0; all_gather step 1 is node-2's segment, forward
 
 def _chunks(world: dict[str, Identity], data: np.ndarray) -> list[RingChunkView]:
     """What node-0 sends node-1 in one honest attempt (all-gather segments sealed)."""
-    plan = ra._plan(N, NUMEL, "none", RANK)
+    plan = attempt_plan(N, NUMEL, "none", RANK)
     out: list[RingChunkView] = []
     hasher = hashlib.sha256()
     for e in plan.expect:
@@ -191,14 +193,14 @@ def _chunks(world: dict[str, Identity], data: np.ndarray) -> list[RingChunkView]
     return out
 
 
-def _slot(world: dict[str, Identity], revoked: frozenset[str] = frozenset()) -> ra._ReceiveSlot:
+def _slot(world: dict[str, Identity], revoked: frozenset[str] = frozenset()) -> ReceiveSlot:
     verifier = SegmentVerifier(world["node-1"].ca_pem, lambda: revoked)
-    plan = ra._plan(N, NUMEL, "none", RANK)
+    plan = attempt_plan(N, NUMEL, "none", RANK)
     buf = np.zeros(NUMEL, dtype=np.float32)
-    return ra._ReceiveSlot(KEY, plan.expect, RANK, "none", buf, NODES, verifier=verifier)
+    return ReceiveSlot(KEY, plan.expect, RANK, "none", buf, NODES, verifier=verifier)
 
 
-def _feed(slot: ra._ReceiveSlot, chunks: list[RingChunkView]) -> ChunkRejected | None:
+def _feed(slot: ReceiveSlot, chunks: list[RingChunkView]) -> ChunkRejected | None:
     for c in chunks:
         try:
             slot.on_chunk(c)
@@ -301,7 +303,7 @@ async def test_without_identities_segments_travel_unsealed(world: dict[str, Iden
     chunks = _chunks(world, np.arange(NUMEL, dtype=np.float32))
     i = _forwarded(chunks)[0]
     chunks[i] = _flip(chunks[i])
-    plan = ra._plan(N, NUMEL, "none", RANK)
+    plan = attempt_plan(N, NUMEL, "none", RANK)
     buf = np.zeros(NUMEL, dtype=np.float32)
-    slot = ra._ReceiveSlot(KEY, plan.expect, RANK, "none", buf, NODES)
+    slot = ReceiveSlot(KEY, plan.expect, RANK, "none", buf, NODES)
     assert _feed(slot, chunks) is None and slot.complete

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from epochmesh.optim import build_round_optimizer, optimizer_state_tensors
+from epochmesh.optim import build_round_optimizer, optimizer_state_tensors, state_tensors
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.wire.tensors import params_checksum
 from node_agent.core.config import (
@@ -18,8 +18,9 @@ from node_agent.core.config import (
     parse_args,
     split_host_port,
 )
-from node_agent.ring.service import StateSnapshot
+from node_agent.ring.mailbox import StateSnapshot
 from node_agent.training import ring_round as rt
+from node_agent.training import ring_state as rs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -40,12 +41,12 @@ def _tensors() -> dict[str, torch.Tensor]:
 def test_flatten_in_given_order_and_unflatten_back() -> None:
     ts = _tensors()
     names = ["fc2.weight", "fc1.weight", "scale", "fc1.bias"]
-    flat = rt.flatten(ts, names)
+    flat = rs.flatten(ts, names)
     assert flat.dtype == torch.float32 and flat.dim() == 1 and flat.is_contiguous()
     assert flat.numel() == 8 + 12 + 1 + 4
     assert torch.equal(flat[:8], ts["fc2.weight"].reshape(-1))
     assert torch.equal(flat[20:21], ts["scale"].reshape(-1))
-    back = rt.unflatten(flat, {n: tuple(ts[n].shape) for n in names})
+    back = rs.unflatten(flat, {n: tuple(ts[n].shape) for n in names})
     assert list(back) == names
     for n in names:
         assert torch.equal(back[n], ts[n])
@@ -56,7 +57,7 @@ def test_flatten_in_given_order_and_unflatten_back() -> None:
 
 def test_flatten_is_a_copy_and_converts_to_float32() -> None:
     ts = {"a": torch.ones(3, dtype=torch.float64), "b": torch.zeros(2)}
-    flat = rt.flatten(ts, ["a", "b"])
+    flat = rs.flatten(ts, ["a", "b"])
     assert flat.dtype == torch.float32
     flat.zero_()
     assert torch.equal(ts["a"], torch.ones(3, dtype=torch.float64))
@@ -64,12 +65,12 @@ def test_flatten_is_a_copy_and_converts_to_float32() -> None:
 
 def test_flatten_and_unflatten_refuse_mismatches() -> None:
     with pytest.raises(KeyError, match="lacks tensor 'c'"):
-        rt.flatten({"a": torch.zeros(1)}, ["a", "c"])
-    assert rt.flatten({}, []).numel() == 0
+        rs.flatten({"a": torch.zeros(1)}, ["a", "c"])
+    assert rs.flatten({}, []).numel() == 0
     with pytest.raises(ValueError, match="buffer holds 5 elements, the parameters 6"):
-        rt.unflatten(torch.zeros(5), {"a": (2, 3)})
+        rs.unflatten(torch.zeros(5), {"a": (2, 3)})
     with pytest.raises(ValueError):
-        rt.unflatten(torch.zeros(2, 3), {"a": (2, 3)})
+        rs.unflatten(torch.zeros(2, 3), {"a": (2, 3)})
 
 
 # -- state naming --------------------------------------------------------------------------------
@@ -96,23 +97,23 @@ def test_state_tensors_naming_round_trips_through_split_state() -> None:
     names, opt = _stepped_optimizer(_spec(optimizer="adamw"))
     params = {n: p.detach() for n, p in zip(names, opt.param_groups[0]["params"], strict=True)}
     optim = optimizer_state_tensors(opt, names)
-    state = rt.state_tensors(params, optim)
+    state = state_tensors(params, optim)
     assert list(state)[: len(names)] == [f"param/{n}" for n in names]
     assert "optim/exp_avg/fc1.weight" in state and "optim/step/scale" in state
     expected = {n: (p.dtype, tuple(p.shape)) for n, p in params.items()}
-    got_params, got_optim = rt.split_state(state, expected)
+    got_params, got_optim = rs.split_state(state, expected)
     assert list(got_params) == names
     assert got_optim is not None and set(got_optim) == set(optim)
-    assert rt.params_of(StateSnapshot(3, state)).keys() == params.keys()
+    assert rs.params_of(StateSnapshot(3, state)).keys() == params.keys()
 
 
 def test_split_state_of_plain_parameters_has_no_optimizer_state() -> None:
     ts = _tensors()
     expected = {n: (t.dtype, tuple(t.shape)) for n, t in ts.items()}
-    params, optim = rt.split_state(dict(reversed(ts.items())), expected)
+    params, optim = rs.split_state(dict(reversed(ts.items())), expected)
     assert list(params) == list(ts) and optim is None
     # A state bundle without optimizer entries: an optimizer that has no state yet.
-    params, optim = rt.split_state(rt.state_tensors(ts, {}), expected)
+    params, optim = rs.split_state(state_tensors(ts, {}), expected)
     assert optim == {}
 
 
@@ -132,17 +133,17 @@ def test_split_state_of_plain_parameters_has_no_optimizer_state() -> None:
 def test_split_state_refuses_bad_states(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
     ts = _tensors()
     expected = {n: (t.dtype, tuple(t.shape)) for n, t in ts.items()}
-    state = rt.state_tensors(ts, {})
+    state = state_tensors(ts, {})
     mutate(state)
     with pytest.raises(ValueError, match=message):
-        rt.split_state(state, expected)
+        rs.split_state(state, expected)
 
 
 def test_split_state_refuses_extra_plain_tensors() -> None:
     ts = _tensors()
     expected = {n: (t.dtype, tuple(t.shape)) for n, t in ts.items()}
     with pytest.raises(ValueError, match="unexpected tensors"):
-        rt.split_state({**ts, "x": torch.zeros(1)}, expected)
+        rs.split_state({**ts, "x": torch.zeros(1)}, expected)
 
 
 # -- version choice, snapshots, cache keys -------------------------------------------------------
@@ -151,36 +152,36 @@ def test_split_state_refuses_extra_plain_tensors() -> None:
 @pytest.mark.parametrize(
     ("version", "live", "held", "source", "want"),
     [
-        (5, 5, [4, 5], "", rt.Source.LIVE),
-        (4, 5, [4, 5], "", rt.Source.SNAPSHOT),  # a retried round goes back to v
-        (5, None, [4, 5], "", rt.Source.SNAPSHOT),  # a step was cut off: reload v
-        (6, 5, [4, 5], "", rt.Source.COORDINATOR),
-        (0, None, [], "", rt.Source.COORDINATOR),  # first round
-        (3, None, [], "node-c", rt.Source.PEER),  # joiner
-        (6, 5, [4, 5], "node-b", rt.Source.PEER),  # missed a round
+        (5, 5, [4, 5], "", rs.Source.LIVE),
+        (4, 5, [4, 5], "", rs.Source.SNAPSHOT),  # a retried round goes back to v
+        (5, None, [4, 5], "", rs.Source.SNAPSHOT),  # a step was cut off: reload v
+        (6, 5, [4, 5], "", rs.Source.COORDINATOR),
+        (0, None, [], "", rs.Source.COORDINATOR),  # first round
+        (3, None, [], "node-c", rs.Source.PEER),  # joiner
+        (6, 5, [4, 5], "node-b", rs.Source.PEER),  # missed a round
         # The coordinator says this node does not hold v: a kept v may predate a restart.
-        (5, 5, [4, 5], "node-b", rt.Source.PEER),
-        (4, 5, [4, 5], "node-b", rt.Source.PEER),
+        (5, 5, [4, 5], "node-b", rs.Source.PEER),
+        (4, 5, [4, 5], "node-b", rs.Source.PEER),
     ],
 )
 def test_choose_source(
-    version: int, live: int | None, held: list[int], source: str, want: rt.Source
+    version: int, live: int | None, held: list[int], source: str, want: rs.Source
 ) -> None:
-    assert rt.choose_source(version, live, held, source) is want
+    assert rs.choose_source(version, live, held, source) is want
 
 
 def test_rolled_back() -> None:
-    assert not rt.rolled_back(None, 0)
-    assert not rt.rolled_back(4, 4)  # a retried attempt of the same round
-    assert not rt.rolled_back(4, 5)
-    assert rt.rolled_back(9, 5)  # the coordinator restarted from a checkpoint
+    assert not rs.rolled_back(None, 0)
+    assert not rs.rolled_back(4, 4)  # a retried attempt of the same round
+    assert not rs.rolled_back(4, 5)
+    assert rs.rolled_back(9, 5)  # the coordinator restarted from a checkpoint
 
 
 def test_prune_snapshots_keeps_only_the_named_versions() -> None:
     snaps = {v: StateSnapshot(v, {}) for v in (3, 4, 5)}
-    assert list(rt.prune_snapshots(snaps, [4, 5])) == [4, 5]
-    assert list(rt.prune_snapshots(snaps, [3, 4])) == [3, 4]
-    assert rt.prune_snapshots(snaps, [9]) == {}
+    assert list(rs.prune_snapshots(snaps, [4, 5])) == [4, 5]
+    assert list(rs.prune_snapshots(snaps, [3, 4])) == [3, 4]
+    assert rs.prune_snapshots(snaps, [9]) == {}
 
 
 def _task(**fields: object) -> agent_pb2.Task:
@@ -199,34 +200,34 @@ def _task(**fields: object) -> agent_pb2.Task:
 
 
 def test_update_key_is_the_same_for_a_retried_attempt_only() -> None:
-    key = rt.update_key(_task())
+    key = rs.update_key(_task())
     retry = _task(ring=common_pb2.RingAssignment(attempt=1, rank=0), task_id="other")
-    assert rt.update_key(retry) == key
-    assert rt.update_key(_task(round=8)) != key
-    assert rt.update_key(_task(params_version=7)) != key
-    assert rt.update_key(_task(local_batch=3)) != key
+    assert rs.update_key(retry) == key
+    assert rs.update_key(_task(round=8)) != key
+    assert rs.update_key(_task(params_version=7)) != key
+    assert rs.update_key(_task(local_batch=3)) != key
     assert (
-        rt.update_key(_task(ranges=[common_pb2.SampleRange(start=0, stop=4)])) != key
+        rs.update_key(_task(ranges=[common_pb2.SampleRange(start=0, stop=4)])) != key
     )  # same samples count, other samples
 
 
 def test_provide_state_serves_the_exact_version_else_the_newest() -> None:
-    rt.forget_jobs()
+    rs.forget_jobs()
     try:
-        assert asyncio.run(rt.provide_state("job", 3)) is None
-        state = rt.RingJobState(job_id="job", loaded=None, optimizer=None)  # type: ignore[arg-type]
+        assert asyncio.run(rs.provide_state("job", 3)) is None
+        state = rs.RingJobState(job_id="job", loaded=None, optimizer=None)  # type: ignore[arg-type]
         state.snapshots = {
             4: StateSnapshot(4, {"param/a": torch.zeros(1)}),
             5: StateSnapshot(5, {}),
         }
-        rt._ring_jobs["job"] = state
-        assert asyncio.run(rt.provide_state("job", 4)).version == 4  # type: ignore[union-attr]
-        assert asyncio.run(rt.provide_state("job", 5)).version == 5  # type: ignore[union-attr]
-        assert asyncio.run(rt.provide_state("job", 0)).version == 5  # type: ignore[union-attr]
-        assert asyncio.run(rt.provide_state("job", 9)).version == 5  # type: ignore[union-attr]
-        assert asyncio.run(rt.provide_state("other", 4)) is None
+        rs._ring_jobs["job"] = state
+        assert asyncio.run(rs.provide_state("job", 4)).version == 4  # type: ignore[union-attr]
+        assert asyncio.run(rs.provide_state("job", 5)).version == 5  # type: ignore[union-attr]
+        assert asyncio.run(rs.provide_state("job", 0)).version == 5  # type: ignore[union-attr]
+        assert asyncio.run(rs.provide_state("job", 9)).version == 5  # type: ignore[union-attr]
+        assert asyncio.run(rs.provide_state("other", 4)) is None
     finally:
-        rt.forget_jobs()
+        rs.forget_jobs()
 
 
 # -- scaling, codec, optimizer state -------------------------------------------------------------
@@ -257,11 +258,11 @@ def test_ring_codec(compression: str, codec: str) -> None:
 
 
 def test_round_optimizer_keeps_state() -> None:
-    assert rt.round_optimizer_keeps_state(_spec(momentum=0.9))
-    assert not rt.round_optimizer_keeps_state(_spec(momentum=0.0))
-    assert rt.round_optimizer_keeps_state(_spec(optimizer="adamw", momentum=0.0))
-    assert rt.round_optimizer_keeps_state(_spec(sync="local_sgd", outer_momentum=0.9))
-    assert not rt.round_optimizer_keeps_state(_spec(sync="local_sgd", outer_momentum=0.0))
+    assert rs.round_optimizer_keeps_state(_spec(momentum=0.9))
+    assert not rs.round_optimizer_keeps_state(_spec(momentum=0.0))
+    assert rs.round_optimizer_keeps_state(_spec(optimizer="adamw", momentum=0.0))
+    assert rs.round_optimizer_keeps_state(_spec(sync="local_sgd", outer_momentum=0.9))
+    assert not rs.round_optimizer_keeps_state(_spec(sync="local_sgd", outer_momentum=0.0))
 
 
 def test_step_on_unflattened_sum_matches_the_parameter_server_arithmetic() -> None:
@@ -273,11 +274,11 @@ def test_step_on_unflattened_sum_matches_the_parameter_server_arithmetic() -> No
     grads = [{n: torch.randn(t.shape, generator=g) for n, t in ts.items()} for _ in range(3)]
     batches = [5, 2, 1]
     total = sum(batches)
-    summed = sum(rt.flatten(gr, names) * (b / total) for gr, b in zip(grads, batches, strict=True))
+    summed = sum(rs.flatten(gr, names) * (b / total) for gr, b in zip(grads, batches, strict=True))
     assert isinstance(summed, torch.Tensor)
     ring_params = [torch.nn.Parameter(t.clone()) for t in ts.values()]
     opt = build_round_optimizer(spec, ring_params)
-    unflat = rt.unflatten(summed, {n: tuple(t.shape) for n, t in ts.items()})
+    unflat = rs.unflatten(summed, {n: tuple(t.shape) for n, t in ts.items()})
     for n, p in zip(names, ring_params, strict=True):
         p.grad = unflat[n].clone()
     opt.step()
@@ -349,7 +350,7 @@ def test_a_served_state_must_be_the_one_the_ring_agreed_on() -> None:
     no checksum known (empty) checks nothing."""
     params = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
     optim = {"0.momentum_buffer": torch.full((2, 3), 0.5)}
-    snap = StateSnapshot(4, rt.state_tensors(params, optim))
+    snap = StateSnapshot(4, state_tensors(params, optim))
     task = agent_pb2.Task(
         job_id="j-1",
         params_version=4,
@@ -357,12 +358,12 @@ def test_a_served_state_must_be_the_one_the_ring_agreed_on() -> None:
         state_params_checksum=params_checksum(params),
         state_optim_checksum=params_checksum(optim),
     )
-    rt.check_served_state(snap, task)
-    rt.check_served_state(snap, agent_pb2.Task(state_source_node_id="n-source"))  # unknown
+    rs.check_served_state(snap, task)
+    rs.check_served_state(snap, agent_pb2.Task(state_source_node_id="n-source"))  # unknown
     bent = {"0.momentum_buffer": torch.full((2, 3), 0.25)}  # momentum that steers the joiner
-    with pytest.raises(rt.BadState, match="optimizer state are not the ones") as err:
-        rt.check_served_state(StateSnapshot(4, rt.state_tensors(params, bent)), task)
+    with pytest.raises(rs.BadState, match="optimizer state are not the ones") as err:
+        rs.check_served_state(StateSnapshot(4, state_tensors(params, bent)), task)
     assert err.value.node_id == "n-source"
     other = {**params, "b": torch.zeros(3)}
-    with pytest.raises(rt.BadState, match="parameters are not the ones"):
-        rt.check_served_state(StateSnapshot(4, rt.state_tensors(other, optim)), task)
+    with pytest.raises(rs.BadState, match="parameters are not the ones"):
+        rs.check_served_state(StateSnapshot(4, state_tensors(other, optim)), task)

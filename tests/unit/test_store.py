@@ -10,16 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.store.base import (
-    AlreadyExistsError,
-    HeartbeatUpdate,
-    NodeRecord,
-    NotFoundError,
-    StoreError,
-    is_job_id,
-    kind_matches,
-)
-from coordinator.store.sqlite import LATEST_SCHEMA_VERSION, MIGRATIONS, SqliteStore
+from coordinator.core.errors import AlreadyExistsError, NotFoundError, StoreError
+from coordinator.core.ids import is_job_id
+from coordinator.store.base import HeartbeatUpdate, NodeRecord, kind_matches
+from coordinator.store.migrations import LATEST_SCHEMA_VERSION, MIGRATIONS
+from coordinator.store.sqlite import SqliteStore
 from epochmesh.v1 import common_pb2
 
 pytestmark = pytest.mark.timeout(30)

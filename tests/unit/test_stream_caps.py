@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator.core.errors import ResourceExhaustedError
 from coordinator.core.stream_caps import StreamCaps
-from coordinator.store.base import ResourceExhaustedError
 
 pytestmark = pytest.mark.timeout(10)
 

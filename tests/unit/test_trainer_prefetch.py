@@ -1,4 +1,4 @@
-"""Unit tests of node_agent.training.ps_round.prefetched_batches: the inner steps' batches gathered a
+"""Unit tests of node_agent.training.compute.prefetched_batches: the inner steps' batches gathered a
 chunk of steps at a time (one gather, then views), in the same order and values as one gather
 per step."""
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from node_agent.training.ps_round import prefetched_batches
+from node_agent.training.compute import prefetched_batches
 
 pytestmark = pytest.mark.timeout(30)
 

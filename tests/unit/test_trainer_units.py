@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -22,28 +22,25 @@ from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.wire.compression import ErrorFeedback, decode
 from epochmesh.wire.tensors import decode_bundle, from_safetensors
-from node_agent.core.identity import set_insecure
 from node_agent.core.slowdown import SlowdownController
 from node_agent.link.cache import BlobCache
 from node_agent.link.connection import CoordinatorConnection
-from node_agent.ring.service import PeerServer, StateSnapshot
-from node_agent.runtime.dispatch import TaskContext
-from node_agent.training.ps_round import (
+from node_agent.ring.mailbox import StateSnapshot
+from node_agent.ring.service import PeerServer
+from node_agent.training.compute import (
     KIND_GRADIENT,
     KIND_PSEUDO_GRADIENT,
-    ComputedUpdate,
-    LoadedJob,
     accumulated_loss_and_grads,
     encode_update,
-    ensure_params,
     gradient_step,
     inner_optimizer,
     inner_step_slices,
     job_error_feedback,
     local_sgd_steps,
-    params_from_state,
-    state_source_address,
 )
+from node_agent.training.context import TaskContext
+from node_agent.training.jobs import ComputedUpdate, LoadedJob
+from node_agent.training.params import ensure_params, params_from_state, state_source_address
 from tests.fixtures import make_classification, write_mlp_job
 
 pytestmark = pytest.mark.timeout(120)
@@ -421,18 +418,9 @@ def test_state_source_address(tmp_path: Path) -> None:
         state_source_address(agent_pb2.Task(state_source_node_id="zz"))
 
 
-@pytest.fixture
-def plaintext_agent() -> Iterator[None]:
-    set_insecure(True)
-    try:
-        yield
-    finally:
-        set_insecure(False)
-
-
 @pytest.mark.timeout(30)
 async def test_ensure_params_takes_the_rounds_state_from_a_peer(
-    program: TrainableProgram, dataset: ShardedDataset, tmp_path: Path, plaintext_agent: None
+    program: TrainableProgram, dataset: ShardedDataset, tmp_path: Path
 ) -> None:
     # A --no-peer node of a ring job: the round's parameters come from a member's
     # PeerService (TransferState over real gRPC on loopback), not from the coordinator.
@@ -450,7 +438,7 @@ async def test_ensure_params_takes_the_rounds_state_from_a_peer(
     server = PeerServer("127.0.0.1:0", state_provider=provider, tune_malloc=False)
     await server.start()
     connection = CoordinatorConnection(
-        "127.0.0.1:1", tmp_path / "agent", lambda: agent_pb2.RegisterRequest()
+        "127.0.0.1:1", tmp_path / "agent", lambda: agent_pb2.RegisterRequest(), insecure=True
     )
     try:
         task = agent_pb2.Task(

@@ -8,17 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import torch
 
+from coordinator.core.errors import FailedPreconditionError
+from coordinator.engine.ports import JobPort
 from coordinator.rounds.round_state import MAX_DEADLINE_EXTENSIONS, RoundState
-from coordinator.store.base import FailedPreconditionError
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.wire.tensors import encode_bundle
-
-if TYPE_CHECKING:
-    from coordinator.engine.job_runner import JobRunner
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +36,7 @@ class ParameterServerRounds:
     writes_in_background = True
     time_boxing = True
 
-    def __init__(self, runner: JobRunner) -> None:
+    def __init__(self, runner: JobPort) -> None:
         self.runner = runner
         self._apply_s: float | None = None  # the last round's apply took (see INLINE_APPLY_MAX_S)
 
@@ -179,7 +177,9 @@ class ParameterServerRounds:
                 why,
             )
         if received:
-            contributions = [(p.samples, p.grads or {}) for p in received]
+            contributions: list[tuple[int, Mapping[str, torch.Tensor]]] = [
+                (p.samples, p.grads or {}) for p in received
+            ]
 
             def apply() -> tuple[int, tuple[common_pb2.TensorBundle, bytes], float]:
                 # With the next round's parameter payload (every round needs it: inline in its

@@ -12,28 +12,40 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import torch
 
-from coordinator.rounds.round_state import MAX_DEADLINE_EXTENSIONS, Part, RoundState
-from coordinator.store.base import AbortedError, FailedPreconditionError
-from epochmesh.errors import CodecError
-from epochmesh.optim import (
-    OPTIM_PREFIX,
-    PARAM_PREFIX,
-    build_round_optimizer,
-    load_optimizer_state_tensors,
+from coordinator.engine.ports import JobPort
+from coordinator.engine.strategies.ring_externals import external_sum
+from coordinator.engine.strategies.ring_links import (
+    largest_rtt_s,
+    member_links,
+    ring_link_bandwidth,
+    slowest_bandwidth,
 )
-from epochmesh.ring.schedule import RING_CODECS, link_cost_s, ring_order, step_deadline_s
+from coordinator.engine.strategies.ring_state import (
+    PushedState,
+    StatePush,
+    StateTransfers,
+    check_pushed_state,
+)
+from coordinator.rounds.ring_verdicts import (
+    DEAD,
+    Agreement,
+    ChecksumVerdict,
+    FaultVerdict,
+    RingAttempt,
+    checksum_verdict,
+    fault_verdict,
+    keep_apart,
+    state_key,
+)
+from coordinator.rounds.round_state import MAX_DEADLINE_EXTENSIONS, Part, RoundState
+from epochmesh.errors import CodecError
+from epochmesh.ring.schedule import RING_CODECS, ring_order, step_deadline_s
 from epochmesh.v1 import agent_pb2, common_pb2
-from epochmesh.wire.tensors import encode_bundle, params_checksum
-
-if TYPE_CHECKING:
-    from coordinator.engine.job_runner import JobRunner
+from epochmesh.wire.tensors import params_checksum
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +54,6 @@ MAX_ATTEMPTS = 3
 # Least per-step deadline: a neighbour's stall on a loaded host (GC, scheduling) is not death;
 # a dead neighbour is found faster anyway (its stream breaks, or it falls silent).
 STEP_DEADLINE_FLOOR_S = 3.0
-# Bandwidth assumed for a node that measured none (bytes/s): 100 Mbit/s.
-DEFAULT_BANDWIDTH = 12.5e6
-# The rank-0 member's pushed state is awaited at least this long after the round succeeded.
-CHECKPOINT_WAIT_MIN_S = 5.0
-# Part statuses of a ring round that take a node out of the round.
-DEAD = ("failed", "late", "rejected")
 # Round numbers handed out are persisted as a high-water mark this far ahead (one store write per
 # this many rounds): agents key ring attempts by (job, round, attempt) and refuse old ones, so a
 # restarted coordinator must not number a round as one that was in flight before.
@@ -58,202 +64,6 @@ _CHECKSUM = re.compile(r"^[0-9a-f]{64}$")
 
 # The revocation list handed to ring members is read from the store at most this often.
 REVOKED_REFRESH_S = 1.0
-# Versions whose agreed state checksums are kept (a joiner fetches a recent one).
-AGREED_VERSIONS_KEPT = 8
-# How long past its task's deadline a node sent to a peer for state may still fetch it.
-STATE_GRANT_GRACE_S = 60.0
-
-
-@dataclass
-class RingAttempt:
-    """One formation of the ring within a round."""
-
-    number: int  # 0, 1, 2 (Task.ring.attempt)
-    order: list[str]  # members, ring order
-    externals: list[str]
-    total: int  # B: sum of local_batch over members and externals
-    gateway: str  # member that adds the externals' sum ("" without externals)
-    push_state_node: str  # member asked for its state after the round ("" when none is due)
-    step_deadline_s: float
-    deadline_s: float
-    started: float = field(default_factory=time.monotonic)
-    external_sum: tuple[common_pb2.TensorBundle, bytes] | None = None
-
-
-class Agreement(Enum):
-    """What the members' parameter checksums after a ring step decide (`checksum_verdict`)."""
-
-    AGREED = "agreed"  # every member holds the same bits: the round commits
-    EJECT = "eject"  # a strict majority agrees: the others are struck and the round retried
-    RETRY = "retry"  # no majority, first time this round: retried once with the same members
-    FAIL = "fail"  # no majority again: the job stops rather than train on divergent replicas
-
-
-@dataclass(frozen=True)
-class ChecksumVerdict:
-    agreement: Agreement
-    agreed: str  # the winning checksum ("" without a majority)
-    minority: tuple[str, ...]  # members whose checksum lost (EJECT), sorted
-    reason: str
-
-
-def checksum_verdict(checksums: Mapping[str, str], retried_tie: bool) -> ChecksumVerdict:
-    """Decide on the members' checksums after the step (member -> sha256 hex).
-
-    Honest members all-reduce to bit-identical sums (epochmesh.ring.schedule), so they report one
-    checksum; a member that reports another one stepped differently or lies. A checksum held by
-    a strict majority of the members wins and the other members are ejected. Without one (two
-    members that disagree, a tie, or as many checksums as members) nobody can be blamed: the
-    round is retried once with the same members (a transient fault clears), and a second
-    disagreement (`retried_tie`) is FAIL: nobody can be blamed (`RingRounds` then waits for a
-    member outside the disputed ones, whose checksum decides, where the job has room for one;
-    else the job stops).
-    """
-    groups: dict[str, list[str]] = {}
-    for node, checksum in sorted(checksums.items()):
-        groups.setdefault(checksum, []).append(node)
-    what = "; ".join(f"{c[:16]}: {', '.join(ns)}" for c, ns in groups.items())
-    if len(groups) <= 1:
-        return ChecksumVerdict(Agreement.AGREED, next(iter(groups), ""), (), "checksums agree")
-    best = max(groups, key=lambda c: (len(groups[c]), c))
-    n = len(checksums)
-    if 2 * len(groups[best]) > n:
-        minority = tuple(sorted(node for c, ns in groups.items() if c != best for node in ns))
-        return ChecksumVerdict(
-            Agreement.EJECT,
-            best,
-            minority,
-            f"{len(groups[best])} of {n} members agree on checksum {best[:16]}; "
-            f"{', '.join(minority)} reported another ({what})",
-        )
-    if not retried_tie:
-        return ChecksumVerdict(
-            Agreement.RETRY,
-            "",
-            (),
-            f"no majority among the {n} members' checksums ({what}); retrying the round once "
-            "with the same members",
-        )
-    return ChecksumVerdict(
-        Agreement.FAIL,
-        "",
-        (),
-        f"no majority among the {n} members' checksums after a retry ({what})",
-    )
-
-
-def _state_key(part: Part) -> str:
-    """What a member's report says it holds after the step: its parameters' checksum, and its
-    optimizer state's where it reports one."""
-    return f"{part.checksum}+{part.optim_checksum}" if part.optim_checksum else part.checksum
-
-
-@dataclass(frozen=True)
-class FaultVerdict:
-    """What the members' reports of bad data from their left neighbours decide after a failed
-    attempt (`fault_verdict`)."""
-
-    witnesses: dict[str, dict[str, int]]  # accused -> {accuser: round}, this one's included
-    struck: dict[str, str]  # accused -> why it is struck (two witnesses or more)
-    retest: tuple[str, ...]  # accused by one witness: kept in the round, away from it
-    reason: str
-
-
-# What each kind of agent_pb2.RingFault says of the accused: (why it is struck, what it is
-# accused of). A kind not listed here accuses nobody.
-FAULT_WORDS: dict[int, tuple[str, str]] = {
-    agent_pb2.RING_FAULT_NON_FINITE: (
-        "fed NaN or Inf values into the ring",
-        "feeding NaN or Inf values",
-    ),
-    agent_pb2.RING_FAULT_TAMPERED: (
-        "forwarded tampered data in the ring's all-gather (a segment that does not match its "
-        "owner's seal)",
-        "forwarding tampered data",
-    ),
-}
-
-
-def fault_verdict(
-    order: list[str],
-    reports: Mapping[str, tuple[str, int]],
-    witnesses: Mapping[str, Mapping[str, int]],
-    round_: int,
-    can_retest: bool,
-) -> FaultVerdict:
-    """Who sent bad data into the ring (NaN/Inf, a tampered all-gather segment: any kind of
-    `FAULT_WORDS`), on the members' reports of an attempt (member -> (failed peer,
-    agent_pb2.RingFault)) and the witnesses of earlier ones.
-
-    Only a member's right neighbour receives its data (the stream's sender is the left
-    neighbour's certificate), so a fault counts only when it names the reporter's left
-    neighbour in `order`; the other members' reports only relay it. One witness is one
-    member's word: it could be lying to get an honest neighbour struck. So an accused member
-    is struck only once two different members witnessed a fault of it (in this job, of any
-    kind); accused by one, it stays in the round (`can_retest`: an attempt is left and the ring
-    has a third member) and the next ring puts another member to its right (`keep_apart`): a
-    culprit sends that one bad data too and is struck, a framed member runs clean. Without a
-    retest the accused leaves the round without a strike, as a node named failed does."""
-    seen = {x: dict(w) for x, w in witnesses.items()}
-    n = len(order)
-    accused: dict[str, list[str]] = {}
-    kinds: dict[str, set[int]] = {}
-    for reporter, (peer, fault) in sorted(reports.items()):
-        if fault not in FAULT_WORDS or reporter not in order or n < 2:
-            continue
-        if order[(order.index(reporter) - 1) % n] != peer or peer == reporter:
-            continue
-        seen.setdefault(peer, {})[reporter] = round_
-        accused.setdefault(peer, []).append(reporter)
-        kinds.setdefault(peer, set()).add(fault)
-    struck: dict[str, str] = {}
-    retest: list[str] = []
-    for x in sorted(accused):
-        w = seen[x]
-        if len(w) >= 2:
-            by = ", ".join(f"{a} (round {r})" for a, r in sorted(w.items()))
-            why = " and ".join(FAULT_WORDS[k][0] for k in sorted(kinds[x]))
-            struck[x] = f"{why}: refused by its right neighbours {by}"
-        elif can_retest and n >= 3:
-            retest.append(x)
-    parts = [f"{x} {why}" for x, why in struck.items()] + [
-        f"{x} is accused of "
-        f"{' and '.join(FAULT_WORDS[k][1] for k in sorted(kinds[x]))} by "
-        f"{', '.join(accused[x])} alone: retried with another member to its right"
-        for x in retest
-    ]
-    return FaultVerdict(seen, struck, tuple(retest), "; ".join(parts))
-
-
-def keep_apart(order: list[str], avoid: Mapping[str, Collection[str]]) -> list[str]:
-    """`order` with every member `x` of `avoid` moved, where the ring allows, so that its right
-    neighbour is none of `avoid[x]` (its earlier accusers: `fault_verdict`)."""
-    n = len(order)
-    if n < 3:
-        return list(order)
-
-    def broken(ring: list[str]) -> int:
-        return sum(1 for i, x in enumerate(ring) if ring[(i + 1) % len(ring)] in avoid.get(x, ()))
-
-    best = list(order)
-    for x in order:
-        if not avoid.get(x) or not broken(best):
-            continue
-        rest = [m for m in best if m != x]
-        for j in range(len(rest)):
-            cand = [*rest[:j], x, *rest[j:]]
-            if broken(cand) < broken(best):
-                best = cand
-    return best
-
-
-@dataclass
-class PushedState:
-    node_id: str
-    task_id: str
-    version: int
-    checksum: str  # of the pushed parameters, computed here
-    tensors: dict[str, torch.Tensor]
 
 
 class RingRounds:
@@ -264,12 +74,12 @@ class RingRounds:
     # No time boxes: the members' weights in the all-reduce are fixed before they step.
     time_boxing = False
 
-    def __init__(self, runner: JobRunner) -> None:
+    def __init__(self, runner: JobPort) -> None:
         self.runner = runner
         self.ring_version = 0
         self.holds: dict[str, int] = {}  # member -> the version it holds (last good report)
         self.attempt: RingAttempt | None = None
-        self.pushed: PushedState | None = None
+        self.push = StatePush()  # the state a member pushes after a round
         self._loaded_round = -1  # the round whose pushed state the ParameterServer holds
         # A state push was due (checkpoint, epoch end) and did not arrive: ask every round.
         self._state_overdue = False
@@ -277,8 +87,6 @@ class RingRounds:
         # Culprits of a failed attempt (node -> when): they sit out the following rounds for
         # one silence limit, long enough for a dead one to be found silent.
         self._suspects: dict[str, float] = {}
-        # (state holder, node sent there for the state) -> until when the holder may serve it.
-        self._state_grants: dict[tuple[str, str], float] = {}
         # Measured agent -> agent links: (reporter, peer) -> (rtt_s, bandwidth bytes/s).
         self.links: dict[tuple[str, str], tuple[float, float]] = {}
         # The last round ran on nodes the scheduler had given away, to keep the state first.
@@ -287,9 +95,8 @@ class RingRounds:
         # no round runs on them alone until one with another member agrees (`cannot_run`).
         self._disputed: frozenset[str] = frozenset()
         self._dispute = ""
-        # version -> the checksums (parameters, optimizer state) its ring agreed on: a member
-        # serving that version to a joiner must serve exactly that state.
-        self._agreed_state: dict[int, tuple[str, str]] = {}
+        # The checksums its rings agreed on, and who may fetch the state from whom.
+        self.transfers = StateTransfers()
         # Revoked node ids handed to the members with their tasks, and when they were read.
         self._revoked: list[str] = []
         self._revoked_at = -math.inf
@@ -447,20 +254,6 @@ class RingRounds:
     def _numel(self) -> int:
         return sum(p.numel() for p in self.runner.ps.params.values())
 
-    def _bandwidth(self, nodes: list[str]) -> float:
-        figures = [
-            self.runner.bench[n].bandwidth_bytes_per_second
-            for n in nodes
-            if n in self.runner.bench and self.runner.bench[n].bandwidth_bytes_per_second > 0
-        ]
-        return min(figures) if len(figures) == len(nodes) and figures else DEFAULT_BANDWIDTH
-
-    def _rtt_s(self, nodes: list[str]) -> float:
-        return max(
-            (self.runner.bench[n].rtt_ms / 1000.0 for n in nodes if n in self.runner.bench),
-            default=0.0,
-        )
-
     def ring_codec(self) -> str:
         codec = self.runner.spec.compression or "none"
         return codec if codec in RING_CODECS else "none"
@@ -497,7 +290,7 @@ class RingRounds:
             parts=parts,
         )
         self.runner.round_state = rs
-        self.pushed = None
+        self.push.pushed = None
         push_state = (
             self._state_overdue
             or self.runner.ledger.pending_count
@@ -623,7 +416,7 @@ class RingRounds:
         members = [p.node_id for p in survivors if p.member]
         externals = sorted(p.node_id for p in survivors if not p.member)
         rates = {n: self.runner.bench[n] for n in members if n in self.runner.bench}
-        measured = self._member_links(members)
+        measured = member_links(self.links, members)
         order = ring_order(
             members,
             measured,
@@ -640,12 +433,14 @@ class RingRounds:
         for n, others in self.runner.verifier.ring_disputes.items():
             avoid.setdefault(n, set()).update(others)
         order = keep_apart(order, avoid)
-        bandwidth = self._bandwidth(order + externals)
-        rtt = self._rtt_s(order + externals)
+        bandwidth = slowest_bandwidth(self.runner.bench, order + externals)
+        rtt = largest_rtt_s(self.runner.bench, order + externals)
         step = step_deadline_s(
             self._numel(),
             len(order),
-            min(self._bandwidth(order), self._ring_link_bandwidth(order)),
+            min(
+                slowest_bandwidth(self.runner.bench, order), ring_link_bandwidth(self.links, order)
+            ),
             rtt,
             codec=self.ring_codec(),
             floor_s=STEP_DEADLINE_FLOOR_S,
@@ -670,10 +465,11 @@ class RingRounds:
             push_state_node=order[0] if push_state else "",
             step_deadline_s=step,
             deadline_s=deadline,
+            started=time.monotonic(),
         )
         self.attempt = att
         rs.attempts = number + 1
-        self.pushed = None
+        self.push.pushed = None
         now = time.monotonic()
         for rank, n in enumerate(order):
             part = rs.parts[n]
@@ -730,26 +526,12 @@ class RingRounds:
         self, task: agent_pb2.Task, node: str, holder: str | None, valid_s: float
     ) -> None:
         if holder:
-            task.state_source_node_id = holder
-            task.state_source_address = self._peer_address(holder)
-            # What the state must hash to: a holder cannot hand a joiner another state (which
-            # would put the joiner, not itself, in the next round's checksum minority).
-            agreed = self._agreed_state.get(int(task.params_version))
-            if agreed is not None:
-                task.state_params_checksum, task.state_optim_checksum = agreed
-            # The holder serves the state only to nodes sent there (AuthorizeStateTransfer),
-            # while their task may run.
-            now = time.monotonic()
-            self._state_grants = {k: t for k, t in self._state_grants.items() if t > now}
-            self._state_grants[(holder, node)] = now + valid_s + STATE_GRANT_GRACE_S
+            self.transfers.send(task, node, holder, self._peer_address(holder), valid_s)
 
     def authorize_state_transfer(self, source: str, requester: str) -> str | None:
         """None when `requester` was told to fetch this job's state from `source` (and its
         task may still run), else why not."""
-        expires = self._state_grants.get((source, requester))
-        if expires is None or expires <= time.monotonic():
-            return f"node {requester} was not sent to {source} for the state of job {self.runner.job_id}"
-        return None
+        return self.transfers.refusal(source, requester, self.runner.job_id)
 
     async def _wait_attempt(self, rs: RoundState) -> str:
         """Until every member reported, or a failure is known (plus a short grace for the
@@ -825,7 +607,7 @@ class RingRounds:
     def _extend_attempt(
         self, att: RingAttempt, members: list[Part], externals: list[Part], extensions: int
     ) -> bool:
-        """As `JobRunner._extend_deadline`: wait once more as long when nobody reported and
+        """As `ParameterServerRounds._extend_deadline`: wait once more as long when nobody reported and
         nobody failed or fell silent (the estimates were wrong for everyone)."""
         parts = [*members, *externals]
         if extensions >= MAX_DEADLINE_EXTENSIONS or any(p.status != "pending" for p in parts):
@@ -848,7 +630,7 @@ class RingRounds:
         reports one, its optimizer state's (honest members hold both bit-identical)."""
         att = self.attempt
         assert att is not None
-        return {n: _state_key(rs.parts[n]) for n in att.order}
+        return {n: state_key(rs.parts[n]) for n in att.order}
 
     async def _eject(self, rs: RoundState, verdict: ChecksumVerdict) -> None:
         """The members whose checksum lost to the majority's leave the round with a strike
@@ -965,15 +747,13 @@ class RingRounds:
         assert att is not None
         t0 = time.monotonic()
         members = [rs.parts[n] for n in att.order]
-        assert len({_state_key(p) for p in members}) == 1, "run_round commits agreed rounds only"
+        assert len({state_key(p) for p in members}) == 1, "run_round commits agreed rounds only"
         agreed = members[0].checksum
         new_version = rs.version + 1
-        self._agreed_state[new_version] = (agreed, members[0].optim_checksum)
-        for old in [x for x in self._agreed_state if x < new_version - AGREED_VERSIONS_KEPT]:
-            del self._agreed_state[old]
+        self.transfers.agree(new_version, agreed, members[0].optim_checksum)
         loaded = False
         if att.push_state_node:
-            loaded = await self._load_pushed_state(rs, agreed, new_version)
+            loaded = await self.push.load(self.runner, rs, att.push_state_node, agreed, new_version)
         for n in att.order + att.externals:
             p = rs.parts[n]
             p.status = "applied"
@@ -986,7 +766,7 @@ class RingRounds:
             self._loaded_round = rs.round
         self._state_overdue = bool(att.push_state_node) and not loaded
         self.attempt = None
-        self.pushed = None
+        self.push.pushed = None
         await self.runner.close_round(rs, t0)
 
     def _room_beside(self, checksums: Mapping[str, str]) -> bool:
@@ -1042,76 +822,7 @@ class RingRounds:
         self.runner.host.round_finished(self.runner.job_id, self.runner.benchmark_task_ids())
         await self.runner.notify()
 
-    async def _load_pushed_state(self, rs: RoundState, agreed: str, version: int) -> bool:
-        """Wait for the rank-0 member's pushed state and load it into the ParameterServer."""
-        att = self.attempt
-        assert att is not None
-        node = att.push_state_node
-        bandwidth = self._bandwidth([node])
-        timeout = max(CHECKPOINT_WAIT_MIN_S, 4.0 * 2 * self.runner.ps.num_bytes() / bandwidth)
-        end = time.monotonic() + timeout
-        while self.pushed is None and not self.runner.stopping:
-            left = end - time.monotonic()
-            if left <= 0 or self.runner.host.is_silent(node):
-                break
-            rs.changed.clear()
-            try:
-                await asyncio.wait_for(rs.changed.wait(), timeout=min(left, 0.25))
-            except TimeoutError:
-                pass
-        pushed, self.pushed = self.pushed, None
-        if pushed is None:
-            log.warning(
-                "job %s round %d: %s did not push its state; asking again next round",
-                self.runner.job_id,
-                rs.round,
-                node,
-            )
-            return False
-        if pushed.version != version or pushed.checksum != agreed:
-            await self.runner.ctx.events.append(
-                "round.checkpoint_refused",
-                node_id=node,
-                job_id=self.runner.job_id,
-                message=(
-                    f"the state {node} pushed after round {rs.round} (version {pushed.version}, "
-                    f"checksum {pushed.checksum[:16]}) is not the agreed one (version {version}, "
-                    f"checksum {agreed[:16]}); asking again next round"
-                ),
-            )
-            return False
-        await asyncio.to_thread(self.runner.ps.load_state_tensors, pushed.tensors, version)
-        return True
-
     # -- RPC-side entry points ------------------------------------------------------------------
-
-    def _member_links(self, members: list[str]) -> dict[tuple[str, str], float] | None:
-        """Link costs among `members` once every pair has been measured from at least one
-        end (a partial matrix would make the unmeasured pairs look worst), else None."""
-        if len(members) < 3:
-            return None
-        links = {
-            (a, b): link_cost_s(*self.links[(a, b)])
-            for a in members
-            for b in members
-            if a != b and (a, b) in self.links
-        }
-        pairs = {frozenset(pair) for pair in links}
-        return links if len(pairs) == len(members) * (len(members) - 1) // 2 else None
-
-    def _ring_link_bandwidth(self, order: list[str]) -> float:
-        """The slowest measured bandwidth of the ring's hops (either direction's measurement;
-        inf when none is measured)."""
-        known = [
-            link[1]
-            for i, a in enumerate(order)
-            for link in (
-                self.links.get((a, order[(i + 1) % len(order)])),
-                self.links.get((order[(i + 1) % len(order)], a)),
-            )
-            if link is not None
-        ]
-        return min(known, default=math.inf) if len(order) > 1 else math.inf
 
     def on_report(self, req: agent_pb2.ReportProgressRequest) -> None:
         if req.failed and self.runner.node_set.is_benchmark_task(req.node_id, req.task_id):
@@ -1191,7 +902,7 @@ class RingRounds:
         """The checksum of the parameters of ``version`` (verification of a member's part that
         started from them): what its ring agreed on, else the coordinator's own when it holds
         that version (the start, a checkpoint, a rollback); None when neither is known."""
-        agreed = self._agreed_state.get(version)
+        agreed = self.transfers.agreed.get(version)
         if agreed is not None:
             return agreed[0]
         ps = self.runner.ps
@@ -1209,7 +920,7 @@ class RingRounds:
     def wants_checkpoint(self, node_id: str, task_id: str) -> bool:
         rs = self.runner.round_state
         att = self.attempt
-        if rs is None or att is None or self.pushed is not None:
+        if rs is None or att is None or self.push.pushed is not None:
             return False
         part = rs.parts.get(node_id)
         return (
@@ -1230,10 +941,12 @@ class RingRounds:
                 f"checkpoint of version {header.params_version}; round {rs.round} makes "
                 f"version {rs.version + 1}"
             )
-        params, checksum = await asyncio.to_thread(self._check_state, tensors)
+        params, checksum = await asyncio.to_thread(
+            check_pushed_state, tensors, self.runner.ps, self.runner.spec
+        )
         if not self.wants_checkpoint(header.node_id, header.task_id):
             return "no checkpoint of this task is expected (any more)"
-        self.pushed = PushedState(
+        self.push.pushed = PushedState(
             node_id=header.node_id,
             task_id=header.task_id,
             version=header.params_version,
@@ -1243,107 +956,15 @@ class RingRounds:
         rs.touch()
         return ""
 
-    def _check_state(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
-        """Validate a pushed state against the job's parameters and round optimizer (names,
-        dtypes, shapes; the optimizer state must load); returns the parameters and their
-        checksum. CodecError otherwise."""
-        expected = self.runner.ps.expected()
-        params: dict[str, torch.Tensor] = {}
-        for name, (dtype, shape) in expected.items():
-            t = tensors.get(PARAM_PREFIX + name)
-            if t is None:
-                raise CodecError(f"the state lacks parameter {name!r}")
-            if t.dtype != dtype or tuple(t.shape) != shape:
-                raise CodecError(
-                    f"parameter {name!r} is {t.dtype} {list(t.shape)}, expected {dtype} "
-                    f"{list(shape)}"
-                )
-            params[name] = t
-        optim: dict[str, torch.Tensor] = {}
-        for key, t in tensors.items():
-            if key.startswith(PARAM_PREFIX):
-                if key[len(PARAM_PREFIX) :] not in expected:
-                    raise CodecError(f"the state holds an unknown parameter {key!r}")
-            elif key.startswith(OPTIM_PREFIX):
-                optim[key[len(OPTIM_PREFIX) :]] = t
-            else:
-                raise CodecError(f"state tensor {key!r} is neither param/<name> nor optim/<key>")
-        scratch = [torch.nn.Parameter(p.detach().clone()) for p in params.values()]
-        try:
-            load_optimizer_state_tensors(
-                build_round_optimizer(self.runner.spec, scratch), list(params), optim
-            )
-        except ValueError as exc:
-            raise CodecError(f"optimizer state refused: {exc}") from None
-        return params, params_checksum(params)
-
     async def parameters_payload(
         self, req: agent_pb2.PullParametersRequest
     ) -> tuple[int, common_pb2.TensorBundle, bytes]:
         if req.external_round:
-            return await self._external_sum(req)
+            return await external_sum(self.runner, lambda: self.attempt, req)
         return await self.runner.serve_parameters(req)
-
-    async def _external_sum(
-        self, req: agent_pb2.PullParametersRequest
-    ) -> tuple[int, common_pb2.TensorBundle, bytes]:
-        """The gateway's addend: sum over the attempt's externals of (b_j / B) * update_j, in
-        parameter order; waits for the externals up to the attempt's deadline."""
-        rs = self.runner.round_state
-        att = self.attempt
-        if rs is None or att is None or rs.round != req.external_round:
-            raise FailedPreconditionError(f"round {req.external_round} is not open")
-        if att.gateway != req.node_id:
-            raise FailedPreconditionError(
-                f"node {req.node_id} is not the gateway of round {rs.round} attempt {att.number}"
-            )
-        end = att.started + att.deadline_s
-        while att.external_sum is None:
-            if self.attempt is not att or self.runner.round_state is not rs or rs.closed:
-                raise AbortedError(f"attempt {att.number} of round {rs.round} is over")
-            parts = [rs.parts[n] for n in att.externals]
-            bad = [p for p in parts if p.status in DEAD]
-            if bad:
-                raise AbortedError(
-                    "external node(s) "
-                    + ", ".join(f"{p.node_id} ({p.status}: {p.error})" for p in bad)
-                    + f" failed; round {rs.round} is retried without them"
-                )
-            if all(p.status == "received" for p in parts):
-                att.external_sum = await asyncio.to_thread(self._sum_externals, parts, att.total)
-                break
-            left = end - time.monotonic()
-            if left <= 0:
-                raise AbortedError(f"the externals of round {rs.round} missed its deadline")
-            rs.touched.clear()
-            try:
-                await asyncio.wait_for(rs.touched.wait(), timeout=min(left, 0.5))
-            except TimeoutError:
-                pass
-        header, data = att.external_sum
-        return rs.version, header, data
-
-    def _sum_externals(
-        self, parts: list[Part], total: int
-    ) -> tuple[common_pb2.TensorBundle, bytes]:
-        out: dict[str, torch.Tensor] = {}
-        for name in self.runner.ps.names:
-            acc = torch.zeros_like(self.runner.ps.params[name], dtype=torch.float32)
-            for p in sorted(parts, key=lambda p: p.node_id):
-                assert p.grads is not None
-                acc.add_(p.grads[name].to(torch.float32), alpha=p.local_batch / total)
-            out[name] = acc.detach()
-        return encode_bundle(out)
 
 
 __all__ = [
     "MAX_ATTEMPTS",
-    "Agreement",
-    "ChecksumVerdict",
-    "FaultVerdict",
-    "RingAttempt",
     "RingRounds",
-    "checksum_verdict",
-    "fault_verdict",
-    "keep_apart",
 ]
