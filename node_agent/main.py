@@ -18,6 +18,7 @@ from node_agent.core.identity import CertificateRenewer, ensure_identity
 from node_agent.link.metrics import AgentMetrics
 from node_agent.runtime.worker import Agent
 from node_agent.testing.cheat import CHEAT_ENV, cheat_from_environment
+from node_agent.training.tamper import HONEST
 
 log = logging.getLogger("node_agent")
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         config.data_dir.mkdir(parents=True, exist_ok=True)
         (config.data_dir / "metrics.addr").write_text(address + "\n")
         log.info("metrics on http://%s/metrics", address)
-    agent = Agent(config, metrics)
+    agent = Agent(config, metrics, tamper=HONEST if cheat is None else cheat)
     try:
         code = asyncio.run(agent.run())
     except Exception:

@@ -197,7 +197,7 @@ def exactly_once(rounds: list[common_pb2.RoundRecord], samples: int, epochs: int
 
 
 def cheated_rounds(log_path: Path) -> list[int]:
-    """The rounds a cheating agent's log says it cheated in (node_agent.training.compute.note_cheat: a
+    """The rounds a cheating agent's log says it cheated in (node_agent.testing.cheat.note_cheat: a
     stale cheater with no fitting earlier part, say, sends an honest part)."""
     if not log_path.exists():
         return []

@@ -21,29 +21,27 @@ import torch
 
 from coordinator.aggregation.param_server import ParameterServer
 from coordinator.core.errors import FailedPreconditionError
+from coordinator.engine import job_allocation, job_tasks
+from coordinator.engine.job_pay import JobPay
 from coordinator.engine.job_state import (
     checkpoint_state,
     load_benchmarks,
     load_job_state,
     new_ledger,
+    restore_job_record,
     save_benchmarks,
 )
 from coordinator.engine.job_tasks import JobShards
 from coordinator.engine.ports import JobPort, RingStatePort
+from coordinator.engine.rollback import Rollbacks, seat_nodes
 from coordinator.engine.round_writer import RoundWriter
 from coordinator.engine.verifier import Verifier
 from coordinator.market.job_billing import AboveMaxPrice, BudgetExhausted, JobBilling
 from coordinator.rounds.ledger import EpochLedger
 from coordinator.rounds.node_set import JobNodeSet
 from coordinator.rounds.planner import RoundPlanner
-from coordinator.rounds.round_state import NodeStats, Part, RoundState
-from coordinator.rounds.sample_ranges import (
-    TASK_RANGES_FIELD,
-    encode_ranges_field,
-)
+from coordinator.rounds.round_state import Part, RoundState
 from coordinator.store.checkpoint import CheckpointManifest, tensors_from_bytes
-from coordinator.store.retention import FLOOR_UNKNOWN
-from epochmesh.money import format_credits
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.wire.tensors import encode_bundle, to_safetensors
@@ -58,11 +56,8 @@ JS = common_pb2.JobState
 TERMINAL = (JS.JOB_STATE_SUCCEEDED, JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED)
 # Benchmark tasks get this long, plus the node's lease, before they are asked again.
 BENCHMARK_TIMEOUT_S = 120.0
-BENCH_STATE_PREFIX = "bench/"
 # A stopping runner gets this long to reach a safe point before it is cancelled.
 STOP_GRACE_S = 3.0
-# States kept in memory for a verification rollback (older ones: from checkpoints).
-MAX_SNAPSHOTS = 16
 
 
 class JobRunner:
@@ -129,10 +124,8 @@ class JobRunner:
         self.billing.hold = (
             True  # a part's pay waits for its checks (coordinator/engine/verifier.py)
         )
-        self._rollback_before: int | None = None
-        self._rollback_reason = ""
-        self._snapshots: dict[int, tuple[dict[str, torch.Tensor], CheckpointManifest]] = {}
-        self._restored = False  # restore() done: the rollback floor is known
+        self.rollback = Rollbacks(self.verifier)
+        self.pay = JobPay(self.ctx, job, self.billing, self.writer)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -200,13 +193,13 @@ class JobRunner:
                 if self.node_set.job_fault_verdict:
                     await self._fail_for_program(self.node_set.job_fault_verdict)
                     continue
-                if self._rollback_before is not None:
+                if self.rollback.before is not None:
                     await self._roll_back()
                     continue
                 if self.job.epoch >= self.spec.epochs:
                     # The last checks decide whether the result stands.
                     await self.verifier.settle()
-                    if self._rollback_before is not None:
+                    if self.rollback.before is not None:
                         continue
                     summary = self.verifier.summary()
                     await self.ctx.events.append(
@@ -245,8 +238,8 @@ class JobRunner:
             except Exception:
                 log.exception("job %s: the last checkpoint could not be written", self.job_id)
             if self.terminal:
-                await self._pay_held()
-                await self._refund()
+                await self.pay.settle(self.verifier.accused)
+                await self.pay.refund()
             await self._release_all()
             self.ended = True
             await self.notify()
@@ -289,12 +282,7 @@ class JobRunner:
             self.ledger.abort_open_rounds()
             rolled = await store.rollback_rounds(self.job_id, manifest.round)
             self.rounds_applied = manifest.rounds_applied
-            job = self.job
-            job.epoch = manifest.epoch
-            job.round = manifest.rounds_applied
-            job.params_version = version
-            job.samples_done = manifest.samples_done
-            job.last_loss = manifest.last_loss
+            restore_job_record(self.job, manifest, version)
             await self.ctx.events.append(
                 "job.restored",
                 job_id=self.job_id,
@@ -313,13 +301,13 @@ class JobRunner:
                     "params_version": str(version),
                 },
             )
-            await store.update_job(job)
+            await store.update_job(self.job)
             await self.verifier.restore(manifest.round)
         for key_node, result in (await load_benchmarks(self.ctx.store, self.job_id)).items():
             self.bench[key_node] = result
         self.params_payload = None
         await self.rounds.restored(resumed=latest is not None)
-        self._restored = True
+        self.rollback.restored = True
 
     # -- node set -------------------------------------------------------------------------------
 
@@ -402,18 +390,7 @@ class JobRunner:
         if not self.node_set.benchmark_due(node_id, now, timeout):
             return
         task_id = "t-" + uuid.uuid4().hex[:12]
-        b = self.spec.global_batch
-        sizes = sorted({max(1, b // 8), max(1, b // 4), max(1, b // 2), b})
-        task = agent_pb2.Task(
-            task_id=task_id,
-            kind=agent_pb2.TASK_KIND_BENCHMARK,
-            job_id=self.job_id,
-            spec=self.spec,
-            program=self.job.program,
-            initial_state=self.job.initial_state,
-            shards=list(self.job.shards),  # prefetches the dataset before the first round
-            benchmark_batch_sizes=sizes,
-        )
+        task = job_tasks.benchmark_task(self.job, self.spec, task_id)
         self.node_set.asked_benchmark(node_id, task_id, now)
         self.host.enqueue(node_id, task, self.job_id)
 
@@ -553,7 +530,7 @@ class JobRunner:
         """Plan the next round on ``nodes`` (see RoundPlanner.plan): (round number, parts by
         node, deadline)."""
         round_id = self.next_round
-        self._keep_snapshot(round_id)
+        self.rollback.keep_snapshot(round_id, self.ps, self.ledger, self.job, self.rounds_applied)
         self.next_round += 1
         parts, deadline = self.planner.plan(round_id, nodes, self.ledger)
         prices = {}
@@ -579,37 +556,19 @@ class JobRunner:
                 log.info("job %s round %d: %s is silent", self.job_id, rs.round, part.node_id)
 
     def train_task(self, rs: RoundState, part: Part) -> agent_pb2.Task:
-        shards = self.shards.of(part.ranges)
-        task = agent_pb2.Task(
-            task_id=part.task_id,
-            kind=agent_pb2.TASK_KIND_TRAIN,
-            job_id=self.job_id,
-            spec=self.spec,
-            program=self.job.program,
-            initial_state=self.job.initial_state,
-            shards=shards,
-            epoch=rs.epoch,
-            round=rs.round,
-            local_batch=part.local_batch,
-            params_version=rs.version,
-            deadline_seconds=rs.deadline_s,
-            inner_steps=max(self.planner.inner_steps, part.inner_steps),
-            compute_budget_seconds=part.budget_s,
+        payload = self.params_payload if self.params_payload_version == rs.version else None
+        return job_tasks.train_task(
+            self.job,
+            self.spec,
+            self.shards,
+            rs,
+            part,
+            inner_steps=self.planner.inner_steps,
+            verify_chunks=self.verifier.verify_chunks,
+            restored_version=self.restored_version,
+            payload=payload,
+            inline_max_bytes=self.ctx.config.inline_params_max_bytes,
         )
-        task.verify_chunks = self.verifier.verify_chunks
-        task.restored_version = self.restored_version
-        task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, part.ranges))
-        payload = self.params_payload
-        if (
-            payload is not None
-            and self.params_payload_version == rs.version
-            and len(payload[1]) <= self.ctx.config.inline_params_max_bytes
-        ):
-            # Small models: the parameters travel with the task (no PullParameters round trip
-            # between the hand-out and the compute).
-            task.params_bundle.CopyFrom(payload[0])
-            task.params_data = payload[1]
-        return task
 
     async def close_round(self, rs: RoundState, t0: float) -> None:
         """The round's applied parts are in (parts of status "applied"): commit their slices
@@ -807,32 +766,9 @@ class JobRunner:
     async def add_budget(self, amount: int) -> None:
         """Top the escrow up by ``amount`` from the tenant (InsufficientCredits when short);
         a job paused for its budget tries again."""
-        await self.billing.top_up(amount)
-        await self.ctx.store.update_job(self.job)
-        await self.ctx.events.append(
-            "job.budget",
-            job_id=self.job_id,
-            message=f"budget topped up by {format_credits(amount)} credits",
-            attrs={"amount_micro": str(amount)},
-        )
+        await self.pay.top_up(amount)
         self._budget_added.set()
         self.wake()
-
-    async def _refund(self) -> None:
-        try:
-            left = await self.billing.refund()
-        except Exception:
-            log.exception("job %s: its escrow could not be refunded", self.job_id)
-            return
-        if left:
-            await self.ctx.store.update_job(self.job)
-            await self.ctx.events.append(
-                "job.refund",
-                job_id=self.job_id,
-                message=f"{format_credits(left)} credits left in the escrow returned to "
-                f"{self.job.owner or 'its tenant'}",
-                attrs={"amount_micro": str(left)},
-            )
 
     async def cancel(self) -> None:
         await self._set_state(JS.JOB_STATE_CANCELLED, "cancelled by its submitter")
@@ -946,53 +882,28 @@ class JobRunner:
         payload: tuple[common_pb2.TensorBundle, bytes] | None,
         local_batch: int = 0,
     ) -> agent_pb2.Task:
-        """A CHECK task: recompute the samples ``runs`` (a chunk of another node's part of
-        ``round_id``) from parameters ``version`` and sketch the gradient (coordinator/
-        verifier.py). Local SGD (``local_batch`` > 0): run the chunk's steps from the start
-        state ``payload``, which travels inline whatever its size."""
-        shards = self.shards.of(runs)
-        task = agent_pb2.Task(
-            task_id=task_id,
-            kind=agent_pb2.TASK_KIND_CHECK,
-            job_id=self.job_id,
-            spec=self.spec,
-            program=self.job.program,
-            initial_state=self.job.initial_state,
-            shards=shards,
+        """A CHECK task of the job (coordinator/engine/job_tasks.py), due in twice its rounds'
+        time (at least 5 s)."""
+        return job_tasks.check_task(
+            self.job,
+            self.spec,
+            self.shards,
+            task_id,
+            round_id,
+            version,
+            runs,
+            check,
+            payload,
             epoch=self.ledger.epoch,
-            round=round_id,
-            local_batch=local_batch or (int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0),
-            params_version=version,
-            deadline_seconds=max(5.0, 2.0 * self.round_seconds()),
-            check=check,
+            deadline_s=max(5.0, 2.0 * self.round_seconds()),
+            inline_max_bytes=self.ctx.config.inline_params_max_bytes,
+            local_batch=local_batch,
         )
-        task.MergeFromString(encode_ranges_field(TASK_RANGES_FIELD, runs))
-        if payload is not None and (
-            local_batch or len(payload[1]) <= self.ctx.config.inline_params_max_bytes
-        ):
-            task.params_bundle.CopyFrom(payload[0])
-            task.params_data = payload[1]
-        return task
 
     async def release_pay(self, node_id: str, up_to_round: int) -> None:
         """A check vouched for ``node_id``'s parts up to ``up_to_round``: the pay held for
-        them goes to its donor (coordinator/market/job_billing.py)."""
-        try:
-            await self.writer.written()  # the entries that hold it first
-            await self.billing.release(node_id, up_to_round)
-        except Exception:
-            log.exception("job %s: %s's held pay could not be released", self.job_id, node_id)
-
-    async def _pay_held(self) -> None:
-        """The job ended: pay held for nodes no check found wrong goes to their donors; what
-        is still held for a node a check found wrong (a part of it applied after its check
-        failed, then undone) is forfeited."""
-        try:
-            for node_id in self.verifier.accused:
-                await self.billing.forfeit(node_id)
-            await self.billing.release_all(except_nodes=self.verifier.accused)
-        except Exception:
-            log.exception("job %s: held pay could not be settled", self.job_id)
+        them goes to its donor (coordinator/engine/job_pay.py)."""
+        await self.pay.release(node_id, up_to_round)
 
     async def on_verification_failed(
         self, node_id: str, first_round: int | None, reason: str, *, accuse: bool
@@ -1014,72 +925,32 @@ class JobRunner:
         if accuse:
             self.node_set.went_offline(node_id, f"quarantined: {reason}"[:300])
         self.wake()
-        try:
-            await self.writer.written()
-            forfeited = await self.billing.forfeit(node_id)
-        except Exception:
-            log.exception("job %s: %s's held pay could not be forfeited", self.job_id, node_id)
-            forfeited = 0
-        if forfeited:
-            await self.ctx.events.append(
-                "node.pay_forfeited",
-                node_id=node_id,
-                job_id=self.job_id,
-                message=f"{format_credits(forfeited)} credits held for its unverified parts "
-                f"forfeited: {reason}"[:1024],
-                attrs={"amount_micro": str(forfeited)},
-            )
+        await self.pay.forfeit(node_id, reason)
 
     def undo_from(self, round_id: int, reason: str) -> None:
         """Roll the job back to before round ``round_id`` at the next safe point (verification
         found it wrong; an earlier pending rollback point is kept)."""
-        if self._rollback_before is None or round_id < self._rollback_before:
-            self._rollback_before = round_id
-            self._rollback_reason = reason
+        self.rollback.undo_from(round_id, reason)
         self.wake()
 
     def rollback_floor(self) -> int | None:
         """The oldest round a verification rollback may still undo (read-only; the garbage
         collector keeps the newest checkpoint from before it): None when none may be."""
-        if not self._restored:  # what its checks need is not known yet: keep every checkpoint
-            return FLOOR_UNKNOWN
-        rounds = [self._rollback_before, self.verifier.first_unverified_round()]
-        return min((r for r in rounds if r is not None), default=None)
-
-    def _keep_snapshot(self, round_id: int) -> None:
-        """Keep the state at the start of round ``round_id`` while a rollback may need it (a
-        copy of the parameters and optimizer state; older ones go once no update after them
-        awaits its check; at most MAX_SNAPSHOTS, then checkpoints serve)."""
-        if self.verifier.ring:
-            return  # ring rounds: the coordinator holds the state only at checkpoints
-        self._snapshots[round_id] = checkpoint_state(
-            self.ps, self.ledger, self.job, self.rounds_applied, last_round=round_id - 1
-        )
-        oldest = self.verifier.first_unverified_round()
-        for r in sorted(self._snapshots)[:-1]:
-            if (oldest is None or r < oldest) or len(self._snapshots) > MAX_SNAPSHOTS:
-                del self._snapshots[r]
+        return self.rollback.floor()
 
     async def _roll_back(self) -> None:
-        """Undo every round from ``_rollback_before`` on (a cheat was applied in it): back to
-        the newest kept state from before it (a snapshot, else a checkpoint), those rounds'
-        samples pending again (exactly once), later checkpoints forgotten."""
-        before = self._rollback_before
-        assert before is not None
-        self._rollback_before = None
+        """Undo every round from the pending rollback point on (a cheat was applied in it):
+        back to the newest kept state from before it (a snapshot, else a checkpoint), those
+        rounds' samples pending again (exactly once), later checkpoints forgotten."""
+        before = self.rollback.take()
         await self.writer.written()
         await self.writer.checkpoint_written()
         store = self.ctx.store
-        kept = [r for r in self._snapshots if r <= before]
-        if kept:
-            tensors, manifest = self._snapshots[max(kept)]
-        else:
-            stored = await store.checkpoint_before(self.job_id, before)
-            if stored is None:
-                await self.fail(f"no checkpoint before round {before} to roll back to")
-                return
-            manifest = CheckpointManifest.from_bytes(stored[1])
-            tensors = tensors_from_bytes(await self.ctx.blobs.read_bytes(manifest.tensors_sha256))
+        state = await self.rollback.state_before(self.ctx, self.job_id, before)
+        if state is None:
+            await self.fail(f"no checkpoint before round {before} to roll back to")
+            return
+        tensors, manifest = state
         # Versions after the state were handed out with other parameters: continue past them.
         version = max(self.ps.version, self.rounds.version) + 2
         self.ps.load_state_tensors(tensors, version)
@@ -1088,82 +959,21 @@ class JobRunner:
         self.ledger = EpochLedger.from_state(manifest.ledger)
         self.ledger.abort_open_rounds()
         # The restored ledger knows the nodes of its time: make it know today's.
-        rates = self.planner.estimator.rates(self.nodes)
-        for n in [n for n in self.ledger.nodes if n not in self.nodes]:
-            self.ledger.fail_node(n)
-        for n in [n for n in self.nodes if n not in self.ledger.nodes]:
-            if self.ledger.nodes:
-                self.ledger.add_node(n, rates.get(n, 1.0))
-            else:
-                self.ledger.assign_segments({n: rates.get(n, 1.0)})
+        seat_nodes(self.ledger, self.nodes, self.planner.estimator.rates(self.nodes))
         rolled = await store.rollback_rounds(self.job_id, manifest.round)
         await store.drop_checkpoints_after(self.job_id, manifest.round)
-        for r in [r for r in self._snapshots if r > manifest.round + 1]:
-            del self._snapshots[r]
+        self.rollback.rolled_back(manifest.round)
         self.verifier.on_rolled_back(manifest.round)
         self.rounds_applied = manifest.rounds_applied
-        job = self.job
-        job.epoch = manifest.epoch
-        job.round = manifest.rounds_applied
-        job.params_version = version
-        job.samples_done = manifest.samples_done
-        job.last_loss = manifest.last_loss
+        restore_job_record(self.job, manifest, version)
         self.params_payload = None
-        reason = self._rollback_reason
-        await self.ctx.events.append(
-            "job.rolled_back",
-            job_id=self.job_id,
-            message=(
-                f"rolled back to the state after round {manifest.round}: {rolled} round(s) "
-                f"undone, their samples are pending again ({reason})"
-            )[:1024],
-            attrs={
-                "after_round": str(manifest.round),
-                "rolled_back": str(rolled),
-                "params_version": str(version),
-                "reason": reason[:512],
-            },
-        )
-        log.warning(
-            "job %s rolled back to after round %d (%d rounds undone): %s",
-            self.job_id,
-            manifest.round,
-            rolled,
-            reason,
-        )
-        await store.update_job(job)
+        await self.rollback.announce(self.ctx, self.job_id, manifest.round, rolled, version)
+        await store.update_job(self.job)
         await self._checkpoint(last_round=manifest.round)
         await self.notify()
 
     def allocation(self) -> common_pb2.Allocation:
-        out = common_pb2.Allocation(job_id=self.job_id, epoch=self.job.epoch, round=self.job.round)
-        rs = self.round_state
-        if rs is not None:
-            out.round_deadline_seconds = rs.deadline_s
-        total = sum(self.planner.batches.values()) or 1
-        for n in self.nodes:
-            info = self.ctx.registry.get(n)
-            bench = self.bench.get(n)
-            st = self.node_set.stats.get(n, NodeStats())
-            seg = self.ledger.segment_of(n)
-            na = common_pb2.NodeAllocation(
-                node_id=n,
-                name=info.name if info is not None else "",
-                samples_per_second=self.planner.estimator.estimate(n)
-                if n in self.planner.estimator
-                else 0.0,
-                share=self.planner.batches.get(n, 0) / total,
-                local_batch=self.planner.batches.get(n, 0),
-                max_batch=self.planner.max_batch(n),
-                remaining=self.ledger.remaining(n),
-                compute_seconds=st.compute_s,
-                communicate_seconds=st.communicate_s,
-                inner_steps=self.planner.inner_steps,
-            )
-            if seg is not None:
-                na.segment.start, na.segment.stop = seg
-            if bench is not None:
-                na.rtt_ms = bench.rtt_ms
-                na.bandwidth_bytes_per_second = bench.bandwidth_bytes_per_second
-            out.nodes.append(na)
-        return out
+        """The job's nodes and their shares now (coordinator/engine/job_allocation.py)."""
+        return job_allocation.allocation(
+            self.job, self.round_state, self.planner, self.node_set, self.ledger, self.ctx.registry
+        )

@@ -116,7 +116,7 @@ def live_cpu_tensor_bytes() -> int:
     return total
 
 
-class _AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unused-ignore]
+class _AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the storages that operators allocate, and frees them again when they die."""
 
     @classmethod
@@ -124,7 +124,7 @@ class _AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, un
         return False  # nothing here is compiled; skipping would import torch._dynamo (~2 s)
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
+        super().__init__()  # type: ignore[no-untyped-call]
         self.live = 0
         self.peak = 0
         self._finalizers: dict[int, weakref.finalize[..., Any]] = {}

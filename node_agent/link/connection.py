@@ -213,7 +213,7 @@ class CoordinatorConnection:
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
         self._channel = open_channel(address, transport_identity(data_dir, insecure), interceptors)
-        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)  # type: ignore[no-untyped-call, unused-ignore]
+        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self.node_id = load_node_id(data_dir)
         self.lease_id = ""
         self.lease_ttl_s = 0.0

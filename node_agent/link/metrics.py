@@ -198,7 +198,7 @@ class _Bytes:
 
 
 # grpc.aio files an interceptor under the first of the four kinds it implements: one per kind.
-class _UnaryUnaryBytes(_Bytes, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc, unused-ignore]
+class _UnaryUnaryBytes(_Bytes, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         self.out(details, request)
         call = await continuation(details, request)
@@ -210,19 +210,19 @@ class _UnaryUnaryBytes(_Bytes, grpc.aio.UnaryUnaryClientInterceptor):  # type: i
         return call
 
 
-class _UnaryStreamBytes(_Bytes, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc, unused-ignore]
+class _UnaryStreamBytes(_Bytes, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         self.out(details, request)
         call = await continuation(details, request)
         return self._count_responses(details, call)
 
 
-class _StreamUnaryBytes(_Bytes, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc, unused-ignore]
+class _StreamUnaryBytes(_Bytes, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(details, self._count_requests(details, requests))
 
 
-class _StreamStreamBytes(_Bytes, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc, unused-ignore]
+class _StreamStreamBytes(_Bytes, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         call = await continuation(details, self._count_requests(details, requests))
         return self._count_responses(details, call)

@@ -56,7 +56,6 @@ from node_agent.training.benchmark import (
     build_result,
 )
 from node_agent.training.context import TaskCancelled, TaskContext
-from node_agent.training.jobs import adopt_loaded
 from node_agent.training.reference_model import reference_step_factory
 
 log = logging.getLogger(__name__)
@@ -205,10 +204,10 @@ def job_step_factory(
 
 def _keep_for_training(ctx: TaskContext, job_id: str, loaded: list[Any]) -> bool:
     """Hand the benchmark's loaded program and shards to the trainer (see
-    node_agent.training.jobs.adopt_loaded); False when it did not take them."""
+    node_agent.training.jobs.LoadedJobs.adopt); False when it did not take them."""
     if len(loaded) != 2:
         return False
-    if adopt_loaded(ctx.programs, job_id, loaded[0], loaded[1]):
+    if ctx.jobs.adopt(ctx.programs, job_id, loaded[0], loaded[1]):
         log.debug("job %s: the benchmark's program is kept for training", job_id)
         return True
     return False

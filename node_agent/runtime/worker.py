@@ -5,7 +5,7 @@ Start-up order (registration comes first so that a node shows up within a couple
    DATA_DIR/price (SIGUSR1 re-reads both; a new price goes out with a heartbeat at once); start
    the PeerService on --peer-listen (unless --no-peer): mutual TLS with the node's certificate, or
    plaintext with --insecure; it serves ring all-reduce chunks and this agent's ring state
-   (node_agent.training.ring_state.provide_state);
+   (the worker's node_agent.training.ring_jobs.RingJobs.provide_state);
 2. Register with the advertised PeerService address (retried with backoff until the
    coordinator answers; every re-registration sends it again), start the heartbeat task;
 3. reference benchmark of the built-in model on the training device (on the compute thread),
@@ -76,8 +76,10 @@ from node_agent.training.benchmark import (
     build_result,
 )
 from node_agent.training.context import TaskContext
+from node_agent.training.jobs import LoadedJobs
 from node_agent.training.reference_model import reference_step_factory
-from node_agent.training.ring_state import provide_state
+from node_agent.training.ring_jobs import RingJobs
+from node_agent.training.tamper import HONEST, Tamper
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +101,16 @@ PEER_STOP_GRACE_S = 1.0
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, metrics: AgentMetrics | None = None) -> None:
+    def __init__(
+        self, config: AgentConfig, metrics: AgentMetrics | None = None, tamper: Tamper = HONEST
+    ) -> None:
         self.config = config
         self.metrics = metrics
+        # Handed to every task: the jobs kept loaded and the ring state between rounds, and how
+        # the rounds' work is done (HONEST but for the test entry point's fault injection).
+        self.jobs = LoadedJobs()
+        self.ring_jobs = RingJobs()
+        self.tamper = tamper
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.current: TaskContext | None = None
         self.programs = ProgramHosts("cpu", None, None)  # replaced once the device is known
@@ -343,7 +352,7 @@ class Agent:
         identity = transport_identity(config.data_dir, config.insecure)
         server = PeerServer(
             config.peer_listen,
-            state_provider=provide_state,
+            state_provider=self.ring_jobs.provide_state,
             state_authorizer=self._authorize_state_transfer,
             join_timeout_s=PEER_JOIN_TIMEOUT_S,
             identity=identity,
@@ -549,6 +558,9 @@ class Agent:
             programs=self.programs,
             job_benchmark=QUICK_JOB_PLAN if self.config.benchmark == "quick" else JOB_PLAN,
             peer=self.peer,
+            jobs=self.jobs,
+            ring_jobs=self.ring_jobs,
+            tamper=self.tamper,
         )
 
     async def _run_task(self, task: agent_pb2.Task, received_at: float) -> None:

@@ -445,11 +445,11 @@ def warm_up_device_libraries(device: str) -> tuple[str, ...]:
     loss = (rows @ w).square().mean() + torch.nn.functional.linear(rows, w, b).square().mean()
     opened.append("cublas")
     cudnn = torch.backends.cudnn
-    if cudnn.is_available() and cudnn.enabled:  # type: ignore[no-untyped-call, unused-ignore]
+    if cudnn.is_available() and cudnn.enabled:  # type: ignore[no-untyped-call]
         k = torch.randn(3, 3, 1, 1, device=dev, requires_grad=True)
         loss = loss + torch.nn.functional.conv2d(x, k).square().mean()
-        opened.append(f"cudnn {cudnn.version()}")  # type: ignore[no-untyped-call, unused-ignore]
-    loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
+        opened.append(f"cudnn {cudnn.version()}")  # type: ignore[no-untyped-call]
+    loss.backward()  # type: ignore[no-untyped-call]
     torch.cuda.synchronize(dev)
     return tuple(opened)
 

@@ -8,9 +8,10 @@ that the agent owns (a memfd): the agent's optimizer steps and parameter loads c
 child computes with, without copies; batches go through a shared arena and gradients come
 back through a shared region; only small JSON messages cross the socket pair.
 
-Children are started by node_agent.sandbox.spawn: forked by the agent's zygote
-(node_agent.sandbox.zygote), which keeps the agent's key, certificate and tokens out of every
-child's memory, else as a fresh interpreter.
+Children are started by node_agent.sandbox.spawn: forked by the zygote of the program's owner
+(`ProgramHosts.zygote`, node_agent.sandbox.zygote), which keeps the agent's key, certificate and
+tokens out of every child's memory, else (no zygote serves, or the program was given none) as
+a fresh interpreter.
 
 A crash, a limit hit, a hang (no answer within `timeout_s`) or an error of the child raises
 `ProgramFault`: the task fails with the reason, and the next call starts a fresh child, which
@@ -51,11 +52,10 @@ from node_agent.core.measure import MEMORY_HEADROOM, Point, fitting, linear_fit
 from node_agent.sandbox.spawn import (
     START_TIMEOUT_S,
     TEST_HOOKS_ENV,
+    Zygote,
     child_env,
-    fork_child,
     log_lines,
     spawn_child,
-    stop_zygote,
 )
 from node_agent.sandbox.wire import (
     ALIGN,
@@ -119,10 +119,11 @@ class ChildLimits:
 class ProgramChild:
     """One child process and its socket; every failure to answer becomes a ProgramFault."""
 
-    def __init__(self, limits: ChildLimits) -> None:
+    def __init__(self, limits: ChildLimits, zygote: Zygote | None = None) -> None:
         self.limits = limits
         env = child_env()
-        started = fork_child(env) or spawn_child(env)
+        forked = zygote.fork_child(env) if zygote is not None else None
+        started = forked or spawn_child(env)
         self.proc, self.sock, stderr = started
         self.pid = self.proc.pid
         threading.Thread(
@@ -254,7 +255,9 @@ class ConfinedProgram:
         program: bytes,
         initial_state: bytes,
         limits: ChildLimits,
+        zygote: Zygote | None = None,
     ) -> None:
+        """``zygote``: what forks its children (None: each starts as a fresh interpreter)."""
         init = read_initial_state(initial_state, require_params=False)
         self.device = torch.device(limits.device)
         # room for the program's own bytes, loaded there
@@ -262,6 +265,7 @@ class ConfinedProgram:
         if limits.memory_bytes is not None:
             limits = replace(limits, memory_bytes=limits.memory_bytes + self._program_room)
         self.limits = limits
+        self.zygote = zygote
         self.timeout_s = DEFAULT_STEP_TIMEOUT_S
         self.aliases = dict(init.aliases)
         # From the initial state's metadata (packaging writes it), else from the first load.
@@ -306,7 +310,7 @@ class ConfinedProgram:
         if self._child is not None:
             self._cpu_of_dead += self._child.cpu_seconds()
         self.restarts += 1
-        child = ProgramChild(self.limits)
+        child = ProgramChild(self.limits, self.zygote)
         self._child = child
         try:
             reply = child.request(
@@ -592,10 +596,12 @@ def _loss_of(raw: Any) -> float:
     return float(loss)
 
 
-def load_confined(program: bytes, initial_state: bytes, limits: ChildLimits) -> ConfinedProgram:
+def load_confined(
+    program: bytes, initial_state: bytes, limits: ChildLimits, zygote: Zygote | None = None
+) -> ConfinedProgram:
     """A ConfinedProgram; ProgramFault when the program is refused or its child fails."""
     try:
-        return ConfinedProgram(program, initial_state, limits)
+        return ConfinedProgram(program, initial_state, limits, zygote)
     except ProgramError as e:
         raise ProgramFault(f"the job's program was refused on this node: {e}", REFUSED) from e
 
@@ -655,8 +661,9 @@ def job_memory_budget(points: Sequence[Point], max_batch: int) -> int | None:
 
 
 class ProgramHosts:
-    """The agent's confined programs: loads them with the agent's limits, sums their CPU time
-    (the slowdown's compute clock), stops them all at shutdown."""
+    """The agent's confined programs: loads them with the agent's limits, their children forked
+    by its `zygote` (started by the first child), sums their CPU time (the slowdown's compute
+    clock), stops them all and the zygote at shutdown."""
 
     def __init__(
         self,
@@ -669,6 +676,7 @@ class ProgramHosts:
         self.threads = threads
         self.memory_budget = memory_budget
         self.fault_file = fault_file
+        self.zygote = Zygote()
         self._programs: list[ConfinedProgram] = []
         self._job_budgets: dict[str, int] = {}
         self._cpu_of_closed = 0.0
@@ -699,7 +707,7 @@ class ProgramHosts:
             device=self.device,
             fault_file=self.fault_file,
         )
-        prog = load_confined(program, initial_state, limits)
+        prog = load_confined(program, initial_state, limits, self.zygote)
         with self._lock:
             self._programs.append(prog)
         return prog
@@ -724,4 +732,4 @@ class ProgramHosts:
             programs, self._programs = self._programs, []
         for p in programs:
             p.close()
-        stop_zygote()
+        self.zygote.stop()

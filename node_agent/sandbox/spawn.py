@@ -1,11 +1,12 @@
 """Starting a program's child process: forked by the agent's zygote, else a fresh interpreter.
 
-Children are forked by the agent's zygote (node_agent.sandbox.zygote, `ZygoteClient`): a fresh
-interpreter with the children's minimal environment (`child_env`), started for the first
-child, that has imported torch, so that a child skips the interpreter's start and torch's
-import. Forking from it, never from the agent, keeps the agent's key, certificate and tokens
-out of every child's memory. When no zygote can serve (`fork_child` returns None), a child
-starts as a fresh interpreter (`spawn_child`). Both are started with `python -m` by dotted name
+Children are forked by the agent's zygote (node_agent.sandbox.zygote; a `Zygote`, owned by the
+agent's ProgramHosts, over a `ZygoteClient`): a fresh interpreter with the children's minimal
+environment (`child_env`), started for the first child, that has imported torch, so that a
+child skips the interpreter's start and torch's import. Forking from it, never from the agent,
+keeps the agent's key, certificate and tokens out of every child's memory. When no zygote can
+serve (`Zygote.fork_child` returns None), or a program has none, a child starts as a fresh
+interpreter (`spawn_child`). Both are started with `python -m` by dotted name
 (ZYGOTE_MODULE, "node_agent.sandbox.child"). node_agent.sandbox.host talks to the child.
 """
 
@@ -42,10 +43,6 @@ START_TIMEOUT_S = 120.0  # a fresh interpreter importing torch on a busy machine
 MAX_LOG_LINE_CHARS = 500
 FORK_TIMEOUT_S = 30.0  # the zygote's answer to a fork
 ZYGOTE_MODULE = "node_agent.sandbox.zygote"
-
-# The agent's zygote (node_agent.sandbox.zygote), started by the first child it needs.
-_zygote: ZygoteClient | None = None
-_zygote_lock = threading.Lock()
 
 
 def log_lines(stream: IO[bytes] | None, pid: int, what: str = "program child") -> None:
@@ -109,48 +106,56 @@ def spawn_child(env: dict[str, str]) -> tuple[ChildProcess, socket.socket, IO[by
     return proc, parent, proc.stderr
 
 
-def fork_child(env: dict[str, str]) -> tuple[ChildProcess, socket.socket, IO[bytes]] | None:
-    """A program child forked by the agent's zygote (started on first use); None, with a
-    warning, when no zygote can serve (the caller starts a fresh interpreter instead)."""
-    global _zygote
-    with _zygote_lock:
-        zygote = _zygote
-        if zygote is None or not zygote.serving:
-            try:
-                zygote = _zygote = ZygoteClient(env)
-            except ZygoteError as e:
-                log.warning("no program zygote (%s): children start as fresh interpreters", e)
-                return None
-    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    read_end, write_end = os.pipe()
-    try:
-        proc = zygote.fork(child.fileno(), write_end, env)
-    except ZygoteError as e:
-        log.warning("the program zygote failed (%s): this child starts as a fresh interpreter", e)
-        parent.close()
-        os.close(read_end)
-        return None
-    finally:
-        child.close()
-        os.close(write_end)
-    return proc, parent, os.fdopen(read_end, "rb")
+class Zygote:
+    """The program zygote of an owner (the agent's ProgramHosts): started by the first child it
+    needs, again after it died, stopped by its owner (`stop`; a later child starts a new one)."""
 
+    def __init__(self) -> None:
+        self._client: ZygoteClient | None = None
+        self._lock = threading.Lock()
 
-def stop_zygote() -> None:
-    """Stop the agent's zygote (a later child starts a new one): it forks no more and exits
-    once its last child is gone."""
-    global _zygote
-    with _zygote_lock:
-        zygote, _zygote = _zygote, None
-    if zygote is not None:
-        zygote.stop()
+    def fork_child(
+        self, env: dict[str, str]
+    ) -> tuple[ChildProcess, socket.socket, IO[bytes]] | None:
+        """A program child forked by the zygote (started on first use); None, with a warning,
+        when no zygote can serve (the caller starts a fresh interpreter instead)."""
+        with self._lock:
+            zygote = self._client
+            if zygote is None or not zygote.serving:
+                try:
+                    zygote = self._client = ZygoteClient(env)
+                except ZygoteError as e:
+                    log.warning("no program zygote (%s): children start as fresh interpreters", e)
+                    return None
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        read_end, write_end = os.pipe()
+        try:
+            proc = zygote.fork(child.fileno(), write_end, env)
+        except ZygoteError as e:
+            log.warning(
+                "the program zygote failed (%s): this child starts as a fresh interpreter", e
+            )
+            parent.close()
+            os.close(read_end)
+            return None
+        finally:
+            child.close()
+            os.close(write_end)
+        return proc, parent, os.fdopen(read_end, "rb")
 
+    def stop(self) -> None:
+        """Stop the zygote (a later child starts a new one): it forks no more and exits once
+        its last child is gone."""
+        with self._lock:
+            zygote, self._client = self._client, None
+        if zygote is not None:
+            zygote.stop()
 
-def zygote_pid() -> int | None:
-    """The pid of the zygote serving now, if any."""
-    with _zygote_lock:
-        zygote = _zygote
-    return zygote.pid if zygote is not None and zygote.serving else None
+    def pid(self) -> int | None:
+        """The pid of the zygote serving now, if any."""
+        with self._lock:
+            zygote = self._client
+        return zygote.pid if zygote is not None and zygote.serving else None
 
 
 class ChildProcess(Protocol):

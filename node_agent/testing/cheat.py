@@ -23,11 +23,17 @@ check of the sketches and only a recomputation (or screening) catches it. Withou
 (an unverified job) the same is done to the whole update (lazy: a quarter of the samples
 computed, all of them claimed).
 
-The functions here are pure; node_agent.training.ps_round applies them after the honest computation.
+A `Cheat` is a node_agent.training.tamper.Tamper: node_agent.main installs the one the
+environment asks for (the worker hands it to every task as ``ctx.tamper``), and the training
+code calls its hooks (node_agent.training.compute: lazy while computing, the other update cheats
+through `apply_cheat` after the honest computation; node_agent.training.ring_round: the
+contribution). The transformations below are pure; the hooks log every round they cheat in
+(`note_cheat`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -35,6 +41,27 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from epochmesh.optim import (
+    state_tensors,
+)
+from epochmesh.v1 import agent_pb2
+from epochmesh.verification import (
+    local_sgd_grid,
+    state_digest,
+)
+from node_agent.training.compute import (
+    KIND_PSEUDO_GRADIENT,
+    split_training_state,
+    update_from_chunks,
+)
+from node_agent.training.jobs import (
+    ChunkGradients,
+    ComputedUpdate,
+    LoadedJob,
+)
+
+log = logging.getLogger(__name__)
 
 CHEAT_ENV = "EPOCHMESH_TEST_CHEAT"
 
@@ -67,6 +94,38 @@ class Cheat:
     def describe(self) -> str:
         when = f"from round {self.from_round}" if self.from_round > 0 else "every round"
         return f"{self.kind} updates {when}"
+
+    # -- the Tamper's hooks (node_agent.training.tamper) --------------------------------------
+
+    def partial(self, round_: int) -> bool:
+        """Lazy, from its round on: a quarter of the part computed (noted in the log)."""
+        lazy = self.kind == LAZY and self.active_at(round_)
+        if lazy:
+            note_cheat(LAZY, round_)
+        return lazy
+
+    def share(self, total: int) -> int:
+        return lazy_count(total)
+
+    def filled_chunks(
+        self, losses: Sequence[float], grads: Sequence[Mapping[str, torch.Tensor]], total: int
+    ) -> tuple[list[float], list[Grads]]:
+        return fill_skipped(losses, grads, total)
+
+    def filled_local_update(
+        self, update: ComputedUpdate, slices: Sequence[Sequence[int]], verify_chunks: int
+    ) -> ComputedUpdate:
+        return lazy_local_chunks(update, slices, verify_chunks)
+
+    def sent(self, job: LoadedJob, task: agent_pb2.Task, update: ComputedUpdate) -> ComputedUpdate:
+        return apply_cheat(self, job, task, update)
+
+    def contribution_factor(self, round_: int) -> float:
+        """Contribution, from its round on: SCALE (noted in the log); else 1.0."""
+        if self.kind == CONTRIBUTION and self.active_at(round_):
+            note_cheat(CONTRIBUTION, round_)
+            return SCALE
+        return 1.0
 
 
 @lru_cache(maxsize=8)
@@ -201,3 +260,115 @@ def cheat_update(
     prev = None if previous is None else ([previous[0]], [previous[1]])
     losses, grads = cheat_chunks(cheat, round_, [loss], [tensors], prev)
     return losses[0], grads[0]
+
+
+def derived_starts(
+    starts: list[dict[str, torch.Tensor]], grads: list[dict[str, torch.Tensor]]
+) -> list[dict[str, torch.Tensor]]:
+    """A cheater's chunks: the start states that fit chunks ``grads`` it made up: the first
+    chunk's start as it was, then the parameters each chunk's made-up difference leads to (the
+    optimizer state of the nearest honest start)."""
+    params0, _ = split_training_state(starts[0])
+    acc = {n: t.to(torch.float32).clone() for n, t in params0.items()}
+    out = [starts[0]]
+    for i in range(1, len(grads)):
+        for n, g in grads[i - 1].items():
+            acc[n] -= g
+        _, optim = split_training_state(starts[min(i, len(starts) - 1)])
+        out.append(
+            state_tensors({n: t.to(params0[n].dtype).clone() for n, t in acc.items()}, optim)
+        )
+    return out
+
+
+def lazy_local_chunks(
+    update: ComputedUpdate, slices: Sequence[Sequence[int]], verify_chunks: int
+) -> ComputedUpdate:
+    """A lazy local SGD cheater's update: the chunks it stepped, then made-up ones
+    for the rest of its planned steps (`fill_skipped`), with start states that fit them."""
+    assert update.chunks is not None
+    bounds = local_sgd_grid(len(slices), verify_chunks)
+    sizes = [sum(len(s) for s in slices[a:b]) for a, b in bounds]
+    losses, grads = fill_skipped(update.chunks.losses, update.chunks.grads, len(bounds))
+    return made_up_local_update(update, sizes, losses, grads, len(slices))
+
+
+def made_up_local_update(
+    update: ComputedUpdate,
+    samples: list[int],
+    losses: list[float],
+    grads: list[dict[str, torch.Tensor]],
+    steps: int,
+) -> ComputedUpdate:
+    """A local SGD update of made-up chunks (their sum), with start states and
+    digests that fit them (`derived_starts`)."""
+    assert update.chunks is not None
+    starts = derived_starts(update.chunks.starts, grads)
+    chunks = ChunkGradients(samples, losses, grads, starts, [state_digest(x) for x in starts])
+    made_up = update_from_chunks(chunks, update.compute_s, KIND_PSEUDO_GRADIENT)
+    made_up.steps = steps
+    return made_up
+
+
+def apply_cheat(
+    cheat: Cheat, job: LoadedJob, task: agent_pb2.Task, update: ComputedUpdate
+) -> ComputedUpdate:
+    """The update a cheater sends instead of ``update``, its chunks and its update changed
+    together (the update stays the weighted sum of the chunks it will sketch). The stale cheat keeps every round's honest computation for the next, and
+    sends the honest one when it has none that fits (its first round, another chunk count)."""
+    previous = job.previous
+    if cheat.kind == STALE:
+        job.previous = update
+    if not cheat.active_at(task.round) or cheat.kind in (LAZY, CONTRIBUTION):
+        return update  # lazy: done while computing
+    if cheat.kind == STALE and not _fits(previous, update):
+        return update
+    note_cheat(cheat.kind, task.round)
+    if update.chunks is not None:
+        prev = previous.chunks if previous is not None else None
+        losses, grads = cheat_chunks(
+            cheat,
+            task.round,
+            update.chunks.losses,
+            update.chunks.grads,
+            (prev.losses, prev.grads) if prev is not None else None,
+        )
+        if update.chunks.starts:  # local SGD
+            samples = list(update.chunks.samples)
+            return made_up_local_update(update, samples, losses, grads, update.steps)
+        chunks = ChunkGradients(list(update.chunks.samples), losses, grads)
+        cheated = update_from_chunks(chunks, update.compute_s)
+        cheated.kind, cheated.steps = update.kind, update.steps
+        return cheated
+    loss, tensors = cheat_update(
+        cheat,
+        task.round,
+        update.mean_loss,
+        update.tensors,
+        (previous.mean_loss, previous.tensors) if previous is not None else None,
+    )
+    return ComputedUpdate(
+        kind=update.kind,
+        tensors=tensors,
+        mean_loss=loss,
+        compute_s=update.compute_s,
+        num_samples=update.num_samples,
+        steps=update.steps,
+    )
+
+
+def note_cheat(kind: str, round_: int) -> None:
+    """The agent's log names every round it cheated in (scripts/bench_verify.py
+    counts a cheater's rounds to quarantine from the first; a stale cheater without a fitting
+    earlier part sends an honest one)."""
+    log.warning("test cheat %s: round %d cheated", kind, round_)
+
+
+def _fits(previous: ComputedUpdate | None, update: ComputedUpdate) -> bool:
+    """Whether a stale cheater can send ``previous`` in place of ``update``: same kind, and as
+    many chunks (or none in both)."""
+    if previous is None or previous.kind != update.kind:
+        return False
+    if previous.chunks is None or update.chunks is None:
+        return previous.chunks is None and update.chunks is None
+    return len(previous.chunks.grads) == len(update.chunks.grads)

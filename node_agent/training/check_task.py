@@ -42,7 +42,6 @@ from epochmesh.verification import MAX_BUCKETS
 from epochmesh.wire.tensors import decode_bundle
 from node_agent.link.connection import Expired
 from node_agent.sandbox.host import NONFINITE, ConfinedProgram, ProgramFault
-from node_agent.training import ring_state
 from node_agent.training.compute import (
     accumulated_loss_and_grads,
     inner_step_slices,
@@ -52,7 +51,8 @@ from node_agent.training.compute import (
     step_timeout,
 )
 from node_agent.training.context import TaskContext
-from node_agent.training.jobs import LoadedJob, load_for_task
+from node_agent.training.jobs import LoadedJob
+from node_agent.training.loading import load_for_task
 from node_agent.training.params import ensure_params
 
 
@@ -139,7 +139,7 @@ async def run_check_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     loaded = time.monotonic()
     ctx.check_cancelled()
     local = is_local_sgd(task.spec)
-    ring = ring_state.job_state(task.job_id)
+    ring = ctx.ring_jobs.get(task.job_id)
     if ring is not None:
         # A ring member checking another's part: the program's parameters are set to the
         # checked version, so the ring's live state is no longer in it (its next round loads

@@ -25,9 +25,10 @@ is its start parameters minus the next chunk's, and each commitment carries the 
 start state; a checker runs a drawn chunk's steps again from that state
 (`recompute_local_chunk`).
 
-Tests only: EPOCHMESH_TEST_CHEAT makes the agent cheat (node_agent.testing.cheat); the cheat
-hooks here (`apply_cheat`, the lazy paths of `update_in_thread`) change a cheater's chunks and
-its update consistently.
+The round's `Tamper` (``ctx.tamper``, node_agent.training.tamper; HONEST but in tests) is
+called at its hooks: whether the round computes only a share of its part (the partial paths of
+`update_in_thread`), and what is sent instead of the computed update (chunks and update
+changed together).
 """
 
 from __future__ import annotations
@@ -67,16 +68,6 @@ from node_agent.sandbox.host import (
     NONFINITE,
     ConfinedProgram,
     ProgramFault,
-)
-from node_agent.testing.cheat import (
-    CONTRIBUTION,
-    LAZY,
-    STALE,
-    Cheat,
-    cheat_chunks,
-    cheat_update,
-    fill_skipped,
-    lazy_count,
 )
 from node_agent.training.context import TaskContext
 from node_agent.training.jobs import (
@@ -475,25 +466,6 @@ def local_chunks(
     )
 
 
-def derived_starts(
-    starts: list[dict[str, torch.Tensor]], grads: list[dict[str, torch.Tensor]]
-) -> list[dict[str, torch.Tensor]]:
-    """Tests only (a cheater's chunks, node_agent.testing.cheat): the start states that fit chunks
-    ``grads`` it made up: the first chunk's start as it was, then the parameters each chunk's
-    made-up difference leads to (the optimizer state of the nearest honest start)."""
-    params0, _ = split_training_state(starts[0])
-    acc = {n: t.to(torch.float32).clone() for n, t in params0.items()}
-    out = [starts[0]]
-    for i in range(1, len(grads)):
-        for n, g in grads[i - 1].items():
-            acc[n] -= g
-        _, optim = split_training_state(starts[min(i, len(starts) - 1)])
-        out.append(
-            state_tensors({n: t.to(params0[n].dtype).clone() for n, t in acc.items()}, optim)
-        )
-    return out
-
-
 def recompute_local_chunk(
     program: Program,
     spec: common_pb2.JobSpec,
@@ -559,12 +531,11 @@ def update_in_thread(
     task: agent_pb2.Task,
     *,
     verify: bool = False,
-    cheat: Cheat | None = None,
 ) -> ComputedUpdate:
     """The task's update from the parameters the job holds now (see the module docstring),
     checked to be finite; runs on the compute thread. ``verify``: cut a sync part into the
-    task's verify_chunks (parameter-server rounds). ``cheat``: tests only (node_agent.testing.cheat)."""
-    return require_finite(_compute(ctx, job, task, verify=verify, cheat=cheat))
+    task's verify_chunks (parameter-server rounds). The round's tamper is ``ctx.tamper``."""
+    return require_finite(_compute(ctx, job, task, verify=verify))
 
 
 def _compute(
@@ -573,22 +544,20 @@ def _compute(
     task: agent_pb2.Task,
     *,
     verify: bool = False,
-    cheat: Cheat | None = None,
 ) -> ComputedUpdate:
+    tamper = ctx.tamper
     if isinstance(job.program, ConfinedProgram):
         job.program.timeout_s = step_timeout(task)
     indices = ranges_to_indices(task.ranges)
     spec = task.spec
-    lazy = cheat is not None and cheat.kind == LAZY and cheat.active_at(task.round)
-    if lazy:
-        note_cheat(LAZY, task.round)
+    partly = tamper.partial(task.round)
     if not is_local_sgd(spec):
         if len(indices) != task.local_batch:
             raise ValueError(
                 f"task names {len(indices)} samples but local_batch {task.local_batch}"
             )
         chunked = verify and task.verify_chunks > 0
-        if chunked and lazy:
+        if chunked and partly:
             total = len(chunk_bounds(len(indices), task.verify_chunks))
             chunks, compute_s = compute_chunks(
                 job.program,
@@ -596,9 +565,9 @@ def _compute(
                 ctx.slowdown,
                 spec.micro_batch,
                 task.verify_chunks,
-                count=lazy_count(total),
+                count=tamper.share(total),
             )
-            chunks.losses, chunks.grads = fill_skipped(chunks.losses, chunks.grads, total)
+            chunks.losses, chunks.grads = tamper.filled_chunks(chunks.losses, chunks.grads, total)
             update = update_from_chunks(chunks, compute_s)
         elif chunked:
             update = chunked_gradient_step(
@@ -608,8 +577,8 @@ def _compute(
                 spec.micro_batch,
                 task.verify_chunks,
             )
-        elif lazy:
-            part = indices[: lazy_count(len(indices))]
+        elif partly:
+            part = indices[: tamper.share(len(indices))]
             update = gradient_step(
                 job.program, job.dataset.get_batch(part), ctx.slowdown, spec.micro_batch
             )
@@ -618,7 +587,7 @@ def _compute(
             update = gradient_step(
                 job.program, job.dataset.get_batch(indices), ctx.slowdown, spec.micro_batch
             )
-        return update if cheat is None else apply_cheat(cheat, job, task, update)
+        return tamper.sent(job, task, update)
 
     slices = inner_step_slices(indices, task.local_batch, task.inner_steps or spec.inner_steps)
     if job.follow_restore(task):
@@ -630,11 +599,11 @@ def _compute(
     opt = inner_optimizer(job, spec)
     chunk_steps = local_sgd_grid(len(slices), task.verify_chunks) if verify else []
     todo = slices
-    if lazy and chunk_steps:  # the first chunks' steps only; the rest made up below
-        chunk_steps = chunk_steps[: lazy_count(len(chunk_steps))]
+    if partly and chunk_steps:  # the first chunks' steps only; the rest made up below
+        chunk_steps = chunk_steps[: tamper.share(len(chunk_steps))]
         todo = slices[: chunk_steps[-1][1]]
-    elif lazy:
-        todo = slices[: lazy_count(len(slices))]
+    elif partly:
+        todo = slices[: tamper.share(len(slices))]
     try:
         update = local_sgd_steps(
             job.program,
@@ -643,7 +612,7 @@ def _compute(
             job.dataset.get_batch,
             ctx.slowdown,
             ctx.check_cancelled,
-            0.0 if lazy else max(0.0, task.compute_budget_seconds),
+            0.0 if partly else max(0.0, task.compute_budget_seconds),
             micro_batch=spec.micro_batch,
             chunk_steps=chunk_steps,
         )
@@ -653,16 +622,15 @@ def _compute(
         # starts with a fresh inner optimizer.
         job.inner_optimizer = None
         raise
-    if lazy and update.chunks is not None:
-        update = lazy_local_chunks(update, slices, task.verify_chunks)
-    elif lazy:
+    if partly and update.chunks is not None:
+        update = tamper.filled_local_update(update, slices, task.verify_chunks)
+    elif partly:
         update.num_samples, update.steps = len(indices), len(slices)  # claimed
-    if cheat is not None:
-        update = apply_cheat(cheat, job, task, update)
+    update = tamper.sent(job, task, update)
     if update.chunks is None:
         return update
-    # The pieces it reached, grouped into the chunks it commits (a new update: a stale
-    # cheater keeps the pieces of this one for the next round).
+    # The pieces it reached, grouped into the chunks it commits (a new update: a tamper may
+    # keep the pieces of this one for the next round).
     return replace(update, chunks=grouped_local_chunks(update.chunks, task.verify_chunks))
 
 
@@ -694,112 +662,15 @@ def grouped_local_chunks(pieces: ChunkGradients, verify_chunks: int) -> ChunkGra
     )
 
 
-def lazy_local_chunks(
-    update: ComputedUpdate, slices: Sequence[Sequence[int]], verify_chunks: int
-) -> ComputedUpdate:
-    """Tests only: a lazy local SGD cheater's update: the chunks it stepped, then made-up ones
-    for the rest of its planned steps (`fill_skipped`), with start states that fit them."""
-    assert update.chunks is not None
-    bounds = local_sgd_grid(len(slices), verify_chunks)
-    sizes = [sum(len(s) for s in slices[a:b]) for a, b in bounds]
-    losses, grads = fill_skipped(update.chunks.losses, update.chunks.grads, len(bounds))
-    return made_up_local_update(update, sizes, losses, grads, len(slices))
-
-
-def made_up_local_update(
-    update: ComputedUpdate,
-    samples: list[int],
-    losses: list[float],
-    grads: list[dict[str, torch.Tensor]],
-    steps: int,
-) -> ComputedUpdate:
-    """Tests only: a local SGD update of made-up chunks (their sum), with start states and
-    digests that fit them (`derived_starts`)."""
-    assert update.chunks is not None
-    starts = derived_starts(update.chunks.starts, grads)
-    chunks = ChunkGradients(samples, losses, grads, starts, [state_digest(x) for x in starts])
-    made_up = update_from_chunks(chunks, update.compute_s, KIND_PSEUDO_GRADIENT)
-    made_up.steps = steps
-    return made_up
-
-
-def apply_cheat(
-    cheat: Cheat, job: LoadedJob, task: agent_pb2.Task, update: ComputedUpdate
-) -> ComputedUpdate:
-    """Tests only: the update a cheater sends instead of ``update`` (node_agent.testing.cheat), its
-    chunks and its update changed together (the update stays the weighted sum of the chunks
-    it will sketch). The stale cheat keeps every round's honest computation for the next, and
-    sends the honest one when it has none that fits (its first round, another chunk count)."""
-    previous = job.previous
-    if cheat.kind == STALE:
-        job.previous = update
-    if not cheat.active_at(task.round) or cheat.kind in (LAZY, CONTRIBUTION):
-        return update  # lazy: done while computing
-    if cheat.kind == STALE and not _fits(previous, update):
-        return update
-    note_cheat(cheat.kind, task.round)
-    if update.chunks is not None:
-        prev = previous.chunks if previous is not None else None
-        losses, grads = cheat_chunks(
-            cheat,
-            task.round,
-            update.chunks.losses,
-            update.chunks.grads,
-            (prev.losses, prev.grads) if prev is not None else None,
-        )
-        if update.chunks.starts:  # local SGD
-            samples = list(update.chunks.samples)
-            return made_up_local_update(update, samples, losses, grads, update.steps)
-        chunks = ChunkGradients(list(update.chunks.samples), losses, grads)
-        cheated = update_from_chunks(chunks, update.compute_s)
-        cheated.kind, cheated.steps = update.kind, update.steps
-        return cheated
-    loss, tensors = cheat_update(
-        cheat,
-        task.round,
-        update.mean_loss,
-        update.tensors,
-        (previous.mean_loss, previous.tensors) if previous is not None else None,
-    )
-    return ComputedUpdate(
-        kind=update.kind,
-        tensors=tensors,
-        mean_loss=loss,
-        compute_s=update.compute_s,
-        num_samples=update.num_samples,
-        steps=update.steps,
-    )
-
-
-def note_cheat(kind: str, round_: int) -> None:
-    """Tests only: the agent's log names every round it cheated in (scripts/bench_verify.py
-    counts a cheater's rounds to quarantine from the first; a stale cheater without a fitting
-    earlier part sends an honest one)."""
-    log.warning("test cheat %s: round %d cheated", kind, round_)
-
-
-def _fits(previous: ComputedUpdate | None, update: ComputedUpdate) -> bool:
-    """Whether a stale cheater can send ``previous`` in place of ``update``: same kind, and as
-    many chunks (or none in both)."""
-    if previous is None or previous.kind != update.kind:
-        return False
-    if previous.chunks is None or update.chunks is None:
-        return previous.chunks is None and update.chunks is None
-    return len(previous.chunks.grads) == len(update.chunks.grads)
-
-
 async def compute_update(
     ctx: TaskContext,
     job: LoadedJob,
     task: agent_pb2.Task,
     *,
     verify: bool = False,
-    cheat: Cheat | None = None,
 ) -> ComputedUpdate:
     """:func:`update_in_thread` on the compute thread."""
-    return await ctx.run_compute(
-        partial(update_in_thread, verify=verify, cheat=cheat), ctx, job, task
-    )
+    return await ctx.run_compute(partial(update_in_thread, verify=verify), ctx, job, task)
 
 
 # -- compression --------------------------------------------------------------------------------

@@ -38,6 +38,13 @@ handler imports this module, never the dispatcher.
     ctx.log                logger whose messages name the task
     ctx.peer               node_agent.ring.runtime.PeerRuntime (PeerServer, identity, ring
                            transport), or None when the agent runs none (--no-peer)
+    ctx.jobs               LoadedJobs: the jobs the worker keeps loaded between rounds
+                           (node_agent.training.jobs; node_agent.training.loading fills it)
+    ctx.ring_jobs          RingJobs: the ring jobs' state the worker keeps between rounds and
+                           serves its peers (node_agent.training.ring_jobs)
+    ctx.tamper             Tamper: how the round's work is done other than as asked
+                           (node_agent.training.tamper; HONEST unless the test entry point
+                           installed another)
 
 A TRAIN handler is `async def run_train_task(ctx: TaskContext, task: Task) -> None`. It
 reports its own results (PushUpdate, ReportProgress); raising makes the dispatcher report the
@@ -77,6 +84,9 @@ from node_agent.training.benchmark import (
     JOB_PLAN,
     BenchmarkPlan,
 )
+from node_agent.training.jobs import LoadedJobs
+from node_agent.training.ring_jobs import RingJobs
+from node_agent.training.tamper import HONEST, Tamper
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +132,10 @@ class TaskContext:
     # starts its next NextTask poll then).
     on_pushing: Callable[[], None] | None = None
     peer: PeerRuntime | None = None
+    # The worker's, for its life (a fresh one per context by default: tests).
+    jobs: LoadedJobs = field(default_factory=LoadedJobs)
+    ring_jobs: RingJobs = field(default_factory=RingJobs)
+    tamper: Tamper = HONEST
     log: logging.LoggerAdapter[logging.Logger] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,10 +1,11 @@
 """The agent's loaded jobs: each job's program, shards and per-job training state, kept between rounds.
 
-- `load_for_task(ctx, task)`: the job's exported program and the shards the task touches,
-  loaded once per job (blobs come through the verified cache) and kept between rounds (at most
-  MAX_LOADED_JOBS; the oldest job's program is stopped beyond that).
-- `adopt_loaded(job_id, program, dataset)`: a job benchmark hands over the program and shards
-  it loaded, so that the job's first round does not load them again.
+- `LoadedJobs`: the jobs the worker keeps loaded between rounds (at most MAX_LOADED_JOBS; the
+  oldest job's program is stopped beyond that), filled by `load_for_task(ctx, task)`
+  (node_agent.training.loading: the job's exported program and the shards the task touches,
+  loaded once per job, blobs through the verified cache).
+- `LoadedJobs.adopt(programs, job_id, program, dataset)`: a job benchmark hands over the
+  program and shards it loaded, so that the job's first round does not load them again.
 
 A `LoadedJob` also holds what its rounds carry over (the version of its parameters, the local
 SGD inner optimizer, the error feedback of lossy compression), and the records of a round's
@@ -27,7 +28,6 @@ from node_agent.sandbox.host import (
     ConfinedProgram,
     ProgramHosts,
 )
-from node_agent.training.context import TaskContext
 
 # Loaded programs kept per agent process (a donor rarely serves more than a couple of jobs).
 MAX_LOADED_JOBS = 2
@@ -48,7 +48,8 @@ class LoadedJob:
     inner_optimizer: torch.optim.Optimizer | None = None
     # Residuals of lossy compression of this job's updates (ERROR_FEEDBACK_CODECS).
     error_feedback: ErrorFeedback | None = None
-    # Tests only (the stale cheat, node_agent.testing.cheat): the last round's honest computation.
+    # Kept by the round's Tamper (node_agent.training.tamper) for later rounds: the last round's
+    # update as computed.
     previous: ComputedUpdate | None = None
     # Task.restored_version the inner optimizer stepped under (None: not seen yet): the job's
     # state was restored since when a task brings another.
@@ -57,7 +58,7 @@ class LoadedJob:
     def follow_restore(self, task: agent_pb2.Task) -> bool:
         """Local SGD: drop the inner optimizer when the job's state was restored (a rollback,
         a coordinator restart) since it stepped: its state holds the steps of rounds that were
-        undone (after a cheat, momentum from the parameters it wrecked). Whether it was."""
+        undone (after a bad update, momentum from the parameters it wrecked). Whether it was."""
         seen, self.restored_version = self.restored_version, int(task.restored_version)
         if seen is None or seen == self.restored_version or self.inner_optimizer is None:
             return False
@@ -107,65 +108,36 @@ class ComputedUpdate:
     chunks: ChunkGradients | None = None
 
 
-_jobs: dict[str, LoadedJob] = {}
+class LoadedJobs:
+    """The jobs this agent keeps loaded between rounds (at most MAX_LOADED_JOBS; the oldest
+    job's program is stopped beyond that). The worker owns one for its life and hands it to
+    every task (TaskContext.jobs); node_agent.training.loading loads into it."""
 
+    def __init__(self) -> None:
+        self._jobs: dict[str, LoadedJob] = {}
 
-async def _load_job(ctx: TaskContext, task: agent_pb2.Task) -> LoadedJob:
-    job = _jobs.get(task.job_id)
-    if job is not None:
-        return job
-    program_path = await ctx.fetch_blob(task.program)
-    state_path = await ctx.fetch_blob(task.initial_state)
+    def get(self, job_id: str) -> LoadedJob | None:
+        return self._jobs.get(job_id)
 
-    def load() -> LoadedJob:
-        prog = ctx.programs.load(
-            program_path.read_bytes(), state_path.read_bytes(), job_id=task.job_id
-        )
-        dataset = ShardedDataset(inputs=list(task.spec.inputs), targets=list(task.spec.targets))
-        params = prog.get_parameters()
+    def keep(self, programs: ProgramHosts, job_id: str, job: LoadedJob) -> None:
+        """Keep a loaded job, stopping the program of the oldest one beyond MAX_LOADED_JOBS."""
+        while len(self._jobs) >= MAX_LOADED_JOBS:
+            old = self._jobs.pop(next(iter(self._jobs)))
+            if isinstance(old.program, ConfinedProgram):
+                programs.release(old.program)
+        self._jobs[job_id] = job
+
+    def adopt(
+        self, programs: ProgramHosts, job_id: str, program: Program, dataset: ShardedDataset
+    ) -> bool:
+        """Keep a program and dataset that a job benchmark already loaded for the job's rounds,
+        so that its first round does not load the exported program again (seconds of a first
+        round). The program's parameters must still be the job's initial ones (a benchmark
+        computes gradients only); the first round pulls its parameters anyway. Returns False
+        when the job is loaded already (nothing changes)."""
+        if job_id in self._jobs:
+            return False
+        params = program.get_parameters()
         expected = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
-        return LoadedJob(program=prog, dataset=dataset, expected=expected)
-
-    job = await ctx.run_compute(load)
-    _keep(ctx.programs, task.job_id, job)
-    return job
-
-
-def _keep(programs: ProgramHosts, job_id: str, job: LoadedJob) -> None:
-    """Keep a loaded job, stopping the program of the oldest one beyond MAX_LOADED_JOBS."""
-    while len(_jobs) >= MAX_LOADED_JOBS:
-        old = _jobs.pop(next(iter(_jobs)))
-        if isinstance(old.program, ConfinedProgram):
-            programs.release(old.program)
-    _jobs[job_id] = job
-
-
-def adopt_loaded(
-    programs: ProgramHosts, job_id: str, program: Program, dataset: ShardedDataset
-) -> bool:
-    """Keep a program and dataset that a job benchmark already loaded for the job's rounds, so
-    that its first round does not load the exported program again (seconds of a first round).
-    The program's parameters must still be the job's initial ones (a benchmark computes
-    gradients only); the first round pulls its parameters anyway. Returns False when the job
-    is loaded already (nothing changes)."""
-    if job_id in _jobs:
-        return False
-    params = program.get_parameters()
-    expected = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
-    _keep(programs, job_id, LoadedJob(program=program, dataset=dataset, expected=expected))
-    return True
-
-
-async def _load_shards(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> None:
-    for shard in task.shards:
-        if job.dataset.has_shard(shard.start, shard.count):
-            continue
-        path = await ctx.fetch_blob(shard.blob)
-        await ctx.run_compute(job.dataset.add_shard, shard.start, shard.count, path)
-
-
-async def load_for_task(ctx: TaskContext, task: agent_pb2.Task) -> LoadedJob:
-    """The job's program (loaded once per job) with the shards this task touches loaded."""
-    job = await _load_job(ctx, task)
-    await _load_shards(ctx, job, task)
-    return job
+        self.keep(programs, job_id, LoadedJob(program=program, dataset=dataset, expected=expected))
+        return True

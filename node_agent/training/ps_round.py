@@ -20,8 +20,8 @@ state is uploaded (PushUpdate kind "snapshot") for a checker to run its steps fr
 (`recompute_local_chunk`); the ring trainer uploads its members' snapshots the same way
 (`push_snapshot`).
 
-Tests only: EPOCHMESH_TEST_CHEAT makes the agent cheat on its parameter-server updates and
-its ring contributions (node_agent.testing.cheat), consistently in its chunks and its update.
+The round's `Tamper` (``ctx.tamper``, node_agent.training.tamper) may change what is computed
+and sent (node_agent.training.compute), consistently in its chunks and its update.
 """
 
 from __future__ import annotations
@@ -44,10 +44,6 @@ from epochmesh.verification import (
 from epochmesh.wire.compression import ErrorFeedback
 from epochmesh.wire.tensors import encode_bundle, iter_chunks
 from node_agent.link.connection import Expired, Stopped, describe
-from node_agent.testing.cheat import (
-    Cheat,
-    cheat_from_environment,
-)
 from node_agent.training.compute import (
     encode_update,
     job_error_feedback,
@@ -58,8 +54,8 @@ from node_agent.training.jobs import (
     ChunkGradients,
     ComputedUpdate,
     LoadedJob,
-    load_for_task,
 )
+from node_agent.training.loading import load_for_task
 from node_agent.training.params import ensure_params, set_inline_parameters
 
 log = logging.getLogger(__name__)
@@ -92,7 +88,6 @@ def round_in_thread(
     job: LoadedJob,
     task: agent_pb2.Task,
     ef: ErrorFeedback | None,
-    cheat: Cheat | None = None,
 ) -> RoundWork:
     """One parameter-server round on the compute thread, in one go (no hand-offs between the
     phases: on a busy host each costs a wake-up of another thread): load inline parameters
@@ -108,7 +103,7 @@ def round_in_thread(
         # The round closed without this part (the agent was busy or cut off): computing it now
         # would only delay the next task. The coordinator has returned its samples to pending.
         raise Expired(f"the round's {task.deadline_seconds:.2f}s deadline passed before compute")
-    update = update_in_thread(ctx, job, task, verify=True, cheat=cheat)
+    update = update_in_thread(ctx, job, task, verify=True)
     t2 = time.monotonic()
     ctx.check_cancelled()
     # Residuals are replaced (never modified in place) by compress(): a shallow copy is a
@@ -129,7 +124,6 @@ async def push_requests(
 
 async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     started = time.monotonic()
-    cheat = cheat_from_environment()  # tests only; ValueError for a bad value
     job = await load_for_task(ctx, task)
     loaded = time.monotonic()
     if job.version != task.params_version and not (
@@ -141,7 +135,7 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     unpaid0 = ctx.slowdown.unpaid_seconds
     ctx.check_cancelled()
     ef = job_error_feedback(job, task.spec)
-    work = await ctx.run_compute(round_in_thread, ctx, job, task, ef, cheat)
+    work = await ctx.run_compute(round_in_thread, ctx, job, task, ef)
     update, bundle, payload, saved = work.update, work.bundle, work.payload, work.saved_residuals
     chunks = update.chunks  # kept until PushUpdate answers (dropped when this returns)
     header = agent_pb2.UpdateHeader(

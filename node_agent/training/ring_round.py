@@ -32,15 +32,17 @@ A ring round (a TRAIN task with `task.ring`), per the session protocol B.4:
    reduce-scatter. When the report's answer says the part is checked and/or the round audited,
    `send_check_evidence` sends the chunk and update sketches and the member's evidence of the
    all-reduce (epochmesh.ring.evidence), and uploads the round's start parameters when a chunk
-   is drawn. (Tests only: EPOCHMESH_TEST_CHEAT, node_agent.testing.cheat.)
+   is drawn. (The round's `Tamper`, ``ctx.tamper``, may change the update and the
+   contribution put into the ring: node_agent.training.tamper.)
 
 Reported times: compute_seconds is the device time of the update the step used (a retry
 reuses the cached update and reports its time again); communicate_seconds is the task's wall
 time minus the wall time spent computing in this task.
 
 The state a ring job keeps on this agent between rounds (the round optimizer, snapshots, the
-cached update), how a round comes to hold its version (step 1) and what this agent serves its
-peers (`provide_state`) live in node_agent.training.ring_state.
+cached update) and what this agent serves its peers (`RingJobs.provide_state`) live in
+node_agent.training.ring_jobs; how a round comes to hold its version (step 1) in
+node_agent.training.ring_state.
 """
 
 from __future__ import annotations
@@ -70,16 +72,14 @@ from node_agent.ring.allreduce import ring_allreduce
 from node_agent.ring.failure import RingPeerFailed
 from node_agent.ring.mailbox import StateSnapshot
 from node_agent.ring.runtime import PeerRuntime
-from node_agent.testing.cheat import CONTRIBUTION, SCALE, cheat_from_environment
-from node_agent.training.compute import compute_update, note_cheat
+from node_agent.training.compute import compute_update
 from node_agent.training.context import TaskCancelled, TaskContext
-from node_agent.training.jobs import load_for_task
+from node_agent.training.loading import load_for_task
 from node_agent.training.ps_round import SKETCH_CALL_TIMEOUT_S, push_snapshot
+from node_agent.training.ring_jobs import CachedUpdate, RingJobState
 from node_agent.training.ring_state import (
     MIN_CALL_TIMEOUT_S,
     BadState,
-    CachedUpdate,
-    RingJobState,
     Shapes,
     apply_round,
     call_timeout,
@@ -138,7 +138,6 @@ def contribution_scale(local_batch: int, ring_total_samples: int) -> float:
 async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRuntime) -> None:
     """One attempt of a ring round on this member (see the module docstring)."""
     started = time.monotonic()
-    cheat = cheat_from_environment()  # tests only; ValueError for a bad value
     ring = task.ring
     attempt = int(ring.attempt)
     scale = contribution_scale(task.local_batch, task.ring_total_samples)
@@ -194,7 +193,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
             )
         t0 = time.monotonic()
         state.live_version = None  # local SGD moves the parameters while it computes
-        update = await compute_update(ctx, loaded, task, verify=task.verify_chunks > 0, cheat=cheat)
+        update = await compute_update(ctx, loaded, task, verify=task.verify_chunks > 0)
         state.live_version = version  # compute_update leaves the parameters at the start
         flat = await ctx.run_compute(flatten, update.tensors, state.names)
         compute_wall = time.monotonic() - t0
@@ -231,9 +230,9 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
         return
     # Verification: what the ring audit's evidence is computed from (epochmesh.ring.evidence).
     copies = await ctx.run_compute(AuditCopies.of, buffer) if task.verify_chunks > 0 else None
-    if cheat is not None and cheat.kind == CONTRIBUTION and cheat.active_at(task.round):
-        buffer.mul_(SCALE)  # tests only: the ring gets another contribution than the one shown
-        note_cheat(CONTRIBUTION, int(task.round))
+    factor = ctx.tamper.contribution_factor(int(task.round))
+    if factor != 1.0:
+        buffer.mul_(factor)  # the ring gets another contribution than the one shown
     deadline_s = ring.deadline_seconds if ring.deadline_seconds > 0 else DEFAULT_STEP_DEADLINE_S
     due = ctx.deadline
     join_s = max(deadline_s, MIN_CALL_TIMEOUT_S, (due - time.monotonic()) if due else 0.0)

@@ -1,10 +1,10 @@
 """A ring job's state on this agent: the version it holds, its snapshots, what it serves peers.
 
-State per job lives in this module (bounded like MAX_LOADED_JOBS): the round
-optimizer over the loaded program's parameters, at most two snapshots (CPU copies, never
-modified once made, so `provide_state` can serve them while a round runs), and the cached
-update. `provide_state` is the PeerServer's StateProvider: the exact version asked if held,
-else the newest (the joiner checks the version).
+The state per job is kept in the worker's `RingJobs` (node_agent.training.ring_jobs, reached
+as ``ctx.ring_jobs``; bounded like MAX_LOADED_JOBS): the round optimizer over the loaded
+program's parameters, at most two snapshots (CPU copies, never modified once made, so
+`RingJobs.provide_state` can serve them while a round runs), and the cached update.
+`state_for` gives a round its job's state.
 
 `ensure_state` makes a round hold the job's state of version v = task.params_version (step 1
 of the ring round, node_agent.training.ring_round): TransferState of exactly v from
@@ -17,9 +17,7 @@ checkpoint: the state kept here is dropped first.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -39,11 +37,10 @@ from node_agent.ring.client import fetch_state, peer_channel
 from node_agent.ring.mailbox import StateSnapshot
 from node_agent.ring.runtime import PeerRuntime
 from node_agent.training.context import TaskContext
-from node_agent.training.jobs import MAX_LOADED_JOBS, ChunkGradients, LoadedJob
+from node_agent.training.jobs import LoadedJob
 from node_agent.training.params import state_source_address
+from node_agent.training.ring_jobs import RingJobState, UpdateKey
 
-# Ring state kept per agent process: as many jobs as the trainer keeps loaded.
-MAX_RING_JOBS = MAX_LOADED_JOBS
 # Lower bound of the join timeout and of coordinator calls made during a ring round.
 MIN_CALL_TIMEOUT_S = 5.0
 
@@ -218,9 +215,6 @@ def rolled_back(last_round: int | None, round_: int) -> bool:
     return last_round is not None and round_ < last_round
 
 
-UpdateKey = tuple[int, int, tuple[tuple[int, int], ...], int, int]
-
-
 def update_key(task: agent_pb2.Task) -> UpdateKey:
     """What identifies a round's update on this node: a retried attempt of the same round with
     the same version, ranges and batch reuses it."""
@@ -243,73 +237,16 @@ def prune_snapshots(
 # -- per-job state ------------------------------------------------------------------------------
 
 
-@dataclass
-class CachedUpdate:
-    key: UpdateKey
-    flat: torch.Tensor  # unscaled, float32 CPU, parameter order
-    kind: str
-    mean_loss: float
-    compute_s: float
-    num_samples: int
-    steps: int
-    # Verification (sync rounds with Task.verify_chunks): the chunks the update is the
-    # weighted sum of, kept until the report's answer says whether the part is checked.
-    chunks: ChunkGradients | None = None
-
-
-@dataclass
-class RingJobState:
-    job_id: str
-    loaded: LoadedJob
-    optimizer: torch.optim.Optimizer
-    # version -> state (at most the current one and the pre-step one of the last round)
-    snapshots: dict[int, StateSnapshot] = field(default_factory=dict)
-    # The version the live program + optimizer hold (None: unknown, e.g. a step was cut off).
-    live_version: int | None = None
-    cached: CachedUpdate | None = None
-    last_round: int | None = None  # the last round a task of this job ran here
-
-    def forget_state(self) -> None:
-        """Drop the kept versions and the cached update (the coordinator rolled back)."""
-        self.snapshots = {}
-        self.live_version = None
-        self.cached = None
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.loaded.program.param_names)
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: shape for n, (_, shape) in self.loaded.expected.items()}
-
-
-_ring_jobs: OrderedDict[str, RingJobState] = OrderedDict()
-
-
-def job_state(job_id: str) -> RingJobState | None:
-    return _ring_jobs.get(job_id)
-
-
 async def state_for(ctx: TaskContext, task: agent_pb2.Task, loaded: LoadedJob) -> RingJobState:
-    state = _ring_jobs.get(task.job_id)
-    if state is not None and state.loaded is loaded:
-        _ring_jobs.move_to_end(task.job_id)
+    """The job's ring state over ``loaded``, kept in ``ctx.ring_jobs`` (a new round optimizer
+    when the job has none over this program)."""
+    state = ctx.ring_jobs.current(task.job_id, loaded)
+    if state is not None:
         return state
     # In the compute thread: the process's first optimizer imports torch._dynamo (seconds on a
     # loaded host), which on the event loop stalled every member's heartbeats past its lease.
     optimizer = await ctx.run_compute(build_round_optimizer, task.spec, loaded.program.parameters())
-    state = _ring_jobs.get(task.job_id)
-    if state is None:
-        state = RingJobState(job_id=task.job_id, loaded=loaded, optimizer=optimizer)
-    else:
-        # The trainer loaded the program again: the kept snapshots (CPU copies) still hold.
-        state.loaded, state.optimizer, state.live_version = loaded, optimizer, None
-    _ring_jobs[task.job_id] = state
-    _ring_jobs.move_to_end(task.job_id)
-    while len(_ring_jobs) > MAX_RING_JOBS:
-        _ring_jobs.popitem(last=False)
-    return state
+    return ctx.ring_jobs.hold(task.job_id, loaded, optimizer)
 
 
 def _snapshot_live(state: RingJobState, version: int) -> StateSnapshot:
@@ -352,22 +289,6 @@ def apply_round(state: RingJobState, summed: torch.Tensor, new_version: int) -> 
         for p in params:
             p.grad = None
     return _snapshot_live(state, new_version)
-
-
-async def provide_state(job_id: str, version: int) -> StateSnapshot | None:
-    """The PeerServer's StateProvider: the state of exactly `version` when this agent holds it
-    (current or the kept pre-step snapshot), else its newest (the joiner checks the version),
-    None when it holds no state of the job."""
-    state = _ring_jobs.get(job_id)
-    if state is None or not state.snapshots:
-        return None
-    snap = state.snapshots.get(version)
-    return snap if snap is not None else state.snapshots[max(state.snapshots)]
-
-
-def forget_jobs() -> None:
-    """Drop all ring state (tests; an agent keeps it for its life)."""
-    _ring_jobs.clear()
 
 
 # -- holding the round's version ----------------------------------------------------------------

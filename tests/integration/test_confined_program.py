@@ -32,6 +32,7 @@ from node_agent.sandbox.host import (
     ProgramMemoryError,
     load_confined,
 )
+from node_agent.sandbox.spawn import Zygote
 from tests.fixtures import write_mlp_job
 from tests.fixtures.hostile_programs import sparse_program
 
@@ -55,15 +56,26 @@ def batch(n: int = 8, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Ten
     return [torch.randn(n, 16, generator=g)], [torch.randint(0, 4, (n,), generator=g)]
 
 
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    """What forks the module's children (as the agent's ProgramHosts owns one)."""
+    zygote = Zygote()
+    yield zygote
+    zygote.stop()
+
+
 def confined(
-    job: PackedJob, memory: int | None = 256 << 20, fault_file: Path | None = None
+    job: PackedJob,
+    zygote: Zygote,
+    memory: int | None = 256 << 20,
+    fault_file: Path | None = None,
 ) -> ConfinedProgram:
     limits = ChildLimits(memory, threads=1, fault_file=fault_file)
-    return ConfinedProgram(job.program, job.initial_state, limits)
+    return ConfinedProgram(job.program, job.initial_state, limits, zygote)
 
 
-def test_same_gradients_and_shared_parameters(job: PackedJob) -> None:
-    prog = confined(job)
+def test_same_gradients_and_shared_parameters(zygote: Zygote, job: PackedJob) -> None:
+    prog = confined(job, zygote)
     ref = TrainableProgram.from_bytes(job.program, job.initial_state)
     try:
         assert prog.param_names == ref.param_names and prog.state_names == ref.state_names
@@ -89,7 +101,7 @@ def test_same_gradients_and_shared_parameters(job: PackedJob) -> None:
 
 
 def test_the_child_holds_no_credentials_and_cannot_reach_files_or_the_network(
-    job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
+    zygote: Zygote, job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     key = tmp_path / "agent" / "key.pem"
     key.parent.mkdir()
@@ -98,7 +110,7 @@ def test_the_child_holds_no_credentials_and_cannot_reach_files_or_the_network(
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     hooks.setenv("EPOCHMESH_TOKEN", "emt1.secret")
-    prog = confined(job)
+    prog = confined(job, zygote)
     try:
         assert "Landlock ABI" in prog.confinement, prog.confinement
         assert "seccomp filter" in prog.confinement, prog.confinement
@@ -122,10 +134,10 @@ def test_the_child_holds_no_credentials_and_cannot_reach_files_or_the_network(
 
 
 def test_the_child_is_stopped_at_its_memory_limit_and_replaced(
-    job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
+    zygote: Zygote, job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     fault = tmp_path / "fault"
-    prog = confined(job, memory=256 << 20, fault_file=fault)
+    prog = confined(job, zygote, memory=256 << 20, fault_file=fault)
     try:
         first = prog.loss(*batch())
         pid = prog.pid
@@ -140,10 +152,10 @@ def test_the_child_is_stopped_at_its_memory_limit_and_replaced(
 
 
 def test_a_crash_or_a_hang_is_a_fault_and_the_next_call_works(
-    job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
+    zygote: Zygote, job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     fault = tmp_path / "fault"
-    prog = confined(job, fault_file=fault)
+    prog = confined(job, zygote, fault_file=fault)
     try:
         first = prog.loss(*batch())
         fault.write_text("crash")
@@ -165,10 +177,10 @@ def test_a_crash_or_a_hang_is_a_fault_and_the_next_call_works(
 
 
 def test_the_job_benchmark_tightens_the_memory_limit_of_this_child_and_the_next(
-    job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
+    zygote: Zygote, job: PackedJob, hooks: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     fault = tmp_path / "fault"
-    prog = confined(job, memory=1 << 30, fault_file=fault)
+    prog = confined(job, zygote, memory=1 << 30, fault_file=fault)
     big = 400 << 20
     try:
         first = prog.loss(*batch())
@@ -212,10 +224,10 @@ def test_a_program_off_the_allow_list_is_refused_by_the_agent_before_it_runs() -
     assert e.value.kind == REFUSED
 
 
-def test_the_childs_cpu_time_counts_even_tiny_steps(job: PackedJob) -> None:
+def test_the_childs_cpu_time_counts_even_tiny_steps(zygote: Zygote, job: PackedJob) -> None:
     # The slowdown emulation multiplies this figure: /proc's 10 ms ticks would read 0 for
     # steps of a sample or two, and the emulated straggler would not slow down.
-    prog = confined(job)
+    prog = confined(job, zygote)
     try:
         before = prog.cpu_seconds()
         for _ in range(5):

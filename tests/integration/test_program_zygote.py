@@ -28,7 +28,6 @@ from epochmesh.packaging import PackedJob, build_job
 from epochmesh.spec import load_spec
 from node_agent.sandbox import spawn
 from node_agent.sandbox.host import CRASHED, ProgramFault, ProgramHosts
-from node_agent.sandbox.spawn import stop_zygote, zygote_pid
 from tests.fixtures import write_mlp_job
 from tests.procs import wait_until
 
@@ -73,13 +72,13 @@ def test_children_are_forked_from_the_zygote_which_the_agent_started(
     job: PackedJob, hosts: ProgramHosts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("EPOCHMESH_TOKEN", "emt1.secret")  # the agent's, never the zygote's
-    stop_zygote()  # a new zygote, timed
+    hosts.zygote.stop()  # a new zygote, timed
     t0 = time.monotonic()
     first = hosts.load(job.program, job.initial_state)
     t1 = time.monotonic()
     second = hosts.load(job.program, job.initial_state)
     t2 = time.monotonic()
-    zygote = zygote_pid()
+    zygote = hosts.zygote.pid()
     assert zygote is not None and parent_of(zygote) == os.getpid()
     environ = Path(f"/proc/{zygote}/environ").read_bytes().split(b"\0")
     names = {e.split(b"=", 1)[0].decode() for e in environ if e}
@@ -115,7 +114,7 @@ def test_a_child_killed_with_sigkill_is_reported_so_and_the_next_call_works(
     assert e.value.kind == CRASHED
     assert prog.loss(*batch()) == first
     assert prog.restarts == 1 and prog.pid is not None and prog.pid != pid
-    assert parent_of(prog.pid) == zygote_pid()
+    assert parent_of(prog.pid) == hosts.zygote.pid()
 
 
 def test_a_killed_zygote_takes_its_children_and_a_new_one_starts(
@@ -123,7 +122,7 @@ def test_a_killed_zygote_takes_its_children_and_a_new_one_starts(
 ) -> None:
     prog = hosts.load(job.program, job.initial_state)
     first = prog.loss(*batch())
-    zygote, child = zygote_pid(), prog.pid
+    zygote, child = hosts.zygote.pid(), prog.pid
     assert zygote is not None and child is not None
     os.kill(zygote, signal.SIGKILL)
     wait_until(lambda: not alive(child), timeout=30, message="the child outlived its zygote")
@@ -132,8 +131,8 @@ def test_a_killed_zygote_takes_its_children_and_a_new_one_starts(
     assert prog.restarts == 1
     again = hosts.load(job.program, job.initial_state)
     assert again.loss(*batch()) == first
-    wait_until(lambda: zygote_pid() not in (None, zygote), timeout=30)
-    assert again.pid is not None and parent_of(again.pid) == zygote_pid()
+    wait_until(lambda: hosts.zygote.pid() not in (None, zygote), timeout=30)
+    assert again.pid is not None and parent_of(again.pid) == hosts.zygote.pid()
 
 
 def test_without_a_zygote_children_start_as_fresh_interpreters(
@@ -142,7 +141,7 @@ def test_without_a_zygote_children_start_as_fresh_interpreters(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    stop_zygote()
+    hosts.zygote.stop()
     monkeypatch.setattr(spawn, "ZYGOTE_MODULE", "node_agent.no_such_module")
     with caplog.at_level(logging.WARNING, logger=spawn.__name__):
         prog = hosts.load(job.program, job.initial_state)
@@ -150,26 +149,25 @@ def test_without_a_zygote_children_start_as_fresh_interpreters(
     assert prog.pid is not None and parent_of(prog.pid) == os.getpid()
     assert "Landlock ABI" in prog.confinement
     assert prog.loss(*batch()) > 0
-    assert zygote_pid() is None
+    assert hosts.zygote.pid() is None
 
 
 def test_the_zygote_exits_when_the_agent_stops_it(job: PackedJob, hosts: ProgramHosts) -> None:
     prog = hosts.load(job.program, job.initial_state)
-    zygote, child = zygote_pid(), prog.pid
+    zygote, child = hosts.zygote.pid(), prog.pid
     assert zygote is not None and child is not None
     hosts.close_all()  # the agent's shutdown: its programs, then the zygote
     wait_until(lambda: not alive(child) and not alive(zygote), timeout=30)
-    assert zygote_pid() is None
+    assert hosts.zygote.pid() is None
 
 
 AGENT = """
 import sys, time
 from pathlib import Path
 from node_agent.sandbox.host import ProgramHosts
-from node_agent.sandbox.spawn import zygote_pid
 hosts = ProgramHosts("cpu", threads=1, memory_budget=1 << 30)
 prog = hosts.load(Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]).read_bytes())
-Path(sys.argv[3]).write_text(f"{zygote_pid()} {prog.pid}")
+Path(sys.argv[3]).write_text(f"{hosts.zygote.pid()} {prog.pid}")
 sys.stdin.read()
 """
 

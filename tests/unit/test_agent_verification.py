@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -300,10 +301,13 @@ def honest_and_cheated(
     with the same parameters and samples; and the honest update of round 1."""
     job = LoadedJob(program=program, dataset=dataset)  # type: ignore[arg-type]
     first = update_in_thread(
-        ctx, job, train_task(0, 0, samples, verify_chunks, spec), verify=True, cheat=cheat
+        replace(ctx, tamper=cheat), job, train_task(0, 0, samples, verify_chunks, spec), verify=True
     )
     cheated = update_in_thread(
-        ctx, job, train_task(1, 60, samples, verify_chunks, spec), verify=True, cheat=cheat
+        replace(ctx, tamper=cheat),
+        job,
+        train_task(1, 60, samples, verify_chunks, spec),
+        verify=True,
     )
     return first, cheated, job
 
@@ -360,20 +364,23 @@ async def test_a_lazy_cheater_computes_only_a_quarter_of_its_chunks(
     recorder = PassRecorder(program)
     job = LoadedJob(program=recorder, dataset=dataset)  # type: ignore[arg-type]
     update = update_in_thread(
-        ctx, job, train_task(0, 0, 60, K, packed.spec), verify=True, cheat=Cheat("lazy")
+        replace(ctx, tamper=Cheat("lazy")), job, train_task(0, 0, 60, K, packed.spec), verify=True
     )
     assert recorder.passes == [5, 5, 5]  # ceil(12 / 4) chunks of 5 samples
     assert update.num_samples == 60 and update.chunks is not None and len(update.chunks.grads) == K
     # Without chunks: a quarter of the samples computed, all of them claimed.
     recorder.passes.clear()
     update = update_in_thread(
-        ctx, job, train_task(0, 0, 60, 0, packed.spec), verify=True, cheat=Cheat("lazy")
+        replace(ctx, tamper=Cheat("lazy")), job, train_task(0, 0, 60, 0, packed.spec), verify=True
     )
     assert recorder.passes == [15] and update.num_samples == 60 and update.chunks is None
     # Before its first cheated round, and for an honest agent: every chunk.
     recorder.passes.clear()
     update_in_thread(
-        ctx, job, train_task(0, 0, 60, K, packed.spec), verify=True, cheat=Cheat("lazy", 1)
+        replace(ctx, tamper=Cheat("lazy", 1)),
+        job,
+        train_task(0, 0, 60, K, packed.spec),
+        verify=True,
     )
     assert recorder.passes == [5] * K
 
@@ -412,7 +419,7 @@ async def test_stale_is_honest_in_its_first_round_and_an_honest_agent_keeps_noth
     spec = packed.spec
     job = LoadedJob(program=program, dataset=dataset)
     first = update_in_thread(
-        ctx, job, train_task(0, 0, 60, K, spec), verify=True, cheat=Cheat("stale")
+        replace(ctx, tamper=Cheat("stale")), job, train_task(0, 0, 60, K, spec), verify=True
     )
     honest = update_in_thread(
         ctx, LoadedJob(program, dataset), train_task(0, 0, 60, K, spec), verify=True
@@ -420,7 +427,9 @@ async def test_stale_is_honest_in_its_first_round_and_an_honest_agent_keeps_noth
     assert all(torch.equal(first.tensors[k], honest.tensors[k]) for k in honest.tensors)
     assert job.previous is first
     plain = LoadedJob(program=program, dataset=dataset)
-    update_in_thread(ctx, plain, train_task(0, 0, 60, K, spec), verify=True, cheat=Cheat("scaled"))
+    update_in_thread(
+        replace(ctx, tamper=Cheat("scaled")), plain, train_task(0, 0, 60, K, spec), verify=True
+    )
     assert plain.previous is None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -322,10 +323,12 @@ async def test_a_cheaters_made_up_chunks_are_not_reproduced(
         program = fresh(packed)
         job = LoadedJob(program=program, dataset=dataset)
         cheat = Cheat(kind, 1)
-        update_in_thread(ctx, job, local_task(0, 0, 58, 5, 6, spec), verify=True, cheat=cheat)
+        update_in_thread(
+            replace(ctx, tamper=cheat), job, local_task(0, 0, 58, 5, 6, spec), verify=True
+        )
         payload = encode_bundle(program.get_parameters())
         task = local_task(1, 0, 58, 5, 6, spec)  # the same samples: stale resends round 0's
-        cheated = update_in_thread(ctx, job, task, verify=True, cheat=cheat)
+        cheated = update_in_thread(replace(ctx, tamper=cheat), job, task, verify=True)
         chunks = cheated.chunks
         assert chunks is not None and chunks.samples == [10, 10, 10, 10, 10, 8], kind
         assert cheated.num_samples == 58 and cheated.steps == 12, kind

@@ -21,6 +21,7 @@ from node_agent.core.config import (
 from node_agent.ring.mailbox import StateSnapshot
 from node_agent.training import ring_round as rt
 from node_agent.training import ring_state as rs
+from node_agent.training.ring_jobs import RingJobs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -212,22 +213,18 @@ def test_update_key_is_the_same_for_a_retried_attempt_only() -> None:
 
 
 def test_provide_state_serves_the_exact_version_else_the_newest() -> None:
-    rs.forget_jobs()
-    try:
-        assert asyncio.run(rs.provide_state("job", 3)) is None
-        state = rs.RingJobState(job_id="job", loaded=None, optimizer=None)  # type: ignore[arg-type]
-        state.snapshots = {
-            4: StateSnapshot(4, {"param/a": torch.zeros(1)}),
-            5: StateSnapshot(5, {}),
-        }
-        rs._ring_jobs["job"] = state
-        assert asyncio.run(rs.provide_state("job", 4)).version == 4  # type: ignore[union-attr]
-        assert asyncio.run(rs.provide_state("job", 5)).version == 5  # type: ignore[union-attr]
-        assert asyncio.run(rs.provide_state("job", 0)).version == 5  # type: ignore[union-attr]
-        assert asyncio.run(rs.provide_state("job", 9)).version == 5  # type: ignore[union-attr]
-        assert asyncio.run(rs.provide_state("other", 4)) is None
-    finally:
-        rs.forget_jobs()
+    ring_jobs = RingJobs()
+    assert asyncio.run(ring_jobs.provide_state("job", 3)) is None
+    state = ring_jobs.hold("job", None, None)  # type: ignore[arg-type]
+    state.snapshots = {
+        4: StateSnapshot(4, {"param/a": torch.zeros(1)}),
+        5: StateSnapshot(5, {}),
+    }
+    assert asyncio.run(ring_jobs.provide_state("job", 4)).version == 4  # type: ignore[union-attr]
+    assert asyncio.run(ring_jobs.provide_state("job", 5)).version == 5  # type: ignore[union-attr]
+    assert asyncio.run(ring_jobs.provide_state("job", 0)).version == 5  # type: ignore[union-attr]
+    assert asyncio.run(ring_jobs.provide_state("job", 9)).version == 5  # type: ignore[union-attr]
+    assert asyncio.run(ring_jobs.provide_state("other", 4)) is None
 
 
 # -- scaling, codec, optimizer state -------------------------------------------------------------
