@@ -23,11 +23,12 @@ def allocation(
     rs: RoundState | None,
     planner: RoundPlanner,
     node_set: JobNodeSet,
-    ledger: EpochLedger,
+    ledger: EpochLedger | None,
     registry: NodeRegistry,
 ) -> common_pb2.Allocation:
     """The job's allocation: each node's share of the planned batch, its measured rates and
-    its segment of the epoch (``rs``: the open round, for its deadline)."""
+    its segment of the epoch (``rs``: the open round, for its deadline; ``ledger``: None until
+    the runner has restored the job's state, when it has no nodes yet either)."""
     out = common_pb2.Allocation(job_id=job.job_id, epoch=job.epoch, round=job.round)
     if rs is not None:
         out.round_deadline_seconds = rs.deadline_s
@@ -36,7 +37,7 @@ def allocation(
         info = registry.get(n)
         bench = planner.bench.get(n)
         st = node_set.stats.get(n, NodeStats())
-        seg = ledger.segment_of(n)
+        seg = ledger.segment_of(n) if ledger is not None else None
         na = common_pb2.NodeAllocation(
             node_id=n,
             name=info.name if info is not None else "",
@@ -44,7 +45,7 @@ def allocation(
             share=planner.batches.get(n, 0) / total,
             local_batch=planner.batches.get(n, 0),
             max_batch=planner.max_batch(n),
-            remaining=ledger.remaining(n),
+            remaining=ledger.remaining(n) if ledger is not None else 0,
             compute_seconds=st.compute_s,
             communicate_seconds=st.communicate_s,
             inner_steps=planner.inner_steps,

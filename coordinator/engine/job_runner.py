@@ -973,7 +973,9 @@ class JobRunner:
         await self.notify()
 
     def allocation(self) -> common_pb2.Allocation:
-        """The job's nodes and their shares now (coordinator/engine/job_allocation.py)."""
+        """The job's nodes and their shares now (coordinator/engine/job_allocation.py); asked
+        for by watchers from the job's submission on, before the runner restored its ledger."""
+        ledger: EpochLedger | None = getattr(self, "ledger", None)
         return job_allocation.allocation(
-            self.job, self.round_state, self.planner, self.node_set, self.ledger, self.ctx.registry
+            self.job, self.round_state, self.planner, self.node_set, ledger, self.ctx.registry
         )

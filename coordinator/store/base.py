@@ -1,11 +1,15 @@
 """The coordinator's store interface: everything persistent goes through `Store`.
 
-`coordinator.store.sqlite.SqliteStore` implements it on SQLite; a server database can replace
-it later without touching the services, the scheduler or the engine.
+`coordinator.store.sqlite.SqliteStore` implements it on SQLite, `coordinator.store.memory.
+MemoryStore` in memory (for tests); a server database can replace them later without touching
+the services, the scheduler or the engine. tests/unit/test_store_contract.py runs one suite of
+what MUST hold against every backend.
 
 Records that mirror a proto message are handed in and out as proto messages (copies: mutating
-a returned message never changes the store). Getters return None for a missing record;
-updates of a missing record raise `NotFoundError`.
+a returned message never changes the store, and neither does changing a message after handing
+it in). Getters return None for a missing record; updates of a missing record raise
+`NotFoundError`. Records of one table MUST NOT require a record of another unless a method says
+so (a job's blobs, a node's donor, a checkpoint or job state of a job not stored are kept).
 
 Domain errors: the store raises the `CoordinatorError` subclasses of coordinator/core/errors.py
 (turned into gRPC status codes by the gRPC layer).
@@ -116,16 +120,21 @@ class Store(ABC):
     tasks wait until the transaction ends; reads of other tasks see only committed data.
     Nested ``transaction()`` blocks join the outer one. Do not hand the transaction's work to
     other tasks (they would wait for it: deadlock).
+
+    Once `close` has been called, every read, write and ``transaction()`` MUST raise StoreError
+    ("the store is closed"); a write given nothing to write may return without looking.
     """
 
     # -- lifecycle and transactions -------------------------------------------------------------
 
     @property
     @abstractmethod
-    def schema_version(self) -> int: ...
+    def schema_version(self) -> int:
+        """The schema version the data is kept in (a backend without migrations: the latest)."""
 
     @abstractmethod
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release the store; closing twice is harmless. It waits for an open transaction."""
 
     @abstractmethod
     def transaction(self) -> AbstractAsyncContextManager[None]: ...
@@ -133,23 +142,28 @@ class Store(ABC):
     @abstractmethod
     def add_event_listener(self, listener: EventListener) -> None:
         """``listener(event)`` is called (synchronously, in id order) for every appended event
-        once it is committed; events of a rolled-back transaction are never announced."""
+        once it is committed; events of a rolled-back transaction are never announced. A
+        listener's exception MUST be logged, not raised to the writer (the write is committed)."""
 
     # -- nodes ----------------------------------------------------------------------------------
 
     @abstractmethod
-    async def upsert_node(self, record: NodeRecord) -> None: ...
+    async def upsert_node(self, record: NodeRecord) -> None:
+        """Insert the node or replace its whole record (state, registration and heartbeat times
+        included)."""
 
     @abstractmethod
     async def update_heartbeats(self, updates: Sequence[HeartbeatUpdate]) -> None:
-        """Batch update of last_heartbeat_ms / lease_expires_ms; unknown ids are ignored."""
+        """Batch update of last_heartbeat_ms / lease_expires_ms; unknown ids are ignored. The
+        nodes read back MUST carry the times written last, by this or by `upsert_node`."""
 
     @abstractmethod
     async def get_node(self, node_id: str) -> NodeRecord | None: ...
 
     @abstractmethod
     async def list_nodes(self, states: Collection[int] = ()) -> list[NodeRecord]:
-        """Nodes in registration order; ``states`` (NodeState values) filters, empty = all."""
+        """Nodes in registration order (registered_at_ms, then node_id); ``states`` (NodeState
+        values) filters, empty = all."""
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -164,7 +178,9 @@ class Store(ABC):
         attrs: Mapping[str, str] | None = None,
         time_ms: int | None = None,
     ) -> common_pb2.Event:
-        """Persist an event; returns it with its id (strictly increasing, never reused)."""
+        """Persist an event (``time_ms`` None: now); returns a copy with its id. Ids MUST be
+        strictly increasing and never reused once committed (a rolled-back transaction's ids,
+        never seen by anyone, may be handed out again)."""
 
     @abstractmethod
     async def list_events(
@@ -180,24 +196,29 @@ class Store(ABC):
         at most ``limit`` (0 = no limit)."""
 
     @abstractmethod
-    async def last_event_id(self) -> int: ...
+    async def last_event_id(self) -> int:
+        """The highest id a committed append handed out (0: none), even when retention has
+        deleted that event since."""
 
     @abstractmethod
-    async def count_events(self) -> int: ...
+    async def count_events(self) -> int:
+        """How many events are stored."""
 
     @abstractmethod
     async def prune_events(
         self, before_ms: int, *, keep_job_states: Collection[int] = (), limit: int = 10_000
     ) -> int:
         """Delete up to ``limit`` (0: all) events older than ``before_ms``, except those of jobs
-        whose state is in ``keep_job_states``; returns how many. Event ids are never reused:
-        `last_event_id` stays where it was."""
+        whose state is in ``keep_job_states`` (events of jobs not stored are not kept); returns
+        how many. With a limit, the oldest (by time, then id) go first. Event ids are never
+        reused: `last_event_id` stays where it was."""
 
     # -- blobs ----------------------------------------------------------------------------------
 
     @abstractmethod
     async def add_blob(self, sha256: str, size: int) -> BlobRecord:
-        """Record a verified blob (idempotent: an existing record is returned unchanged)."""
+        """Record a verified blob, created now (idempotent: an existing record is returned
+        unchanged, its size and time included)."""
 
     @abstractmethod
     async def get_blob(self, sha256: str) -> BlobRecord | None: ...
@@ -207,7 +228,9 @@ class Store(ABC):
         """Blobs ordered by sha256, those > ``after``; ``limit`` 0 = all."""
 
     @abstractmethod
-    async def remove_blob(self, sha256: str) -> bool: ...
+    async def remove_blob(self, sha256: str) -> bool:
+        """Forget the blob's record; whether it was stored. Its owners' holds and its jobs'
+        records stay (they no longer make it visible or count)."""
 
     @abstractmethod
     async def touch_blob(self, sha256: str) -> bool:
@@ -215,13 +238,14 @@ class Store(ABC):
         to be named); False when it is not stored (collected meanwhile)."""
 
     @abstractmethod
-    async def blob_stats(self) -> BlobStats: ...
+    async def blob_stats(self) -> BlobStats:
+        """How many blobs are stored and their total size (0, 0 when none)."""
 
     # -- blob ownership: who uploaded a blob, which jobs use it ----------------------------------
 
     @abstractmethod
     async def add_blob_owner(self, sha256: str, owner: str) -> None:
-        """Record that ``owner`` uploaded the blob (idempotent)."""
+        """Record that ``owner`` uploaded the blob (idempotent; the blob need not be stored)."""
 
     @abstractmethod
     async def blob_visible_to(self, sha256: str, owner: str) -> bool:
@@ -229,11 +253,13 @@ class Store(ABC):
 
     @abstractmethod
     async def blob_owners(self, sha256: str) -> set[str]:
-        """The identities that uploaded the blob and hold it still."""
+        """The identities that uploaded the blob and hold it still (whether or not the blob is
+        stored)."""
 
     @abstractmethod
     async def remove_blob_owners(self, sha256: str, owners: Collection[str]) -> int:
-        """Drop ``owners``' hold on the blob; returns how many holds went."""
+        """Drop ``owners``' hold on the blob; returns how many holds went (an owner named twice
+        counts once)."""
 
     @abstractmethod
     async def owned_blob_bytes(self, owner: str) -> int:
@@ -241,18 +267,19 @@ class Store(ABC):
 
     @abstractmethod
     async def add_job_blobs(self, job_id: str, sha256s: Collection[str]) -> None:
-        """Record the blobs a job uses (its program, initial state and shards)."""
+        """Record the blobs a job uses (its program, initial state and shards); idempotent."""
 
     @abstractmethod
-    async def job_blobs(self, job_id: str) -> set[str]: ...
+    async def job_blobs(self, job_id: str) -> set[str]:
+        """The blobs recorded for the job, stored or not (empty: none)."""
 
     # -- jobs -----------------------------------------------------------------------------------
 
     @abstractmethod
     async def create_job(self, job: common_pb2.Job, owner: str) -> common_pb2.Job:
         """Store a new job. An empty job_id gets a fresh "j-..." id; owner is set from
-        ``owner``; created_ms/updated_ms are set when 0. Returns the stored job.
-        AlreadyExistsError if the id is taken."""
+        ``owner``; created_ms/updated_ms are set when 0 (to now). Returns a copy of the stored
+        job; the caller's message is left as it was. AlreadyExistsError if the id is taken."""
 
     @abstractmethod
     async def get_job(self, job_id: str) -> common_pb2.Job | None: ...
@@ -261,21 +288,26 @@ class Store(ABC):
     async def list_jobs(
         self, states: Collection[int] = (), owner: str | None = None, limit: int = 0
     ) -> list[common_pb2.Job]:
-        """Newest first; ``states`` (JobState values) filters, empty = all; limit 0 = all."""
+        """Newest first (created_ms, then job_id, both descending); ``states`` (JobState values)
+        filters, empty = all; ``owner`` None = any owner ("" is an owner); limit 0 = all."""
 
     @abstractmethod
     async def update_job(self, job: common_pb2.Job) -> None:
-        """Replace the whole record (the proto is stored as given). NotFoundError if absent."""
+        """Replace the whole record (the proto is stored as given: its owner, state and
+        created_ms included, so the filters and the order of `list_jobs` follow them).
+        NotFoundError if absent."""
 
     @abstractmethod
-    async def count_jobs_by_state(self) -> dict[int, int]: ...
+    async def count_jobs_by_state(self) -> dict[int, int]:
+        """JobState value -> how many jobs are in it (states without jobs are absent)."""
 
     # -- rounds ---------------------------------------------------------------------------------
 
     @abstractmethod
     async def add_round(self, record: common_pb2.RoundRecord) -> None:
-        """AlreadyExistsError if the job already has a live (not rolled back) round with that
-        number; NotFoundError if the job does not exist."""
+        """Store a live round record. AlreadyExistsError if the job already has a live (not
+        rolled back) round with that number; NotFoundError if the job does not exist (nothing
+        is written either way). The record's own ``rolled_back`` field is ignored."""
 
     @abstractmethod
     async def list_rounds(
@@ -286,11 +318,13 @@ class Store(ABC):
         include_rolled_back: bool = False,
     ) -> list[common_pb2.RoundRecord]:
         """Rounds with round > since_round in ascending order (then in insertion order);
-        limit 0 = all. Rolled-back rounds only with include_rolled_back."""
+        limit 0 = all. Rolled-back rounds only with include_rolled_back; each record's
+        ``rolled_back`` field says whether it was. An unknown job has none."""
 
     @abstractmethod
     async def rollback_rounds(self, job_id: str, after_round: int) -> int:
-        """Mark live rounds with round > after_round as rolled back; returns how many."""
+        """Mark live rounds with round > after_round as rolled back (kept, never deleted: their
+        numbers may be recorded again); returns how many."""
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -320,29 +354,33 @@ class Store(ABC):
     @abstractmethod
     async def drop_checkpoints(self, job_id: str, rounds: Collection[int]) -> list[bytes]:
         """Forget the checkpoints of ``job_id`` at ``rounds`` (retention); the manifests of
-        those that were there."""
+        those that were there, in ascending round order."""
 
     # -- per-job engine state -------------------------------------------------------------------
 
     @abstractmethod
-    async def put_job_state(self, job_id: str, key: str, value: bytes) -> None: ...
+    async def put_job_state(self, job_id: str, key: str, value: bytes) -> None:
+        """Set (or replace) the value under (``job_id``, ``key``)."""
 
     @abstractmethod
     async def get_job_state(self, job_id: str, key: str) -> bytes | None: ...
 
     @abstractmethod
-    async def delete_job_state(self, job_id: str, key: str) -> bool: ...
+    async def delete_job_state(self, job_id: str, key: str) -> bool:
+        """Forget the value; whether there was one."""
 
     # -- trust: join tokens and revocations -----------------------------------------------------
 
     @abstractmethod
     async def add_token(self, record: TokenRecord) -> None:
-        """Store a new join token (AlreadyExistsError if the hash is taken)."""
+        """Store a new join token as given, its ``uses`` included (AlreadyExistsError if the
+        hash is taken)."""
 
     @abstractmethod
     async def redeem_token(self, token_hash: str, now_ms: int) -> TokenRecord | None:
-        """Atomically use a token: the record (uses counted) when it exists, has not expired and
-        is reusable (within its ``max_uses``) or unused; else None and nothing changes."""
+        """Atomically use a token: the record (uses counted) when it exists, has not expired
+        (``expires_ms`` > ``now_ms``), is reusable or unused, and is within its ``max_uses``
+        (0: no limit); else None and nothing changes."""
 
     @abstractmethod
     async def get_token(self, token_hash: str) -> TokenRecord | None:
@@ -350,11 +388,13 @@ class Store(ABC):
 
     @abstractmethod
     async def quarantined_nodes_of_donor(self, donor: str) -> list[str]:
-        """The ids of the QUARANTINED nodes enrolled for ``donor`` (node_donors)."""
+        """The ids of the stored QUARANTINED nodes enrolled for ``donor`` (node_donors),
+        ordered by id."""
 
     @abstractmethod
     async def set_node_donor(self, node_id: str, donor: str) -> None:
-        """Record the donor whose account ``node_id`` earns for (replaces the one before)."""
+        """Record the donor whose account ``node_id`` earns for (replaces the one before; the
+        node need not be stored)."""
 
     @abstractmethod
     async def get_node_donor(self, node_id: str) -> str:
@@ -366,11 +406,12 @@ class Store(ABC):
 
     @abstractmethod
     async def add_revocation(self, principal: str, role: str, reason: str) -> bool:
-        """Refuse ``principal`` from now on; False if it was already revoked."""
+        """Refuse ``principal`` from now on; False (and the first record kept) if it was already
+        revoked."""
 
     @abstractmethod
     async def list_revocations(self) -> list[str]:
-        """Every revoked principal id."""
+        """Every revoked principal id (no order is promised)."""
 
     # -- cluster scheduler ----------------------------------------------------------------------
 
@@ -386,7 +427,11 @@ class Store(ABC):
 
     @abstractmethod
     async def add_ledger_entries(self, entries: Sequence[Entry]) -> list[int]:
-        """Append entries (in the caller's transaction, if any); their ids, increasing."""
+        """Append entries (in the caller's transaction, if any); their ids, increasing and never
+        reused once committed. Every amount MUST be positive: a batch with one that is not is
+        refused (memory: ValueError; SQLite: sqlite3.IntegrityError of its CHECK) and, outside a
+        transaction, nothing of it is written; inside one, let the transaction fail (SQLite
+        keeps the batch's entries before the refused one in it)."""
 
     @abstractmethod
     async def list_ledger_entries(
@@ -397,10 +442,12 @@ class Store(ABC):
 
     @abstractmethod
     async def ledger_balances(self) -> dict[str, int]:
-        """Every account's balance (what its entries sum to)."""
+        """Every account's balance (what its entries sum to), for every account an entry names,
+        those at zero included."""
 
     @abstractmethod
-    async def put_scheduler_state(self, key: str, value: bytes) -> None: ...
+    async def put_scheduler_state(self, key: str, value: bytes) -> None:
+        """Set (or replace) the scheduler's value under ``key``."""
 
     @abstractmethod
     async def get_scheduler_state(self, key: str) -> bytes | None: ...
