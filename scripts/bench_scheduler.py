@@ -8,7 +8,8 @@ Model (simulated time, nothing sleeps):
 - Nodes: a reference speed (log-normal) times a factor per (node type, job class): three node
   types and three job classes (transformer, conv, mlp), each type 3x faster on one class than
   on another. The scheduler sees the reference speed; a node's rate for a job becomes known
-  (+-5% measurement error) once the node has served the job.
+  (+-5% measurement error) only once its job benchmark there is in, as in the engine: a job
+  no node has served yet is ranked on reference speeds alone.
 - Jobs: tenants with weights 1, 2, 3, ...; arrivals spread over ``--arrival-s``; max_nodes
   4..64, min_nodes 1..8; work = max_nodes x a log-normal duration at the job's mean rate;
   priorities mostly normal, some low, a few high (at least two arrive mid-trace, when the
@@ -22,7 +23,8 @@ Model (simulated time, nothing sleeps):
 Policies (same trace, same simulator):
 - ours: `coordinator.scheduling.cluster_scheduler.schedule` with holdings carried over (a moved node is
   protected as long as the coordinator holds it, `coordinator.engine.cluster_scheduling.hold_seconds`: 3
-  rounds, or its job benchmark paid back at 20 % overhead),
+  rounds, or its job benchmark paid back at 20 % overhead; against a tenant below its fair
+  share only `share_hold_seconds`: 3 rounds),
   decayed tenant usage and attained service fed with each job's value x round_s, and each
   job's remaining samples (its size minus what it trained: what the engine knows from the
   job's epochs x dataset size; ``--unknown-sizes`` leaves them out, the scheduler then ranks
@@ -35,7 +37,11 @@ Policies (same trace, same simulator):
   nodes it held where it can, the rest in node id order.
 
 Figures: average job completion time (finish - arrival), makespan (last finish - first
-arrival), Jain's index across tenants of (node-equivalents received / weight) averaged over
+arrival), the most round boundaries a normal-priority job of a tenant below its fair share
+waited for its first nodes (`first_start_wait_rounds`: the tenant held fewer nodes in the
+round before the job's arrival than its whole weighted max-min share of the nodes the high
+tier left, all of them serving its other jobs as they asked; goal: the share hold plus one
+benchmark, in rounds), Jain's index across tenants of (node-equivalents received / weight) averaged over
 windows of ``--window-rounds`` rounds in which at least two tenants got less than they asked
 for in every round (normal tier; also over all tiers), and the largest number of round
 boundaries a high-priority job waited for its first nodes (0 = the first boundary after its
@@ -57,7 +63,7 @@ from typing import Protocol
 
 import numpy as np
 
-from coordinator.engine.cluster_scheduling import hold_seconds
+from coordinator.engine.cluster_scheduling import hold_seconds, share_hold_seconds
 from coordinator.scheduling.cluster_scheduler import (
     Holding,
     JobRequest,
@@ -66,6 +72,7 @@ from coordinator.scheduling.cluster_scheduler import (
     TenantUsage,
     Tier,
     schedule,
+    water_fill,
 )
 
 log = logging.getLogger("bench_scheduler")
@@ -112,6 +119,18 @@ class Config:
     def protect_s(self) -> float:
         """The coordinator's derived hold (coordinator/scheduling.hold_seconds)."""
         return hold_seconds(self.round_s, self.bench_s)
+
+    @property
+    def share_protect_s(self) -> float:
+        """The coordinator's hold against a tenant below its fair share."""
+        return share_hold_seconds(self.round_s)
+
+    @property
+    def goal_first_start_rounds(self) -> int:
+        """The share hold plus one job benchmark, in round boundaries."""
+        return math.ceil(self.share_protect_s / self.round_s - 1e-9) + math.ceil(
+            self.bench_s / self.round_s - 1e-9
+        )
 
 
 @dataclass(frozen=True)
@@ -236,6 +255,7 @@ class Ours:
         self.cfg = cfg
         self.trace = trace
         self.protected_until: dict[str, int] = {}  # node -> ms, set when it moved
+        self.share_until: dict[str, int] = {}  # node -> ms, against tenants below their share
         self.usage = TenantUsage(cfg.half_life_s)
         self.attained: dict[str, float] = {}  # job -> node-equivalent seconds so far
         self.tenants = {j.job_id: j.tenant for j in trace.jobs}
@@ -268,7 +288,10 @@ class Ours:
             )
             for nid in self.trace.node_ids
         ]
-        holdings = {n: Holding(j, self.protected_until.get(n, 0)) for n, j in held.items()}
+        holdings = {
+            n: Holding(j, self.protected_until.get(n, 0), self.share_until.get(n, 0))
+            for n, j in held.items()
+        }
         tenants = Tenants(self.trace.weights, self.usage.snapshot(now_ms))
         t0 = time.perf_counter()
         plan = schedule(now_ms, jobs, nodes, holdings, tenants)
@@ -278,6 +301,7 @@ class Ours:
         for n, j in owners.items():
             if held.get(n) != j:
                 self.protected_until[n] = now_ms + round(self.cfg.protect_s * 1000)
+                self.share_until[n] = now_ms + round(self.cfg.share_protect_s * 1000)
         for p in plan.jobs.values():
             if p.value > 0:
                 self.usage.add(self.tenants[p.job_id], p.value * self.cfg.round_s, now_ms)
@@ -384,6 +408,7 @@ class Run:
     # per round: tenant -> (demand in nodes, nodes got, node-equivalents got), by tier group
     demand: list[dict[str, tuple[int, int, float]]] = field(default_factory=list)
     demand_normal: list[dict[str, tuple[int, int, float]]] = field(default_factory=list)
+    high_nodes: list[int] = field(default_factory=list)  # per round: nodes of high-tier jobs
     pass_ms: list[float] = field(default_factory=list)
 
 
@@ -456,6 +481,7 @@ def simulate(cfg: Config, trace: Trace, name: str) -> Run:
 def _record_shares(
     run: Run, trace: Trace, live: Sequence[TraceJob], by_job: Mapping[str, list[str]]
 ) -> None:
+    run.high_nodes.append(sum(len(by_job.get(j.job_id, [])) for j in live if j.tier == Tier.HIGH))
     for target, only_normal in ((run.demand, False), (run.demand_normal, True)):
         row: dict[str, tuple[int, int, float]] = {}
         for job in live:
@@ -510,6 +536,28 @@ def high_priority_wait(cfg: Config, trace: Trace, run: Run) -> int | None:
     return max(waits) if waits else None
 
 
+def first_start_wait(cfg: Config, trace: Trace, run: Run) -> int | None:
+    """The most round boundaries a normal-priority job waited for its first nodes when its
+    tenant held fewer nodes in the round before its arrival than its whole weighted max-min
+    share (of the nodes the high tier left, between the tenants with normal jobs then) and
+    its other jobs had all they asked for (a tenant's own jobs take turns by expected
+    remaining work: that is no fair-share wait); None when no job arrived so."""
+    waits = []
+    for j in trace.jobs:
+        k0 = math.ceil(j.arrival_s / cfg.round_s - 1e-9)
+        if j.tier != Tier.NORMAL or k0 >= len(run.demand_normal):
+            continue
+        row = run.demand_normal[k0]  # the live normal jobs' demand at its arrival
+        demand = {t: float(want) for t, (want, _, _) in row.items()}
+        capacity = float(cfg.nodes - run.high_nodes[k0])
+        share = water_fill(demand, {t: trace.weights[t] for t in demand}, capacity)
+        want, before, _ = run.demand_normal[k0 - 1].get(j.tenant, (0, 0, 0.0)) if k0 else (0, 0, 0)
+        # the tenant's other jobs had what they asked for: the shortfall is this job's
+        if before == want and before < math.floor(share.get(j.tenant, 0.0) + 1e-9):
+            waits.append(run.first_round[j.job_id] - k0)
+    return max(waits) if waits else None
+
+
 def figures(cfg: Config, trace: Trace, run: Run) -> dict[str, object]:
     arrival = {j.job_id: j.arrival_s for j in trace.jobs}
     jct = [run.finish_s[j] - arrival[j] for j in arrival]
@@ -532,6 +580,7 @@ def figures(cfg: Config, trace: Trace, run: Run) -> dict[str, object]:
         "jain_index_all_tiers": jain_all,
         "jain_windows_all_tiers": windows_all,
         "high_priority_wait_rounds": high_priority_wait(cfg, trace, run),
+        "first_start_wait_rounds": first_start_wait(cfg, trace, run),
         "node_moves": run.node_moves,
         "rounds": run.rounds,
     }
@@ -556,6 +605,7 @@ def run_all(cfg: Config) -> tuple[dict[str, object], dict[str, Run], Trace]:
     speedup_equal = per["equal"]["avg_jct_s"] / ours["avg_jct_s"]  # type: ignore[operator]
     jain_ours = ours["jain_index"]
     hp_wait = ours["high_priority_wait_rounds"]
+    first_wait = ours["first_start_wait_rounds"]
     passes = runs["ours"].pass_ms
     demand = [sum(w for w, _, _ in row.values()) for row in runs["ours"].demand]
     out: dict[str, object] = {
@@ -568,6 +618,7 @@ def run_all(cfg: Config) -> tuple[dict[str, object], dict[str, Run], Trace]:
         "bench_s": cfg.bench_s,
         "known_sizes": cfg.known_sizes,
         "protect_s": cfg.protect_s,
+        "share_protect_s": cfg.share_protect_s,
         "jobs_by_priority": {
             t.label: sum(j.tier == t for j in trace.jobs) for t in sorted(Tier, reverse=True)
         },
@@ -578,10 +629,14 @@ def run_all(cfg: Config) -> tuple[dict[str, object], dict[str, Run], Trace]:
         "jct_speedup_vs_equal": speedup_equal,
         "jain_index": jain_ours,
         "high_priority_wait_rounds": hp_wait,
+        "first_start_wait_rounds": first_wait,
+        "goal_first_start_wait_rounds": cfg.goal_first_start_rounds,
         "goals_met": {
             "jct_speedup_vs_fifo": speedup_fifo >= GOAL_JCT_SPEEDUP,
             "jain_index": jain_ours is not None and jain_ours >= GOAL_JAIN,  # type: ignore[operator]
             "high_priority_wait_rounds": hp_wait is not None and hp_wait <= GOAL_HIGH_WAIT_ROUNDS,  # type: ignore[operator]
+            "first_start_wait_rounds": first_wait is None
+            or first_wait <= cfg.goal_first_start_rounds,  # type: ignore[operator]
         },
         "per_policy": per,
         "scheduler_pass_ms": {
@@ -667,6 +722,11 @@ def combine(outs: Sequence[Mapping[str, object]]) -> dict[str, object]:
     speedup = statistics.median(speedups)
     jain_worst = min(jains) if jains else None  # type: ignore[type-var]
     wait_worst = None if None in waits else max(waits)  # type: ignore[type-var]
+    first_waits = [
+        o["first_start_wait_rounds"] for o in outs if o["first_start_wait_rounds"] is not None
+    ]
+    first_worst = max(first_waits) if first_waits else None  # type: ignore[type-var]
+    first_goal = outs[0]["goal_first_start_wait_rounds"]
     keys = (
         "seed",
         "avg_jct_s",
@@ -675,6 +735,7 @@ def combine(outs: Sequence[Mapping[str, object]]) -> dict[str, object]:
         "jct_speedup_vs_equal",
         "jain_index",
         "high_priority_wait_rounds",
+        "first_start_wait_rounds",
         "goals_met",
     )
     first = outs[0]
@@ -693,11 +754,14 @@ def combine(outs: Sequence[Mapping[str, object]]) -> dict[str, object]:
             ),
             "jain_index": jain_worst,
             "high_priority_wait_rounds": wait_worst,
+            "first_start_wait_rounds": first_worst,
+            "goal_first_start_wait_rounds": first_goal,
             "goals_met": {
                 "jct_speedup_vs_fifo": speedup >= GOAL_JCT_SPEEDUP,
                 "jain_index": jain_worst is not None and jain_worst >= GOAL_JAIN,
                 "high_priority_wait_rounds": wait_worst is not None
                 and wait_worst <= GOAL_HIGH_WAIT_ROUNDS,
+                "first_start_wait_rounds": first_worst is None or first_worst <= first_goal,  # type: ignore[operator]
             },
             "per_seed": [
                 {

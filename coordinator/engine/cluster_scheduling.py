@@ -79,6 +79,14 @@ def hold_seconds(round_s: float, bench_s: float) -> float:
     return max(MIN_HOLD_S, HOLD_ROUNDS * round_s, bench_s / MAX_BENCH_OVERHEAD)
 
 
+def share_hold_seconds(round_s: float) -> float:
+    """How long a job keeps a node it claimed against a tenant of its tier below its fair
+    share, while its own tenant is above its share: HOLD_ROUNDS of its rounds of ``round_s``
+    (no benchmark payback: a job benchmark that takes long, e.g. a cold sandbox, must not
+    keep a new tenant waiting for minutes)."""
+    return max(MIN_HOLD_S, HOLD_ROUNDS * round_s)
+
+
 @dataclass(frozen=True)
 class Preemption:
     job_id: str
@@ -223,20 +231,24 @@ class ClusterScheduling:
             for info in eligible
         ]
         by_id = {r.job_id: r for r in live}
-        holdings = {
-            n: Holding(job_id, self.claimed_ms.get(n, 0) + self._hold_ms(by_id.get(job_id), n))
-            for n, job_id in claims.items()
-        }
+        holdings = {}
+        for n, job_id in claims.items():
+            claimed = self.claimed_ms.get(n, 0)
+            hold_ms, share_ms = self._hold_ms(by_id.get(job_id), n)
+            holdings[n] = Holding(job_id, claimed + hold_ms, claimed + share_ms)
         tenants = Tenants(self.weights, self.usage.snapshot(now_ms))
         self.last_plan = schedule(now_ms, jobs, nodes, holdings, tenants)
         return self.last_plan
 
-    def _hold_ms(self, runner: ScheduledJob | None, node_id: str) -> int:
+    def _hold_ms(self, runner: ScheduledJob | None, node_id: str) -> tuple[int, int]:
+        """(the node's hold, its hold against a tenant below its fair share), ms."""
         if self.hold_s is not None:
-            return int(self.hold_s * 1000)
+            return int(self.hold_s * 1000), int(self.hold_s * 1000)
         if runner is None:
-            return 0
-        return int(1000 * hold_seconds(runner.round_seconds(), runner.bench_seconds(node_id)))
+            return 0, 0
+        round_s = runner.round_seconds()
+        hold = hold_seconds(round_s, runner.bench_seconds(node_id))
+        return int(1000 * hold), int(1000 * share_hold_seconds(round_s))
 
     def preemption(self, job_id: str, claims: Mapping[str, str]) -> Preemption | None:
         """The nodes the last plan takes from `job_id` for other jobs (once per change)."""

@@ -32,6 +32,12 @@ Policy:
   job lives, unless a higher tier needs it. The engine sets the protection so that a node
   does not move more than once per few rounds and pays back its job benchmark. A node a job
   holds counts STICKINESS times faster for it when it picks nodes.
+- Fair shares first: while a tenant of the tier holds fewer nodes than its fair share (whole
+  nodes) and wants more, the nodes of a tenant above its share (beyond its share rounded up,
+  the slowest for their jobs first) stay protected only until `Holding.share_until_ms` (the
+  engine: a few of the job's rounds, not the benchmark payback), so a new tenant's first job
+  takes them at their next round boundary after that and is benchmarked on them then, however
+  long its holder's hold.
 """
 
 from __future__ import annotations
@@ -134,6 +140,17 @@ class Holding:
 
     job_id: str
     protected_until_ms: int = 0
+    # Until when it stays against a tenant of its tier below its fair share, if its own tenant
+    # is above its share (None: as long as protected_until_ms).
+    share_until_ms: int | None = None
+
+    def protected_against_fair_share(self, now_ms: int) -> bool:
+        """Whether, at ``now_ms``, the node still stays with its job against a tenant of its
+        tier below its fair share."""
+        until = self.protected_until_ms
+        if self.share_until_ms is not None:
+            until = min(until, self.share_until_ms)
+        return until > now_ms
 
 
 @dataclass
@@ -536,6 +553,8 @@ def schedule(
             ):
                 pinned[n] = h.job_id
                 pinned_count[h.job_id] += 1
+        in_tier = {n: held[n] for n in available if n in held}
+        pinned = _yield_to_fair_shares(pinned, in_tier, tier_jobs, tier_fair, rates, now_ms)
         work = _Tier(
             rates=rates,
             tenants=tenants,
@@ -673,6 +692,48 @@ def _fair_shares(jobs: Sequence[JobRequest], capacity: int, tenants: Tenants) ->
             {j.job_id: float(j.max_nodes) for j in mine}, {j.job_id: 1.0 for j in mine}, share
         )
         out.update(split)
+    return out
+
+
+def _yield_to_fair_shares(
+    pinned: Mapping[str, str],
+    held: Mapping[str, Holding],
+    jobs: Sequence[JobRequest],
+    fair: Mapping[str, float],
+    rates: Mapping[tuple[str, str], float],
+    now_ms: int,
+) -> dict[str, str]:
+    """`pinned` less the nodes a tenant above its fair share keeps only until their
+    `share_until_ms` while another tenant of the tier is below its share: when one holds
+    fewer whole nodes than its fair share and wants more, each tenant holding more nodes than
+    its share rounded up keeps pinned that many (the fastest for their jobs, and those still
+    within their share hold) and the rest compete like unprotected ones."""
+    tenant_of = {j.job_id: j.tenant for j in jobs}
+    share: dict[str, float] = {}
+    wants: dict[str, int] = {}
+    for j in jobs:
+        share[j.tenant] = share.get(j.tenant, 0.0) + fair.get(j.job_id, 0.0)
+        wants[j.tenant] = wants.get(j.tenant, 0) + j.max_nodes
+    holds = Counter(tenant_of[h.job_id] for h in held.values() if h.job_id in tenant_of)
+    below = [t for t in share if holds[t] < math.floor(share[t] + 1e-9) and holds[t] < wants[t]]
+    if not below:
+        return dict(pinned)
+    out = dict(pinned)
+    for tenant in sorted(share):
+        keep = math.ceil(share[tenant] - 1e-9)
+        mine = [n for n, j in pinned.items() if tenant_of.get(j) == tenant]
+        if holds[tenant] <= keep or len(mine) <= keep:
+            continue
+        mine.sort(
+            key=lambda n: (
+                not held[n].protected_against_fair_share(now_ms),
+                -rates[(n, pinned[n])],
+                n,
+            )
+        )
+        for n in mine[keep:]:
+            if not held[n].protected_against_fair_share(now_ms):
+                del out[n]
     return out
 
 

@@ -60,6 +60,8 @@ def test_small_trace_every_job_finishes_with_its_work_done(
         "jct_speedup_vs_equal",
         "jain_index",
         "high_priority_wait_rounds",
+        "first_start_wait_rounds",
+        "goal_first_start_wait_rounds",
         "goals_met",
         "scheduler_pass_ms",
         "seed",
@@ -75,6 +77,7 @@ def test_small_trace_every_job_finishes_with_its_work_done(
         "jct_speedup_vs_fifo",
         "jain_index",
         "high_priority_wait_rounds",
+        "first_start_wait_rounds",
     }
     assert len(trace.jobs) == 8 and len(trace.node_ids) == 20
     assert any(j.tier == Tier.HIGH for j in trace.jobs)

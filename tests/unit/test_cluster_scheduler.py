@@ -144,6 +144,31 @@ def test_hysteresis_keeps_a_recent_node_with_its_job_within_a_tier() -> None:
     assert len(after.jobs["b"].nodes) == 2
 
 
+def test_a_new_tenant_takes_its_share_after_the_share_hold_not_the_benchmark_payback() -> None:
+    # Tenant A's long job measured on all four nodes (speeds 1, 1, 1/2, 1/2), its nodes held
+    # for long (a slow job benchmark to pay back) but against fair shares only until 5 s;
+    # tenant B's new job measured nowhere yet.
+    speeds = [1.0, 1.0, 0.5, 0.5]
+    cluster = [
+        NodeOffer(f"n{i}", 100 * s, {"a": 50 * s}, kind="cpu:2") for i, s in enumerate(speeds)
+    ]
+    a = JobRequest("a", "alice", Tier.NORMAL, 1, 4, 0, attained_s=3000, remaining_samples=1e5)
+    b = JobRequest("b", "bob", Tier.NORMAL, 1, 4, 10_000, remaining_samples=4e4)
+    held = {f"n{i}": Holding("a", 10**9, 5_000) for i in range(4)}
+    tenants = Tenants(usage={"alice": 5000.0})
+    during = schedule(3_000, [a, b], cluster, held, tenants)
+    assert len(during.jobs["a"].nodes) == 4 and during.jobs["b"].waiting
+    after = schedule(6_000, [a, b], cluster, held, tenants)
+    after.check([a, b], cluster)
+    assert after.jobs["a"].nodes == ["n0", "n1"]  # A keeps its share, its fastest nodes
+    assert after.jobs["b"].nodes == ["n2", "n3"]
+    assert all(m.from_job == "a" and "fair share" in m.reason for m in after.moves)
+    # Once B holds its share, A's nodes are protected again for their whole hold.
+    now = {**held, "n2": Holding("b", 20_000, 7_000), "n3": Holding("b", 20_000, 7_000)}
+    steady = schedule(8_000, [a, b], cluster, now, tenants)
+    assert steady.owners() == after.owners() and not steady.moves
+
+
 def test_a_higher_tier_preempts_even_protected_nodes_and_lower_tiers_wait() -> None:
     cluster = nodes(4)
     low, normal = job("l", "alice", Tier.LOW, at=1), job("n", "bob", at=2)
@@ -243,7 +268,9 @@ def scenarios(draw: st.DrawFn) -> tuple[list[JobRequest], list[NodeOffer], dict[
     for o in offers:
         if jobs and draw(st.booleans()):
             holdings[o.node_id] = Holding(
-                draw(st.sampled_from(jobs)).job_id, draw(st.integers(0, 200))
+                draw(st.sampled_from(jobs)).job_id,
+                draw(st.integers(0, 200)),
+                draw(st.one_of(st.none(), st.integers(0, 200))),
             )
     return jobs, offers, holdings
 

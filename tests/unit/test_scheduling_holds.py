@@ -16,6 +16,7 @@ from coordinator.engine.cluster_scheduling import (
     MIN_HOLD_S,
     ClusterScheduling,
     hold_seconds,
+    share_hold_seconds,
 )
 from coordinator.store.sqlite import SqliteStore
 from epochmesh.v1 import common_pb2
@@ -96,13 +97,17 @@ def plan_after_claims(
     return asyncio.run(run())
 
 
-def test_derived_holds_keep_a_node_until_its_benchmark_is_paid_back(tmp_path: Path) -> None:
+def test_a_benchmark_payback_does_not_keep_a_tenant_below_its_share_waiting(
+    tmp_path: Path,
+) -> None:
     a = Runner("a", "alice", 0, round_s=0.5, bench_s={f"n{i}": 4.0 for i in range(4)})
     b = Runner("b", "bob", 1)
-    # 4 s of benchmark: held for 20 s. At 10 s B gets nothing yet, at 25 s its fair half.
-    early = plan_after_claims(tmp_path, None, a, b, at_ms=10_000)
+    # 4 s of benchmark: held for 20 s, but against B's fair share only for 3 rounds (1.5 s).
+    assert share_hold_seconds(0.5) == pytest.approx(1.5)
+    assert hold_seconds(0.5, 4.0) == pytest.approx(20.0)
+    early = plan_after_claims(tmp_path, None, a, b, at_ms=1_000)
     assert len(early["a"]) == 4 and early["b"] == []
-    late = plan_after_claims(tmp_path, None, a, b, at_ms=25_000)
+    late = plan_after_claims(tmp_path, None, a, b, at_ms=2_000)
     assert len(late["a"]) == 2 and len(late["b"]) == 2
 
 
