@@ -23,6 +23,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from coordinator.accounting.credit_book import Entry
+from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2
 
 # -- records ------------------------------------------------------------------------------------
@@ -82,6 +83,28 @@ def event_matches(
     if job_id and event.job_id != job_id:
         return False
     return kind_matches(event.kind, kinds)
+
+
+def new_event(
+    kind: str,
+    *,
+    node_id: str = "",
+    job_id: str = "",
+    message: str = "",
+    attrs: Mapping[str, str] | None = None,
+    time_ms: int | None = None,
+) -> common_pb2.Event:
+    """The event `Store.append_event` persists, before it has an id (``time_ms`` None: now)."""
+    event = common_pb2.Event(
+        time_ms=now_ms() if time_ms is None else time_ms,
+        kind=kind,
+        node_id=node_id,
+        job_id=job_id,
+        message=message,
+    )
+    if attrs:
+        event.attrs.update(attrs)
+    return event
 
 
 # -- the interface ------------------------------------------------------------------------------

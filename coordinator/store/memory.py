@@ -40,6 +40,7 @@ from coordinator.store.base import (
     Store,
     TokenRecord,
     kind_matches,
+    new_event,
 )
 from coordinator.store.migrations import LATEST_SCHEMA_VERSION
 from epochmesh.timeutil import now_ms
@@ -293,15 +294,9 @@ class MemoryStore(Store):
         attrs: Mapping[str, str] | None = None,
         time_ms: int | None = None,
     ) -> common_pb2.Event:
-        event = common_pb2.Event(
-            time_ms=now_ms() if time_ms is None else time_ms,
-            kind=kind,
-            node_id=node_id,
-            job_id=job_id,
-            message=message,
+        event = new_event(
+            kind, node_id=node_id, job_id=job_id, message=message, attrs=attrs, time_ms=time_ms
         )
-        if attrs:
-            event.attrs.update(attrs)
         row = _Event(event.time_ms, kind, node_id, job_id, event.SerializeToString())
         async with self._write() as t:
             t.event_seq += 1

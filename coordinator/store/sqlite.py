@@ -35,6 +35,7 @@ from coordinator.store.base import (
     NodeRecord,
     Store,
     TokenRecord,
+    new_event,
 )
 from coordinator.store.migrations import LATEST_SCHEMA_VERSION, migrate
 from epochmesh.timeutil import now_ms
@@ -291,15 +292,9 @@ class SqliteStore(Store):
         attrs: Mapping[str, str] | None = None,
         time_ms: int | None = None,
     ) -> common_pb2.Event:
-        event = common_pb2.Event(
-            time_ms=now_ms() if time_ms is None else time_ms,
-            kind=kind,
-            node_id=node_id,
-            job_id=job_id,
-            message=message,
+        event = new_event(
+            kind, node_id=node_id, job_id=job_id, message=message, attrs=attrs, time_ms=time_ms
         )
-        if attrs:
-            event.attrs.update(attrs)
         async with self._write() as db:
             cur = await db.execute(
                 "INSERT INTO events (time_ms, kind, node_id, job_id, data) VALUES (?, ?, ?, ?, ?)",

@@ -76,36 +76,43 @@ class Jobs:
         wait_until(reached, timeout=timeout, interval=0.2, message=f"{job_id} never {state}")
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[CoordinatorProc, list[AgentProc]]]:
+def _cluster_of(
+    tmp_path: Path, slowdowns: tuple[int, ...], *coordinator_args: str
+) -> Iterator[tuple[CoordinatorProc, list[AgentProc]]]:
+    """A coordinator (heartbeats every 0.5 s, plus ``coordinator_args``) and one agent per
+    slowdown, named n0, n1, ...; yields once every agent has its benchmark, kills all after."""
     address = f"127.0.0.1:{free_port()}"
     coord = start_coordinator(
-        tmp_path / "coord",
-        "--listen",
-        address,
-        "--heartbeat-interval",
-        "0.5",
-        "--scheduler-hold",
-        str(HOLD_S),
+        tmp_path / "coord", "--listen", address, "--heartbeat-interval", "0.5", *coordinator_args
     )
     agents: list[AgentProc] = []
     try:
-        for i in range(4):
-            # slowed down (rounds of ~0.1 s), so that the jobs outlast the submissions
+        for i, slowdown in enumerate(slowdowns):
             agents.append(
-                AgentProc(address, tmp_path / f"agent-{i}", "--name", f"n{i}", "--slowdown", "10")
+                AgentProc(
+                    address, tmp_path / f"agent-{i}", "--name", f"n{i}", "--slowdown", str(slowdown)
+                )
             )
         wait_until(
-            lambda: sum(n.benchmark.samples_per_second > 0 for n in list_nodes(address)) == 4,
+            lambda: (
+                sum(n.benchmark.samples_per_second > 0 for n in list_nodes(address))
+                == len(slowdowns)
+            ),
             timeout=90,
             interval=0.2,
-            message="four agents ready",
+            message=f"{len(slowdowns)} agents ready",
         )
         yield coord, agents
     finally:
         for a in agents:
             a.kill9()
         coord.kill9()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[CoordinatorProc, list[AgentProc]]]:
+    # slowed down (rounds of ~0.1 s), so that the jobs outlast the submissions
+    yield from _cluster_of(tmp_path, (10, 10, 10, 10), "--scheduler-hold", str(HOLD_S))
 
 
 def submit(tenant: Cli, directory: Path, doc: dict[str, Any], n: int) -> str:
@@ -212,29 +219,7 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
 def derived_holds(tmp_path: Path) -> Iterator[tuple[CoordinatorProc, list[AgentProc]]]:
     """A coordinator that derives its holds (no --scheduler-hold) and four agents at speeds
     1, 1, 1/2, 1/2 (slowed down so that rounds take ~0.1 s and a job outlasts a submission)."""
-    address = f"127.0.0.1:{free_port()}"
-    coord = start_coordinator(
-        tmp_path / "coord", "--listen", address, "--heartbeat-interval", "0.5"
-    )
-    agents: list[AgentProc] = []
-    try:
-        for i, slowdown in enumerate((4, 4, 8, 8)):
-            agents.append(
-                AgentProc(
-                    address, tmp_path / f"agent-{i}", "--name", f"n{i}", "--slowdown", str(slowdown)
-                )
-            )
-        wait_until(
-            lambda: sum(n.benchmark.samples_per_second > 0 for n in list_nodes(address)) == 4,
-            timeout=90,
-            interval=0.2,
-            message="four agents ready",
-        )
-        yield coord, agents
-    finally:
-        for a in agents:
-            a.kill9()
-        coord.kill9()
+    yield from _cluster_of(tmp_path, (4, 4, 8, 8))
 
 
 def test_a_new_tenant_runs_within_a_minute_while_the_first_tenants_long_job_runs(
