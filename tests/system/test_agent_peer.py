@@ -217,7 +217,10 @@ def _ring_job(coord: str, agents: list[AgentProc], directory: Path) -> None:
     job_id = submit(coord, toml)
     wait_succeeded(coord, job_id, timeout=100)
     log.info(f"ring smoke job done in {time.monotonic() - t0:.1f}s")
-    rounds = load_rounds(coord, job_id)
+    records = load_rounds(coord, job_id)
+    # A ring attempt that failed (a member's heartbeat late under load) is recorded with no
+    # applied part and retried: count the applied rounds.
+    rounds = [r for r in records if applied_parts(r)]
     assert len(rounds) == SMOKE_SAMPLES // SMOKE_BATCH
     covered = sorted(i for r in rounds for p in applied_parts(r) for i in indices(p))
     assert covered == list(range(SMOKE_SAMPLES))  # exactly once
@@ -225,9 +228,11 @@ def _ring_job(coord: str, agents: list[AgentProc], directory: Path) -> None:
     assert all(ext_id in {p["node_id"] for p in applied_parts(r)} for r in rounds)
 
     members = agents[:2]
+    recorded = {r["round"] for r in records}
     for a in members:
         lines = [m.groups() for m in _ROUND_LINE.finditer(a.log_text())]
-        assert sorted(int(g[0]) for g in lines) == [r["round"] for r in rounds], a
+        logged = {int(g[0]) for g in lines}
+        assert {r["round"] for r in rounds} <= logged <= recorded, a
         assert all(g[2] == "gradient" for g in lines)
     # The --no-peer node got each later round's state from a member (it dials out).
     served = sum(a.log_text().count(f"to node {ext_id}") for a in members)

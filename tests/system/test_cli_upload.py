@@ -58,7 +58,7 @@ def _partial_status(address: str, sha: str) -> job_pb2.GetBlobStatusResponse:
                 raise
             return None
 
-    return wait_until(status, timeout=10, message="the cut-off upload never showed")  # type: ignore[return-value]
+    return wait_until(status, timeout=20, message="the cut-off upload never showed")  # type: ignore[return-value]
 
 
 def _cut_off_upload(address: str, data: bytes, chunks: int) -> None:
@@ -74,12 +74,15 @@ def _cut_off_upload(address: str, data: bytes, chunks: int) -> None:
             yield job_pb2.UploadBlobRequest(
                 chunk=common_pb2.DataChunk(offset=i * MAX_CHUNK_BYTES, data=piece)
             )
+        # Die only once the coordinator has begun the upload: a client that dies before its
+        # header arrived leaves nothing to resume (the call is cancelled before it is sent).
+        _partial_status(address, ref.sha256)
         raise ConnectionAbortedError("client died")
 
     with sync_channel_for(address) as channel:
         stub = job_pb2_grpc.JobServiceStub(channel)
         with pytest.raises(grpc.RpcError):
-            stub.UploadBlob(requests(), timeout=10)
+            stub.UploadBlob(requests(), timeout=30)
 
 
 def test_upload_resumes_and_dedups(coordinator: CoordinatorProc) -> None:
