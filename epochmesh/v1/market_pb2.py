@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epochmesh.v1 import common_pb2 as epochmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65pochmesh/v1/market.proto\x12\x0c\x65pochmesh.v1\x1a\x19\x65pochmesh/v1/common.proto\"\xbb\x01\n\x0bLedgerEntry\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0f\n\x07time_ms\x18\x02 \x01(\x03\x12\x14\n\x0c\x66rom_account\x18\x03 \x01(\t\x12\x12\n\nto_account\x18\x04 \x01(\t\x12\x14\n\x0c\x61mount_micro\x18\x05 \x01(\x03\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06job_id\x18\x07 \x01(\t\x12\r\n\x05round\x18\x08 \x01(\x03\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x0f\n\x07samples\x18\n \x01(\x03\"<\n\x13GrantCreditsRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x14\n\x0c\x61mount_micro\x18\x02 \x01(\x03\"W\n\x14GrantCreditsResponse\x12(\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x19.epochmesh.v1.LedgerEntry\x12\x15\n\rbalance_micro\x18\x02 \x01(\x03\"1\n\x11GetBalanceRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\"8\n\x0e\x41\x63\x63ountBalance\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x15\n\rbalance_micro\x18\x02 \x01(\x03\"D\n\x12GetBalanceResponse\x12.\n\x08\x62\x61lances\x18\x01 \x03(\x0b\x32\x1c.epochmesh.v1.AccountBalance\"W\n\x13GetStatementRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x10\n\x08\x61\x66ter_id\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\x05\"B\n\x14GetStatementResponse\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.epochmesh.v1.LedgerEntry\"8\n\x10\x41\x64\x64\x42udgetRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61mount_micro\x18\x02 \x01(\x03\x32\xce\x02\n\rMarketService\x12U\n\x0cGrantCredits\x12!.epochmesh.v1.GrantCreditsRequest\x1a\".epochmesh.v1.GrantCreditsResponse\x12O\n\nGetBalance\x12\x1f.epochmesh.v1.GetBalanceRequest\x1a .epochmesh.v1.GetBalanceResponse\x12U\n\x0cGetStatement\x12!.epochmesh.v1.GetStatementRequest\x1a\".epochmesh.v1.GetStatementResponse\x12>\n\tAddBudget\x12\x1e.epochmesh.v1.AddBudgetRequest\x1a\x11.epochmesh.v1.Jobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65pochmesh/v1/market.proto\x12\x0c\x65pochmesh.v1\x1a\x19\x65pochmesh/v1/common.proto\"\xbb\x01\n\x0bLedgerEntry\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0f\n\x07time_ms\x18\x02 \x01(\x03\x12\x14\n\x0c\x66rom_account\x18\x03 \x01(\t\x12\x12\n\nto_account\x18\x04 \x01(\t\x12\x14\n\x0c\x61mount_micro\x18\x05 \x01(\x03\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06job_id\x18\x07 \x01(\t\x12\r\n\x05round\x18\x08 \x01(\x03\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x0f\n\x07samples\x18\n \x01(\x03\"L\n\x13GrantCreditsRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x14\n\x0c\x61mount_micro\x18\x02 \x01(\x03\x12\x0e\n\x06\x63reate\x18\x03 \x01(\x08\"W\n\x14GrantCreditsResponse\x12(\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x19.epochmesh.v1.LedgerEntry\x12\x15\n\rbalance_micro\x18\x02 \x01(\x03\"@\n\x11GetBalanceRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\r\n\x05known\x18\x03 \x01(\x08\"8\n\x0e\x41\x63\x63ountBalance\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x15\n\rbalance_micro\x18\x02 \x01(\x03\"D\n\x12GetBalanceResponse\x12.\n\x08\x62\x61lances\x18\x01 \x03(\x0b\x32\x1c.epochmesh.v1.AccountBalance\"W\n\x13GetStatementRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x10\n\x08\x61\x66ter_id\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\x05\"B\n\x14GetStatementResponse\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.epochmesh.v1.LedgerEntry\"8\n\x10\x41\x64\x64\x42udgetRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61mount_micro\x18\x02 \x01(\x03\x32\xce\x02\n\rMarketService\x12U\n\x0cGrantCredits\x12!.epochmesh.v1.GrantCreditsRequest\x1a\".epochmesh.v1.GrantCreditsResponse\x12O\n\nGetBalance\x12\x1f.epochmesh.v1.GetBalanceRequest\x1a .epochmesh.v1.GetBalanceResponse\x12U\n\x0cGetStatement\x12!.epochmesh.v1.GetStatementRequest\x1a\".epochmesh.v1.GetStatementResponse\x12>\n\tAddBudget\x12\x1e.epochmesh.v1.AddBudgetRequest\x1a\x11.epochmesh.v1.Jobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEDGERENTRY']._serialized_start=71
   _globals['_LEDGERENTRY']._serialized_end=258
   _globals['_GRANTCREDITSREQUEST']._serialized_start=260
-  _globals['_GRANTCREDITSREQUEST']._serialized_end=320
-  _globals['_GRANTCREDITSRESPONSE']._serialized_start=322
-  _globals['_GRANTCREDITSRESPONSE']._serialized_end=409
-  _globals['_GETBALANCEREQUEST']._serialized_start=411
-  _globals['_GETBALANCEREQUEST']._serialized_end=460
-  _globals['_ACCOUNTBALANCE']._serialized_start=462
-  _globals['_ACCOUNTBALANCE']._serialized_end=518
-  _globals['_GETBALANCERESPONSE']._serialized_start=520
-  _globals['_GETBALANCERESPONSE']._serialized_end=588
-  _globals['_GETSTATEMENTREQUEST']._serialized_start=590
-  _globals['_GETSTATEMENTREQUEST']._serialized_end=677
-  _globals['_GETSTATEMENTRESPONSE']._serialized_start=679
-  _globals['_GETSTATEMENTRESPONSE']._serialized_end=745
-  _globals['_ADDBUDGETREQUEST']._serialized_start=747
-  _globals['_ADDBUDGETREQUEST']._serialized_end=803
-  _globals['_MARKETSERVICE']._serialized_start=806
-  _globals['_MARKETSERVICE']._serialized_end=1140
+  _globals['_GRANTCREDITSREQUEST']._serialized_end=336
+  _globals['_GRANTCREDITSRESPONSE']._serialized_start=338
+  _globals['_GRANTCREDITSRESPONSE']._serialized_end=425
+  _globals['_GETBALANCEREQUEST']._serialized_start=427
+  _globals['_GETBALANCEREQUEST']._serialized_end=491
+  _globals['_ACCOUNTBALANCE']._serialized_start=493
+  _globals['_ACCOUNTBALANCE']._serialized_end=549
+  _globals['_GETBALANCERESPONSE']._serialized_start=551
+  _globals['_GETBALANCERESPONSE']._serialized_end=619
+  _globals['_GETSTATEMENTREQUEST']._serialized_start=621
+  _globals['_GETSTATEMENTREQUEST']._serialized_end=708
+  _globals['_GETSTATEMENTRESPONSE']._serialized_start=710
+  _globals['_GETSTATEMENTRESPONSE']._serialized_end=776
+  _globals['_ADDBUDGETREQUEST']._serialized_start=778
+  _globals['_ADDBUDGETREQUEST']._serialized_end=834
+  _globals['_MARKETSERVICE']._serialized_start=837
+  _globals['_MARKETSERVICE']._serialized_end=1171
 # @@protoc_insertion_point(module_scope)

@@ -32,12 +32,14 @@ class LedgerEntry(_message.Message):
     def __init__(self, id: _Optional[int] = ..., time_ms: _Optional[int] = ..., from_account: _Optional[str] = ..., to_account: _Optional[str] = ..., amount_micro: _Optional[int] = ..., reason: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., node_id: _Optional[str] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class GrantCreditsRequest(_message.Message):
-    __slots__ = ("account", "amount_micro")
+    __slots__ = ("account", "amount_micro", "create")
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     AMOUNT_MICRO_FIELD_NUMBER: _ClassVar[int]
+    CREATE_FIELD_NUMBER: _ClassVar[int]
     account: str
     amount_micro: int
-    def __init__(self, account: _Optional[str] = ..., amount_micro: _Optional[int] = ...) -> None: ...
+    create: bool
+    def __init__(self, account: _Optional[str] = ..., amount_micro: _Optional[int] = ..., create: _Optional[bool] = ...) -> None: ...
 
 class GrantCreditsResponse(_message.Message):
     __slots__ = ("entry", "balance_micro")
@@ -48,12 +50,14 @@ class GrantCreditsResponse(_message.Message):
     def __init__(self, entry: _Optional[_Union[LedgerEntry, _Mapping]] = ..., balance_micro: _Optional[int] = ...) -> None: ...
 
 class GetBalanceRequest(_message.Message):
-    __slots__ = ("account", "all")
+    __slots__ = ("account", "all", "known")
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     ALL_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
     account: str
     all: bool
-    def __init__(self, account: _Optional[str] = ..., all: _Optional[bool] = ...) -> None: ...
+    known: bool
+    def __init__(self, account: _Optional[str] = ..., all: _Optional[bool] = ..., known: _Optional[bool] = ...) -> None: ...
 
 class AccountBalance(_message.Message):
     __slots__ = ("account", "balance_micro")

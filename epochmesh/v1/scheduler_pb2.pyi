@@ -189,12 +189,14 @@ class GetQueueResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., tenant_weights: _Optional[_Mapping[str, float]] = ..., other_jobs: _Optional[int] = ...) -> None: ...
 
 class SetTenantWeightRequest(_message.Message):
-    __slots__ = ("tenant", "weight")
+    __slots__ = ("tenant", "weight", "create")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CREATE_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     weight: float
-    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+    create: bool
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., create: _Optional[bool] = ...) -> None: ...
 
 class SetTenantWeightResponse(_message.Message):
     __slots__ = ("tenant", "weight")
