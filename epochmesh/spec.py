@@ -236,6 +236,11 @@ def parse_spec(
             raise SpecError(
                 f"{where.at('data', 'train')}dataset file not found: {data_path} "
                 "(set [data].train to a .safetensors file)"
+                + (
+                    f"; run make_data.py in {base} first"
+                    if (base / "make_data.py").is_file()
+                    else ""
+                )
             )
     return LoadedSpec(
         spec=spec, base_dir=base, model_path=model_path, data_path=data_path, toml_text=text
