@@ -334,7 +334,7 @@ class Coordinator:
             authorizer.is_revoked if authorizer is not None else (lambda _: False),
             authorizer,
         )
-        http = HttpServer(host, port, backend)
+        http = HttpServer(host, port, backend, cfg.advertise)
         try:
             http.start()
         except OSError as exc:

@@ -17,8 +17,23 @@ The server runs in threads of its own (``ThreadingHTTPServer``): parsing, JSON e
 rendering the metrics never run on the coordinator's event loop. Reads of the registry, store
 and engine are short coroutines sent to that loop (`asyncio.run_coroutine_threadsafe`), the
 same objects the gRPC services read; the cluster read behind ``/metrics`` is shared by
-callers within `STATE_MAX_AGE_S`. A bad request is answered (400, 401, 403, 404, 405, 413,
-503) and never disturbs the coordinator.
+callers within `STATE_MAX_AGE_S`. A bad request is answered (400, 401, 403, 404, 405, 411,
+413, 415, 421, 503) and never disturbs the coordinator.
+
+Slow and hostile clients:
+- A connection is admitted only while its client address (an IPv6 one by its /64) holds fewer
+  than `MAX_CONNECTIONS_PER_CLIENT` and the server fewer than `MAX_CONNECTIONS`; others get a
+  503 and are closed at once, so connections (each a thread) are bounded.
+- Every request (its line, headers and body), and the wait for the next one on a kept-alive
+  connection, must arrive within `REQUEST_DEADLINE_S` in all, however slowly the bytes trickle;
+  a connection past its deadline is closed. Only a request read in full takes one of the
+  `MAX_CONCURRENT` slots a request is served in, so slow senders never hold a slot.
+- Without a login (the trusted loopback path), the Host header must name this server: a
+  loopback name or address, the listen address, or an ``--advertise`` name (a page of another
+  site that rebinds its DNS name to 127.0.0.1 gets 421 and reads nothing).
+- POSTs from a browser must come from the dashboard's own origin (Origin, else Referer, equal
+  to the Host); the login takes ``application/json`` only (a cross-site form cannot log a
+  browser in as someone else).
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -45,9 +61,16 @@ from coordinator.observability.dashboard_access import (
     SESSION_TTL_S,
     Session,
     Sessions,
+    SessionsFull,
     UsedCodes,
     redeem_login_code,
     redeem_login_token,
+)
+from coordinator.observability.http_guard import (
+    ConnectionGuard,
+    Deadlines,
+    HostNames,
+    same_origin,
 )
 from coordinator.observability.metrics import CoordinatorMetrics
 from coordinator.store.base import Store
@@ -74,6 +97,12 @@ MAX_BODY_BYTES = 4096
 MAX_CONCURRENT = 32
 SOCKET_TIMEOUT_S = 15.0
 MAX_QUERY_INT = 2**62
+# A request (line, headers, body), or the wait for the next one on a kept-alive connection,
+# arrives within this long in all, else its connection is closed.
+REQUEST_DEADLINE_S = 10.0
+# Connections open at once from one client address (an IPv6 one by its /64), and in all.
+MAX_CONNECTIONS_PER_CLIENT = 16
+MAX_CONNECTIONS = 128
 
 
 class HttpError(Exception):
@@ -119,6 +148,8 @@ class DashboardBackend:
         self.is_revoked = is_revoked
         self.sessions = Sessions()
         self.slots = threading.BoundedSemaphore(MAX_CONCURRENT)
+        # The Host names served without a login (set by `HttpServer.start` from its address).
+        self.hosts = HostNames("127.0.0.1")
         self._state_lock = threading.Lock()
         self._state: tuple[float, ClusterState] | None = None
         metrics.attach_cluster(self.cluster_state)
@@ -166,7 +197,10 @@ class DashboardBackend:
                 HTTPStatus.FORBIDDEN if exc.code == "PERMISSION_DENIED" else HTTPStatus.UNAUTHORIZED
             )
             raise HttpError(status, str(exc)) from None
-        secret = self.sessions.create(session.principal, session.role)
+        try:
+            secret = self.sessions.create(session.principal, session.role)
+        except SessionsFull as exc:
+            raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from None
         log.info("dashboard login: %s %s", session.role, session.principal)
         return secret, self.sessions.get(secret) or session
 
@@ -176,6 +210,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = SOCKET_TIMEOUT_S
     backend: DashboardBackend  # set on the subclass the server makes
+    _body: bytes = b""  # the request's body, read before it takes a slot
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -243,8 +278,64 @@ class DashboardHandler(BaseHTTPRequestHandler):
             raise HttpError(HTTPStatus.UNAUTHORIZED, "log in with a join token first")
         return viewer
 
-    def _dispatch(self, run: Callable[[str, dict[str, list[str]]], None]) -> None:
+    def handle_one_request(self) -> None:
+        """One request, read within `REQUEST_DEADLINE_S` (the wait for it included)."""
+        deadlines = cast(_Server, self.server).deadlines
+        deadlines.arm(self.connection, REQUEST_DEADLINE_S)
+        try:
+            super().handle_one_request()
+        finally:
+            deadlines.forget(self.connection)
+
+    def _read_body(self) -> bytes:
+        """The request's body (at most `MAX_BODY_BYTES`; none without a Content-Length)."""
+        if "Transfer-Encoding" in self.headers:
+            raise HttpError(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length")
+        length_text = self.headers.get("Content-Length")
+        if length_text is None:
+            return b""
+        if not length_text.strip().isdigit():
+            raise HttpError(HTTPStatus.BAD_REQUEST, "malformed Content-Length")
+        length = int(length_text)
+        if length > MAX_BODY_BYTES:
+            raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "the body is too large")
+        body = self.rfile.read(length)
+        if len(body) != length:
+            raise HttpError(HTTPStatus.BAD_REQUEST, "the body ended early")
+        return body
+
+    def _admit(self, with_body: bool) -> bytes:
+        """Checks that need no slot, and the body read in full (before a slot is taken)."""
+        if not self.backend.login and not self.backend.hosts.allows(self.headers.get("Host")):
+            raise HttpError(
+                HTTPStatus.MISDIRECTED_REQUEST,
+                "this dashboard answers only to its own names (a loopback address, localhost "
+                "or an --advertise name) in the Host header",
+            )
+        if self.command == "POST" and not same_origin(
+            self.headers.get("Origin"), self.headers.get("Referer"), self.headers.get("Host")
+        ):
+            raise HttpError(HTTPStatus.FORBIDDEN, "cross-origin request refused")
+        return self._read_body() if with_body else b""
+
+    def _dispatch(
+        self, run: Callable[[str, dict[str, list[str]]], None], with_body: bool = False
+    ) -> None:
         api = self.path.startswith("/api/") or self.path.startswith("/metrics")
+        deadlines = cast(_Server, self.server).deadlines
+        try:
+            self._body = self._admit(with_body)
+        except HttpError as exc:
+            self.close_connection = True  # a body may be left unread
+            if deadlines.finish(self.connection):
+                self._error(exc.status, exc.message, api)
+            return
+        except OSError:
+            self.close_connection = True
+            return
+        if not deadlines.finish(self.connection):
+            self.close_connection = True  # past its deadline: shut down, answer nothing
+            return
         if not self.backend.slots.acquire(blocking=False):
             self._error(HTTPStatus.SERVICE_UNAVAILABLE, "too many requests at once", api)
             return
@@ -279,7 +370,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
         self._dispatch(self._get)
 
     def do_POST(self) -> None:  # noqa: N802
-        self._dispatch(self._post)
+        self._dispatch(self._post, with_body=True)
 
     def _refuse_method(self) -> None:
         self._dispatch(self._not_allowed)
@@ -367,13 +458,15 @@ class DashboardHandler(BaseHTTPRequestHandler):
         )
 
     def _login_token(self) -> str:
-        length_text = self.headers.get("Content-Length", "")
-        if not length_text.isdigit():
+        if self.headers.get("Content-Length") is None:
             raise HttpError(HTTPStatus.LENGTH_REQUIRED, "a body with the token is required")
-        length = int(length_text)
-        if length > MAX_BODY_BYTES:
-            raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "the body is too large")
-        body = self.rfile.read(length)
+        content_type = self.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json":
+            raise HttpError(
+                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                'the login takes Content-Type: application/json, {"token": "..."}',
+            )
+        body = self._body
         try:
             data = json.loads(body.decode())
         except (UnicodeDecodeError, ValueError):
@@ -406,18 +499,60 @@ def _escape(text: str) -> str:
 
 
 class _Server(ThreadingHTTPServer):
+    """A thread per connection, admitted by its `ConnectionGuard`; its `Deadlines` close the
+    connections whose request is late."""
+
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
+    guard: ConnectionGuard
+    deadlines: Deadlines
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        reason = self.guard.admit(str(client_address[0]))
+        if not reason:
+            return True
+        log.debug("http %s: connection refused: %s", client_address[0], reason)
+        body = json.dumps({"error": reason, "status": 503}).encode()
+        try:
+            request.setblocking(False)  # never wait on a client that does not read
+            request.send(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nRetry-After: 1\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+        except OSError:
+            pass
+        return False
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.guard.release(str(client_address[0]))
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.deadlines.forget(request)
+            self.guard.release(str(client_address[0]))
 
 
 class HttpServer:
     """The HTTP port in a thread of its own; `start` binds (raises OSError), `stop` ends it."""
 
-    def __init__(self, host: str, port: int, backend: DashboardBackend) -> None:
+    def __init__(
+        self, host: str, port: int, backend: DashboardBackend, names: tuple[str, ...] = ()
+    ) -> None:
+        """``names``: host names this server also answers to without a login (--advertise)."""
         self._host = host
         self._port = port
         self._backend = backend
+        self._names = names
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -427,13 +562,15 @@ class HttpServer:
         family_host = self._host.strip("[]")
         server_cls = _Server
         if ":" in family_host:
-            import socket
-
             server_cls = cast(
                 type[_Server], type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
             )
-        self._server = server_cls((family_host, self._port), handler)
-        port = self._server.server_address[1]
+        self._backend.hosts = HostNames(family_host, self._names)
+        server = self._server = server_cls((family_host, self._port), handler)
+        server.guard = ConnectionGuard(MAX_CONNECTIONS_PER_CLIENT, MAX_CONNECTIONS)
+        server.deadlines = Deadlines()
+        server.deadlines.start()
+        port = server.server_address[1]
         self.address = f"[{family_host}]:{port}" if ":" in family_host else f"{family_host}:{port}"
         self._thread = threading.Thread(
             target=self._server.serve_forever,
@@ -451,5 +588,6 @@ class HttpServer:
             return
         server.shutdown()
         server.server_close()
+        server.deadlines.stop()
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -82,6 +82,8 @@ async def fetch(
     headers: dict[str, str] | None = None,
 ) -> Reply:
     url = f"http://{coord.http_address}{path}"
+    if body is not None:  # the login takes JSON only (urllib would say a form)
+        headers = {"Content-Type": "application/json", **(headers or {})}
     return await asyncio.to_thread(_request, url, method, body, headers)
 
 

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from coordinator.observability.cluster_view import ClusterState, QueueEntry, Viewer, redact_jobs
-from coordinator.observability.dashboard_access import Sessions, is_loopback_host, login_required
+from coordinator.observability.dashboard_access import (
+    Sessions,
+    SessionsFull,
+    is_loopback_host,
+    login_required,
+)
 from coordinator.observability.metrics import cluster_families
 from coordinator.observability.round_stats import Histogram, JobRounds, RoundStats
 from epochmesh.v1 import common_pb2
@@ -144,9 +149,12 @@ def test_sessions_expire_and_end() -> None:
     session = sessions.get(first, now_s=5)
     assert session is not None and session.viewer == Viewer("submitter", "u-1")
     assert sessions.get(first, now_s=11) is None
-    a, b, c = (sessions.create(f"u-{i}", "operator", now_s=0) for i in range(3))
-    assert sessions.get(a, now_s=1) is None  # the oldest beyond max_sessions
+    a, b = (sessions.create(f"u-{i}", "operator", now_s=0) for i in range(2))
+    with pytest.raises(SessionsFull):  # full: nobody's session ends to make room
+        sessions.create("u-2", "operator", now_s=1)
+    assert sessions.get(a, now_s=1) is not None
     sessions.end(b)
+    c = sessions.create("u-2", "operator", now_s=1)
     assert sessions.get(b, now_s=1) is None and sessions.get(c, now_s=1) is not None
     assert sessions.get("", now_s=1) is None and sessions.get("x" * 500, now_s=1) is None
 
