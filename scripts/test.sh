@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv (if missing), install epochmesh with its dev extras, and run the whole test suite.
+# Set up .venv (if missing), install epochmesh with its dev extras, build the documentation site
+# and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
@@ -21,6 +22,11 @@ fi
 # Types ([tool.mypy] in pyproject.toml: the pure packages and the seams strict). The layer
 # contracts (import-linter) and the purity and circle checks run in tests/test_architecture.py.
 .venv/bin/mypy
+# The documentation site (mkdocs.yml): warnings are errors, so a broken link or a page missing
+# from the nav fails the test command. Built into a temporary folder, removed afterwards.
+site_dir=$(mktemp -d)
+.venv/bin/mkdocs build --strict --site-dir "$site_dir"
+rm -rf "$site_dir"
 # One process by default. EPOCHMESH_TEST_WORKERS=2 runs two pytest-xdist workers: measured on
 # these 2 cores, one worker ~21 min, two ~17.5 min, three ~17.5 min (each test slower; the suite
 # is ~25 CPU-minutes), but under the doubled load a timing-sensitive system test (a share
