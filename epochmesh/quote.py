@@ -25,6 +25,13 @@ from epochmesh.matching import SECONDS_PER_HOUR, Offer, cheapest_nodes, fastest_
 from epochmesh.money import format_credits
 from epochmesh.v1 import common_pb2
 
+# The reference benchmark's model (node_agent/training/reference_model.py: an MLP
+# 128-256-256-10) does this many FLOPs per training sample, counted as
+# epochmesh/program/flops.py counts a program's: forward 2 x (128x256 + 256x256 + 256x10) =
+# 201,728, backward twice that less the first layer's input gradient (2 x 128 x 256). A
+# node's reference samples/s times this is its measured FLOP/s.
+REFERENCE_FLOPS_PER_SAMPLE = 539_648.0
+
 CHEAPEST = "cheapest"  # the least cost per epoch
 FASTEST = "fastest"  # the most samples/s within max_price (a job with a deadline)
 

@@ -79,7 +79,11 @@ def cmd_stats(ctx: Context) -> int:
         ("coordinator", f"{ctx.address.address}, up {fmt_duration(stats.uptime_ms / 1000)}"),
         ("nodes", counts(dict(stats.nodes_by_state), NODE_STATES)),
         ("jobs", counts(dict(stats.jobs_by_state), JOB_STATES)),
-        ("throughput", f"{fmt_rate(stats.total_samples_per_second)} samples/s"),
+        (
+            "throughput",
+            f"{fmt_rate(stats.total_samples_per_second)} samples/s (each node's on its job, "
+            "else its reference benchmark's)",
+        ),
         ("blobs", f"{stats.blobs} ({fmt_bytes(stats.blob_bytes)})"),
         ("events", str(stats.events)),
         ("heartbeats", str(stats.heartbeats_total)),

@@ -20,7 +20,7 @@ from client.rpc import CliError, ExitCode
 from epochmesh.errors import SpecError
 from epochmesh.matching import SECONDS_PER_HOUR, Offer
 from epochmesh.money import MICRO, format_credits
-from epochmesh.quote import JOB_RATE, JobQuote, Quote, quote, quote_job
+from epochmesh.quote import JOB_RATE, JobQuote, Quote, max_price_of, quote, quote_job
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
@@ -28,6 +28,18 @@ NS = common_pb2.NodeState
 HIDDEN_STATES = frozenset({NS.NODE_STATE_OFFLINE, NS.NODE_STATE_QUARANTINED})
 QUOTE_STATES = (NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY)  # the nodes that could take a job
 RATES_NOTE = "rates from the reference benchmark; a job's own speed differs"
+PREDICTED_NOTE = (
+    "JOB SAMPLES/S is predicted for this program: each node's reference benchmark FLOP/s x "
+    "an efficiency (FROM: jobs measured on its device model, else a default) / the "
+    "program's FLOPs per sample"
+)
+FLOP_SAMPLES = 4  # samples the program's FLOPs are counted on
+RATE_SOURCES = {
+    "same_program": "same program",
+    "calibrated": "device model",
+    "calibrated_other_devices": "other devices",
+    "default_efficiency": "default",
+}
 JOBS_SHOWN = 2  # per-job speeds in the offers table; the rest as "+N"
 JOB_ID_SHOWN = 8  # "j-" and 6 hex: a prefix `status` and `quote` accept
 
@@ -181,7 +193,7 @@ def cmd_offers(ctx: Context) -> int:
             "STATE",
             "DEVICE",
             "PRICE",
-            "SAMPLES/S",
+            "SAMPLES/S*",
             "SAMPLES/CREDIT",
             "RELIABILITY",
             "VERIFIED",
@@ -329,14 +341,151 @@ def _emit_lines(ctx: Context, rows: list[tuple[str, str]]) -> None:
         ctx.emit(f"{key.ljust(width)}  {value}")
 
 
+def program_figures(packed: Any) -> tuple[float, str, int]:
+    """(FLOPs of a training step per sample, the program's sha256, the parameters' bytes) of
+    a packed job, counted on the first few samples of its dataset."""
+    import hashlib
+
+    from safetensors.torch import load
+
+    from epochmesh.program.flops import training_flops_per_sample
+
+    data = load(packed.shards[0][2]) if packed.shards else {}
+    spec = packed.spec
+    n = min(FLOP_SAMPLES, packed.num_samples)
+    try:
+        flops = training_flops_per_sample(
+            packed.program,
+            packed.initial_state,
+            [data[k][:n] for k in spec.inputs],
+            [data[k][:n] for k in spec.targets],
+        )
+    except (KeyError, ValueError, RuntimeError) as err:
+        raise CliError(
+            ExitCode.USAGE, f"cannot count the program's FLOPs: {err}", "check model.py"
+        ) from None
+    return flops, hashlib.sha256(packed.program).hexdigest(), len(packed.initial_state)
+
+
+def program_quote_dict(
+    spec: common_pb2.JobSpec,
+    samples: int,
+    flops: float,
+    reply: scheduler_pb2.QuoteJobResponse,
+) -> dict[str, Any]:
+    """``quote JOB.toml --output json``."""
+    chosen = [n for n in reply.nodes if n.chosen]
+    budget = spec.budget_micro if spec.HasField("budget_micro") else None
+    deadline = spec.deadline_seconds if spec.HasField("deadline_seconds") else None
+    price = sum(n.price_micro_per_hour for n in chosen)
+    return {
+        "job": spec.name,
+        "num_samples": samples,
+        "epochs": spec.epochs,
+        "mode": "fastest" if deadline is not None else "cheapest",
+        "reason": reply.reason,
+        "min_nodes": max(1, spec.min_nodes),
+        "max_nodes": min(spec.max_nodes, spec.global_batch),
+        "max_price_micro_per_hour": max_price_of(spec),
+        "nodes": [
+            {
+                "node_id": n.node_id,
+                "name": n.name,
+                "price_micro_per_hour": n.price_micro_per_hour,
+                "samples_per_second": n.samples_per_second,
+                "rate_source": n.rate_source,
+                "reference_samples_per_second": n.reference_samples_per_second,
+                "local_batch": n.local_batch,
+            }
+            for n in chosen
+        ],
+        "samples_per_second": sum(n.samples_per_second for n in chosen),
+        "price_micro_per_hour": price,
+        "flops_per_sample": flops,
+        "reference_flops_per_sample": reply.reference_flops_per_sample,
+        "rounds": reply.rounds,
+        "checkpoints": reply.checkpoints,
+        "start_seconds": reply.start_seconds,
+        "round_compute_seconds": reply.round_compute_seconds,
+        "round_overhead_seconds": reply.round_overhead_seconds,
+        "overhead_source": reply.overhead_source,
+        "recorded_jobs": reply.recorded_jobs,
+        "epoch_seconds": reply.epoch_seconds,
+        "total_seconds": reply.total_seconds,
+        "epoch_cost_micro": reply.epoch_cost_micro,
+        "total_cost_micro": reply.total_cost_micro,
+        "fee_micro": reply.fee_micro,
+        "budget_micro": budget,
+        "budget_covers": reply.total_cost_micro <= (budget or 0),
+        "deadline_seconds": deadline,
+        "deadline_met": None if deadline is None else reply.total_seconds <= deadline,
+        "rates": "predicted_for_the_program",
+    }
+
+
+def program_quote_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
+    """The key-value lines under the table of nodes."""
+    n = len(d["nodes"])
+    rows = [
+        ("job", f"{d['job']}: {d['epochs']} epochs of {d['num_samples']} samples"),
+        (
+            "nodes",
+            f"{n} node{'s' if n != 1 else ''} ({d['min_nodes']}-{d['max_nodes']} allowed): "
+            f"{d['reason']}",
+        ),
+        (
+            "program",
+            f"{fmt_rate(d['flops_per_sample'])} FLOPs per sample "
+            f"(reference benchmark: {fmt_rate(d['reference_flops_per_sample'])})",
+        ),
+        ("samples/s", f"{fmt_rate(d['samples_per_second'])} (compute, predicted)"),
+        (
+            "rounds",
+            f"{d['rounds']} of {fmt_seconds(d['round_compute_seconds'])} compute + "
+            f"{fmt_seconds(d['round_overhead_seconds'])} overhead "
+            f"({'recorded' if d['overhead_source'] == 'recorded' else 'default'})",
+        ),
+        ("start", f"{fmt_seconds(d['start_seconds'])} (program check, job benchmark)"),
+        ("epoch", f"{fmt_seconds(d['epoch_seconds'])}, {_credits(d['epoch_cost_micro'])}"),
+        ("total", f"{fmt_seconds(d['total_seconds'])}, {_credits(d['total_cost_micro'])}"),
+    ]
+    budget = d["budget_micro"]
+    covers = "covers it" if d["budget_covers"] else "does NOT cover it"
+    rows.append(("budget", f"{'none' if budget is None else _credits(budget)}: {covers}"))
+    if d["deadline_seconds"] is not None:
+        met = "met" if d["deadline_met"] else "NOT met"
+        rows.append(("deadline", f"{fmt_duration(d['deadline_seconds'])}: {met}"))
+    return rows
+
+
 def _quote_file(ctx: Context, path: Path) -> int:
     spec, samples = load_job(path)  # exit 2 before the coordinator is asked
     nodes = _quote_nodes(ctx)
     by_id = {n.node_id: n for n in nodes}
-    offers = market_offers(nodes)
-    q = quote(spec, samples, offers)
-    if not q.fits:
-        raise _no_fit(spec, q)
+    local = quote(spec, samples, market_offers(nodes))
+    if not local.fits:  # too few nodes within the job's max_price whatever their speed
+        raise _no_fit(spec, local)
+    packed = pack(load_checked(path), path, ctx)  # as submit exports it (export cache)
+    flops, sha, state_bytes = program_figures(packed)
+    coord = ctx.coordinator
+    reply = coord.call(
+        "QuoteJob",
+        coord.scheduler.QuoteJob,
+        scheduler_pb2.QuoteJobRequest(
+            spec=packed.spec,
+            num_samples=packed.num_samples,
+            flops_per_sample=flops,
+            program_sha256=sha,
+            state_bytes=state_bytes,
+        ),
+    )
+    if not reply.fits:
+        raise CliError(
+            ExitCode.PRECONDITION,
+            f"no offer fits job {spec.name}: {reply.reason}",
+            "`epochmesh offers` lists the nodes and their prices; `epochmesh queue` the jobs",
+        )
+    d = program_quote_dict(packed.spec, packed.num_samples, flops, reply)
     if ctx.json:
         ctx.emit_json(quote_dict(spec, q, by_id))
         return ExitCode.OK
@@ -356,11 +505,8 @@ def _quote_file(ctx: Context, path: Path) -> int:
         flex=1,
     )
     ctx.emit()
-    _emit_lines(ctx, quote_lines(spec, q))
-    unbenchmarked = sum(1 for o in offers if o.rate <= 0)
-    if unbenchmarked:
-        ctx.note(f"{unbenchmarked} node(s) without a reference benchmark left out")
-    ctx.note(f"an estimate: {RATES_NOTE}")
+    _emit_lines(ctx, program_quote_lines(d))
+    ctx.note(f"an estimate: {PREDICTED_NOTE}")
     return ExitCode.OK
 
 
@@ -483,8 +629,10 @@ def register(
         "offers",
         parents=common,
         help="list the nodes on offer: prices, speed, reliability",
-        description="List the nodes with their price per node-hour, samples/s (observed, "
-        "else the reference benchmark's), samples per credit, reliability (the share of "
+        description="List the nodes with their price per node-hour, SAMPLES/S* (the "
+        "node's measured speed on the job it trains now, else its reference benchmark's: a "
+        "small built-in MLP, not your job's speed; JOBS has each live job's own measured "
+        "speed, `epochmesh quote` predicts a new job's), samples per credit (of SAMPLES/S*), reliability (the share of "
         "their round parts applied, not failed, late or rejected, over all jobs), time "
         "online since they last registered, and their measured samples/s on your live jobs "
         "(operators: every live job), the best value first (donated nodes first). Offline "

@@ -95,7 +95,7 @@ def cmd_nodes(ctx: Context) -> int:
     ]
     style = ctx.out_style
     ctx.emit_table(
-        ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S", "PRICE", "CHECKS", "JOB", "SEEN"],
+        ["NODE", "NAME", "STATE", "DEVICE", "SAMPLES/S*", "PRICE", "CHECKS", "JOB", "SEEN"],
         rows,
         right=(4, 5),
         flex=3,  # the device summary gives way first in a narrow terminal
@@ -133,8 +133,10 @@ def register(
         "nodes",
         parents=common,
         help="list nodes",
-        description="List the nodes known to the coordinator: state, device, samples/s "
-        "(observed, else the reference benchmark's), price, CHECKS (the spot-check record: "
+        description="List the nodes known to the coordinator: state, device, SAMPLES/S* "
+        "(the node's measured speed on the job it trains now, else its reference "
+        "benchmark's: a small built-in MLP, not your job's speed; `epochmesh quote` "
+        "predicts that), price, CHECKS (the spot-check record: "
         "new:3/10 while new and checked every round, 42@0.24 for 42 checks passed in a row "
         "and a 0.24 chance its next round is checked, fail:r17 after a failed check), its job "
         "(an id prefix) and when its last heartbeat was SEEN. --output json gives every "

@@ -13,6 +13,7 @@ from typing import TypeAlias
 import grpc
 
 from coordinator.api.queries import get_job, get_queue, list_jobs, watch_caps
+from coordinator.api.quote_handler import quote_job
 from coordinator.core.errors import (
     CoordinatorError,
     FailedPreconditionError,
@@ -28,6 +29,7 @@ from coordinator.store.base import Store
 from coordinator.store.blobs import BlobStore
 from coordinator.store.events import EventLog
 from coordinator.trust.auth import Authorizer, owner_filter, require_job_access
+from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
@@ -112,6 +114,11 @@ class SchedulerService:
         self, req: scheduler_pb2.PreviewAllocationRequest, ctx: Ctx
     ) -> common_pb2.Allocation:
         return await self._engine.preview_allocation(req, ctx)
+
+    async def QuoteJob(
+        self, req: scheduler_pb2.QuoteJobRequest, ctx: Ctx
+    ) -> scheduler_pb2.QuoteJobResponse:
+        return await quote_job(req, self._registry, self._store, self._engine, now_ms())
 
     async def WatchEvents(
         self, req: scheduler_pb2.WatchEventsRequest, ctx: Ctx

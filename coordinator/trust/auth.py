@@ -103,7 +103,14 @@ POLICY: dict[str, frozenset[str]] = {
     # Cluster views a submitter may read (its own job's allocation only).
     **{
         f"{_SCHED}/{m}": USERS
-        for m in ("ListNodes", "GetNode", "ClusterStats", "PreviewAllocation", "GetAllocation")
+        for m in (
+            "ListNodes",
+            "GetNode",
+            "ClusterStats",
+            "PreviewAllocation",
+            "GetAllocation",
+            "QuoteJob",
+        )
     },
     **{
         f"{_SCHED}/{m}": OPERATOR

@@ -205,3 +205,75 @@ class SetTenantWeightResponse(_message.Message):
     tenant: str
     weight: float
     def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class QuoteJobRequest(_message.Message):
+    __slots__ = ("spec", "num_samples", "flops_per_sample", "program_sha256", "state_bytes")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    spec: _common_pb2.JobSpec
+    num_samples: int
+    flops_per_sample: float
+    program_sha256: str
+    state_bytes: int
+    def __init__(self, spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., num_samples: _Optional[int] = ..., flops_per_sample: _Optional[float] = ..., program_sha256: _Optional[str] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+
+class QuoteNode(_message.Message):
+    __slots__ = ("node_id", "name", "price_micro_per_hour", "samples_per_second", "rate_source", "reference_samples_per_second", "local_batch", "chosen")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    name: str
+    price_micro_per_hour: int
+    samples_per_second: float
+    rate_source: str
+    reference_samples_per_second: float
+    local_batch: int
+    chosen: bool
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., price_micro_per_hour: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rate_source: _Optional[str] = ..., reference_samples_per_second: _Optional[float] = ..., local_batch: _Optional[int] = ..., chosen: _Optional[bool] = ...) -> None: ...
+
+class QuoteJobResponse(_message.Message):
+    __slots__ = ("nodes", "fits", "reason", "rounds", "checkpoints", "start_seconds", "round_compute_seconds", "round_overhead_seconds", "checkpoint_seconds", "epoch_seconds", "total_seconds", "epoch_cost_micro", "total_cost_micro", "fee_micro", "overhead_source", "recorded_jobs", "reference_flops_per_sample")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    FITS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    START_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_OVERHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_COST_MICRO_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COST_MICRO_FIELD_NUMBER: _ClassVar[int]
+    FEE_MICRO_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FLOPS_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[QuoteNode]
+    fits: bool
+    reason: str
+    rounds: int
+    checkpoints: int
+    start_seconds: float
+    round_compute_seconds: float
+    round_overhead_seconds: float
+    checkpoint_seconds: float
+    epoch_seconds: float
+    total_seconds: float
+    epoch_cost_micro: int
+    total_cost_micro: int
+    fee_micro: int
+    overhead_source: str
+    recorded_jobs: int
+    reference_flops_per_sample: float
+    def __init__(self, nodes: _Optional[_Iterable[_Union[QuoteNode, _Mapping]]] = ..., fits: _Optional[bool] = ..., reason: _Optional[str] = ..., rounds: _Optional[int] = ..., checkpoints: _Optional[int] = ..., start_seconds: _Optional[float] = ..., round_compute_seconds: _Optional[float] = ..., round_overhead_seconds: _Optional[float] = ..., checkpoint_seconds: _Optional[float] = ..., epoch_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., epoch_cost_micro: _Optional[int] = ..., total_cost_micro: _Optional[int] = ..., fee_micro: _Optional[int] = ..., overhead_source: _Optional[str] = ..., recorded_jobs: _Optional[int] = ..., reference_flops_per_sample: _Optional[float] = ...) -> None: ...

@@ -105,6 +105,11 @@ class SchedulerServiceStub:
                 request_serializer=epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightRequest.SerializeToString,
                 response_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightResponse.FromString,
                 _registered_method=True)
+        self.QuoteJob = channel.unary_unary(
+                '/epochmesh.v1.SchedulerService/QuoteJob',
+                request_serializer=epochmesh_dot_v1_dot_scheduler__pb2.QuoteJobRequest.SerializeToString,
+                response_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.QuoteJobResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -199,6 +204,14 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def QuoteJob(self, request, context):
+        """What a job not yet submitted would take and cost: each node's predicted speed on its
+        program, the nodes the cluster scheduler would give it, its time and cost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -271,6 +284,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.SetTenantWeight,
                     request_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightRequest.FromString,
                     response_serializer=epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightResponse.SerializeToString,
+            ),
+            'QuoteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.QuoteJob,
+                    request_deserializer=epochmesh_dot_v1_dot_scheduler__pb2.QuoteJobRequest.FromString,
+                    response_serializer=epochmesh_dot_v1_dot_scheduler__pb2.QuoteJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -651,6 +669,33 @@ class SchedulerService:
             '/epochmesh.v1.SchedulerService/SetTenantWeight',
             epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightRequest.SerializeToString,
             epochmesh_dot_v1_dot_scheduler__pb2.SetTenantWeightResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QuoteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epochmesh.v1.SchedulerService/QuoteJob',
+            epochmesh_dot_v1_dot_scheduler__pb2.QuoteJobRequest.SerializeToString,
+            epochmesh_dot_v1_dot_scheduler__pb2.QuoteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

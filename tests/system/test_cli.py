@@ -60,7 +60,7 @@ def test_nodes_table_and_json(cluster: Cluster) -> None:
         "NAME",
         "STATE",
         "DEVICE",
-        "SAMPLES/S",
+        "SAMPLES/S*",
         "PRICE",
         "CHECKS",
         "JOB",

@@ -142,7 +142,7 @@ def test_offers_best_value_first(market: Market) -> None:
 
     rows, _ = table(m.alice, "offers")
     assert rows[0] == [
-        "NODE", "NAME", "STATE", "DEVICE", "PRICE", "SAMPLES/S", "SAMPLES/CREDIT", "RELIABILITY",
+        "NODE", "NAME", "STATE", "DEVICE", "PRICE", "SAMPLES/S*", "SAMPLES/CREDIT", "RELIABILITY",
         "VERIFIED", "UP", "JOBS",
     ]  # fmt: skip
     assert [r[1] for r in rows[1:]] == ["free", "cheap", "dear"]
@@ -173,34 +173,38 @@ def expected_cost(price: int, samples: int, *rates: float) -> int:
     return math.ceil(Fraction(price * samples) / (sum(Fraction(r) for r in rates) * 3600))
 
 
-def test_quote_picks_the_cheapest_nodes_and_prices_them(market: Market) -> None:
+def test_quote_picks_the_schedulers_nodes_and_prices_them(market: Market) -> None:
     m = market
-    # A budget, no max_price: any price; two nodes at least: free + cheap is the cheapest set.
+    # A budget, no max_price: any price; the scheduler gives the job every node (max_nodes 4),
+    # each at its predicted speed on the program (no job measured yet: the default efficiency).
     q = quote_json(m.alice, job(m, "two", "budget = 10", min_nodes=2))
     assert q["mode"] == "cheapest" and q["max_price_micro_per_hour"] is None
-    assert sorted(n["name"] for n in q["nodes"]) == ["cheap", "free"]
-    rate = m.rates["free"] + m.rates["cheap"]
-    assert q["samples_per_second"] == pytest.approx(rate)
+    assert sorted(n["name"] for n in q["nodes"]) == ["cheap", "dear", "free"]
+    for n in q["nodes"]:
+        assert n["rate_source"] == "default_efficiency"
+        assert n["reference_samples_per_second"] == m.rates[n["name"]]
+        assert 0 < n["samples_per_second"] < n["reference_samples_per_second"]
+    assert q["samples_per_second"] == pytest.approx(
+        sum(n["samples_per_second"] for n in q["nodes"])
+    )
     assert q["num_samples"] == NUM_SAMPLES and q["epochs"] == 2
-    assert q["epoch_seconds"] == pytest.approx(NUM_SAMPLES / rate)
-    assert q["total_seconds"] == pytest.approx(2 * NUM_SAMPLES / rate)
-    rates = (m.rates["free"], m.rates["cheap"])
-    assert q["epoch_cost_micro"] == expected_cost(500_000, NUM_SAMPLES, *rates)
-    assert q["total_cost_micro"] == expected_cost(500_000, 2 * NUM_SAMPLES, *rates)
+    assert q["rounds"] == 2 * math.ceil(NUM_SAMPLES / 32)
+    assert 0 < q["epoch_seconds"] < q["total_seconds"] < math.inf
+    assert 0 < q["epoch_cost_micro"] and q["total_cost_micro"] == 2 * q["epoch_cost_micro"]
     assert q["budget_micro"] == 10_000_000 and q["budget_covers"] is True
     assert q["deadline_seconds"] is None and q["deadline_met"] is None
-    assert q["rates"] == "reference_benchmark"
+    assert q["rates"] == "predicted_for_the_program"
 
     # The table: the nodes, then the estimate; the caveat on stderr.
     rows, notes = table(m.alice, "quote", str(job(m, "two-table", "budget = 10", min_nodes=2)))
-    assert rows[0] == ["NODE", "NAME", "DEVICE", "PRICE", "SAMPLES/S"]
-    assert sorted(r[1] for r in rows[1:3]) == ["cheap", "free"]
-    lines = {r[0]: r[1:] for r in rows[3:] if r}
+    assert rows[0][:5] == ["NODE", "NAME", "DEVICE", "PRICE", "JOB"]
+    assert sorted(r[1] for r in rows[1:4]) == ["cheap", "dear", "free"]
+    lines = {r[0]: r[1:] for r in rows[4:] if r}
     assert lines["budget"] == ["10", "credits:", "covers", "it"]
-    assert "nodes" in lines and "samples/s" in lines and "total" in lines
-    assert "rates from the reference benchmark; a job's own speed differs" in notes
+    assert "nodes" in lines and "samples/s" in lines and "total" in lines and "rounds" in lines
+    assert "JOB SAMPLES/S is predicted for this program" in notes
 
-    # A deadline: the fastest within max_price (1 credit/h: free and cheap).
+    # A deadline within max_price (1 credit/h: free and cheap).
     q = quote_json(m.op, job(m, "deadline", 'budget = 10\nmax_price = 1\ndeadline = "1d"'))
     assert q["mode"] == "fastest" and q["max_price_micro_per_hour"] == 1_000_000
     assert sorted(n["name"] for n in q["nodes"]) == ["cheap", "free"]

@@ -73,7 +73,7 @@ function renderOverview(data) {
   const states = Object.entries(data.nodes_by_state).map(([k, v]) => `${v} ${k.toLowerCase()}`);
   document.getElementById("summary").textContent =
     `${data.nodes.length} nodes (${states.join(", ") || "none"}), ` +
-    `${fmtNum(data.samples_per_second)} samples/s`;
+    `${fmtNum(data.samples_per_second)} samples/s (on jobs, else reference benchmark)`;
   replaceRows(document.querySelector("#nodes tbody"), data.nodes.map((n) => {
     const rep = n.reputation;
     const repText = rep.failed_total ? `fail ${rep.failed_total}, ok ${rep.verified_total}`

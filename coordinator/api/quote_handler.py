@@ -1,0 +1,285 @@
+"""SchedulerService.QuoteJob: gathers what `coordinator.market.quote_estimate.estimate` needs
+(the nodes that could take a job, the live jobs and who holds which node, the jobs measured
+so far and the fixed costs recorded rounds show) and answers with its estimate.
+
+What a quote learns: the FLOPs per sample of every program it is asked about, by program
+sha256 (scheduler state QUOTE_FLOPS_KEY, the newest MAX_PROGRAMS), so that a job later run
+with that program calibrates the quotes of other programs (its measured speed over its
+FLOPs is an efficiency of its device model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+from coordinator.accounting.billing import per_credit
+from coordinator.core.errors import InvalidArgumentError
+from coordinator.core.principal import current_principal_id
+from coordinator.engine.api import TrainingEngine
+from coordinator.engine.cluster_scheduling import node_kind
+from coordinator.market.quote_estimate import (
+    Cluster,
+    Estimate,
+    History,
+    Measured,
+    Node,
+    Program,
+    QuotedJob,
+    estimate,
+    job_history,
+)
+from coordinator.nodes.registry import NodeRegistry
+from coordinator.scheduling.cluster_scheduler import Holding, JobRequest, tier_of
+from coordinator.store.base import Store
+from epochmesh.quote import REFERENCE_FLOPS_PER_SAMPLE, max_price_of
+from epochmesh.v1 import common_pb2, scheduler_pb2
+
+log = logging.getLogger(__name__)
+
+QUOTE_FLOPS_KEY = "quote_flops"
+MAX_PROGRAMS = 1000
+RECENT_JOBS = 10  # ended jobs whose rounds calibrate a quote
+RATE_ROUNDS = 20  # of an ended job: its last rounds' billed rates are its measured speed
+FAR_MS = 2**62  # a live job's nodes stay with it in the quote's scheduler pass
+
+JS = common_pb2.JobState
+
+
+def _check(req: scheduler_pb2.QuoteJobRequest) -> None:
+    spec = req.spec
+    if spec.global_batch <= 0:
+        raise InvalidArgumentError("spec.global_batch must be > 0")
+    if spec.epochs <= 0:
+        raise InvalidArgumentError("spec.epochs must be > 0")
+    if req.num_samples <= 0:
+        raise InvalidArgumentError("num_samples must be > 0")
+    for name, value in (("flops_per_sample", req.flops_per_sample),):
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgumentError(f"{name} must be a finite number >= 0")
+    if req.state_bytes < 0:
+        raise InvalidArgumentError("state_bytes must not be negative")
+    if len(req.program_sha256) > 128:
+        raise InvalidArgumentError("program_sha256 is too long")
+    try:
+        tier_of(spec.priority)
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+
+
+def quote_node(info: common_pb2.NodeInfo) -> Node:
+    b = info.benchmark
+    return Node(
+        node_id=info.node_id,
+        kind=node_kind(info),
+        reference_rate=b.samples_per_second,
+        price=max(0, info.price_micro_per_hour),
+        max_batch=max(0, b.max_batch_size),
+        bandwidth=b.bandwidth_bytes_per_second,
+    )
+
+
+def _live(engine: TrainingEngine) -> tuple[Cluster, list[common_pb2.Job]]:
+    jobs = []
+    holdings: dict[str, Holding] = {}
+    live_jobs = []
+    for job, plan in engine.queue():
+        spec = job.spec
+        live_jobs.append(job)
+        jobs.append(
+            JobRequest(
+                job_id=job.job_id,
+                tenant=job.owner,
+                tier=tier_of(spec.priority),
+                min_nodes=spec.min_nodes,
+                max_nodes=max(spec.min_nodes, min(spec.max_nodes, spec.global_batch)),
+                submitted_ms=job.created_ms,
+                remaining_samples=float(max(0, spec.epochs * job.num_samples - job.samples_done)),
+                max_price=max_price_of(spec),
+                per_credit=per_credit(spec),
+            )
+        )
+        for n in plan.nodes:
+            holdings[n] = Holding(job.job_id, FAR_MS, FAR_MS)
+    weights = engine.scheduling.weights
+    cluster = Cluster(
+        jobs=jobs, job_rates=engine.job_rates(), holdings=holdings, weights=dict(weights)
+    )
+    return cluster, live_jobs
+
+
+async def _known_flops(store: Store) -> dict[str, float]:
+    raw = await store.get_scheduler_state(QUOTE_FLOPS_KEY)
+    if raw is None:
+        return {}
+    try:
+        data = json.loads(raw)
+        return {str(k): float(v) for k, v in data.items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        log.warning("quote FLOPs unreadable (%s): starting afresh", e)
+        return {}
+
+
+async def _remember(store: Store, known: dict[str, float], sha: str, flops: float) -> None:
+    if not sha or flops <= 0 or known.get(sha) == flops:
+        return
+    known.pop(sha, None)
+    known[sha] = flops
+    while len(known) > MAX_PROGRAMS:
+        known.pop(next(iter(known)))
+    await store.put_scheduler_state(QUOTE_FLOPS_KEY, json.dumps(known).encode())
+
+
+async def _recorded(
+    store: Store, registry: NodeRegistry, known: Mapping[str, float]
+) -> tuple[History, list[Measured]]:
+    """The fixed costs of the recently ended jobs and their nodes' measured speeds."""
+    ended = await store.list_jobs(states=[JS.JOB_STATE_SUCCEEDED], limit=RECENT_JOBS)
+    spans = []
+    measured = []
+    for job in ended:
+        rounds = await store.list_rounds(job.job_id)
+        if not rounds:
+            continue
+        compute = sum(
+            max((p.seconds for p in r.parts if p.status == "applied"), default=0.0) for r in rounds
+        )
+        spans.append(
+            (job.created_ms, rounds[0].started_ms, rounds[-1].finished_ms, len(rounds), compute)
+        )
+        by_node: dict[str, list[float]] = {}
+        for r in rounds[-RATE_ROUNDS:]:
+            for p in r.parts:
+                if p.status == "applied" and p.billed_rate > 0:
+                    by_node.setdefault(p.node_id, []).append(p.billed_rate)
+        for node_id, rates in by_node.items():
+            info = registry.get(node_id)
+            if info is None or info.benchmark.samples_per_second <= 0:
+                continue
+            measured.append(
+                Measured(
+                    kind=node_kind(info),
+                    program=job.program.sha256,
+                    flops_per_sample=known.get(job.program.sha256, 0.0),
+                    rate=statistics.median(rates),
+                    reference_rate=info.benchmark.samples_per_second,
+                )
+            )
+    return job_history(spans), measured
+
+
+def _live_measured(
+    cluster: Cluster,
+    jobs: Sequence[common_pb2.Job],
+    registry: NodeRegistry,
+    known: Mapping[str, float],
+) -> list[Measured]:
+    program = {j.job_id: j.program.sha256 for j in jobs}
+    out = []
+    for node_id, rates in cluster.job_rates.items():
+        info = registry.get(node_id)
+        if info is None or info.benchmark.samples_per_second <= 0:
+            continue
+        for job_id, rate in rates.items():
+            sha = program.get(job_id, "")
+            out.append(
+                Measured(
+                    kind=node_kind(info),
+                    program=sha,
+                    flops_per_sample=known.get(sha, 0.0),
+                    rate=rate,
+                    reference_rate=info.benchmark.samples_per_second,
+                )
+            )
+    return out
+
+
+def response(
+    est: Estimate, infos: Mapping[str, common_pb2.NodeInfo], history: History
+) -> scheduler_pb2.QuoteJobResponse:
+    chosen = {n.node_id: n for n in est.nodes}
+
+    def finite(x: float) -> float:
+        return x if math.isfinite(x) else 0.0
+
+    nodes = []
+    for node_id, (rate, source) in sorted(est.rates.items()):
+        info = infos[node_id]
+        c = chosen.get(node_id)
+        nodes.append(
+            scheduler_pb2.QuoteNode(
+                node_id=node_id,
+                name=info.name,
+                price_micro_per_hour=max(0, info.price_micro_per_hour),
+                samples_per_second=rate,
+                rate_source=source,
+                reference_samples_per_second=info.benchmark.samples_per_second,
+                local_batch=c.local_batch if c is not None else 0,
+                chosen=c is not None,
+            )
+        )
+    return scheduler_pb2.QuoteJobResponse(
+        nodes=nodes,
+        fits=est.fits,
+        reason=est.reason,
+        rounds=est.rounds,
+        checkpoints=est.checkpoints,
+        start_seconds=finite(est.start_s),
+        round_compute_seconds=finite(est.round_compute_s),
+        round_overhead_seconds=finite(est.round_overhead_s),
+        checkpoint_seconds=finite(est.checkpoint_s),
+        epoch_seconds=finite(est.epoch_seconds),
+        total_seconds=finite(est.total_seconds),
+        epoch_cost_micro=est.epoch_cost,
+        total_cost_micro=est.total_cost,
+        fee_micro=est.fee,
+        overhead_source=est.overhead_source,
+        recorded_jobs=history.jobs,
+        reference_flops_per_sample=REFERENCE_FLOPS_PER_SAMPLE,
+    )
+
+
+async def quote_job(
+    req: scheduler_pb2.QuoteJobRequest,
+    registry: NodeRegistry,
+    store: Store,
+    engine: TrainingEngine,
+    now_ms: int,
+    fee_ppm: int = 0,
+) -> scheduler_pb2.QuoteJobResponse:
+    """The quote of the job ``req`` describes, for the calling tenant."""
+    _check(req)
+    spec = req.spec
+    known = await _known_flops(store)
+    await _remember(store, known, req.program_sha256, req.flops_per_sample)
+    infos = {i.node_id: i for i in registry.eligible_nodes()}
+    cluster, live_jobs = _live(engine)
+    history, measured = await _recorded(store, registry, known)
+    measured += _live_measured(cluster, live_jobs, registry, known)
+    job = QuotedJob(
+        tenant=current_principal_id() or "",
+        priority=tier_of(spec.priority),
+        min_nodes=spec.min_nodes,
+        max_nodes=max(spec.min_nodes, min(spec.max_nodes, spec.global_batch)),
+        global_batch=spec.global_batch,
+        epochs=spec.epochs,
+        num_samples=req.num_samples,
+        checkpoint_every=spec.checkpoint_every,
+        max_price=max_price_of(spec),
+        per_credit=per_credit(spec),
+    )
+    program = Program(req.flops_per_sample, req.program_sha256, req.state_bytes)
+    est = estimate(
+        now_ms,
+        job,
+        program,
+        [quote_node(i) for i in infos.values()],
+        cluster,
+        measured,
+        history,
+        fee_ppm,
+    )
+    return response(est, infos, history)

@@ -1,0 +1,192 @@
+"""Quotes against what jobs then take and cost, on a real local cluster. Prints one JSON line.
+
+    .venv/bin/python scripts/bench_quote.py [--agents 1,2] [--models zen,mlp] [--price 3]
+                                            [--work DIR]
+
+For each agent count: a fresh local cluster (scripts/local_cluster.py: TLS, agents with
+--benchmark quick, each asking ``--price`` credits per node-hour), credits granted to the
+operator; then for each model, in order: ``epochmesh quote JOB.toml --output json``, submit
+(the program comes from the export cache the quote filled), wait until the job ends, and
+compare. ``zen`` is examples/zen; ``mlp`` a 4-layer MLP on random data written here. The later
+models of a cluster are quoted with the earlier jobs recorded (calibration); the first with
+the defaults.
+
+Actual seconds: from the submit command's start to the job's last update (ended); actual
+cost: the job's spent micro-credits. ``ratio`` fields are quoted / actual (1.0 is exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_cluster import LocalCluster, wait_for  # noqa: E402
+
+log = logging.getLogger("bench_quote")
+ROOT = Path(__file__).resolve().parent.parent
+ENDED = ("succeeded", "failed", "cancelled")
+
+MLP_MODEL = '''"""A 4-layer MLP classifier (scripts/bench_quote.py)."""
+from torch import nn
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+        nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+'''
+MLP_JOB = """name = "bench-mlp"
+
+[model]
+file = "model.py"
+loss = "cross_entropy"
+
+[data]
+train = "train.safetensors"
+inputs = ["x"]
+targets = ["y"]
+
+[train]
+epochs = 3
+global_batch = 128
+optimizer = "sgd"
+lr = 0.01
+seed = 0
+
+[cluster]
+aggregation = "ps"
+min_nodes = 1
+max_nodes = 8
+checkpoint_every = 20
+"""
+
+
+def write_mlp(out: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 256, generator=gen)
+    y = torch.randint(0, 10, (4096,), generator=gen)
+    save_file({"x": x, "y": y}, str(out / "train.safetensors"))
+    (out / "model.py").write_text(MLP_MODEL)
+    (out / "job.toml").write_text(MLP_JOB)
+    return out / "job.toml"
+
+
+def write_zen(out: Path) -> Path:
+    shutil.copytree(ROOT / "examples" / "zen", out, dirs_exist_ok=True)
+    subprocess.run(
+        [sys.executable, str(out / "make_data.py"), str(out / "train.safetensors")],
+        check=True,
+        capture_output=True,
+    )
+    return out / "job.toml"
+
+
+def with_budget(path: Path, credits: int) -> Path:
+    text = path.read_text()
+    if "[market]" not in text:
+        text += f"\n[market]\nbudget = {credits}\n"
+    path.write_text(text)
+    return path
+
+
+def run_job(cluster: LocalCluster, path: Path) -> dict[str, Any]:
+    q = json.loads(cluster.cli("quote", str(path), "--output", "json"))
+    start_ms = time.time() * 1000
+    job_id = cluster.cli("submit", str(path)).strip()
+
+    def ended() -> dict[str, Any] | None:
+        job: dict[str, Any] = json.loads(cluster.cli("status", job_id, "--output", "json"))
+        return job if job["state"] in ENDED else None
+
+    job = wait_for(ended, 1800, f"job {job_id}'s end", interval=2.0)
+    actual_s = (int(job["updated_ms"]) - start_ms) / 1000
+    actual_cost = int(job.get("spent_micro", 0))
+    chosen = sorted(n["node_id"] for n in q["nodes"])
+    lines = cluster.cli("rounds", job_id, "--output", "json").splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]  # one round a line
+    used = sorted({p["node_id"] for r in records for p in r.get("parts", [])})
+    return {
+        "job_id": job_id,
+        "state": job["state"],
+        "quoted_seconds": round(q["total_seconds"], 2),
+        "actual_seconds": round(actual_s, 2),
+        "seconds_ratio": round(q["total_seconds"] / actual_s, 3) if actual_s > 0 else None,
+        "quoted_cost_micro": q["total_cost_micro"],
+        "actual_cost_micro": actual_cost,
+        "cost_ratio": round(q["total_cost_micro"] / actual_cost, 3) if actual_cost else None,
+        "quoted_nodes": chosen,
+        "used_nodes": used,
+        "same_nodes": chosen == used,
+        "rates": [
+            (n["name"], round(n["samples_per_second"]), n["rate_source"]) for n in q["nodes"]
+        ],
+        "rounds": q["rounds"],
+        "round_overhead_s": round(q["round_overhead_seconds"], 3),
+        "overhead_source": q["overhead_source"],
+        "start_s": round(q["start_seconds"], 2),
+        "flops_per_sample": q["flops_per_sample"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--agents", default="1,2", help="agent counts, comma-separated")
+    ap.add_argument("--models", default="zen,mlp", help="zen and/or mlp, in order")
+    ap.add_argument("--price", default="3", help="each agent's price, credits per node-hour")
+    ap.add_argument("--work", type=Path, default=None, help="work directory (default: temp)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_quote-"))
+    results = []
+    for agents in [int(a) for a in args.agents.split(",")]:
+        with LocalCluster(work / f"cluster-{agents}") as cluster:
+            cluster.start_coordinator()
+            for i in range(agents):
+                cluster.start_agent(f"a{i}", "--price", args.price)
+            cluster.login()
+            me = json.loads(cluster.cli("whoami", "--output", "json"))["principal"]
+            cluster.cli("credits", "grant", me, "1000")
+
+            def ready(n: int = agents) -> bool:
+                nodes = json.loads(cluster.cli("nodes", "--output", "json"))["nodes"]
+                return sum(1 for x in nodes if x["benchmark"]["samples_per_second"] > 0) >= n
+
+            wait_for(ready, 120, f"{agents} benchmarked agent(s)")
+            for model in args.models.split(","):
+                jobs_dir = work / f"cluster-{agents}" / "jobs" / model
+                path = write_zen(jobs_dir) if model == "zen" else write_mlp(jobs_dir)
+                with_budget(path, 100)
+                log.info("agents %d, model %s: quote, submit, wait", agents, model)
+                result = {"agents": agents, "model": model, **run_job(cluster, path)}
+                log.info("%s", result)
+                results.append(result)
+    ratios = [r["seconds_ratio"] for r in results if r["seconds_ratio"]]
+    costs = [r["cost_ratio"] for r in results if r["cost_ratio"]]
+    print(
+        json.dumps(
+            {
+                "bench": "quote",
+                "results": results,
+                "within_2x_seconds": all(0.5 <= x <= 2 for x in ratios),
+                "within_2x_cost": all(0.5 <= x <= 2 for x in costs),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
