@@ -8,14 +8,30 @@ adds the traceback.
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import MutableMapping, Sequence
+
+
+def quiet_grpc_logs(argv: Sequence[str], environ: MutableMapping[str, str]) -> None:
+    """Silences gRPC's own C-core log lines (e.g. a TLS handshake failure's
+    ``ssl_transport_security.cc`` line): the CLI explains failures in its own words. A user's
+    explicit GRPC_VERBOSITY is kept, and ``--debug`` keeps gRPC's default. Takes effect only
+    before gRPC is imported (it reads the variable when it starts)."""
+    if "GRPC_VERBOSITY" in environ or "--debug" in argv:
+        return
+    environ["GRPC_VERBOSITY"] = "NONE"
+
+
+if "grpc" not in sys.modules:  # the console script: nothing has imported gRPC yet
+    quiet_grpc_logs(sys.argv[1:], os.environ)
+
+# ruff: noqa: E402 - gRPC is imported once its verbosity is set (above)
 import argparse
 import importlib.metadata
 import logging
-import os
 import re
-import sys
 import traceback
-from collections.abc import Sequence
 from typing import NoReturn
 
 import grpc
@@ -88,34 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        help=f"coordinator address (default: ${ENV_COORDINATOR}, config file, "
-        f"{DEFAULT_COORDINATOR})",
-    )
-    parser.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="plaintext gRPC without credentials (for an --insecure coordinator)",
-    )
-    parser.add_argument("--no-color", action="store_true", help="never use colors")
+    add_shared_options(parser, top=True)
     parser.add_argument("--version", action="version", version=f"epochmesh {_version()}")
 
-    # Options every command accepts (also after the command name). SUPPRESS keeps a value
-    # given before the command from being reset by the subcommand's default.
+    # The shared options again on every command, so they may come after its name too. SUPPRESS
+    # keeps a value given before the command from being reset by the subcommand's default.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--output",
-        choices=("table", "json"),
-        default="table",
-        help="output format: human-readable table (default) or json",
-    )
-    common.add_argument("--coordinator", metavar="HOST:PORT", default=argparse.SUPPRESS)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
-    common.add_argument("--insecure", action="store_true", default=argparse.SUPPRESS)
-    common.add_argument("--no-color", action="store_true", default=argparse.SUPPRESS)
+    add_shared_options(common, top=False)
 
     sub: argparse._SubParsersAction[argparse.ArgumentParser] = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=_Parser
@@ -130,7 +125,68 @@ def build_parser() -> argparse.ArgumentParser:
     market.register(sub, [common])
     market_offers.register(sub, [common])
     blobs.register(sub, [common])
+    _share_everywhere(parser)
     return parser
+
+
+def add_shared_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The options every command accepts, before or after its name: with ``top`` (the
+    ``epochmesh`` parser itself) their defaults, else none (argparse.SUPPRESS)."""
+
+    def default(value: object) -> object:
+        return value if top else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--output",
+        choices=("table", "json"),
+        default=default("table"),
+        help="output format: human-readable table (default) or json",
+    )
+    parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=default(None),
+        help=f"coordinator address (default: ${ENV_COORDINATOR}, config file, "
+        f"{DEFAULT_COORDINATOR})",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=default(False),
+        help="debug logs, gRPC's own log lines and tracebacks",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        default=default(False),
+        help="plaintext gRPC without credentials (for an --insecure coordinator)",
+    )
+    parser.add_argument(
+        "--no-color", action="store_true", default=default(False), help="never use colors"
+    )
+
+
+SHARED_OPTIONS = ("--output", "--coordinator", "--debug", "--insecure", "--no-color")
+
+
+def subparsers_of(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of ``parser``'s commands (one level)."""
+    found: list[argparse.ArgumentParser] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if child not in found:
+                    found.append(child)
+    return found
+
+
+def _share_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Gives every command parser below ``parser`` the shared options it lacks (a group such
+    as ``credits`` or ``tenant`` registers without them)."""
+    for child in subparsers_of(parser):
+        if not any(o in child._option_string_actions for o in SHARED_OPTIONS):
+            add_shared_options(child, top=False)
+        _share_everywhere(child)
 
 
 def _print_error(err: CliError) -> None:

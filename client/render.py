@@ -5,8 +5,10 @@ Rules the whole CLI follows:
 - data goes to stdout, progress and diagnostics to stderr;
 - colors only when the stream is a TTY, ``NO_COLOR`` is unset or empty, ``TERM`` is not
   ``dumb``, and ``--no-color`` was not given;
-- tables are plain ASCII (a too-wide flexible column is cut with ``...``) and fit the
-  terminal width (80 columns when it is unknown);
+- tables are plain ASCII. On a terminal (or with ``COLUMNS`` set) they fit its width: a
+  too-wide flexible column is cut with ``...``, and the columns that explain something (a
+  REASON) are never cut but wrap onto continuation lines. Piped (stdout not a terminal and no
+  ``COLUMNS``) nothing is cut: a script or ``grep`` sees every cell whole;
 - on a TTY progress updates in place (carriage return / cursor-up and clear-line); otherwise
   it is written as plain, throttled lines without escape sequences, so logs stay readable.
 """
@@ -18,8 +20,9 @@ import os
 import re
 import shutil
 import sys
+import textwrap
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TextIO
 
 ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -82,7 +85,7 @@ class Style:
             return self.paint(text, "green")
         if key in ("running", "busy"):
             return self.paint(text, "cyan")
-        if key in ("failed", "offline", "quarantined"):
+        if key in ("failed", "offline", "quarantined", "revoked"):
             return self.paint(text, "red")
         if key in ("cancelled", "paused", "draining", "cordoned", "queued"):
             return self.paint(text, "yellow")
@@ -141,21 +144,45 @@ def terminal_width(stream: TextIO | None = None, default: int = 80) -> int:
         return shutil.get_terminal_size((default, 24)).columns
 
 
+def table_width(stream: TextIO | None = None) -> int | None:
+    """The width a table on ``stream`` must fit: ``COLUMNS`` when set, the terminal's on a
+    terminal, else None (a pipe or a file: no limit, nothing is cut)."""
+    stream = sys.stdout if stream is None else stream
+    columns = os.environ.get("COLUMNS", "")
+    if (columns.isdigit() and int(columns) > 0) or is_tty(stream):
+        return terminal_width(stream)
+    return None
+
+
+# The narrowest a wrapped column gets before the table is let overflow instead.
+MIN_WRAP = 16
+
+
+def wrap_cell(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, broken at spaces where it can be."""
+    if len(text) <= width:
+        return [text]
+    return textwrap.wrap(text, width=width, break_on_hyphens=False) or [""]
+
+
 def render_table(
     headers: Sequence[str],
     rows: Sequence[Sequence[str]],
     *,
     right: Sequence[int] = (),
     flex: int | None = None,
-    width: int = 80,
+    width: int | None = 80,
+    wrap: Collection[int] = (),
     paint: Mapping[int, Callable[[str], str]] | None = None,
     gap: int = 2,
 ) -> list[str]:
     """Aligned plain-text table lines (header first).
 
-    ``right`` lists right-aligned column indexes; ``flex`` is the column cut with ``...`` when
-    the table is wider than ``width``; ``paint`` colors cells of a column after padding, so
-    colors never disturb the alignment.
+    ``right`` lists right-aligned column indexes; ``paint`` colors cells of a column after
+    padding, so colors never disturb the alignment. When the table is wider than ``width``,
+    ``flex`` is the column cut with ``...`` first; then the ``wrap`` columns (those that
+    explain: never cut) wrap onto continuation lines, down to `MIN_WRAP` characters. ``width``
+    None: no limit, every cell whole (stdout is a pipe).
     """
     ncols = len(headers)
     cells = [[str(c) for c in row] for row in rows]
@@ -163,21 +190,38 @@ def render_table(
     for row in cells:
         for i, cell in enumerate(row[:ncols]):
             widths[i] = max(widths[i], len(cell))
-    total = sum(widths) + gap * (ncols - 1)
-    if flex is not None and total > width:
-        floor = max(len(headers[flex]), len(ELLIPSIS) + 3)
-        widths[flex] = max(floor, widths[flex] - (total - width))
+    if width is not None:
+        total = sum(widths) + gap * (ncols - 1)
+        if flex is not None and flex not in wrap and total > width:
+            floor = max(len(headers[flex]), len(ELLIPSIS) + 3)
+            widths[flex] = max(floor, widths[flex] - (total - width))
+        for i in sorted(wrap, reverse=True):
+            total = sum(widths) + gap * (ncols - 1)
+            if total <= width or not 0 <= i < ncols:
+                continue
+            floor = max(len(headers[i]), min(MIN_WRAP, widths[i]))
+            widths[i] = max(floor, widths[i] - (total - width))
     lines: list[str] = []
     sep = " " * gap
     for index, row in enumerate([list(headers), *cells]):
-        parts: list[str] = []
-        for i in range(ncols):
-            text = truncate(row[i] if i < len(row) else "", widths[i])
-            padded = text.rjust(widths[i]) if i in right else text.ljust(widths[i])
-            if index > 0 and paint and i in paint and text:
-                padded = padded.replace(text, paint[i](text), 1)
-            parts.append(padded)
-        lines.append(sep.join(parts).rstrip())
+        texts = [row[i] if i < len(row) else "" for i in range(ncols)]
+        wrapped = {i: wrap_cell(texts[i], widths[i]) for i in wrap if 0 <= i < ncols}
+        height = max((len(w) for w in wrapped.values()), default=1)
+        for line_no in range(height):
+            parts: list[str] = []
+            for i in range(ncols):
+                if i in wrapped:
+                    got = wrapped[i]
+                    text = got[line_no] if line_no < len(got) else ""
+                elif line_no == 0:
+                    text = truncate(texts[i], widths[i])
+                else:
+                    text = ""
+                padded = text.rjust(widths[i]) if i in right else text.ljust(widths[i])
+                if index > 0 and paint and i in paint and text:
+                    padded = padded.replace(text, paint[i](text), 1)
+                parts.append(padded)
+            lines.append(sep.join(parts).rstrip())
     return lines
 
 

@@ -20,6 +20,7 @@ anything else                             1 internal / unexpected
 from __future__ import annotations
 
 import enum
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,11 +30,13 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from epochmesh.grpc_util import sync_channel
-from epochmesh.identity import Identity, secure_sync_channel
+from epochmesh.identity import Identity, fetch_server_certificate, secure_sync_channel
 from epochmesh.v1 import job_pb2_grpc, market_pb2_grpc, scheduler_pb2_grpc
 
 # How long the CLI waits for the channel to connect before it calls the coordinator unreachable.
 CONNECT_TIMEOUT_S = 3.0
+# How long the TLS probe after a failed connection may take (a mismatch answers at once).
+PROBE_TIMEOUT_S = 2.0
 # Deadline of one unary call once connected (streams have none: they last as long as the job).
 CALL_TIMEOUT_S = 30.0
 
@@ -139,7 +142,10 @@ def error_from_rpc(err: grpc.RpcError, what: str, address: str) -> CliError:
             "`epochmesh-coordinator token create --role submitter`)",
         )
     if status == grpc.StatusCode.PERMISSION_DENIED:
-        return CliError(code, f"{what} refused: {details}", "your role does not allow this")
+        # The coordinator says what was refused and why, in the user's words.
+        return CliError(
+            code, details, "`epochmesh whoami` shows who you are logged in as, and your role"
+        )
     if code == ExitCode.INTERNAL:
         return CliError(
             code,
@@ -147,6 +153,42 @@ def error_from_rpc(err: grpc.RpcError, what: str, address: str) -> CliError:
             "see the coordinator's log; run again with --debug for details",
         )
     return CliError(code, details)
+
+
+def speaks_tls(address: str, timeout: float) -> bool | None:
+    """Whether the server at ``address`` completes a TLS handshake (True), answers but not with
+    TLS (False), or cannot be reached at all (None)."""
+    try:
+        fetch_server_certificate(address, timeout=timeout)
+    except ssl.SSLError:
+        return False
+    except (OSError, ValueError):
+        return None
+    return True
+
+
+def tls_mismatch(address: str, *, tls: bool, timeout: float) -> CliError | None:
+    """After a failed connection: the error for a coordinator that runs but speaks the other
+    protocol (TLS while the CLI runs --insecure, or plaintext while it uses TLS), found by a
+    quick TLS probe; None when the probe finds no such mismatch."""
+    answer = speaks_tls(address, timeout)
+    if answer is None:
+        return None
+    if answer and not tls:
+        return CliError(
+            ExitCode.UNREACHABLE,
+            f"the coordinator at {address} speaks TLS, and --insecure talks plaintext",
+            "log in with a token (`epochmesh login --token TOKEN`, a token from "
+            "`epochmesh-coordinator token create --role submitter`), or drop --insecure",
+        )
+    if not answer and tls:
+        return CliError(
+            ExitCode.UNREACHABLE,
+            f"the coordinator at {address} speaks plaintext (it runs --insecure), and the CLI "
+            "talks TLS",
+            "pass --insecure to talk to it",
+        )
+    return None
 
 
 T = TypeVar("T")
@@ -218,6 +260,7 @@ class Coordinator:
         self.source = source
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
+        self.tls = identity is not None
         self.channel: grpc.Channel = (
             sync_channel(address) if identity is None else secure_sync_channel(address, identity)
         )
@@ -231,6 +274,10 @@ class Coordinator:
             return self
         state = _wait_for_ready(self.channel, self.connect_timeout)
         if state != grpc.ChannelConnectivity.READY:
+            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:  # it answered, or refused
+                mismatch = tls_mismatch(self.address, tls=self.tls, timeout=PROBE_TIMEOUT_S)
+                if mismatch is not None:
+                    raise mismatch
             from_where = f" (address from {self.source})" if self.source else ""
             why = (
                 "connection failed"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import ssl
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,28 +11,40 @@ from typing import Any, TextIO
 
 from client.commands.output import closest
 from client.config import ResolvedAddress, load_credentials
-from client.render import Style, render_table, terminal_width
-from client.rpc import CONNECT_TIMEOUT_S, CliError, Coordinator, ExitCode
-from epochmesh.identity import fetch_server_certificate
-from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
+from client.render import Style, render_table, table_width, terminal_width
+from client.rpc import CONNECT_TIMEOUT_S, CliError, Coordinator, ExitCode, speaks_tls
+from epochmesh.v1 import common_pb2, job_pb2, market_pb2, scheduler_pb2
+
+# Account kinds a reference may name with a prefix (``tenant:u-62b``); a bare id is a tenant's.
+ACCOUNT_KINDS = ("tenant", "donor", "escrow", "held")
+
+
+def match_account(ref: str, known: Sequence[str]) -> list[str]:
+    """The known accounts ``ref`` names: itself when known, else those it is a prefix of
+    (``tenant:u-62b`` or, bare, ``u-62b`` among the tenant accounts). Pure."""
+    full = ref if ":" in ref or ref in ("mint", "platform") else f"tenant:{ref}"
+    if full in known:
+        return [full]
+    return [a for a in known if a.startswith(full)]
 
 
 def not_logged_in(address: str, source: str) -> CliError:
-    """The error for a command run without credentials: "unreachable" when nothing speaks
-    TLS at ``address`` (so a wrong address still answers exit 4), else "not logged in"."""
-    try:
-        fetch_server_certificate(address, timeout=CONNECT_TIMEOUT_S)
-    except ssl.SSLError:
+    """The error for a command run without credentials: "unreachable" when nothing answers at
+    ``address`` or it speaks plaintext (so a wrong address still answers exit 4), else "not
+    logged in"."""
+    answer = speaks_tls(address, CONNECT_TIMEOUT_S)
+    if answer is False:
         return CliError(
             ExitCode.UNREACHABLE,
-            f"cannot reach the coordinator at {address} over TLS (it does not speak TLS)",
-            "if it runs with --insecure, pass --insecure",
+            f"the coordinator at {address} speaks plaintext (it runs --insecure), and the CLI "
+            "talks TLS",
+            "pass --insecure to talk to it",
         )
-    except (OSError, ValueError) as err:
+    if answer is None:
         from_where = f" (address from {source})" if source else ""
         return CliError(
             ExitCode.UNREACHABLE,
-            f"cannot reach the coordinator at {address}{from_where}: {err}",
+            f"cannot reach the coordinator at {address}{from_where}: connection failed",
             "start it with `epochmesh-coordinator`, or point the CLI at it with "
             "--coordinator HOST:PORT or EPOCHMESH_COORDINATOR",
         )
@@ -108,7 +119,9 @@ class Context:
         rows: Sequence[Sequence[str]],
         **kwargs: Any,
     ) -> None:
-        for line in render_table(headers, rows, width=self.width, **kwargs):
+        """A table on stdout: fitted to a terminal (its ``wrap`` columns wrapped, never cut),
+        whole when stdout is a pipe (see client.render)."""
+        for line in render_table(headers, rows, width=table_width(self.stdout), **kwargs):
             self.emit(line)
         self.stdout.flush()
 
@@ -183,4 +196,88 @@ class Context:
             ExitCode.NOT_FOUND,
             f"unknown node {ref!r}",
             f"{hint}list nodes with `epochmesh nodes`",
+        )
+
+    def known_accounts(self) -> list[str] | None:
+        """Every account the coordinator knows, zero balances included; None when the caller
+        may not list them (not an operator: the call that names the account then says what
+        it may not do)."""
+        coord = self.coordinator
+        try:
+            reply = coord.call(
+                "GetBalance",
+                coord.market.GetBalance,
+                market_pb2.GetBalanceRequest(all=True, known=True),
+            )
+        except CliError as err:
+            if err.code == ExitCode.AUTH:
+                return None
+            raise
+        return sorted(b.account for b in reply.balances)
+
+    def get_account(self, ref: str, *, create: bool = False) -> str:
+        """The account named by its name, a bare principal id (its tenant account) or a unique
+        prefix of either; an unknown one is NOT_FOUND (exit 3). With ``create`` the reference is
+        taken as written (the coordinator opens the account when it does not know it). A reference
+        of another kind (``wallet:x``) goes to the coordinator as given, which explains it."""
+        ref = ref.strip()
+        if not ref:
+            raise CliError(ExitCode.USAGE, "empty account", "name an account: tenant:ID or ID")
+        kind, sep, _ = ref.partition(":")
+        if create or (sep and kind not in ACCOUNT_KINDS):
+            return ref  # taken as written: the coordinator opens it or explains the refusal
+        known = self.known_accounts()
+        if known is None:
+            return ref
+        matches = match_account(ref, known)
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise CliError(
+                ExitCode.USAGE,
+                f"{ref!r} matches {len(matches)} accounts ({', '.join(matches[:5])})",
+                "give more of the id",
+            )
+        close = closest(ref if sep else f"tenant:{ref}", known)
+        hint = f"did you mean {close}? " if close else ""
+        raise CliError(
+            ExitCode.NOT_FOUND,
+            f"unknown account {ref!r}: no enrolled user, node, job or ledger entry names it",
+            f"{hint}list accounts with `epochmesh balance --all --known`; to open a new "
+            "account on purpose, add --create",
+        )
+
+    def get_tenant(self, ref: str, *, create: bool = False) -> str:
+        """The tenant (a principal id) named by its id or a unique prefix (``tenant:`` may
+        lead); an unknown one is NOT_FOUND (exit 3); with ``create`` the reference as written."""
+        ref = ref.strip().removeprefix("tenant:")
+        if not ref:
+            raise CliError(
+                ExitCode.USAGE,
+                "empty tenant",
+                "a tenant is the principal id that submits its jobs (see `epochmesh tenant list`)",
+            )
+        if create:
+            return ref
+        accounts = self.known_accounts()
+        if accounts is None:
+            return ref
+        known = [a for a in accounts if a.startswith("tenant:")]
+        matches = match_account(ref, known)
+        if len(matches) == 1:
+            return matches[0].removeprefix("tenant:")
+        if len(matches) > 1:
+            ids = ", ".join(m.removeprefix("tenant:") for m in matches[:5])
+            raise CliError(
+                ExitCode.USAGE,
+                f"{ref!r} matches {len(matches)} tenants ({ids})",
+                "give more of the id",
+            )
+        close = closest(ref, [a.removeprefix("tenant:") for a in known])
+        hint = f"did you mean {close}? " if close else ""
+        raise CliError(
+            ExitCode.NOT_FOUND,
+            f"unknown tenant {ref!r}: no enrolled user, job, weight or ledger entry names it",
+            f"{hint}tenants are users' principal ids (`epochmesh whoami` shows one's); to "
+            "weigh a tenant that does not exist yet, add --create",
         )

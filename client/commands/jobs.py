@@ -85,14 +85,15 @@ def projected_micro(job: common_pb2.Job) -> int | None:
 
 
 def cost_text(job: common_pb2.Job) -> str:
-    """``2.4 credits so far, about 9.6 in total; 97.6 left in its escrow``."""
+    """A live job: ``2.4 credits so far, about 9.6 in total; 97.6 left in its escrow``; an
+    ended one: ``9.6 credits`` (what it cost, all told)."""
+    if job.state in TERMINAL_JOB_STATES:
+        return f"{format_credits(job.spent_micro)} credits"
     text = f"{format_credits(job.spent_micro)} credits so far"
     projected = projected_micro(job)
-    if projected is not None and job.state not in TERMINAL_JOB_STATES:
+    if projected is not None:
         text += f", about {format_credits(projected)} in total"
-    if job.state not in TERMINAL_JOB_STATES:
-        text += f"; {format_credits(job.escrow_micro)} left in its escrow"
-    return text
+    return text + f"; {format_credits(job.escrow_micro)} left in its escrow"
 
 
 def _status_one(ctx: Context, job: common_pb2.Job) -> int:
@@ -114,8 +115,8 @@ def _status_one(ctx: Context, job: common_pb2.Job) -> int:
     ]
     if has_loss(job):
         rows.append(("loss", fmt_loss(job.last_loss)))
-    if job.state not in TERMINAL_JOB_STATES and job.eta_seconds > 0:
-        rows.append(("eta", fmt_duration(job.eta_seconds)))
+    if job.state == common_pb2.JOB_STATE_RUNNING and job.eta_seconds > 0:
+        rows.append(("eta", fmt_duration(job.eta_seconds)))  # none while paused or queued
     if job.spent_micro or job.spec.budget_micro:
         rows.append(("cost", cost_text(job)))
     spec = job.spec
@@ -364,7 +365,7 @@ def register(
     p = sub.add_parser(
         "cancel", parents=common, help="cancel a job", description="Cancel a queued or running job."
     )
-    p.add_argument("job", metavar="JOB")
+    p.add_argument("job", metavar="JOB", help="job id, unique prefix or unique name")
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser(
@@ -374,7 +375,7 @@ def register(
         description=f"Write the trained model of a finished job to DIR/{RESULT_FILE} "
         "(keys exactly make_model().state_dict() keys). Resumes an interrupted download.",
     )
-    p.add_argument("job", metavar="JOB")
+    p.add_argument("job", metavar="JOB", help="job id, unique prefix or unique name")
     p.add_argument("-o", "--out", metavar="DIR", required=True, help="directory to write into")
     p.set_defaults(func=cmd_download)
 
@@ -385,7 +386,7 @@ def register(
         description="Show every applied round: epoch, loss and each node's local batch. "
         "With --output json: one JSON object per round (JSON lines).",
     )
-    p.add_argument("job", metavar="JOB")
+    p.add_argument("job", metavar="JOB", help="job id, unique prefix or unique name")
     p.add_argument("--since", type=int, default=0, metavar="R", help="rounds after round R")
     p.set_defaults(func=cmd_rounds)
 
@@ -395,7 +396,7 @@ def register(
         help="show a job's events",
         description="Show a job's events (JSON lines with --output json).",
     )
-    p.add_argument("job", metavar="JOB")
+    p.add_argument("job", metavar="JOB", help="job id, unique prefix or unique name")
     p.add_argument("-f", "--follow", action="store_true", help="keep waiting for new events")
     p.add_argument("--limit", type=int, default=0, metavar="N", help="at most N events")
     p.set_defaults(func=cmd_logs)
@@ -410,7 +411,7 @@ def register(
         "nodes. A job that is not running shows the times summed from its recorded rounds. "
         "--output json: the allocation plus 'source' and 'totals'.",
     )
-    p.add_argument("job", metavar="JOB")
+    p.add_argument("job", metavar="JOB", help="job id, unique prefix or unique name")
     p.set_defaults(func=cmd_allocation)
 
     p = sub.add_parser(
@@ -420,6 +421,6 @@ def register(
         description="Write a loss / throughput chart of a job's rounds to FILE.png. Needs the "
         "optional extra: pip install 'epochmesh[plot]'.",
     )
-    p.add_argument("job", metavar="JOB")
+    p.add_argument("job", metavar="JOB", help="job id, unique prefix or unique name")
     p.add_argument("-o", "--out", metavar="FILE", required=True, help="image file (.png)")
     p.set_defaults(func=cmd_plot)

@@ -44,11 +44,14 @@ def entry_dict(e: market_pb2.LedgerEntry) -> dict[str, Any]:
 
 def cmd_grant(ctx: Context) -> int:
     amount = amount_arg(ctx.args.amount)
+    account = ctx.get_account(ctx.args.account, create=ctx.args.create)
     coord = ctx.coordinator
     reply = coord.call(
         "GrantCredits",
         coord.market.GrantCredits,
-        market_pb2.GrantCreditsRequest(account=ctx.args.account, amount_micro=amount),
+        market_pb2.GrantCreditsRequest(
+            account=account, amount_micro=amount, create=ctx.args.create
+        ),
     )
     if ctx.json:
         ctx.emit_json(
@@ -71,7 +74,11 @@ def cmd_balance(ctx: Context) -> int:
     reply = coord.call(
         "GetBalance",
         coord.market.GetBalance,
-        market_pb2.GetBalanceRequest(account=ctx.args.account or "", all=ctx.args.all),
+        market_pb2.GetBalanceRequest(
+            account=ctx.args.account or "",
+            all=ctx.args.all or ctx.args.known,
+            known=ctx.args.known,
+        ),
     )
     rows = [(b.account, b.balance_micro) for b in reply.balances]
     if ctx.json:
@@ -133,7 +140,7 @@ def cmd_statement(ctx: Context) -> int:
             for e in entries
         ],
         right=(3, 5, 7),
-        flex=8,
+        wrap=(8,),  # the reason explains: wrapped, never cut
     )
     return ExitCode.OK
 
@@ -171,10 +178,23 @@ def register(
         parents=common,
         help="give an account credits (operators)",
         description="Give ACCOUNT (tenant:ID, donor:ID, or a bare principal id for its tenant "
-        "account) AMOUNT credits, from the mint.",
+        "account) AMOUNT credits, from the mint. ACCOUNT may be a unique prefix of an account "
+        "the coordinator knows (an enrolled user or node, a donor, a tenant with jobs or a "
+        "weight, an account with ledger entries: `epochmesh balance --all --known`); an "
+        "unknown one is refused (exit 3) unless --create.",
     )
-    g.add_argument("account", metavar="ACCOUNT")
+    g.add_argument(
+        "account",
+        metavar="ACCOUNT",
+        help="tenant:ID, donor:ID or a bare principal id (its tenant account); a unique "
+        "prefix of a known one",
+    )
     g.add_argument("amount", metavar="AMOUNT", help="credits, e.g. 100 or 2.5")
+    g.add_argument(
+        "--create",
+        action="store_true",
+        help="open ACCOUNT, taken as written, even though the coordinator does not know it",
+    )
     g.set_defaults(func=cmd_grant)
 
     p = sub.add_parser(
@@ -186,6 +206,12 @@ def register(
     )
     p.add_argument("account", metavar="ACCOUNT", nargs="?", help="tenant:ID, donor:ID, ...")
     p.add_argument("--all", action="store_true", help="every account (operators)")
+    p.add_argument(
+        "--known",
+        action="store_true",
+        help="with --all: also the accounts the coordinator knows at a zero balance (the "
+        "accounts a grant may name; operators)",
+    )
     p.set_defaults(func=cmd_balance)
 
     p = sub.add_parser(

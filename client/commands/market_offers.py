@@ -14,7 +14,7 @@ from typing import Any
 
 from client.commands.context import Context
 from client.commands.nodes import device_summary, fmt_verified, node_price, node_rate
-from client.commands.output import job_state_name, node_state_name
+from client.commands.output import job_state_name, node_status
 from client.render import fmt_duration, fmt_rate, fmt_seconds
 from client.rpc import CliError, ExitCode
 from epochmesh.errors import SpecError
@@ -93,7 +93,7 @@ def node_offer(node: common_pb2.NodeInfo, now: int | None = None) -> NodeOffer:
     return NodeOffer(
         node_id=node.node_id,
         name=node.name,
-        state=node_state_name(node.state),
+        state=node_status(node),
         device=device_summary(node),
         price_micro_per_hour=price,
         samples_per_second=rate,

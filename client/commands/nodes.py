@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from client.commands.context import Context
-from client.commands.output import node_state_name, parse_node_states, to_dict
+from client.commands.output import node_state_name, node_status, parse_node_states, to_dict
 from client.render import fmt_age, fmt_bytes, fmt_rate
 from client.rpc import ExitCode
 from epochmesh.money import format_credits
@@ -83,7 +83,7 @@ def cmd_nodes(ctx: Context) -> int:
         [
             n.node_id,
             n.name or "-",
-            node_state_name(n.state),
+            node_status(n),
             device_summary(n),
             fmt_rate(node_rate(n)),
             node_price(n),

@@ -59,6 +59,13 @@ def node_state_name(state: int) -> str:
     return enum_short_name(common_pb2.NodeState.DESCRIPTOR, state)
 
 
+def node_status(node: common_pb2.NodeInfo) -> str:
+    """A node's state as a user should read it: ``revoked`` for a node whose certificate was
+    revoked (the coordinator also cordons it, but it can never be uncordoned back to work),
+    else its state's short name."""
+    return "revoked" if node.revoked else node_state_name(node.state)
+
+
 def _parse_states(
     text: str, names: tuple[str, ...], enum: Any, prefix: str, what: str
 ) -> list[Any]:

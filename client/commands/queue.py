@@ -67,7 +67,8 @@ def cmd_queue(ctx: Context) -> int:
         ["JOB", "NAME", "TENANT", "PRIORITY", "STATE", "FAIR SHARE", "NODES", "REASON"],
         queue_rows(reply.jobs),
         right=(5, 6),
-        flex=7,
+        flex=1,
+        wrap=(7,),  # the reason explains: wrapped, never cut
         paint={4: ctx.out_style.state},
     )
     if others:
@@ -148,18 +149,14 @@ def cmd_tenant_list(ctx: Context) -> int:
 
 
 def cmd_tenant_set(ctx: Context) -> int:
-    tenant = ctx.args.tenant.strip()
-    if not tenant:
-        raise CliError(
-            ExitCode.USAGE,
-            "empty tenant",
-            "a tenant is the principal id that submits its jobs (see `epochmesh tenant list`)",
-        )
+    tenant = ctx.get_tenant(ctx.args.tenant, create=ctx.args.create)
     coord = ctx.coordinator
     reply = coord.call(
         "SetTenantWeight",
         coord.scheduler.SetTenantWeight,
-        scheduler_pb2.SetTenantWeightRequest(tenant=tenant, weight=ctx.args.weight),
+        scheduler_pb2.SetTenantWeightRequest(
+            tenant=tenant, weight=ctx.args.weight, create=ctx.args.create
+        ),
     )
     if ctx.json:
         ctx.emit_json(to_dict(reply))
@@ -213,9 +210,19 @@ def register(
         "set",
         parents=common,
         help="set a tenant's weight",
-        description="Set a tenant's weight: a positive number (it persists).",
+        description="Set a tenant's weight: a positive number (it persists). TENANT is a "
+        "principal id the coordinator knows (an enrolled user, a job's owner, a weighted "
+        "tenant) or a unique prefix of one; an unknown one is refused (exit 3) unless "
+        "--create.",
     )
-    q.add_argument("tenant", metavar="TENANT", help="the tenant's principal id (u-...)")
+    q.add_argument(
+        "tenant", metavar="TENANT", help="the tenant's principal id (u-...) or a unique prefix"
+    )
+    q.add_argument(
+        "--create",
+        action="store_true",
+        help="weigh TENANT, taken as written, even though the coordinator does not know it",
+    )
     q.add_argument(
         "--weight", type=float, required=True, metavar="W", help="a positive number (default 1)"
     )

@@ -96,9 +96,11 @@ class WatchState:
         return self.job is not None and self.job.state in TERMINAL_JOB_STATES
 
     def eta_seconds(self, now: float | None = None) -> float:
-        """The coordinator's ETA; else one from the samples committed while watching."""
+        """The coordinator's ETA; else one from the samples committed while watching. NaN
+        unless the job runs: a paused or queued job has no ETA (it waits for credits or
+        nodes), an ended one none left."""
         job = self.job
-        if job is None or job.state in TERMINAL_JOB_STATES:
+        if job is None or job.state != common_pb2.JOB_STATE_RUNNING:
             return float("nan")
         if job.eta_seconds > 0:
             return job.eta_seconds
@@ -110,6 +112,15 @@ class WatchState:
         if done <= 0 or now <= t0:
             return float("nan")
         return (job.samples_total - job.samples_done) / (done / (now - t0))
+
+    def eta_text(self, now: float | None = None) -> str:
+        """``4m05s``; ``done`` once ended, ``paused`` while paused, ``-`` when unknown."""
+        if self.finished:
+            return "done"
+        if self.job is not None and self.job.state == common_pb2.JOB_STATE_PAUSED:
+            return "paused"
+        eta = self.eta_seconds(now)
+        return fmt_duration(eta) if math.isfinite(eta) else "-"
 
     def epoch_fraction(self) -> float:
         job = self.job
@@ -161,8 +172,7 @@ def render_screen(
     ]
     fraction = job_fraction(job)
     loss = fmt_loss(job.last_loss) if has_loss(job) else "-"
-    eta = state.eta_seconds()
-    eta_text = "done" if state.finished else fmt_duration(eta) if math.isfinite(eta) else "-"
+    eta_text = state.eta_text()
     lines.append(
         f"{progress_bar(fraction, 30)} {fraction * 100:5.1f}%  loss {style.paint(loss, 'bold')}"
         f"  eta {eta_text}"
@@ -203,14 +213,13 @@ def plain_line(state: WatchState) -> str:
     job = state.job
     if job is None:
         return "waiting for the job's first update"
-    eta = state.eta_seconds()
     parts = [
         f"{job.job_id} {job_state_name(job.state)}",
         f"epoch {epoch_text(job)}",
         f"round {job.round}",
         f"{job_fraction(job) * 100:.1f}%",
         f"loss {fmt_loss(job.last_loss) if has_loss(job) else '-'}",
-        f"eta {fmt_duration(eta) if math.isfinite(eta) else '-'}",
+        f"eta {state.eta_text()}",
     ]
     nodes = ", ".join(
         f"{r.name or r.node_id} {fmt_rate(r.samples_per_second)}/s {r.share * 100:.0f}% "
@@ -340,7 +349,7 @@ def register(
         "when the job succeeds, 5 when it fails or is cancelled. With --output json: one JSON "
         "line per update on stdout.",
     )
-    p.add_argument("job", metavar="JOB")
+    p.add_argument("job", metavar="JOB", help="job id, unique prefix or unique name")
     p.add_argument(
         "--reconnect",
         type=float,

@@ -1,8 +1,12 @@
-"""MarketService: credits granted by operators, balances and statements (issue 19).
+"""MarketService: credits granted by operators, balances and statements.
 
 Who sees what: an operator any account; a submitter its own tenant account (``tenant:<its
 principal id>``) and its own jobs' escrows and entries; anything else is PERMISSION_DENIED.
 With ``--insecure`` there is no caller identity and every account is open (as for jobs).
+
+A grant names an account the coordinator knows (coordinator/market/accounts.py) or asks to
+create it: an unknown one is NOT_FOUND, so a typo or a truncated id opens no account nobody can
+use.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from coordinator.core.errors import InvalidArgumentError, PermissionDeniedError
 from coordinator.core.ids import check_text
 from coordinator.core.principal import current_principal
 from coordinator.engine.api import TrainingEngine
+from coordinator.market.accounts import gather, known_accounts, require_known
 from coordinator.market.credit_ledger import CreditLedger
 from coordinator.store.base import Store
 from epochmesh.identity import ROLE_SUBMITTER
@@ -116,6 +121,8 @@ class MarketService:
                 f"credits are granted to a tenant or a donor, not to {account}"
             )
         check_amount(req.amount_micro)
+        if not req.create:
+            await require_known(self._store, account, f"account {account!r}")
         principal = current_principal()
         by = principal.id if principal is not None else "insecure"
         entry = grant(account, req.amount_micro, now_ms(), reason=f"granted by {by}")
@@ -130,8 +137,13 @@ class MarketService:
         submitter = self._submitter()
         if req.all:
             if submitter is not None:
-                raise PermissionDeniedError("only operators see every account")
+                raise PermissionDeniedError(
+                    "only operators can see every account (you are logged in as a submitter)"
+                )
             balances = self._ledger.balances()
+            if req.known:
+                for known in known_accounts(await gather(self._store)):
+                    balances.setdefault(known, 0)
             return market_pb2.GetBalanceResponse(
                 balances=[
                     market_pb2.AccountBalance(account=a, balance_micro=b)

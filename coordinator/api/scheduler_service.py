@@ -1,7 +1,9 @@
 """SchedulerService: operators -> coordinator (nodes, jobs, events, cordon/drain, stats).
 
 GetAllocation, PreviewAllocation, GetQueue and SetTenantWeight go to the training engine. Node
-arguments accept a node id or a unique node name.
+arguments accept a node id or a unique node name. SetTenantWeight names a tenant the
+coordinator knows (coordinator/market/accounts.py) or asks to create it (else NOT_FOUND).
+ListNodes and GetNode mark revoked nodes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TypeAlias
 
 import grpc
 
+from coordinator.accounting.credit_book import tenant_account
 from coordinator.api.queries import get_job, get_queue, list_jobs, watch_caps
 from coordinator.api.quote_handler import quote_job
 from coordinator.core.errors import (
@@ -24,6 +27,7 @@ from coordinator.core.ids import USER_ID_PREFIX, check_text, is_job_id, is_node_
 from coordinator.core.principal import current_principal_id
 from coordinator.core.stream_caps import StreamCaps
 from coordinator.engine.api import TrainingEngine
+from coordinator.market.accounts import require_known
 from coordinator.nodes.registry import NodeRegistry, state_name
 from coordinator.store.base import Store
 from coordinator.store.blobs import BlobStore
@@ -77,10 +81,14 @@ class SchedulerService:
 
     def _with_job_rates(self, nodes: list[common_pb2.NodeInfo]) -> list[common_pb2.NodeInfo]:
         """Fill in each node's samples/s on the live jobs the caller may see (a submitter:
-        its own; operators: all) on ``nodes`` (the registry's copies)."""
+        its own; operators: all) and whether it was revoked, on ``nodes`` (the registry's
+        copies)."""
         rates = self._engine.job_rates(owner=owner_filter())
         for node in nodes:
             node.job_samples_per_second.update(rates.get(node.node_id, {}))
+            node.revoked = self._authorizer is not None and self._authorizer.is_revoked(
+                node.node_id
+            )
         return nodes
 
     async def ListNodes(
@@ -200,6 +208,8 @@ class SchedulerService:
         self, req: scheduler_pb2.SetTenantWeightRequest, ctx: Ctx
     ) -> scheduler_pb2.SetTenantWeightResponse:
         check_text(req.tenant, "tenant", max_len=128, required=True)
+        if not req.create:
+            await require_known(self._store, tenant_account(req.tenant), f"tenant {req.tenant!r}")
         weight = await self._engine.set_tenant_weight(req.tenant, req.weight)
         return scheduler_pb2.SetTenantWeightResponse(tenant=req.tenant, weight=weight)
 

@@ -6,7 +6,8 @@ Every RPC of AgentService, JobService and SchedulerService goes through `Authori
 - no certificate in the call credentials (epochmesh.identity.CertificateAuth), one not issued
   by the coordinator's CA, an expired one, a bad or stale call signature, or a certificate
   whose principal was revoked: UNAUTHENTICATED;
-- a role the method does not admit (`POLICY`): PERMISSION_DENIED.
+- a role the method does not admit (`POLICY`): PERMISSION_DENIED, saying in a user's words what
+  the caller tried and who may (`ACTIONS`, `refusal`).
 
 The caller's `Principal` is then available to the handler and everything it calls (the engine
 included) through `current_principal()` (coordinator/core/principal.py: a contextvar set for
@@ -130,6 +131,103 @@ POLICY: dict[str, frozenset[str]] = {
     **{f"{_MARKET}/{m}": USERS for m in ("GetBalance", "GetStatement", "AddBudget")},
     f"{_MARKET}/GrantCredits": OPERATOR,
 }
+
+
+# What each RPC does, in the words of a user who was refused it: "only operators can <phrase>".
+ACTIONS: dict[str, str] = {
+    **{
+        f"{_AGENT}/{m}": phrase
+        for m, phrase in (
+            ("Register", "register a node"),
+            ("Heartbeat", "send a node's heartbeats"),
+            ("Leave", "take a node out of the cluster"),
+            ("ReportBenchmark", "report a node's benchmark"),
+            ("NextTask", "take training tasks"),
+            ("FetchBlob", "fetch a job's blobs as a node"),
+            ("PushUpdate", "push a node's updates"),
+            ("PullParameters", "pull a job's parameters as a node"),
+            ("ReportProgress", "report a node's progress"),
+            ("Probe", "probe the coordinator's link as a node"),
+            ("AuthorizeStateTransfer", "authorize a state transfer between nodes"),
+            ("CommitSketches", "commit a node's work sketches"),
+            ("ReportCheck", "report a verification check"),
+        )
+    },
+    **{
+        f"{_JOB}/{m}": phrase
+        for m, phrase in (
+            ("UploadBlob", "upload job files"),
+            ("GetBlobStatus", "look up uploaded files"),
+            ("DeleteBlob", "delete uploaded files"),
+            ("SubmitJob", "submit jobs"),
+            ("GetJob", "see jobs"),
+            ("ListJobs", "list jobs"),
+            ("WatchJob", "watch jobs"),
+            ("CancelJob", "cancel jobs"),
+            ("DownloadResult", "download a job's model"),
+            ("GetRounds", "see a job's rounds"),
+            ("GetJobEvents", "see a job's events"),
+            ("GetQueue", "see the queue"),
+            ("SetJobPriority", "change a job's priority"),
+        )
+    },
+    **{
+        f"{_SCHED}/{m}": phrase
+        for m, phrase in (
+            ("ListNodes", "list the nodes"),
+            ("GetNode", "see a node"),
+            ("ClusterStats", "see the cluster's statistics"),
+            ("PreviewAllocation", "preview a job's allocation"),
+            ("GetAllocation", "see a job's allocation"),
+            ("ListJobs", "list every tenant's jobs"),
+            ("GetJob", "see any tenant's job"),
+            ("WatchEvents", "see the cluster's events"),
+            ("Cordon", "cordon a node"),
+            ("Uncordon", "uncordon a node"),
+            ("Drain", "drain a node"),
+            ("Revoke", "revoke a certificate"),
+            ("GetQueue", "see the whole queue and the tenants' weights"),
+            ("SetTenantWeight", "set a tenant's weight"),
+            ("QuoteJob", "quote a job"),
+        )
+    },
+    **{
+        f"{_MARKET}/{m}": phrase
+        for m, phrase in (
+            ("GetBalance", "see credit balances"),
+            ("GetStatement", "see ledger statements"),
+            ("AddBudget", "add to a job's budget"),
+            ("GrantCredits", "grant credits"),
+        )
+    },
+}
+
+# The callers a role set names in a refusal ("only operators can ...").
+_WHO = {
+    NODE: "nodes (agents) and operators",
+    USERS: "submitters and operators",
+    OPERATOR: "operators",
+}
+
+
+def _a(role: str) -> str:
+    return f"an {role}" if role[:1] in "aeiou" else f"a {role}"
+
+
+def refusal(method: str, role: str) -> str:
+    """Why ``role`` may not call ``method`` ("Service/Method"), in a user's words: "only
+    operators can grant credits (you are logged in as a submitter; GrantCredits needs the
+    operator role)"."""
+    allowed = POLICY.get(method, frozenset())
+    name = method.rsplit("/", 1)[-1]
+    if not allowed:
+        return f"{name} is not offered to anyone (you are logged in as {_a(role)})"
+    who = _WHO.get(allowed, " and ".join(f"{r}s" for r in sorted(allowed)))
+    action = ACTIONS.get(method, f"call {name}")
+    roles = " or ".join(sorted(allowed))
+    return (
+        f"only {who} can {action} (you are logged in as {_a(role)}; {name} needs the {roles} role)"
+    )
 
 
 def require_self(node_id: str) -> None:
@@ -326,9 +424,5 @@ class Authorizer:
         principal = self.authenticate(method, ctx)
         allowed = POLICY.get(method, frozenset())
         if principal.role not in allowed:
-            who = ", ".join(sorted(allowed)) or "nobody"
-            raise PermissionDeniedError(
-                f"{method.rsplit('/', 1)[-1]} is not allowed for role {principal.role} "
-                f"(allowed: {who})"
-            )
+            raise PermissionDeniedError(refusal(method, principal.role))
         return principal

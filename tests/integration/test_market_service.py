@@ -44,8 +44,14 @@ async def test_grants_balances_statements_and_who_may_see_them(tmp_path: Path) -
         ):
             op = market_pb2_grpc.MarketServiceStub(op_ch)
             me = market_pb2_grpc.MarketServiceStub(alice_ch)
+            # Certificates made directly by the CA: no enrollment made them known, so the
+            # first grant asks to create the account; unknown without create: NOT_FOUND.
+            unknown = market_pb2.GrantCreditsRequest(account=alice.principal.id, amount_micro=1)
+            assert await status_of(op.GrantCredits(unknown)) == S.NOT_FOUND
             granted = await op.GrantCredits(
-                market_pb2.GrantCreditsRequest(account=alice.principal.id, amount_micro=25 * MICRO)
+                market_pb2.GrantCreditsRequest(
+                    account=alice.principal.id, amount_micro=25 * MICRO, create=True
+                )
             )
             assert granted.entry.to_account == f"tenant:{alice.principal.id}"
             assert granted.entry.from_account == "mint" and granted.balance_micro == 25 * MICRO
@@ -55,7 +61,9 @@ async def test_grants_balances_statements_and_who_may_see_them(tmp_path: Path) -
                 )
             )
             await op.GrantCredits(
-                market_pb2.GrantCreditsRequest(account=f"tenant:{bob.principal.id}", amount_micro=7)
+                market_pb2.GrantCreditsRequest(
+                    account=f"tenant:{bob.principal.id}", amount_micro=7, create=True
+                )
             )
 
             own = await me.GetBalance(market_pb2.GetBalanceRequest())

@@ -103,8 +103,10 @@ class Caller:
     async def queue(self) -> scheduler_pb2.GetQueueResponse:
         return await self.jobs.GetQueue(scheduler_pb2.GetQueueRequest(), timeout=10)
 
-    async def weight(self, tenant: str, weight: float) -> scheduler_pb2.SetTenantWeightResponse:
-        req = scheduler_pb2.SetTenantWeightRequest(tenant=tenant, weight=weight)
+    async def weight(
+        self, tenant: str, weight: float, create: bool = False
+    ) -> scheduler_pb2.SetTenantWeightResponse:
+        req = scheduler_pb2.SetTenantWeightRequest(tenant=tenant, weight=weight, create=create)
         return await self.sched.SetTenantWeight(req, timeout=10)
 
 
@@ -273,7 +275,9 @@ async def test_who_may_change_priorities_and_weights(
 
     # An operator's weight, for a tenant with or without jobs.
     assert (await op.weight(bob.id, 0.25)).weight == 0.25
-    assert (await op.weight("u-nobody-yet", 2)).weight == 2.0
+    # One the coordinator does not know yet only when asked to create it.
+    await refused(op.weight("u-nobody-yet", 2), S.NOT_FOUND, ("u-nobody-yet",))
+    assert (await op.weight("u-nobody-yet", 2, create=True)).weight == 2.0
     q = await op.sched.GetQueue(scheduler_pb2.GetQueueRequest())
     assert dict(q.tenant_weights) == {bob.id: 0.25, "u-nobody-yet": 2.0}
 

@@ -73,7 +73,9 @@ def test_enroll_login_roles_and_revoke(tmp_path: Path) -> None:
             submitter = Cli(coord.address, tmp_path / "submitter", role="submitter")
             assert submitter.run("whoami").stdout.startswith("submitter u-")
             assert submitter.run("nodes").code == 0
-            assert_clean_error(submitter.run("cordon", "alpha"), 7, "not allowed for role")
+            assert_clean_error(
+                submitter.run("cordon", "alpha"), 7, "only operators can cordon a node"
+            )
             nobody = Cli(coord.address, tmp_path / "nobody", role=None)
             assert_clean_error(nobody.run("nodes"), 7, "not logged in", "epochmesh login")
 
