@@ -6,9 +6,17 @@
                                        [--uses N | --reusable] [--cert-ttl 30d]
                                        [--donor NAME] [--data-dir DIR]
 
-Subcommands: ``serve`` (the default when the first argument is an option or absent) and
-``token create``, which runs on the coordinator's machine against its data dir (creating the
-CA if the coordinator never ran) and prints one join token on stdout.
+    epochmesh-coordinator dev [--agents N] [--data-dir DIR]
+
+Subcommands: ``serve`` (the default when the first argument is an option or absent; its
+options are listed in the top-level ``--help`` too), ``token create``, which runs on the
+coordinator's machine against its data dir (creating the CA if the coordinator never ran) and
+prints one join token on stdout, and ``dev``, a coordinator and N agents on this machine with
+a logged-in CLI (coordinator/local_cluster.py) until Ctrl-C.
+
+gRPC's own C-core log lines (TLS handshake failures and the like) are silenced unless
+``--debug``; the arguments are parsed before grpc is imported, which that needs
+(epochmesh/grpc_logs.py).
 
 TLS is on by default: the first start creates a CA in the data dir (ca.pem, ca.key) and a
 server certificate it issues (server.pem, server.key), and refuses to start when only one of
@@ -26,6 +34,7 @@ import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coordinator.core.config import (
     DEFAULT_BLOB_QUOTA_BYTES,
@@ -37,7 +46,7 @@ from coordinator.core.config import (
     CoordinatorConfig,
 )
 from coordinator.core.errors import CoordinatorError
-from coordinator.engine.api import EngineFactory
+from epochmesh.grpc_logs import quiet_grpc_core
 from epochmesh.limits import DEFAULT_MAX_BLOB_BYTES, MAX_CHUNK_BYTES
 from epochmesh.program.inspection import (
     DEFAULT_CONCURRENCY,
@@ -45,6 +54,9 @@ from epochmesh.program.inspection import (
     DEFAULT_TIMEOUT_S,
 )
 from epochmesh.timeutil import duration_seconds
+
+if TYPE_CHECKING:  # grpc comes with it, and grpc may be imported only after the arguments
+    from coordinator.engine.api import EngineFactory
 
 log = logging.getLogger("coordinator")
 
@@ -98,6 +110,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         type=str.upper,
         help="log verbosity (default INFO)",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="log at DEBUG and keep gRPC's own C-core log lines on stderr (silenced "
+        "otherwise, unless GRPC_VERBOSITY or GRPC_TRACE is set)",
     )
 
 
@@ -192,6 +210,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=256,
         metavar="N",
         help="concurrent FetchBlob/DownloadResult streams in all (default 256)",
+    )
+    parser.add_argument(
+        "--max-live-jobs",
+        type=_positive_int,
+        default=100,
+        metavar="N",
+        help="live jobs (queued, running, paused) one tenant may have; SubmitJob beyond is "
+        "refused (default 100)",
     )
     parser.add_argument(
         "--shutdown-grace",
@@ -384,6 +410,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         max_watch_streams_total=args.max_watch_streams_total,
         max_fetch_streams=args.max_fetch_streams,
         max_fetch_streams_total=args.max_fetch_streams_total,
+        max_live_jobs=args.max_live_jobs,
         shutdown_grace_s=args.shutdown_grace,
         split=args.split,
         log_level=args.log_level,
@@ -566,18 +593,99 @@ def run_token(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_DEV_DIR = Path(".epochmesh-dev")
+DEFAULT_DEV_AGENTS = 2
+
+
+def add_dev_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--agents",
+        type=_positive_int,
+        default=DEFAULT_DEV_AGENTS,
+        metavar="N",
+        help=f"agents to start (default {DEFAULT_DEV_AGENTS})",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=DEFAULT_DEV_DIR,
+        metavar="DIR",
+        help="everything of the cluster: DIR/coordinator (the coordinator's data dir), "
+        "DIR/agent-N (each agent's), DIR/cli-config (the logged-in CLI's XDG_CONFIG_HOME) "
+        f"and the logs; kept after it stops, reused by the next start (default ./{DEFAULT_DEV_DIR})",
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="where the coordinator serves gRPC (default 127.0.0.1:0: a free port, printed)",
+    )
+    parser.add_argument(
+        "--http-listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="the dashboard and /metrics (default 127.0.0.1:0: a free port, printed; an empty "
+        "value turns HTTP off)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="verbosity of this command's own log (default INFO); each process logs to its file",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="run the coordinator and the agents with --debug (DEBUG logs and gRPC's own log "
+        "lines in their log files)",
+    )
+
+
+def run_dev(args: argparse.Namespace) -> int:
+    from coordinator.local_cluster import run_dev as run_local_cluster
+
+    return run_local_cluster(
+        args.data_dir,
+        args.agents,
+        listen=args.listen,
+        http_listen=args.http_listen.strip(),
+        debug=args.debug,
+    )
+
+
+DEV_HELP = (
+    "a coordinator and N agents on this machine (TLS, node tokens made here), a logged-in "
+    "CLI, and the commands to use it printed; Ctrl-C stops them all"
+)
+
 SUBCOMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]
 ] = {
     "serve": ("run the coordinator (the default)", add_serve_args, run_serve),
     "token": ("manage join tokens (token create --role ROLE)", add_token_args, run_token),
+    "dev": (DEV_HELP, add_dev_args, run_dev),
 }
+
+
+def serve_options_help() -> str:
+    """The `serve` command's options as its own help shows them, for the top-level help."""
+    serve = argparse.ArgumentParser(
+        prog=f"epochmesh-coordinator [{DEFAULT_COMMAND}]", add_help=False
+    )
+    add_serve_args(serve)
+    text = serve.format_help()
+    return text[text.index("\n\n") + 2 :]  # the options, without the long usage line
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epochmesh-coordinator",
-        description="epochmesh coordinator: registers nodes, stores blobs, schedules training.",
+        description="epochmesh coordinator: registers nodes, stores blobs, schedules training.\n"
+        f"Without a command it serves: epochmesh-coordinator [{DEFAULT_COMMAND}] [OPTIONS], "
+        "with the options below.",
+        epilog=f"{DEFAULT_COMMAND} (the default command) takes these {serve_options_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add_args, _) in SUBCOMMANDS.items():
@@ -592,8 +700,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(args_list)
     if args.command is None:
         args = build_parser().parse_args([DEFAULT_COMMAND, *args_list])
+    # Before anything imports grpc: its C core reads its log settings once, at import.
+    quiet_grpc_core(args.debug)
+    level = "DEBUG" if args.debug else args.log_level
     logging.basicConfig(
-        level=getattr(logging, args.log_level, logging.INFO),
+        level=getattr(logging, level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -1,4 +1,10 @@
-"""`epochmesh-agent`: the node agent's entry point."""
+"""`epochmesh-agent`: the node agent's entry point.
+
+The arguments are parsed before anything heavy is imported: ``--help`` and a usage error
+answer at once, without torch or grpc (about 2 s of imports), and gRPC's own C-core log lines
+are silenced (unless ``--debug``) by the environment it reads when it is imported
+(epochmesh/grpc_logs.py). Those imports therefore live inside the functions below.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +15,10 @@ import sys
 import threading
 import time
 
-import grpc
-
-from epochmesh.identity import IdentityError
+from epochmesh.grpc_logs import quiet_grpc_core
 from node_agent.core.config import AgentConfig, parse_args
 from node_agent.core.devices import DeviceError, select_device
-from node_agent.core.identity import CertificateRenewer, ensure_identity
-from node_agent.link.metrics import AgentMetrics
-from node_agent.runtime.worker import Agent
-from node_agent.testing.cheat import CHEAT_ENV, cheat_from_environment
-from node_agent.training.tamper import HONEST
+from node_agent.link.backoff import RetrySchedule, UnreachableReport
 
 log = logging.getLogger("node_agent")
 
@@ -47,10 +47,49 @@ def _join_threads(timeout: float) -> bool:
     )
 
 
+def _enroll_unreachable(
+    config: AgentConfig, why: str, schedule: RetrySchedule, report: UnreachableReport
+) -> None:
+    """An enrollment attempt found no coordinator: say so (a warning the first time and every
+    few minutes, else a debug line) and wait for the next attempt, 1 s doubling to 60 s."""
+    delay = schedule.next_delay()
+    now = time.monotonic()
+    if report.failures == 0:
+        report.failed(now)
+        log.warning(
+            "coordinator %s unreachable (Enroll: %s): retrying in %.1f s, then at growing "
+            "intervals up to %.0f s; said again every %.0f min while it lasts",
+            config.coordinator,
+            why,
+            delay,
+            schedule.cap,
+            report.remind_every_s / 60,
+        )
+    elif report.failed(now):
+        log.warning(
+            "coordinator %s still unreachable after %d attempts over %.0f s (Enroll: %s); "
+            "next attempt in %.1f s",
+            config.coordinator,
+            report.failures,
+            report.down_for(now),
+            why,
+            delay,
+        )
+    else:
+        log.debug(
+            "Enroll attempt %d failed (%s); next attempt in %.1f s", report.failures, why, delay
+        )
+    time.sleep(delay)
+
+
 def prepare_identity(config: AgentConfig) -> int:
     """TLS set-up before the agent starts: enroll on the first start, or --insecure. Returns
     an exit code (0: go on)."""
+    import grpc
     import torch
+
+    from epochmesh.identity import IdentityError
+    from node_agent.core.identity import CertificateRenewer, ensure_identity
 
     try:  # a bad --device is a usage error before anything is asked of the coordinator
         select_device(config.device, torch.cuda.device_count())
@@ -60,6 +99,8 @@ def prepare_identity(config: AgentConfig) -> int:
     if config.insecure:
         log.warning("--insecure: talking plaintext to the coordinator, without a certificate")
         return 0
+    schedule = RetrySchedule()
+    report = UnreachableReport()
     retry_s = 5.0
     while True:
         try:
@@ -73,10 +114,7 @@ def prepare_identity(config: AgentConfig) -> int:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                log.warning(
-                    "coordinator %s unreachable (Enroll: %s); retrying", config.coordinator, code
-                )
-                time.sleep(1.0)
+                _enroll_unreachable(config, f"{code.name}: {details}", schedule, report)
                 continue
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the coordinator's rate limit
                 log.warning("enrollment deferred: %s; retrying in %.0f s", details, retry_s)
@@ -86,11 +124,10 @@ def prepare_identity(config: AgentConfig) -> int:
             log.error("enrollment refused: %s", details)
             return 2
         except ConnectionError as exc:
-            log.warning(
-                "coordinator %s unreachable (Enroll: %s); retrying", config.coordinator, exc
-            )
-            time.sleep(1.0)
+            _enroll_unreachable(config, str(exc), schedule, report)
             continue
+        if report.succeeded():
+            log.info("coordinator %s reachable again", config.coordinator)
         log.info("node %s: TLS with a certificate from the coordinator's CA", identity.principal.id)
         CertificateRenewer(config.data_dir, config.coordinator).start()
         return 0
@@ -98,7 +135,15 @@ def prepare_identity(config: AgentConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    configure_logging(config.log_level)
+    # Before grpc is imported (below, and by everything the agent runs): gRPC's C core reads
+    # its log settings once, at import.
+    quiet_grpc_core(config.debug)
+    configure_logging("DEBUG" if config.debug else config.log_level)
+    from node_agent.link.metrics import AgentMetrics
+    from node_agent.runtime.worker import Agent
+    from node_agent.testing.cheat import CHEAT_ENV, cheat_from_environment
+    from node_agent.training.tamper import HONEST
+
     log.info(
         "epochmesh-agent starting: coordinator %s, data dir %s", config.coordinator, config.data_dir
     )

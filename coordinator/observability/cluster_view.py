@@ -20,6 +20,7 @@ from coordinator.core.ids import is_job_id
 from coordinator.observability.round_stats import Histogram, JobRounds, RoundStats
 from coordinator.store.base import Store
 from epochmesh.identity import ROLE_OPERATOR, ROLE_SUBMITTER
+from epochmesh.job_ref import match_jobs
 from epochmesh.spec import DEFAULT_PRIORITY
 from epochmesh.v1 import common_pb2, scheduler_pb2
 
@@ -357,6 +358,15 @@ class ClusterView:
         if job is None or not viewer.sees(job):
             return None
         return job
+
+    async def find_jobs(self, viewer: Viewer, ref: str) -> list[common_pb2.Job]:
+        """The jobs the viewer sees that ``ref`` names: a full id, an id prefix or a job name,
+        as in the CLI (epochmesh/job_ref.py)."""
+        if is_job_id(ref):
+            job = await self.find_job(viewer, ref)
+            if job is not None:
+                return [job]
+        return match_jobs(ref, [j for j in await self._jobs() if viewer.sees(j)])
 
     async def job_detail(
         self, viewer: Viewer, job_id: str, since_round: int

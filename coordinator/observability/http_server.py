@@ -3,11 +3,12 @@ Prometheus text format, the read-only dashboard (static files from coordinator/d
 its small JSON API.
 
     GET  /                      the cluster overview (nodes, jobs, events)
-    GET  /jobs/JOB_ID           a job's page (404 for an unknown job, 400 for a malformed id)
+    GET  /jobs/JOB              a job's page; JOB is an id, an id prefix or a job name, as in
+                                the CLI (404: no such job; 400: several, or not a reference)
     GET  /static/FILE           the dashboard's scripts and styles
     GET  /metrics               Prometheus text format (operators)
     GET  /api/overview          nodes, jobs, totals (JSON)
-    GET  /api/jobs/JOB_ID?since_round=N   the job, its rounds after N, its nodes
+    GET  /api/jobs/JOB?since_round=N      the job, its rounds after N, its nodes
     GET  /api/events?since=ID&limit=N     the events feed
     GET  /api/whoami            the session's principal and role
     POST /api/login             {"token": "emt1..."} -> a session cookie
@@ -51,10 +52,9 @@ from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar, cast
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from coordinator.core.errors import CoordinatorError
-from coordinator.core.ids import require_job_id
 from coordinator.observability.cluster_view import ClusterState, ClusterView, Viewer
 from coordinator.observability.dashboard_access import (
     SESSION_COOKIE,
@@ -77,6 +77,7 @@ from coordinator.store.base import Store
 from coordinator.trust.auth import Authorizer
 from coordinator.trust.tokens import CertificateAuthority
 from epochmesh.identity import LOGIN_CODE_PREFIX, ROLE_OPERATOR
+from epochmesh.job_ref import check_job_ref
 
 log = logging.getLogger(__name__)
 
@@ -396,9 +397,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
             return
         if path.startswith("/jobs/"):
             viewer = self._viewer()
-            job_id = self._job_id(path.removeprefix("/jobs/"))
-            if backend.on_loop(lambda: backend.view.find_job(viewer, job_id)) is None:
-                raise HttpError(HTTPStatus.NOT_FOUND, f"no job {job_id}")
+            self._job_id(viewer, path.removeprefix("/jobs/"))
             self._page(HTTPStatus.OK)
             return
         if path == "/metrics":
@@ -425,8 +424,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
             return
         if path.startswith("/api/jobs/"):
             viewer = self._viewer()
-            job_id = self._job_id(path.removeprefix("/api/jobs/"))
             since = _int_param(query, "since_round", 0)
+            job_id = self._job_id(viewer, path.removeprefix("/api/jobs/"))
             detail = backend.on_loop(lambda: backend.view.job_detail(viewer, job_id, since))
             if detail is None:
                 raise HttpError(HTTPStatus.NOT_FOUND, f"no job {job_id}")
@@ -475,11 +474,24 @@ class DashboardHandler(BaseHTTPRequestHandler):
             raise HttpError(HTTPStatus.BAD_REQUEST, 'the body must be {"token": "..."}')
         return str(data["token"])
 
-    def _job_id(self, text: str) -> str:
+    def _job_id(self, viewer: Viewer, text: str) -> str:
+        """The id of the one job the viewer sees that the path's reference names: an id, an
+        id prefix or a job name, as the CLI takes them (epochmesh/job_ref.py)."""
         try:
-            return require_job_id(text)
-        except CoordinatorError as exc:
+            ref = check_job_ref(unquote(text))
+        except ValueError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        backend = self.backend
+        jobs = backend.on_loop(lambda: backend.view.find_jobs(viewer, ref))
+        if not jobs:
+            raise HttpError(HTTPStatus.NOT_FOUND, f"no job {ref[:100]!r}")
+        if len(jobs) > 1:
+            ids = ", ".join(j.job_id for j in jobs[:5])
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST,
+                f"{ref[:100]!r} names {len(jobs)} jobs ({ids}): give the full job id",
+            )
+        return str(jobs[0].job_id)
 
     def _static(self, name: str) -> None:
         path = STATIC_DIR / name

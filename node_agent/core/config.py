@@ -32,6 +32,8 @@ class AgentConfig:
     memory_limit_bytes: int | None = None
     benchmark: str = "full"
     log_level: str = "INFO"
+    # --debug: DEBUG logs and gRPC's own C-core log lines (silenced otherwise).
+    debug: bool = False
     # Seconds a drain (SIGTERM, operator drain) waits for the current task before abandoning it.
     drain_grace_seconds: float = 10.0
     # Long-poll bound sent with NextTask; the coordinator may cap it.
@@ -347,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="log at DEBUG and keep gRPC's own C-core log lines on stderr (silenced "
+        "otherwise, unless GRPC_VERBOSITY or GRPC_TRACE is set)",
+    )
     return parser
 
 
@@ -365,6 +373,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         memory_limit_bytes=args.memory_limit,
         benchmark=args.benchmark,
         log_level=args.log_level,
+        debug=args.debug,
         drain_grace_seconds=args.drain_grace,
         poll_wait_ms=max(0, args.poll_wait_ms),
         labels=dict(args.label),

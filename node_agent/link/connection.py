@@ -4,6 +4,10 @@ Rules:
 - No network error ever ends the agent. Calls that fail with a transient status (UNAVAILABLE,
   DEADLINE_EXCEEDED, ...) are retried with exponential backoff and full jitter: the n-th retry
   waits a uniformly random time in [0, min(5 s, 0.2 s * 2**n)]; a success resets it.
+  Registration, the first call and the one that finds a coordinator that may be gone for long,
+  backs off further: 1 s doubling to 60 s (node_agent/link/backoff.py), waking early when the
+  channel connects again. The first failure is a warning that says what is retried and when;
+  later ones are debug lines, with a reminder warning every 10 minutes while it lasts.
 - The lease: Register returns a lease; the heartbeat task renews it every heartbeat interval.
   A call answered FAILED_PRECONDITION (lease expired) -- or NOT_FOUND for a heartbeat (unknown
   lease or node) -- makes the agent register again with the same node id, then retry.
@@ -43,6 +47,7 @@ from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from node_agent.core.identity import load_node_id, save_node_id, transport_identity
 from node_agent.core.measure import bandwidth_bytes_per_second
+from node_agent.link.backoff import RetrySchedule, UnreachableReport
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +226,7 @@ class CoordinatorConnection:
         self.registrations = 0
         self._register_lock = asyncio.Lock()
         self._reachable = True
+        self._unreachable = UnreachableReport()
         # The heartbeat loop's wake-up (set while it runs): the first call to succeed after the
         # coordinator was unreachable sends a heartbeat at once, so that a lease carried across
         # a coordinator restart is renewed as soon as the agent reaches it again.
@@ -279,19 +285,59 @@ class CoordinatorConnection:
             return
         raise Stopped()
 
-    def _note_failure(self, what: str, exc: BaseException) -> None:
-        if self._reachable:
-            log.warning(
-                "coordinator %s unreachable (%s: %s); retrying", self.address, what, describe(exc)
-            )
-            self._reachable = False
+    async def _wait_for_coordinator(self, seconds: float) -> None:
+        """Sleep like `_sleep_or_stop`, but wake as soon as the channel connects (gRPC retries
+        the connection by itself every second at most), unless it was connected already."""
+        if self._channel.get_state() == grpc.ChannelConnectivity.READY:
+            await self._sleep_or_stop(seconds)
+            return
+        if self._stop.is_set():
+            raise Stopped()
+        ready = asyncio.ensure_future(self._channel.channel_ready())
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({ready, stop}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            stop.cancel()
+        if self._stop.is_set():
+            raise Stopped()
+
+    def _note_failure(self, what: str, exc: BaseException, delay: float) -> None:
+        """A call found no coordinator; `delay`: seconds until it is tried again."""
+        first = self._reachable
+        self._reachable = False
+        now = time.monotonic()
+        if self._unreachable.failed(now):
+            if first:
+                log.warning(
+                    "coordinator %s unreachable (%s: %s); retrying in %.1f s with backoff "
+                    "(said again every %.0f min while it lasts)",
+                    self.address,
+                    what,
+                    describe(exc),
+                    delay,
+                    self._unreachable.remind_every_s / 60,
+                )
+            else:
+                log.warning(
+                    "coordinator %s still unreachable after %d failed calls over %.0f s (%s: "
+                    "%s); next attempt in %.1f s",
+                    self.address,
+                    self._unreachable.failures,
+                    self._unreachable.down_for(now),
+                    what,
+                    describe(exc),
+                    delay,
+                )
         else:
-            log.debug("%s failed again: %s", what, describe(exc))
+            log.debug("%s failed again (%s); next attempt in %.1f s", what, describe(exc), delay)
 
     def _note_success(self, heartbeat: bool = False) -> None:
         if not self._reachable:
             log.info("coordinator %s reachable again", self.address)
             self._reachable = True
+            self._unreachable.succeeded()
             if not heartbeat and self._heartbeat_wake is not None:
                 self._heartbeat_wake.set()
 
@@ -307,6 +353,7 @@ class CoordinatorConnection:
 
     async def _register_locked(self) -> None:
         backoff = self.new_backoff()
+        schedule = RetrySchedule()
         while True:
             request = self._make_register_request()
             request.node_id = self.node_id
@@ -316,8 +363,9 @@ class CoordinatorConnection:
                 )
             except grpc.aio.AioRpcError as exc:
                 if is_transient(exc):
-                    self._note_failure("Register", exc)
-                    await self._sleep_or_stop(backoff.next_delay())
+                    delay = schedule.next_delay()
+                    self._note_failure("Register", exc, delay)
+                    await self._wait_for_coordinator(delay)
                     continue
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                     raise self._refuse(exc) from None
@@ -414,8 +462,8 @@ class CoordinatorConnection:
                     exc = _LeaseUnknown(exc)  # cannot tell now: retry like a network error
                 if not is_transient(exc):
                     raise
-                self._note_failure(method, exc)
                 delay = backoff.next_delay()
+                self._note_failure(method, exc, delay)
                 if deadline is not None and time.monotonic() + delay > deadline:
                     raise Expired(f"{method}: {describe(exc)}") from exc
                 await self._sleep_or_stop(delay)
@@ -485,11 +533,12 @@ class CoordinatorConnection:
                 return 0.0 if hooks.draining() else self.heartbeat_interval_s
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise self._refuse(exc) from None
+            delay = min(backoff.next_delay(), max(self.heartbeat_interval_s, 0.2))
             if is_transient(exc):
-                self._note_failure("Heartbeat", exc)
+                self._note_failure("Heartbeat", exc, delay)
             else:
                 log.error("heartbeat refused: %s", describe(exc))
-            return min(backoff.next_delay(), max(self.heartbeat_interval_s, 0.2))
+            return delay
         self._note_success(heartbeat=True)
         backoff.reset()
         if response.heartbeat_interval_ms > 0:

@@ -179,7 +179,8 @@ async def test_bad_input_is_answered_and_the_coordinator_goes_on(coord: Coordina
     cases = [
         ("GET", f"/api/jobs/{unknown}", None, 404),
         ("GET", f"/jobs/{unknown}", None, 404),
-        ("GET", "/api/jobs/not-a-job", None, 400),
+        ("GET", "/api/jobs/not-a-job", None, 404),  # a name no job has (as in the CLI)
+        ("GET", "/api/jobs/" + "x" * 101, None, 400),  # longer than any name or id
         ("GET", "/jobs/%00%ff", None, 400),
         ("GET", "/api/jobs/j-0123456789?since_round=-1", None, 400),
         ("GET", "/api/events?since=abc", None, 400),
