@@ -13,7 +13,10 @@ Start-up order (registration comes first so that a node shows up within a couple
    DATA_DIR/benchmark.json; the report is sent again after every later registration;
 4. the work loop: NextTask long-poll, run the task (node_agent.runtime.dispatch), repeat.
 
-Draining (SIGTERM, SIGINT, or the coordinator reporting the node DRAINING): take no new task,
+An operator's drain (the coordinator reports the node DRAINING) or cordon does not stop the
+agent: it gets no new work, finishes its task, and stays up and idle until uncordoned.
+
+Draining (SIGTERM, SIGINT): take no new task,
 tell the coordinator (a Heartbeat with draining=True), let the current task finish for up to
 --drain-grace seconds, else abandon it and report it failed so the coordinator re-queues it,
 then Leave, stop the PeerService and exit 0. A second signal abandons the current task at once.
@@ -116,6 +119,8 @@ class Agent:
         self.programs = ProgramHosts("cpu", None, None)  # replaced once the device is known
         self.reference_result: common_pb2.BenchmarkResult | None = None
         self.drain_reason = ""
+        # The coordinator holds this node back from new work (drained or cordoned).
+        self._held = False
         self.peer: PeerRuntime | None = None
         self.peer_address = ""
         # Created in run(), inside the event loop.
@@ -164,8 +169,22 @@ class Agent:
             self._wake_heartbeat.set()
 
     def _on_node_state(self, state: int) -> None:
-        if state == common_pb2.NODE_STATE_DRAINING and not self.draining:
-            self.request_drain("the coordinator drains this node")
+        """The state the coordinator reports. DRAINING (an operator's ``epochmesh drain``) is
+        not a stop: the coordinator gives a drained node no new work, its current task
+        finishes, and the agent stays up and idle, heartbeating, until ``epochmesh uncordon``
+        puts it back to work (drained = up and idle, as in Slurm and Kubernetes)."""
+        if self.draining:  # stopping on its own (SIGTERM): the coordinator only echoes it
+            return
+        drained = state in (common_pb2.NODE_STATE_DRAINING, common_pb2.NODE_STATE_CORDONED)
+        if drained and not self._held:
+            log.info(
+                "the coordinator %s this node: no new work; staying up and idle until an "
+                "operator uncordons it (SIGTERM stops the agent)",
+                "drains" if state == common_pb2.NODE_STATE_DRAINING else "cordons",
+            )
+        elif not drained and self._held and state != common_pb2.NODE_STATE_UNSPECIFIED:
+            log.info("the coordinator gives this node work again")
+        self._held = drained
 
     def _on_cancel_task(self, task_id: str) -> None:
         ctx = self.current

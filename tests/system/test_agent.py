@@ -395,13 +395,25 @@ def test_waits_for_the_coordinator_and_reconnects_after_its_restart(tmp_path: Pa
             # agent heartbeats as soon as any call gets through again): no new registration.
             assert "registering again" not in agent.log_text(), str(agent)
 
-            # an operator drain: the agent finishes (nothing to do here), leaves and exits 0
+            # an operator drain: the agent stays up and idle (no new work), heartbeating
             with sync_channel_for(address) as channel:
                 scheduler_pb2_grpc.SchedulerServiceStub(channel).Drain(
                     scheduler_pb2.NodeRequest(node_id=node_id), timeout=5
                 )
-            assert agent.proc.wait(timeout=30) == 0, str(agent)
-            assert "the coordinator drains this node" in agent.log_text()
+            wait_until(
+                lambda: "the coordinator drains this node" in agent.log_text(),
+                timeout=30,
+                message=f"the agent never heard of its drain\n{agent}",
+            )
+            drained_ms = int(time.time() * 1000)
+            wait_node(
+                address,
+                node_id,
+                lambda n: n.state == NS.NODE_STATE_DRAINING and n.last_heartbeat_ms > drained_ms,
+                what="a drained node that still heartbeats",
+            )
+            assert agent.running(), str(agent)
+            assert agent.terminate() == 0, str(agent)
             info = get_node(address, node_id)
             assert info is not None and info.state == NS.NODE_STATE_OFFLINE
 
