@@ -236,7 +236,7 @@ class Coordinator:
         add_service(
             server,
             JOB_SERVICE,
-            JobService(self.store, self.blobs, self.engine, watchers, fetchers),
+            JobService(self.store, self.blobs, self.engine, watchers, fetchers, cfg.max_live_jobs),
             auth,
         )
         add_service(

@@ -1,8 +1,10 @@
 """IdentityService: enrollment (join token + CSR -> certificate) and renewal. No client
 certificate is needed to call Enroll: the token is the credential (coordinator/trust/tokens.py).
 RenewCertificate authenticates its caller by the current certificate, as every other service
-does (coordinator/trust/auth.py). Both are rate-limited per peer address and in all
-(`tokens.EnrollRateLimiter`): RESOURCE_EXHAUSTED, naming the limit."""
+does (coordinator/trust/auth.py). Enroll is rate-limited per peer address, and a token that
+passes `tokens.screen_token` (format, CA, MAC) also in all; renewals have buckets of their own,
+per principal and in all, taken once the caller is authenticated (`tokens.EnrollRateLimiter`):
+RESOURCE_EXHAUSTED, naming the limit."""
 
 from __future__ import annotations
 
@@ -45,7 +47,11 @@ class IdentityService:
         self._ca = ca
         self._events = events
         self._authorizer = authorizer
-        self._limiter = EnrollRateLimiter(limits or tokens.ENROLL_LIMITS)
+        limits = limits or tokens.ENROLL_LIMITS
+        self._limiter = EnrollRateLimiter(limits, calls="enrollment calls")
+        self._renewals = EnrollRateLimiter(
+            limits.renewals(), calls="certificate renewals", per="principal"
+        )
 
     def _response(self, cert_pem: bytes, principal: str, role: str) -> identity_pb2.EnrollResponse:
         cert = load_certificate(cert_pem)
@@ -60,9 +66,11 @@ class IdentityService:
     async def Enroll(
         self, req: identity_pb2.EnrollRequest, ctx: Ctx
     ) -> identity_pb2.EnrollResponse:
-        self._limiter.check(tokens.peer_key(ctx.peer()), time.monotonic())
+        self._limiter.check_peer(tokens.peer_key(ctx.peer()), time.monotonic())
         check_text(req.token, "token", max_len=256, required=True)
         check_text(req.name, "name", max_len=128)
+        await tokens.screen_token(self._store, self._ca, req.token)
+        self._limiter.check_total(time.monotonic())
         result = await enroll(self._store, self._ca, req.token, req.csr_pem)
         await self._events.append(
             "principal.enrolled",
@@ -78,8 +86,8 @@ class IdentityService:
     ) -> identity_pb2.EnrollResponse:
         if self._authorizer is None:
             raise FailedPreconditionError("this coordinator runs without TLS: nothing to renew")
-        self._limiter.check(tokens.peer_key(ctx.peer()), time.monotonic())
         principal, current = self._authorizer.authenticate_certificate(RENEW_METHOD, ctx)
+        self._renewals.check(principal.id, time.monotonic())
         result = renew(self._ca, current, req.csr_pem, time.time())
         response = self._response(result.certificate_pem, result.principal, result.role)
         await self._events.append(

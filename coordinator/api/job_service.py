@@ -30,7 +30,8 @@ goes (its quota freed), and the bytes once nobody holds it and no job in progres
 
 GetBlobStatus answers NOT_FOUND for anything the caller may not see (a blob of others, or
 none at all: the two look the same). WatchJob streams count against the per-identity cap of
-watch streams shared with WatchEvents (--max-watch-streams).
+watch streams shared with WatchEvents (--max-watch-streams). SubmitJob is refused with
+RESOURCE_EXHAUSTED when the caller has --max-live-jobs live jobs (coordinator/trust/job_cap.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from coordinator.engine.api import TrainingEngine
 from coordinator.store.base import Store
 from coordinator.store.blobs import BlobCaller, BlobStore, Upload
 from coordinator.trust.auth import owner_filter, require_job_access, require_priority_change
+from coordinator.trust.job_cap import DEFAULT_MAX_LIVE_JOBS, LiveJobCap
 from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
@@ -89,8 +91,10 @@ class JobService:
         engine: TrainingEngine,
         watchers: StreamCaps | None = None,
         fetchers: StreamCaps | None = None,
+        max_live_jobs: int = DEFAULT_MAX_LIVE_JOBS,
     ) -> None:
         self._store = store
+        self._live_jobs = LiveJobCap(store, max_live_jobs)
         self._blobs = blobs
         self._engine = engine
         self._watchers = watchers or watch_caps()
@@ -158,7 +162,8 @@ class JobService:
         return job_pb2.DeleteBlobResponse(released_bytes=released, deleted=deleted)
 
     async def SubmitJob(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job:
-        return await self._engine.submit_job(req, ctx)
+        async with self._live_jobs.hold(current_principal_id()):
+            return await self._engine.submit_job(req, ctx)
 
     async def GetJob(self, req: job_pb2.GetJobRequest, ctx: Ctx) -> common_pb2.Job:
         return await get_job(self._store, req.job_id)

@@ -2,7 +2,9 @@
 
 A submitter sees only its own jobs (coordinator/trust/auth.py `owner_filter`,
 `require_job_access`) and, of the scheduler's queue, its own entries, its own weight and how
-many other jobs there are; operators (and --insecure callers) see everything. Also the checks of
+many other jobs there are; of the nodes (`nodes_for_caller`), neither their peer addresses, nor
+the ids of other tenants' jobs they run, nor the evidence of their failed checks; operators
+(and --insecure callers) see everything. Also the checks of
 a query's arguments (list limits, job states, priorities) and the one cap on watch streams that
 WatchJob and WatchEvents share.
 """
@@ -103,6 +105,28 @@ def get_queue(engine: TrainingEngine) -> scheduler_pb2.GetQueueResponse:
         tenant_weights={owner: weights[owner]} if owner in weights else {},
         other_jobs=len(queue) - len(mine),
     )
+
+
+async def nodes_for_caller(
+    nodes: list[common_pb2.NodeInfo], store: Store
+) -> list[common_pb2.NodeInfo]:
+    """``nodes`` (copies, changed in place) as the caller may see them: for a submitter
+    without each donor's peer address, without the id of a job of another tenant the node
+    runs (its own stay) and without the evidence of a failed check (it names others' rounds);
+    for operators unchanged."""
+    owner = owner_filter()
+    if owner is None:
+        return nodes
+    running = {node.current_job_id for node in nodes if node.current_job_id}
+    live = (common_pb2.JOB_STATE_QUEUED, common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_PAUSED)
+    jobs = await store.list_jobs(states=live, owner=owner) if running else []
+    mine = {job.job_id for job in jobs if job.job_id in running}
+    for node in nodes:
+        node.peer_address = ""
+        if node.current_job_id not in mine:
+            node.current_job_id = ""
+        node.reputation.last_failure_evidence = ""
+    return nodes
 
 
 def watch_caps(per_identity: int = 32, total: int = 1024) -> StreamCaps:

@@ -15,7 +15,7 @@ from typing import TypeAlias
 import grpc
 
 from coordinator.accounting.credit_book import tenant_account
-from coordinator.api.queries import get_job, get_queue, list_jobs, watch_caps
+from coordinator.api.queries import get_job, get_queue, list_jobs, nodes_for_caller, watch_caps
 from coordinator.api.quote_handler import quote_job
 from coordinator.core.errors import (
     CoordinatorError,
@@ -95,10 +95,12 @@ class SchedulerService:
         self, req: scheduler_pb2.ListNodesRequest, ctx: Ctx
     ) -> scheduler_pb2.ListNodesResponse:
         nodes = self._registry.list(check_node_states(req.states))
-        return scheduler_pb2.ListNodesResponse(nodes=self._with_job_rates(nodes))
+        nodes = await nodes_for_caller(self._with_job_rates(nodes), self._store)
+        return scheduler_pb2.ListNodesResponse(nodes=nodes)
 
     async def GetNode(self, req: scheduler_pb2.GetNodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
-        return self._with_job_rates([self._node(req.node_id)])[0]
+        nodes = self._with_job_rates([self._node(req.node_id)])
+        return (await nodes_for_caller(nodes, self._store))[0]
 
     async def ListJobs(
         self, req: scheduler_pb2.ListAllJobsRequest, ctx: Ctx

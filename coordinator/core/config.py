@@ -84,6 +84,8 @@ class CoordinatorConfig:
     # and in all.
     max_fetch_streams: int = 8
     max_fetch_streams_total: int = 256
+    # Live jobs (queued, running, paused) one tenant may have; SubmitJob beyond: refused.
+    max_live_jobs: int = 100
     # Retention (coordinator/store/gc.py, a pass at start and every gc_interval_s):
     # checkpoints kept per job not ended (and the newest one a verification rollback may still
     # need; an ended job keeps its last); unreferenced blobs deleted after gc_blob_grace_s
@@ -136,6 +138,8 @@ class CoordinatorConfig:
             raise ValueError("the watch stream caps must be at least 1")
         if min(self.max_fetch_streams, self.max_fetch_streams_total) < 1:
             raise ValueError("the fetch stream caps must be at least 1")
+        if self.max_live_jobs < 1:
+            raise ValueError("the cap on live jobs per tenant must be at least 1")
         if not self.upload_idle_timeout_s > 0:
             raise ValueError("the upload idle timeout must be positive")
         if self.keep_checkpoints < 1:

@@ -184,7 +184,8 @@ class BlobStore:
             self._sweeper = None
 
     def _prepare_dirs(self) -> None:
-        self.partial_dir.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, like the data dir
+        self.partial_dir.mkdir(mode=0o700, exist_ok=True)
         for leftover in self.partial_dir.iterdir():
             if leftover.name.startswith("tmp-"):
                 leftover.unlink(missing_ok=True)
@@ -394,7 +395,8 @@ class BlobStore:
         final = self.path(sha256)
 
         def place() -> None:
-            final.parent.mkdir(parents=True, exist_ok=True)
+            final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(src, 0o600)  # the data dir is private, and so is each blob
             os.replace(src, final)
             _fsync_dir(final.parent)
 
@@ -627,7 +629,7 @@ class Upload:
     def _open(self, offset: int) -> None:
         partial, meta = self._path, self._meta
         if offset == 0:
-            partial.parent.mkdir(exist_ok=True)
+            partial.parent.mkdir(mode=0o700, exist_ok=True)
             meta.write_text(str(self.size))
             self._file = open(partial, "wb")
             return

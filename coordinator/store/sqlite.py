@@ -38,6 +38,7 @@ from coordinator.store.base import (
     new_event,
 )
 from coordinator.store.migrations import LATEST_SCHEMA_VERSION, migrate
+from coordinator.store.permissions import create_private_file
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2
 
@@ -75,6 +76,7 @@ class SqliteStore(Store):
         newer program."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        create_private_file(path)  # 0600, and so are the WAL files SQLite makes beside it
         if synchronous.upper() not in ("NORMAL", "FULL"):
             raise ValueError("synchronous must be NORMAL or FULL")
         target = LATEST_SCHEMA_VERSION if target_version is None else target_version

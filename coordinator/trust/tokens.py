@@ -1,6 +1,7 @@
 """The coordinator's certificate authority on disk, join tokens, enrollment and renewal.
 
-Files in the data dir (made 0700): ``ca.pem`` and ``ca.key`` (0600), the trust root, and
+Files in the data dir (made 0700, and an existing one open to others made private with all in
+it at start): ``ca.pem`` and ``ca.key`` (0600), the trust root, and
 ``server.pem`` / ``server.key`` (0600), the TLS server certificate the CA issued to a key of
 its own. `ensure_ca` creates the CA on first use (the coordinator's first start or the first
 ``token create``), under an flock so that both may race safely, and refuses to go on when only
@@ -18,20 +19,31 @@ PERMISSION_DENIED), picks the principal id (a fresh node id for role
 node, ``u-<hex>`` for a user), records a node token's donor for the new node (in the same
 transaction) and signs the caller's CSR for the token's certificate lifetime (bounded by
 `MAX_CERT_TTL_S`). `renew` signs a new certificate for a caller authenticated by its current
-one, once half of its lifetime has passed. `EnrollRateLimiter` bounds Enroll and renewal per
-peer address and in all.
+one, once half of its lifetime has passed.
+
+A token's secret carries a MAC keyed by the CA key (`token_mac_ok`): `screen_token` refuses a
+malformed token, one of another coordinator and one whose MAC is wrong without a database read
+(tokens of older versions, without a MAC, are looked up once: an unknown one is refused).
+Enroll calls are limited per peer address first, and only a token that passed the screen is
+counted against the coordinator's total (`EnrollRateLimiter.admit_peer` / `admit_total`), so
+garbage from many addresses cannot use up the enrollment allowance of honest holders.
+Renewals, authenticated by a valid certificate, have their own buckets, per principal and in
+all (`EnrollLimits.renew_per_principal`, `renew_total`): no flood of enrollments delays one.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import fcntl
+import hashlib
+import hmac
 import ipaddress
 import logging
 import math
 import os
 import re
-import stat
+import secrets
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +61,7 @@ from coordinator.core.errors import (
 )
 from coordinator.core.ids import new_node_id, new_user_id
 from coordinator.store.base import Store, TokenRecord
+from coordinator.store.permissions import tighten_data_dir
 from epochmesh import identity
 from epochmesh.fsutil import make_private_dir, write_private
 from epochmesh.timeutil import duration_seconds, now_ms
@@ -72,6 +85,10 @@ MIN_CERT_TTL_S = 600.0
 MAX_TOKEN_USES = 100_000
 
 _DONOR_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# A token's secret: 16 random bytes and 16 bytes of their MAC, each base64url (22 + 22).
+_NONCE_BYTES = 16
+_MAC_BYTES = 16
+_MAC_SECRET_CHARS = 44
 
 
 class TrustRootError(RuntimeError):
@@ -126,6 +143,20 @@ def check_cert_ttl(seconds: float) -> float:
     return seconds
 
 
+def check_node_token(role: str, reusable: bool, max_uses: int, donor: str) -> None:
+    """InvalidArgumentError for a node token that enrolls more than one node without a donor:
+    each of its nodes would be a donor of its own, so one holder could enroll any number of
+    unrelated-looking donors (and a donor with a quarantined node could come back as new)."""
+    if role == identity.ROLE_NODE and (reusable or max_uses > 1) and not donor:
+        how = "--reusable" if reusable else f"--uses {max_uses}"
+        raise InvalidArgumentError(
+            f"a node token for more than one enrollment ({how}) needs --donor NAME: without "
+            "it every node it enrolls is a donor of its own, so one holder could enroll any "
+            "number of unrelated-looking donors; name the donor its nodes earn for, or make "
+            "single-use node tokens (one per node)"
+        )
+
+
 def check_uses(uses: int) -> int:
     if not 1 <= uses <= MAX_TOKEN_USES:
         raise ValueError(f"a token's use limit must be 1 to {MAX_TOKEN_USES}, got {uses}")
@@ -151,16 +182,11 @@ class CertificateAuthority:
 
 
 def ensure_data_dir(data_dir: Path) -> None:
-    """Create the data dir 0700; warn about an existing one that others may read."""
+    """Create the data dir 0700; make an existing one that others may read or enter private,
+    with everything in it (coordinator/store/permissions.py; DataDirPermissionError, a
+    RuntimeError, when that is impossible)."""
     make_private_dir(data_dir)
-    mode = stat.S_IMODE(data_dir.stat().st_mode)
-    if mode & 0o077:
-        log.warning(
-            "data dir %s is readable by other users (mode %o): chmod 700 it (it holds the "
-            "coordinator's keys, database and blobs)",
-            data_dir,
-            mode,
-        )
+    tighten_data_dir(data_dir)
 
 
 @contextmanager
@@ -288,9 +314,11 @@ async def create_token(
     """A new join token for ``role`` that expires after ``ttl_s`` seconds and enrolls
     certificates that live ``cert_ttl_s``. Single use, unless ``reusable`` (until it expires)
     or ``max_uses`` (that many enrollments). A node token with a ``donor`` enrolls nodes that
-    earn for ``donor:<donor>`` (without: each for its own id)."""
+    earn for ``donor:<donor>`` (without: each for its own id). InvalidArgumentError for a node
+    token of more than one enrollment without a donor (`check_node_token`)."""
     if role not in identity.ROLES:
         raise ValueError(f"unknown role {role!r} (expected one of {', '.join(identity.ROLES)})")
+    check_node_token(role, reusable, max_uses, donor)
     if donor:
         if role != identity.ROLE_NODE:
             raise ValueError(f"a donor is for node tokens only, not for role {role}")
@@ -298,7 +326,7 @@ async def create_token(
     if max_uses:
         check_uses(max_uses)
     check_cert_ttl(cert_ttl_s)
-    token, token_hash = identity.new_token(ca.fingerprint)
+    token, token_hash = new_join_token(ca)
     created = now_ms()
     await store.add_token(
         TokenRecord(
@@ -325,7 +353,7 @@ class Enrollment:
 def _refusal(record: TokenRecord | None, now: int) -> str:
     """Why a token could not be redeemed, naming the rule."""
     if record is None:
-        return "join token unknown to this coordinator"
+        return UNKNOWN_TOKEN
     if record.expires_ms <= now:
         expired = dt.datetime.fromtimestamp(record.expires_ms / 1000, dt.UTC)
         return f"join token expired at {expired:%Y-%m-%d %H:%M:%S} UTC"
@@ -356,16 +384,60 @@ def token_cert_ttl_s(record: TokenRecord) -> float:
     return min(max(ttl, MIN_CERT_TTL_S), MAX_CERT_TTL_S)
 
 
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _token_mac(ca: CertificateAuthority, nonce: str) -> str:
+    key = hashlib.sha256(b"epochmesh join-token mac v1\0" + ca.key_pem).digest()
+    return _b64(hmac.new(key, nonce.encode(), hashlib.sha256).digest()[:_MAC_BYTES])
+
+
+def new_join_token(ca: CertificateAuthority) -> tuple[str, str]:
+    """A fresh join token of this CA (``emt1.<nonce><mac>.<fingerprint>``, the format of
+    `identity.new_token`) and the hash of its secret (what the store keeps)."""
+    nonce = _b64(secrets.token_bytes(_NONCE_BYTES))
+    secret = nonce + _token_mac(ca, nonce)
+    return f"{identity.TOKEN_PREFIX}.{secret}.{ca.fingerprint}", identity.hash_secret(secret)
+
+
+def token_has_mac(secret: str) -> bool:
+    """Whether a token secret has the shape of one with a MAC (tokens of older versions are
+    32 random characters)."""
+    return len(secret) == _MAC_SECRET_CHARS
+
+
+def token_mac_ok(ca: CertificateAuthority, secret: str) -> bool:
+    nonce, mac = secret[:-22], secret[-22:]
+    return hmac.compare_digest(mac, _token_mac(ca, nonce))
+
+
+UNKNOWN_TOKEN = "join token unknown to this coordinator"
+
+
 def join_token_hash(ca: CertificateAuthority, token: str) -> str:
-    """The stored hash of a join token of this CA; UnauthenticatedError for a malformed token
-    or one another coordinator issued."""
+    """The stored hash of a join token of this CA; UnauthenticatedError for a malformed token,
+    one another coordinator issued, or one with a wrong MAC (no database read)."""
     try:
         secret, fingerprint = identity.parse_token(token)
     except identity.IdentityError as exc:
         raise UnauthenticatedError(str(exc)) from None
     if fingerprint != ca.fingerprint:
         raise UnauthenticatedError("the token was issued by another coordinator (CA mismatch)")
+    if token_has_mac(secret) and not token_mac_ok(ca, secret):
+        raise UnauthenticatedError(UNKNOWN_TOKEN)
     return identity.hash_secret(secret)
+
+
+async def screen_token(store: Store, ca: CertificateAuthority, token: str) -> str:
+    """`join_token_hash`, and for a token without a MAC (made by an older version) a look-up:
+    UnauthenticatedError when the store has never heard of it. What passes may still be
+    expired or used up (`enroll` says so); what fails cost no enrollment allowance."""
+    token_hash = join_token_hash(ca, token)
+    if not token_has_mac(identity.parse_token(token)[0]):
+        if await store.get_token(token_hash) is None:
+            raise UnauthenticatedError(UNKNOWN_TOKEN)
+    return token_hash
 
 
 async def enroll(store: Store, ca: CertificateAuthority, token: str, csr_pem: bytes) -> Enrollment:
@@ -470,11 +542,18 @@ class RateLimit:
 
 @dataclass(frozen=True)
 class EnrollLimits:
-    """Limits on Enroll and RenewCertificate calls, together: per peer address (an IPv6
-    address counts by its /64) and for the whole coordinator."""
+    """Limits on Enroll calls per peer address (an IPv6 address counts by its /64) and, for
+    tokens that pass `screen_token`, for the whole coordinator; and on RenewCertificate calls
+    of authenticated callers, per principal and in all (apart from Enroll's)."""
 
     per_peer: RateLimit = RateLimit(burst=20, per_minute=30.0)
     total: RateLimit = RateLimit(burst=200, per_minute=600.0)
+    renew_per_principal: RateLimit = RateLimit(burst=5, per_minute=2.0)
+    renew_total: RateLimit = RateLimit(burst=200, per_minute=600.0)
+
+    def renewals(self) -> EnrollLimits:
+        """The limits of the renewal buckets, in the shape `EnrollRateLimiter` takes."""
+        return EnrollLimits(per_peer=self.renew_per_principal, total=self.renew_total)
 
 
 # The limits a coordinator applies (tests lower them).
@@ -518,19 +597,53 @@ class _Bucket:
 
 
 class EnrollRateLimiter:
-    """Token buckets per peer and in all (a pure object: the clock is passed in). A call
-    refused by its peer's bucket takes nothing from the total, so one address cannot use up
-    the coordinator's allowance for everyone else."""
+    """Token buckets per peer (or principal) and in all (a pure object: the clock is passed
+    in). A call refused by its peer's bucket takes nothing from the total, so one address
+    cannot use up the coordinator's allowance for everyone else. ``calls`` and ``per`` name
+    the calls and the key in refusals."""
 
     MAX_PEERS = 10_000
 
-    def __init__(self, limits: EnrollLimits) -> None:
+    def __init__(
+        self,
+        limits: EnrollLimits,
+        calls: str = "enrollment and renewal calls",
+        per: str = "address",
+    ) -> None:
         self.limits = limits
+        self.calls = calls
+        self.per = per
         self._peers: OrderedDict[str, _Bucket] = OrderedDict()
         self._total: _Bucket | None = None
 
     def admit(self, peer: str, now: float) -> str:
-        """ "" when a call from ``peer`` may go ahead (and it is counted), else why not."""
+        """ "" when a call from ``peer`` may go ahead (and it is counted against both
+        buckets), else why not."""
+        reason = self._peer_reason(peer, now)
+        if not reason:
+            reason = self._total_reason(now)
+        if not reason:
+            self._peers[peer].tokens -= 1.0
+            assert self._total is not None
+            self._total.tokens -= 1.0
+        return reason
+
+    def admit_peer(self, peer: str, now: float) -> str:
+        """`admit` against ``peer``'s bucket alone (the total is `admit_total`'s)."""
+        reason = self._peer_reason(peer, now)
+        if not reason:
+            self._peers[peer].tokens -= 1.0
+        return reason
+
+    def admit_total(self, now: float) -> str:
+        """`admit` against the total alone."""
+        reason = self._total_reason(now)
+        if not reason:
+            assert self._total is not None
+            self._total.tokens -= 1.0
+        return reason
+
+    def _peer_reason(self, peer: str, now: float) -> str:
         limits = self.limits
         bucket = self._peers.get(peer)
         if bucket is None:
@@ -543,9 +656,13 @@ class EnrollRateLimiter:
             bucket.refill(limits.per_peer, now)
         if bucket.tokens < 1.0:
             return (
-                f"too many enrollment and renewal calls from {peer}: the limit per address is "
+                f"too many {self.calls} from {peer}: the limit per {self.per} is "
                 f"{limits.per_peer.describe()}; retry in {bucket.wait_s(limits.per_peer)} s"
             )
+        return ""
+
+    def _total_reason(self, now: float) -> str:
+        limits = self.limits
         total = self._total
         if total is None:
             total = self._total = _Bucket(float(limits.total.burst), now)
@@ -553,16 +670,25 @@ class EnrollRateLimiter:
             total.refill(limits.total, now)
         if total.tokens < 1.0:
             return (
-                "too many enrollment and renewal calls at this coordinator: the limit for all "
+                f"too many {self.calls} at this coordinator: the limit for all "
                 f"callers together is {limits.total.describe()}; retry in "
                 f"{total.wait_s(limits.total)} s"
             )
-        bucket.tokens -= 1.0
-        total.tokens -= 1.0
         return ""
 
     def check(self, peer: str, now: float) -> None:
         """ResourceExhaustedError unless `admit`."""
-        reason = self.admit(peer, now)
-        if reason:
-            raise ResourceExhaustedError(reason)
+        _raise_unless(self.admit(peer, now))
+
+    def check_peer(self, peer: str, now: float) -> None:
+        """ResourceExhaustedError unless `admit_peer`."""
+        _raise_unless(self.admit_peer(peer, now))
+
+    def check_total(self, now: float) -> None:
+        """ResourceExhaustedError unless `admit_total`."""
+        _raise_unless(self.admit_total(now))
+
+
+def _raise_unless(reason: str) -> None:
+    if reason:
+        raise ResourceExhaustedError(reason)

@@ -126,7 +126,10 @@ async def test_token_use_limit_from_the_cli_even_under_a_race(
     argv = ["token", "create", "--data-dir", str(coord.config.data_dir), "--role", NODE]
     # (in a thread: the command runs its own event loop)
     assert (
-        await asyncio.to_thread(coordinator_main, [*argv, "--uses", "3", "--cert-ttl", "2h"]) == 0
+        await asyncio.to_thread(
+            coordinator_main, [*argv, "--uses", "3", "--cert-ttl", "2h", "--donor", "dana"]
+        )
+        == 0
     )
     token = capsys.readouterr().out.strip()
     # Ten holders of the token rush at once: exactly three get in.
@@ -302,7 +305,7 @@ async def test_the_agents_renewer_renews_before_expiry(coord: Coordinator, tmp_p
 async def test_enroll_rate_limits_per_address_and_in_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    limits = EnrollLimits(per_peer=RateLimit(5, 1.0), total=RateLimit(8, 1.0))
+    limits = EnrollLimits(per_peer=RateLimit(5, 1.0), total=RateLimit(4, 1.0))
     monkeypatch.setattr(tokens, "ENROLL_LIMITS", limits)
     async with in_process_coordinator(tmp_path / "data", listen="[::]:0") as coord:
         ca = ca_of(coord)
@@ -319,21 +322,21 @@ async def test_enroll_rate_limits_per_address_and_in_all(
                 S.RESOURCE_EXHAUSTED,
                 "limit per address is at most 5 at once, then 1 per minute",
             )
-        # Another address is unaffected, and the attacker's refused calls took nothing from
-        # the total: three honest enrollments fit (5 + 3 = 8).
-        token = await create_token(coord.store, ca, NODE, ttl_s=60, max_uses=10)
-        for _ in range(3):
+        # Another address is unaffected, and the attacker's unknown tokens took nothing from
+        # the total: four honest enrollments fit.
+        token = await create_token(coord.store, ca, NODE, ttl_s=60, max_uses=10, donor="dana")
+        for _ in range(4):
             ok = await enroll_raw(honest, ca.cert_pem, token)
             assert isinstance(ok, identity_pb2.EnrollResponse), ok
-        # The ninth call overall meets the coordinator's total.
+        # The fifth good token meets the coordinator's total.
         refused(
             await enroll_raw(honest, ca.cert_pem, token),
             S.RESOURCE_EXHAUSTED,
-            "for all callers together is at most 8 at once",
+            "for all callers together is at most 4 at once",
         )
         # The token's refused use was not spent; the server goes on serving other calls.
         stored = await coord.store.get_token(idm.hash_secret(idm.parse_token(token)[0]))
-        assert stored is not None and stored.uses == 3
+        assert stored is not None and stored.uses == 4
         assert await probe(honest, coord.issue_identity(NODE)) == S.OK
 
 
