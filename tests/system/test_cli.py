@@ -52,7 +52,8 @@ def test_no_command_and_bad_command_are_usage_errors(tmp_path: Path) -> None:
 
 
 def test_nodes_table_and_json(cluster: Cluster) -> None:
-    result = cluster.cli.run("nodes")
+    # With a width (COLUMNS, as on a terminal) the table fits it; piped without one it is whole.
+    result = cluster.cli.run("nodes", env=cluster.cli.env(COLUMNS="80"))
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split() == [
