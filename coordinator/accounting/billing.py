@@ -1,7 +1,11 @@
 """The billing rule, in integer micro-credits (pure).
 
 A node earns its hourly price for the time its *applied* samples take at its measured speed
-for the job: ``price x samples / rate / 3600``, rounded down. The submitter pays each sample of
+for the job: ``price x samples / rate / 3600``, rounded down. The rate is the coordinator's,
+never the node's word alone: a node's claimed benchmark bounds a part only from above (a claim
+of being slow is worth nothing before a round observed the node, `handout_rate`), and a part
+handed out before its node was observed is billed at no less than the rate the part itself
+showed (`settled_rate`). The submitter pays each sample of
 an epoch once: samples it already paid for in a round a coordinator restart rolled back are
 re-run at the platform's expense (the donor is paid again: it did the work twice). An optional
 platform fee, in parts per million of what the submitter pays for, comes on top of it.
@@ -10,6 +14,8 @@ platform fee, in parts per million of what the submitter pays for, comes on top 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,3 +146,36 @@ def per_credit(spec: common_pb2.JobSpec) -> bool:
 
 def quantized_rate(rate: float) -> float:
     return round(rate * RATE_QUANTUM) / RATE_QUANTUM if rate > 0 else 0.0
+
+
+def standing_rate(observed: Sequence[float], peer_claims: Sequence[float]) -> float:
+    """The samples/s the coordinator can stand behind for a node of a job it has not observed
+    yet: the median estimate of the job's observed nodes, else (none observed yet) the median
+    of the other nodes' benchmark claims for the job (the device model's figure on this job),
+    else 0 (nothing to stand behind: the part's own observation decides at round close)."""
+    seen = [r for r in observed if math.isfinite(r) and r > 0]
+    if seen:
+        return float(statistics.median(seen))
+    claims = [r for r in peer_claims if math.isfinite(r) and r > 0]
+    return float(statistics.median(claims)) if claims else 0.0
+
+
+def handout_rate(estimate: float, observed: bool, standing: float) -> float:
+    """The rate a part is priced at when it is handed out (what the budget check reserves):
+    an observed node's estimate; an unobserved node's claim bounded from below by the
+    ``standing`` rate (a claim of being slow cannot raise its pay per sample above what a node
+    of the job's observed speed earns)."""
+    rate = estimate if math.isfinite(estimate) and estimate > 0 else 0.0
+    if observed:
+        return rate
+    return max(rate, standing)
+
+
+def settled_rate(handout: float, observed_rate: float) -> float:
+    """The rate an applied part priced while its node was unobserved is billed at, once the
+    round closed and observed it: never below what the part itself showed (pay follows the
+    observed rate; never above the hand-out reservation either, since a higher rate pays
+    less)."""
+    if math.isfinite(observed_rate) and observed_rate > 0:
+        return max(handout, observed_rate)
+    return handout

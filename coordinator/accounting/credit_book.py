@@ -12,7 +12,8 @@ check has vouched for yet: released to the donor when a check passes, forfeited 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.accounting.billing import PartCharge
@@ -208,3 +209,90 @@ def refund(book: CreditBook, job_id: str, tenant: str, at_ms: int) -> list[Entry
     if left <= 0:
         return []
     return [Entry(at_ms, escrow_account(job_id), tenant_account(tenant), left, "refund", job_id)]
+
+
+# -- a job's end: what is held and left goes where it belongs ----------------------------------
+
+REFUND = "refund"
+
+
+def held_charges(
+    job_id: str, entries: Iterable[Entry], donor_of: Callable[[str], str]
+) -> dict[tuple[int, str], PartCharge]:
+    """(round, node) -> the charge of each part whose pay is still in the job's held account
+    (moved in by the round's entries, not out by a release or a forfeit: each moves a part's
+    whole hold), rebuilt from the ledger."""
+    held = held_account(job_id)
+    parts: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    settled: set[tuple[int, str]] = set()
+    for e in entries:
+        key = (e.round, e.node_id)
+        if e.from_account == held:
+            settled.add(key)
+        elif e.to_account == held and e.reason == HELD:
+            parts[key]["submitter"] += e.amount
+            parts[key]["samples"] += e.samples
+        elif e.to_account == held and e.reason == HELD_RERUN:
+            parts[key]["platform"] += e.amount
+            parts[key]["repeat"] += e.samples
+        elif e.reason == PLATFORM_FEE:
+            parts[key]["fee"] += e.amount
+    out = {}
+    for key, f in parts.items():
+        earned = f["submitter"] + f["platform"]
+        if key in settled or earned <= 0:
+            continue
+        out[key] = PartCharge(
+            node_id=key[1],
+            donor=donor_of(key[1]),
+            samples=f["samples"] + f["repeat"],
+            repeat_samples=f["repeat"],
+            earned=earned,
+            submitter_pays=f["submitter"],
+            platform_pays=f["platform"],
+            fee=f["fee"],
+        )
+    return out
+
+
+def escrow_balance(job_id: str, entries: Iterable[Entry]) -> int:
+    """What the job's escrow holds after ``entries`` (all of the job's entries)."""
+    escrow = escrow_account(job_id)
+    return sum(
+        (e.amount if e.to_account == escrow else -e.amount)
+        for e in entries
+        if escrow in (e.to_account, e.from_account)
+    )
+
+
+def settlement_entries(
+    job_id: str,
+    tenant: str,
+    entries: Sequence[Entry],
+    donor_of: Callable[[str], str],
+    accused: Collection[str],
+    at_ms: int,
+    keep: int = 0,
+) -> list[Entry]:
+    """The entries that settle an ended job from its ledger ``entries``: the pay still held for
+    each part goes to its donor (:func:`release_entries`), but an ``accused`` node's (a check
+    found its work bad), which is forfeited (:func:`forfeit_entries`); then what the escrow
+    holds, less ``keep`` (a round in flight may still be charged), returns to the tenant. Empty
+    when nothing is left: settling twice moves nothing the second time."""
+    out: list[Entry] = []
+    back = 0
+    for (round_id, node_id), charge in sorted(held_charges(job_id, entries, donor_of).items()):
+        if node_id in accused:
+            moves = forfeit_entries(job_id, round_id, node_id, charge, at_ms)
+            back += sum(e.amount for e in moves if e.to_account == escrow_account(job_id))
+        else:
+            moves = release_entries(
+                job_id, round_id, node_id, charge.donor, charge.earned, charge.samples, at_ms
+            )
+        out += moves
+    left = escrow_balance(job_id, entries) + back - max(0, keep)
+    if left > 0:
+        out.append(
+            Entry(at_ms, escrow_account(job_id), tenant_account(tenant), left, REFUND, job_id)
+        )
+    return out

@@ -188,6 +188,9 @@ class AgentService:
             raise InvalidArgumentError("result is required")
         validate_benchmark(req.result)
         self._registry.check_lease(req.node_id, req.lease_id)
+        # A job's benchmark must answer a task of that job handed to this node: checked before
+        # anything is stored or logged to the job's owner.
+        self._engine.check_benchmark(req.node_id, req.task_id, req.result)
         await self._registry.set_benchmark(req.node_id, req.result)
         await self._engine.on_benchmark(req.node_id, req.result)
         return agent_pb2.ReportBenchmarkResponse()

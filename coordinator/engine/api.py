@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 import grpc
 
-from coordinator.core.errors import UnimplementedError
+from coordinator.core.errors import PermissionDeniedError, UnimplementedError
 from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
@@ -74,8 +74,17 @@ class TrainingEngine(Protocol):
 
     async def stop(self) -> None: ...
 
+    def check_benchmark(
+        self, node_id: str, task_id: str, result: common_pb2.BenchmarkResult
+    ) -> None:
+        """Before a benchmark is stored or logged: a job's benchmark (``result.job_id`` set)
+        must answer the benchmark task ``task_id`` the engine handed to ``node_id`` for that
+        job and still awaits; else PermissionDeniedError (never asked of the node for the job)
+        or FailedPreconditionError (no longer awaited). A reference benchmark always passes."""
+
     async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
-        """A node reported a benchmark (already stored on its NodeInfo)."""
+        """A node reported a benchmark (already stored on its NodeInfo; a job's benchmark
+        passed `check_benchmark`)."""
 
     async def on_node_offline(self, node_id: str) -> None:
         """A node's lease ended (expired, Leave, or replaced by a re-registration): reassign
@@ -193,6 +202,14 @@ class NullEngine:
 
     async def stop(self) -> None:
         return None
+
+    def check_benchmark(
+        self, node_id: str, task_id: str, result: common_pb2.BenchmarkResult
+    ) -> None:
+        if result.job_id:  # no job here asks for a benchmark
+            raise PermissionDeniedError(
+                f"node {node_id} was asked for no benchmark of job {result.job_id}"
+            )
 
     async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
         return None

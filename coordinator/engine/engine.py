@@ -18,6 +18,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Collection
+from functools import partial
 
 from coordinator.accounting.credit_book import InsufficientCredits, fund_escrow, tenant_account
 from coordinator.core.errors import (
@@ -25,14 +26,17 @@ from coordinator.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     UnavailableError,
 )
 from coordinator.core.ids import require_sha256
 from coordinator.core.principal import current_principal, current_principal_id
 from coordinator.engine.api import CoordinatorContext, Ctx
 from coordinator.engine.cluster_scheduling import ClusterScheduling
+from coordinator.engine.job_pay import settle_ended, settle_ended_jobs
 from coordinator.engine.job_runner import TERMINAL, JobRunner
 from coordinator.engine.strategies import STRATEGIES, ParameterServerRounds, RingRounds
+from coordinator.engine.verification_store import stored_accused
 from coordinator.rounds.allocator import segments, split_batch
 from coordinator.scheduling.cluster_scheduler import JobPlan, Plan
 from coordinator.store.blobs import BlobCaller
@@ -127,6 +131,7 @@ class Engine:
 
     async def start(self) -> None:
         await self.scheduling.load()
+        await settle_ended_jobs(self.ctx, partial(stored_accused, self.ctx.store))
         live = (JS.JOB_STATE_QUEUED, JS.JOB_STATE_RUNNING, JS.JOB_STATE_PAUSED)
         jobs = await self.ctx.store.list_jobs(states=live)
         for job in sorted(jobs, key=lambda j: j.created_ms):
@@ -341,6 +346,25 @@ class Engine:
         for task_id, (_, owner) in list(self.task_owner.items()):
             if owner == job_id and task_id not in open_tasks:
                 del self.task_owner[task_id]
+
+    def check_benchmark(
+        self, node_id: str, task_id: str, result: common_pb2.BenchmarkResult
+    ) -> None:
+        """A job's benchmark is taken only as the answer to the benchmark task the job's runner
+        handed to the node and still awaits (see TrainingEngine.check_benchmark)."""
+        job_id = result.job_id
+        if not job_id:
+            return
+        runner = self.runners.get(job_id)
+        if self.task_owner.get(task_id) != (node_id, job_id) or runner is None:
+            raise PermissionDeniedError(
+                f"node {node_id} was asked for no benchmark of job {job_id}"
+                + (f" (task {task_id!r})" if task_id else " (no task_id given)")
+            )
+        if runner.terminal or not runner.node_set.is_benchmark_task(node_id, task_id):
+            raise FailedPreconditionError(
+                f"job {job_id} no longer awaits benchmark task {task_id} of node {node_id}"
+            )
 
     async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
         self.scheduling.invalidate()  # a node's speed (for a job, or its reference)
@@ -855,9 +879,9 @@ class Engine:
         if runner is not None:
             await runner.cancel()
             return runner.job
-        job.state = JS.JOB_STATE_CANCELLED
-        job.updated_ms = now_ms()
-        await self.ctx.store.update_job(job)
+        job.state, job.updated_ms = JS.JOB_STATE_CANCELLED, now_ms()
+        # The record and its money in one transaction.
+        await settle_ended(self.ctx, job, await stored_accused(self.ctx.store, job.job_id))
         return job
 
     async def download_result(

@@ -22,7 +22,7 @@ import torch
 from coordinator.aggregation.param_server import ParameterServer
 from coordinator.core.errors import FailedPreconditionError
 from coordinator.engine import job_allocation, job_tasks
-from coordinator.engine.job_pay import JobPay
+from coordinator.engine.job_pay import JobPay, unobserved_standing
 from coordinator.engine.job_state import (
     checkpoint_state,
     load_benchmarks,
@@ -395,6 +395,10 @@ class JobRunner:
         self.host.enqueue(node_id, task, self.job_id)
 
     def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
+        """The node's answer to the benchmark task it was handed (the engine checked the task
+        id); one that is no longer awaited is dropped."""
+        if node_id not in self.node_set.benchmarking():
+            return
         if result.samples_per_second <= 0 or not math.isfinite(result.samples_per_second):
             self.note_failure(node_id, "benchmark reported no throughput")
             return
@@ -538,7 +542,12 @@ class JobRunner:
             info = self.ctx.registry.get(n)
             prices[n] = info.price_micro_per_hour if info is not None else 0
         try:
-            self.billing.price_parts(parts, prices, self.planner.estimator.rates(list(parts)))
+            self.billing.price_parts(
+                parts,
+                prices,
+                self.planner.estimator.rates(list(parts)),
+                unobserved_standing(self.planner, list(parts), self.nodes),
+            )
         except (BudgetExhausted, AboveMaxPrice):
             self.ledger.abort_round(round_id)  # nothing was handed out
             self.next_round -= 1
@@ -593,6 +602,11 @@ class JobRunner:
         self.planner.confirm_compute(rs)
         self.node_set.observe(rs)
         self.planner.observe(rs)
+        est = self.planner.estimator
+        self.billing.settle_rates(
+            rs.parts.values(),
+            {n: est.estimate(n) for n in rs.parts if n in est and est.observations(n) > 0},
+        )
         record = rs.record(self.job_id, self.rounds.version, now_ms())
         samples = sum(p.samples for p in received)
         loss = record.loss
@@ -707,6 +721,11 @@ class JobRunner:
         self.job.state = state
         self.job.message = message
         self.job.updated_ms = now_ms()
+        if state in TERMINAL and previous not in TERMINAL:
+            # The end and its money in one transaction (coordinator/engine/job_pay.py).
+            await self.pay.record_end(previous, self.verifier.accused)
+            await self.notify()
+            return
         await self.ctx.store.update_job(self.job)
         if previous != state:
             name = JS.Name(state).removeprefix("JOB_STATE_").lower()

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from coordinator.engine.ports import JobPort
+from coordinator.store.base import Store
 from coordinator.verification.restart_state import StoredVerification
 
 log = logging.getLogger(__name__)
@@ -73,3 +74,16 @@ async def read_stored(runner: JobPort, kept_up_to: int) -> StoredVerification | 
                 if part.status == "applied":
                     unverified.setdefault(part.node_id, set()).add(rec.round)
     return stored
+
+
+async def stored_accused(store: Store, job_id: str) -> frozenset[str]:
+    """The nodes the job's stored verification state accuses (none: nothing stored, or
+    unreadable), for settling an ended job without its runner."""
+    raw = await store.get_job_state(job_id, STATE_KEY)
+    if raw is None:
+        return frozenset()
+    try:
+        return frozenset(StoredVerification.from_bytes(raw).accused)
+    except ValueError as e:
+        log.warning("job %s: %s", job_id, e)
+        return frozenset()

@@ -33,21 +33,22 @@ from coordinator.accounting.billing import (
     PartCharge,
     charge_part,
     earned_micro,
+    handout_rate,
     quantized_rate,
+    settled_rate,
 )
 from coordinator.accounting.credit_book import (
     FEE_RETURNED,
     FORFEITED,
-    HELD,
-    HELD_RERUN,
-    PLATFORM_FEE,
     Entry,
     escrow_account,
     forfeit_entries,
     fund_escrow,
     held_account,
+    held_charges,
     release_entries,
     round_entries,
+    settlement_entries,
     tenant_account,
 )
 from coordinator.market.credit_ledger import CreditLedger
@@ -84,45 +85,6 @@ class Hold:
     unpaid: np.ndarray  # the sample indices the submitter paid for with this part
 
 
-def _held_charges(
-    job_id: str, entries: Iterable[Entry], donor_of: Callable[[str], str]
-) -> dict[tuple[int, str], PartCharge]:
-    """(round, node) -> the charge of each part whose pay is still in the job's held account
-    (moved in by the round's entries, not out by a release or a forfeit: each moves a part's
-    whole hold), rebuilt from the ledger."""
-    held = held_account(job_id)
-    parts: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    settled: set[tuple[int, str]] = set()
-    for e in entries:
-        key = (e.round, e.node_id)
-        if e.from_account == held:
-            settled.add(key)
-        elif e.to_account == held and e.reason == HELD:
-            parts[key]["submitter"] += e.amount
-            parts[key]["samples"] += e.samples
-        elif e.to_account == held and e.reason == HELD_RERUN:
-            parts[key]["platform"] += e.amount
-            parts[key]["repeat"] += e.samples
-        elif e.reason == PLATFORM_FEE:
-            parts[key]["fee"] += e.amount
-    out = {}
-    for key, f in parts.items():
-        earned = f["submitter"] + f["platform"]
-        if key in settled or earned <= 0:
-            continue
-        out[key] = PartCharge(
-            node_id=key[1],
-            donor=donor_of(key[1]),
-            samples=f["samples"] + f["repeat"],
-            repeat_samples=f["repeat"],
-            earned=earned,
-            submitter_pays=f["submitter"],
-            platform_pays=f["platform"],
-            fee=f["fee"],
-        )
-    return out
-
-
 class JobBilling:
     def __init__(
         self,
@@ -140,6 +102,11 @@ class JobBilling:
         # Whether donors' pay waits for verification (set by the runner), and what is held.
         self.hold = False
         self._holds: dict[str, list[Hold]] = defaultdict(list)
+        # Task ids of open parts priced while their node was unobserved (see price_parts).
+        self._provisional: set[str] = set()
+        # What the round handed out last could still cost (until it is charged): kept in the
+        # escrow when the job ends while it is in flight.
+        self._reserved = 0
 
     @property
     def job_id(self) -> str:
@@ -172,7 +139,7 @@ class JobBilling:
         )
         self.job.escrow_micro = self.available()
         forfeited = {(e.round, e.node_id) for e in entries if e.reason == FORFEITED}
-        charges = _held_charges(self.job_id, entries, self.donor_of)
+        charges = held_charges(self.job_id, entries, self.donor_of)
         release: list[Entry] = []
         for r in sorted(rounds, key=lambda r: r.round):
             for p in r.parts:
@@ -209,31 +176,55 @@ class JobBilling:
     # -- hand-out -------------------------------------------------------------------------------
 
     def price_parts(
-        self, parts: Mapping[str, Part], prices: Mapping[str, int], rates: Mapping[str, float]
+        self,
+        parts: Mapping[str, Part],
+        prices: Mapping[str, int],
+        rates: Mapping[str, float],
+        unobserved: Mapping[str, float] | None = None,
     ) -> None:
         """Fix each part's price and billed rate at hand-out; AboveMaxPrice when a node asks
         more than the job's max_price; BudgetExhausted when the escrow does not cover the round
-        should every part be applied."""
+        should every part be applied. ``unobserved``: the nodes no round observed yet, each
+        with the rate the coordinator can stand behind for it (coordinator/accounting/billing.py
+        `standing_rate`): their claims bound their parts' rates only from above, and their
+        parts are billed at close at no less than what the round observed (`settle_rates`)."""
         cap = max_price_of(self.job.spec)
         dear = sorted(n for n in parts if cap is not None and prices.get(n, 0) > cap)
         if dear:
             raise AboveMaxPrice(dear)
+        unobserved = unobserved or {}
         for node_id, part in parts.items():
             part.price = int(prices.get(node_id, 0))
-            part.rate = quantized_rate(float(rates.get(node_id, 0.0)))
+            rate = float(rates.get(node_id, 0.0))
+            if node_id in unobserved:
+                rate = handout_rate(rate, False, unobserved[node_id])
+                self._provisional.add(part.task_id)
+            part.rate = quantized_rate(rate)
         bound = 0
         for part in parts.values():
             earned = earned_micro(part.price, part.assigned or part.samples, part.rate)
             bound += earned + earned * self.fee_ppm // 1_000_000
         available = self.available()
+        self._reserved = 0
         if bound > available:
             raise BudgetExhausted(
                 f"budget: the next round could cost {format_credits(bound)} credits and the "
                 f"job's escrow holds {format_credits(max(0, available))}; add to it with "
                 f"`epochmesh budget {self.job_id} --add CREDITS`"
             )
+        self._reserved = bound
 
     # -- round close ----------------------------------------------------------------------------
+
+    def settle_rates(self, parts: Iterable[Part], observed: Mapping[str, float]) -> None:
+        """The round closed: a part handed out while its node was unobserved is billed at no
+        less than the node's rate the round observed (``observed``: node -> samples/s, absent
+        when not observed); called before the round's record is made, so that the record
+        keeps the rate billed."""
+        for p in parts:
+            if p.task_id in self._provisional:
+                self._provisional.discard(p.task_id)
+                p.rate = quantized_rate(settled_rate(p.rate, observed.get(p.node_id, 0.0)))
 
     def charge_round(self, epoch: int, round_id: int, parts: Iterable[Part]) -> list[Entry]:
         """The entries that bill a closed round's applied parts (marks their samples paid);
@@ -257,6 +248,7 @@ class JobBilling:
                 unpaid = self.billed.unpaid(epoch, p.ranges)
                 self._holds[p.node_id].append(Hold(round_id, epoch, charge, unpaid))
             self.billed.mark(epoch, p.ranges)
+        self._reserved = 0
         entries = round_entries(self.job_id, round_id, charges, now_ms(), hold=self.hold)
         taken = sum(e.amount for e in entries if e.from_account == self.escrow)
         self._pending += taken
@@ -328,6 +320,34 @@ class JobBilling:
         self.job.escrow_micro = self.available()
         return sum(h.charge.earned for h in holds)
 
+    # -- the job's end --------------------------------------------------------------------------
+
+    async def settle_ended(self, store: Store, accused: Iterable[str]) -> list[Entry]:
+        """The job ended: its held pay settled and its escrow refunded (`settle_ended_job`),
+        in the caller's store transaction if any (it calls ``credits.reload()`` should that
+        fail). What a round in flight could still cost stays in the escrow (refunded when the
+        runner ends, or by the start-up sweep). The entries posted."""
+        posted = await settle_ended_job(
+            store,
+            self.credits,
+            self.job,
+            self.donor_of,
+            frozenset(accused),
+            keep=self._pending + self._reserved,
+        )
+        held = held_account(self.job_id)
+        settled = {(e.round, e.node_id) for e in posted if e.from_account == held}
+        for node_id in list(self._holds):
+            self._holds[node_id] = [
+                h for h in self._holds[node_id] if (h.round, node_id) not in settled
+            ]
+            if not self._holds[node_id]:
+                del self._holds[node_id]
+        back = sum(e.amount for e in posted if e.to_account == self.escrow)
+        self.job.spent_micro -= back
+        self.job.escrow_micro = self.available()
+        return posted
+
     # -- escrow ---------------------------------------------------------------------------------
 
     async def top_up(self, amount: int) -> None:
@@ -348,3 +368,24 @@ class JobBilling:
         await self.credits.post([entry])
         self.job.escrow_micro = self.available()
         return left
+
+
+async def settle_ended_job(
+    store: Store,
+    credits: CreditLedger,
+    job: common_pb2.Job,
+    donor_of: Callable[[str], str],
+    accused: frozenset[str] = frozenset(),
+    keep: int = 0,
+) -> list[Entry]:
+    """Settle an ended job from its stored ledger entries (coordinator/accounting/credit_book.py
+    `settlement_entries`): held pay released to its donors (forfeited for ``accused`` nodes),
+    the escrow but ``keep`` back to the job's tenant. Posted in the caller's store transaction
+    if any; nothing when nothing is left, so a second settlement changes nothing. The entries
+    posted (``job.escrow_micro`` follows the escrow)."""
+    entries = [e for _, e in await store.list_ledger_entries(job_id=job.job_id)]
+    out = settlement_entries(job.job_id, job.owner, entries, donor_of, accused, now_ms(), keep)
+    if out:
+        await credits.post(out)
+    job.escrow_micro = credits.balance(escrow_account(job.job_id))
+    return out

@@ -70,6 +70,10 @@ RESTORED_LEASE_TTLS = 2
 # The highest price a node may ask, micro-credits per hour (as epochmesh.money's amounts).
 MAX_PRICE_MICRO_PER_HOUR = MAX_CREDITS * MICRO
 
+# A node's price changes are stored and logged (node.price) at most once per this many seconds,
+# with its latest price; the price itself counts at once (the market reads it from here).
+PRICE_EVENT_INTERVAL_S = 10.0
+
 OfflineListener = Callable[[str], Awaitable[None]]
 
 
@@ -132,6 +136,10 @@ class NodeRegistry:
         self._donors: dict[str, str] = {}  # node id -> donor, where not the node itself
         self._dirty: set[str] = set()
         self._counted: set[str] = set()  # nodes with parts counted since their last persist
+        # Price changes (coalesced): when each node's price was last stored and logged, and the
+        # nodes whose newer price waits for its interval.
+        self._price_logged: dict[str, float] = {}
+        self._price_due: set[str] = set()
         self._offline_listeners: list[OfflineListener] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.heartbeats_total = 0
@@ -365,14 +373,9 @@ class NodeRegistry:
         self._dirty.add(node_id)
         self.heartbeats_total += 1
         if price_micro_per_hour != info.price_micro_per_hour:
-            info.price_micro_per_hour = price_micro_per_hour
-            await self._persist(
-                node,
-                "node.price",
-                f"price set to {format_credits(price_micro_per_hour)} credits/h"
-                + ("" if price_micro_per_hour else ": donated"),
-                {"price_micro_per_hour": str(price_micro_per_hour)},
-            )
+            info.price_micro_per_hour = price_micro_per_hour  # the market's from now on
+            self._price_due.add(node_id)
+            await self._log_price(node, now)
         if draining and info.state in (ONLINE, BUSY, CORDONED):
             info.state = DRAINING
             await self._persist(node, "node.draining", "agent is draining", {"by": "agent"})
@@ -613,6 +616,34 @@ class NodeRegistry:
                 await self._expire(node)
         return [n.info.node_id for n in lapsed]
 
+    async def _log_price(self, node: _Node, now: float) -> None:
+        """Store and log the node's latest price if one waits and its interval is over (one
+        ``node.price`` event per node per PRICE_EVENT_INTERVAL_S, however often it changes)."""
+        node_id = node.info.node_id
+        last = self._price_logged.get(node_id)
+        if node_id not in self._price_due or (
+            last is not None and now - last < PRICE_EVENT_INTERVAL_S
+        ):
+            return
+        self._price_due.discard(node_id)
+        self._price_logged[node_id] = now
+        price = node.info.price_micro_per_hour
+        await self._persist(
+            node,
+            "node.price",
+            f"price set to {format_credits(price)} credits/h" + ("" if price else ": donated"),
+            {"price_micro_per_hour": str(price)},
+        )
+
+    async def flush_prices(self) -> int:
+        """Store and log the prices whose interval is over (see `_log_price`); how many."""
+        now = self._clock()
+        due = [n for node_id in sorted(self._price_due) if (n := self._nodes.get(node_id))]
+        self._price_due &= {n.info.node_id for n in due}
+        for node in due:
+            await self._log_price(node, now)
+        return len(due) - len(self._price_due)
+
     async def flush_heartbeats(self) -> int:
         if not self._dirty:
             return 0
@@ -645,6 +676,8 @@ class NodeRegistry:
             await asyncio.sleep(self._flush_interval_s)
             try:
                 await self.flush_heartbeats()
+                await self.flush_prices()
+                await self._events.report_drops()
             except Exception:
                 log.exception("heartbeat flush failed")
 

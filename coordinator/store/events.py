@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 
+from coordinator.core.token_bucket import BucketLimit, TokenBuckets
 from coordinator.store.base import Store, event_matches
 from epochmesh.v1 import common_pb2
 
@@ -26,12 +28,47 @@ DEFAULT_BUFFER_EVENTS = 10_000
 READ_BATCH = 500
 
 
+# The events one node can cause: NODE_EVENTS_BURST at once, NODE_EVENTS_PER_S after that; what
+# is over is dropped and counted, and reported in one NODE_EVENTS_DROPPED event per node.
+NODE_EVENTS_BURST = 120.0
+NODE_EVENTS_PER_S = 2.0
+NODE_EVENTS_DROPPED = "node.events_dropped"
+# Events about a node that the node does not cause (the coordinator's verdicts, an operator's
+# acts): never dropped.
+UNLIMITED_KINDS = frozenset(
+    {
+        NODE_EVENTS_DROPPED,
+        "node.quarantined",
+        "node.strike",
+        "node.pay_forfeited",
+        "node.check_undecided",
+        "node.cordoned",
+        "node.uncordoned",
+        "round.disputed",
+    }
+)
+
+
 class EventLog:
     """Append events and watch them. Every committed event of the store (whoever appended
-    it) reaches watchers, in id order, with no gaps."""
+    it) reaches watchers, in id order, with no gaps.
 
-    def __init__(self, store: Store, buffer_events: int = DEFAULT_BUFFER_EVENTS) -> None:
+    Events naming a node are rate-limited per node (a token bucket, NODE_EVENTS_BURST and
+    NODE_EVENTS_PER_S; kinds in UNLIMITED_KINDS are not): what is over the limit is not
+    stored, but counted (``dropped_total``) and reported in one ``node.events_dropped`` event
+    when the node's next event is admitted, or by `report_drops`."""
+
+    def __init__(
+        self,
+        store: Store,
+        buffer_events: int = DEFAULT_BUFFER_EVENTS,
+        *,
+        node_limit: BucketLimit | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._store = store
+        self._limits = TokenBuckets(node_limit or BucketLimit(NODE_EVENTS_BURST, NODE_EVENTS_PER_S))
+        self._clock = clock
         self._buffer: deque[common_pb2.Event] = deque()
         self._buffer_max = buffer_events
         # The buffer holds every committed event with id > _floor.
@@ -65,12 +102,44 @@ class EventLog:
         attrs: Mapping[str, str] | None = None,
     ) -> common_pb2.Event:
         """Persist an event (joining the caller's store transaction if any); watchers see it once
-        it is committed. Returns it with its id."""
+        it is committed. Returns it with its id (0: over its node's rate limit, not stored)."""
+        if node_id and kind not in UNLIMITED_KINDS:
+            if not self._limits.take(node_id, self._clock()):
+                return common_pb2.Event(kind=kind, node_id=node_id, job_id=job_id, message=message)
+            await self._report_drops(node_id)
         event = await self._store.append_event(
             kind, node_id=node_id, job_id=job_id, message=message, attrs=attrs
         )
         log.debug("event %d %s node=%s job=%s %s", event.id, kind, node_id, job_id, message)
         return event
+
+    @property
+    def dropped_total(self) -> int:
+        """Events dropped for their node's rate limit since the start."""
+        return self._limits.dropped_total
+
+    async def report_drops(self) -> int:
+        """One ``node.events_dropped`` event for each node with drops not reported yet; how
+        many events it reports (call it now and then: a node whose events stop is reported
+        too)."""
+        total = 0
+        for node_id in self._limits.pending():
+            total += await self._report_drops(node_id)
+        self._limits.forget_idle(self._clock())
+        return total
+
+    async def _report_drops(self, node_id: str) -> int:
+        dropped = self._limits.take_dropped(node_id)
+        if dropped:
+            limit = self._limits.limit
+            await self.append(
+                NODE_EVENTS_DROPPED,
+                node_id=node_id,
+                message=f"{dropped} events of this node were dropped: over its limit of "
+                f"{limit.per_second:g} events/s (bursts of {limit.burst:g})",
+                attrs={"dropped": str(dropped)},
+            )
+        return dropped
 
     def _on_committed(self, event: common_pb2.Event) -> None:
         if event.id <= self._last_id and self._started:

@@ -260,6 +260,8 @@ async def run_benchmark_task(ctx: TaskContext) -> None:
         bandwidth=bandwidth,
         job_id=task.job_id,
     )
+    if task.job_id:
+        result = ctx.tamper.benchmarked(result)
     if program is not None and task.job_id:
         budget = job_memory_budget(points, result.max_batch_size)
         ctx.programs.limit_job_memory(task.job_id, budget, loaded[0] if kept else None)

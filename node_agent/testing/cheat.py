@@ -13,6 +13,9 @@ of these ways:
   skipped); each skipped chunk claims the mean of the computed chunks' gradients and losses;
 - ``stale``: the previous round's chunk gradients and losses (what the agent computed then) are
   sent again; the first cheated round, with nothing kept, is honest;
+- ``slowclaim``: its updates are honest, but every job benchmark it reports claims CLAIM_RATE
+  samples/s (at every batch size): a node that says it is slow asks to be paid more per
+  sample (the coordinator bills a claim only from above: coordinator/accounting/billing.py);
 - ``contribution`` (ring members only; honest elsewhere): its chunks, update and report are
   honest, but it puts SCALE x its contribution into the all-reduce and computes its evidence of
   the round (epochmesh.ring.evidence) from the honest one, as if that had been sent.
@@ -45,7 +48,7 @@ import torch
 from epochmesh.optim import (
     state_tensors,
 )
-from epochmesh.v1 import agent_pb2
+from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
     local_sgd_grid,
     state_digest,
@@ -71,10 +74,13 @@ RANDOM = "random"
 LAZY = "lazy"
 STALE = "stale"
 CONTRIBUTION = "contribution"
+SLOW_CLAIM = "slowclaim"
+# The samples/s a slowclaim cheater's job benchmarks claim.
+CLAIM_RATE = 1e-5
 # The cheats on a part's update (and its chunks); CONTRIBUTION is a ring member's cheat on what
 # it puts into the all-reduce.
 UPDATE_KINDS = (SCALED, FLIPPED, RANDOM, LAZY, STALE)
-KINDS = (*UPDATE_KINDS, CONTRIBUTION)
+KINDS = (*UPDATE_KINDS, CONTRIBUTION, SLOW_CLAIM)
 
 SCALE = 100.0
 # A lazy cheater computes this share of its chunks (or samples), at least one.
@@ -120,6 +126,13 @@ class Cheat:
     def sent(self, job: LoadedJob, task: agent_pb2.Task, update: ComputedUpdate) -> ComputedUpdate:
         return apply_cheat(self, job, task, update)
 
+    def benchmarked(self, result: common_pb2.BenchmarkResult) -> common_pb2.BenchmarkResult:
+        """Slowclaim: the job benchmark claims CLAIM_RATE samples/s (noted in the log)."""
+        if self.kind != SLOW_CLAIM:
+            return result
+        note_cheat(SLOW_CLAIM, 0)
+        return slow_claim(result)
+
     def contribution_factor(self, round_: int) -> float:
         """Contribution, from its round on: SCALE (noted in the log); else 1.0."""
         if self.kind == CONTRIBUTION and self.active_at(round_):
@@ -161,6 +174,17 @@ def cheat_from_environment(environ: Mapping[str, str] | None = None) -> Cheat | 
 
 
 # -- transformations (pure) -------------------------------------------------------------------
+
+
+def slow_claim(result: common_pb2.BenchmarkResult) -> common_pb2.BenchmarkResult:
+    """``result`` claiming CLAIM_RATE samples/s overall and at every measured batch size."""
+    out = common_pb2.BenchmarkResult()
+    out.CopyFrom(result)
+    out.samples_per_second = CLAIM_RATE
+    for point in out.points:
+        if point.samples_per_second > 0:
+            point.samples_per_second = CLAIM_RATE
+    return out
 
 
 def scaled(grads: Mapping[str, torch.Tensor], factor: float) -> Grads:
@@ -319,7 +343,7 @@ def apply_cheat(
     previous = job.previous
     if cheat.kind == STALE:
         job.previous = update
-    if not cheat.active_at(task.round) or cheat.kind in (LAZY, CONTRIBUTION):
+    if not cheat.active_at(task.round) or cheat.kind in (LAZY, CONTRIBUTION, SLOW_CLAIM):
         return update  # lazy: done while computing
     if cheat.kind == STALE and not _fits(previous, update):
         return update

@@ -6,7 +6,7 @@ what implements it, so that imports run one way: node_agent.testing -> node_agen
 what node_agent.main gave it: an implementation only when the test entry point installs one
 (fault injection for the verification tests, node_agent.testing), else `HONEST`, whose hooks
 change nothing. Every hook is called on the compute thread of the round it concerns, except
-`contribution_factor` (on the event loop).
+`contribution_factor` and `benchmarked` (on the event loop).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from epochmesh.v1 import agent_pb2
+from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.training.jobs import ComputedUpdate, LoadedJob
 
 Grads = dict[str, torch.Tensor]
@@ -58,6 +58,11 @@ class Tamper(Protocol):
         rounds on ``job`` (`LoadedJob.previous`)."""
         ...
 
+    def benchmarked(self, result: common_pb2.BenchmarkResult) -> common_pb2.BenchmarkResult:
+        """Called once a job benchmark is measured, before it is reported: the result that is
+        reported instead (``result`` itself to change nothing). Called on the event loop."""
+        ...
+
     def contribution_factor(self, round_: int) -> float:
         """Called once per ring attempt, after the contribution's copies for the round's audit
         are taken and before the all-reduce: the factor applied to what this member puts
@@ -86,6 +91,9 @@ class Honest:
 
     def sent(self, job: LoadedJob, task: agent_pb2.Task, update: ComputedUpdate) -> ComputedUpdate:
         return update
+
+    def benchmarked(self, result: common_pb2.BenchmarkResult) -> common_pb2.BenchmarkResult:
+        return result
 
     def contribution_factor(self, round_: int) -> float:
         return 1.0

@@ -57,6 +57,7 @@ class FakeAgent:
         self.rate = samples_per_second
         self.on_train = on_train
         self.peer_address = peer_address
+        self.price = 0  # micro-credits per hour its heartbeats ask
         self.snapshots_taken = 0  # start states uploaded and taken (verification)
         self.node_id = ""
         self.lease_id = ""
@@ -99,7 +100,9 @@ class FakeAgent:
     async def _heartbeats(self, interval: float) -> None:
         while True:
             await self.stub.Heartbeat(
-                agent_pb2.HeartbeatRequest(node_id=self.node_id, lease_id=self.lease_id),
+                agent_pb2.HeartbeatRequest(
+                    node_id=self.node_id, lease_id=self.lease_id, price_micro_per_hour=self.price
+                ),
                 timeout=5,
             )
             await asyncio.sleep(interval / 3)

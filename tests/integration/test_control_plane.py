@@ -536,6 +536,12 @@ class _RecordingEngine:
     async def stop(self) -> None:
         self.calls.append(("stop", None))
 
+    def check_benchmark(
+        self, node_id: str, task_id: str, result: common_pb2.BenchmarkResult
+    ) -> None:
+        if result.job_id:
+            self.calls.append(("check", (node_id, task_id, result.job_id)))
+
     async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
         self.calls.append(("benchmark", (node_id, result.job_id, result.samples_per_second)))
 
@@ -578,6 +584,7 @@ async def test_engine_hooks(tmp_path: Path) -> None:
     assert engine.calls == [
         ("start", None),
         ("benchmark", (reg.node_id, "", 50.0)),
+        ("check", (reg.node_id, "", "j-0123456789")),
         ("benchmark", (reg.node_id, "j-0123456789", 9.0)),
         ("cancel?", "t-running"),
         ("cancel?", "t-cancelled"),

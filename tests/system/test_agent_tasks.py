@@ -100,6 +100,12 @@ class ScriptedEngine(NullEngine):
         await self.answer_pushes.wait()
         return agent_pb2.PushUpdateResponse(accepted=True)
 
+    def check_benchmark(
+        self, node_id: str, task_id: str, result: common_pb2.BenchmarkResult
+    ) -> None:
+        if result.job_id and self.handed.get(task_id) != node_id:
+            super().check_benchmark(node_id, task_id, result)  # refused: not handed out here
+
     async def on_benchmark(self, node_id: str, result: common_pb2.BenchmarkResult) -> None:
         self.benchmarks.append((node_id, result))
 

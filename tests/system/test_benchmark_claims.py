@@ -1,0 +1,124 @@
+"""A node's claim does not set its pay, end to end: a coordinator and two agents of the same
+price and speed (real processes, TLS), one of which lies in every job benchmark it reports
+(EPOCHMESH_TEST_CHEAT=slowclaim: 1e-5 samples/s, i.e. "pay me a day per sample").
+
+Believed, the liar's first part would be billed at the claim (hundreds of credits for one
+sample) and a round would cost more than the job's escrow, pausing the job for its budget every
+round. Bounded, it earns per applied sample no more than twice what the honest node earns, and
+the job finishes on its budget without a budget pause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from epochmesh.v1 import common_pb2
+from tests.fixtures import write_job
+from tests.procs import CoordinatorProc, free_port, start_coordinator, wait_until
+from tests.system.test_agent import AgentProc, list_nodes
+from tests.system.test_cli_support import Cli
+from tests.system.test_cluster_scheduling import Jobs
+from tests.system.test_fault_tolerance import (
+    MODEL,
+    applied,
+    job_doc,
+    make_dataset,
+    part_indices,
+)
+
+log = logging.getLogger(__name__)
+JS = common_pb2.JobState
+pytestmark = pytest.mark.timeout(300)
+
+PRICE = "100"  # credits per node-hour, both agents
+N, EPOCHS = 96, 2
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[CoordinatorProc, dict[str, AgentProc]]]:
+    address = f"127.0.0.1:{free_port()}"
+    coord = start_coordinator(
+        tmp_path / "coord", "--listen", address, "--heartbeat-interval", "0.5"
+    )
+    agents: dict[str, AgentProc] = {}
+    try:
+        for name, env in (("honest", {}), ("liar", {"EPOCHMESH_TEST_CHEAT": "slowclaim"})):
+            agents[name] = AgentProc(
+                address,
+                tmp_path / f"agent-{name}",
+                "--name",
+                name,
+                "--price",
+                PRICE,
+                "--slowdown",
+                "2",
+                env=env,
+            )
+        wait_until(
+            lambda: sum(n.benchmark.samples_per_second > 0 for n in list_nodes(address)) == 2,
+            timeout=90,
+            interval=0.2,
+            message="two agents ready",
+        )
+        yield coord, agents
+    finally:
+        for a in agents.values():
+            a.kill9()
+        coord.kill9()
+
+
+def test_a_node_claiming_to_be_slow_earns_no_more_per_sample_than_an_honest_one(
+    cluster: tuple[CoordinatorProc, dict[str, AgentProc]], tmp_path: Path
+) -> None:
+    coord, agents = cluster
+    address = coord.address
+    op = Cli(address, tmp_path / "op")
+    alice = Cli(address, tmp_path / "alice", role="submitter")
+    jobs = Jobs(address)
+    whoami = alice.run("whoami", "--output", "json")
+    assert whoami.code == 0, whoami.stderr
+    assert op.run("credits", "grant", f"tenant:{whoami.json()['principal']}", "5").code == 0
+
+    doc: dict[str, Any] = job_doc("claims", epochs=EPOCHS, seed=3, min_nodes=2, max_nodes=2)
+    doc["market"] = {"budget": "2"}
+    job_toml = write_job(tmp_path / "job", MODEL, make_dataset(N), doc)
+    out = alice.run("submit", str(job_toml), "--output", "json", timeout=120)
+    assert out.code == 0, out.stderr
+    job_id = str(json.loads(out.stdout)["job_id"])
+
+    def done() -> bool:
+        job = jobs.job(job_id)
+        assert job.state not in (JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED), job.message
+        # The claim never makes a round cost more than the escrow.
+        assert not (job.state == JS.JOB_STATE_PAUSED and job.message.startswith("budget")), (
+            job.message
+        )
+        return job.state == JS.JOB_STATE_SUCCEEDED
+
+    wait_until(done, timeout=240, interval=0.1, message=f"{job_id} succeeded")
+    assert "slowclaim" in agents["liar"].log_path.read_text()  # it did lie
+
+    names = {n.node_id: n.name for n in list_nodes(address)}
+    samples: dict[str, int] = defaultdict(int)
+    for r in jobs.rounds(job_id):
+        for p in applied(r):
+            samples[names[p.node_id]] += len(part_indices(p))
+    statement = alice.run("statement", "--job", job_id, "--output", "json")
+    assert statement.code == 0, statement.stderr
+    earned: dict[str, int] = defaultdict(int)
+    for e in statement.json()["entries"]:
+        if e["to"].startswith("donor:"):
+            earned[names[e["node"]]] += e["amount_micro"]
+    log.info("samples %s, earned %s", dict(samples), dict(earned))
+    assert samples["honest"] > 0 and samples["liar"] > 0, dict(samples)
+    honest_rate = earned["honest"] / samples["honest"]
+    liar_rate = earned["liar"] / samples["liar"]
+    assert honest_rate > 0
+    assert liar_rate <= 2 * honest_rate, (liar_rate, honest_rate, dict(samples), dict(earned))
