@@ -53,8 +53,9 @@ from coordinator.scheduling.cluster_scheduler import (
 from epochmesh.quote import REFERENCE_FLOPS_PER_SAMPLE
 
 QUOTED_JOB = "quote"  # the quoted job's id in the scheduler pass
-# Without a measured job: the share of the reference FLOP/s a program reaches (small
-# transformers and MLPs on a 2-core CPU host: 0.15-0.4 by scripts/bench_quote.py).
+# Without a measured job: the share of the reference FLOP/s a program reaches (the zen
+# transformer and a 4-layer MLP on a loaded 2-core CPU host, --benchmark quick agents:
+# 0.12-0.3 by the billed rates of scripts/bench_quote.py's jobs).
 DEFAULT_EFFICIENCY = 0.25
 # Without recorded jobs (scripts/bench_quote.py, 2-core CPU host, 1-2 agents on loopback,
 # parameter-server rounds with spot checks): seconds a round spends outside compute, and
