@@ -459,6 +459,8 @@ def program_quote_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _quote_file(ctx: Context, path: Path) -> int:
+    from client.commands.submit import load_checked, pack
+
     spec, samples = load_job(path)  # exit 2 before the coordinator is asked
     nodes = _quote_nodes(ctx)
     by_id = {n.node_id: n for n in nodes}
@@ -487,21 +489,24 @@ def _quote_file(ctx: Context, path: Path) -> int:
         )
     d = program_quote_dict(packed.spec, packed.num_samples, flops, reply)
     if ctx.json:
-        ctx.emit_json(quote_dict(spec, q, by_id))
+        ctx.emit_json(d)
         return ExitCode.OK
     ctx.emit_table(
-        ["NODE", "NAME", "DEVICE", "PRICE", "SAMPLES/S"],
+        ["NODE", "NAME", "DEVICE", "PRICE", "JOB SAMPLES/S", "FROM", "REF SAMPLES/S", "BATCH"],
         [
             [
-                o.node_id,
-                by_id[o.node_id].name or "-",
-                device_summary(by_id[o.node_id]),
-                node_price(by_id[o.node_id]),
-                fmt_rate(o.rate),
+                n["node_id"],
+                n["name"] or "-",
+                device_summary(by_id[n["node_id"]]) if n["node_id"] in by_id else "-",
+                node_price(by_id[n["node_id"]]) if n["node_id"] in by_id else "-",
+                fmt_rate(n["samples_per_second"]),
+                RATE_SOURCES.get(n["rate_source"], n["rate_source"]),
+                fmt_rate(n["reference_samples_per_second"]),
+                str(n["local_batch"]),
             ]
-            for o in q.nodes
+            for n in d["nodes"]
         ],
-        right=(3, 4),
+        right=(3, 4, 6, 7),
         flex=1,
     )
     ctx.emit()
