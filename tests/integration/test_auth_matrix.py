@@ -85,6 +85,7 @@ EXPECTED: dict[str, tuple[set[str], str | S]] = {
     "SchedulerService/GetJob": ({OPERATOR}, S.INVALID_ARGUMENT),
     "SchedulerService/GetAllocation": (ANY_USER, S.UNIMPLEMENTED),
     "SchedulerService/PreviewAllocation": (ANY_USER, S.UNIMPLEMENTED),
+    "SchedulerService/QuoteJob": (ANY_USER, S.INVALID_ARGUMENT),
     "SchedulerService/WatchEvents": ({OPERATOR}, OK),
     "SchedulerService/Cordon": ({OPERATOR}, S.INVALID_ARGUMENT),
     "SchedulerService/Uncordon": ({OPERATOR}, S.INVALID_ARGUMENT),
