@@ -31,4 +31,5 @@ rm -rf "$site_dir"
 # these 2 cores, one worker ~21 min, two ~17.5 min, three ~17.5 min (each test slower; the suite
 # is ~25 CPU-minutes), but under the doubled load a timing-sensitive system test (a share
 # within 20 % of its speed, a kill -9 landing mid-round) failed in most two-worker runs.
-exec .venv/bin/python -m pytest -q -n "${EPOCHMESH_TEST_WORKERS:-0}" "$@"
+# The 25 slowest tests are listed at the end: where the suite's time goes.
+exec .venv/bin/python -m pytest -q --durations=25 -n "${EPOCHMESH_TEST_WORKERS:-0}" "$@"
