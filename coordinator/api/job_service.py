@@ -31,7 +31,8 @@ goes (its quota freed), and the bytes once nobody holds it and no job in progres
 GetBlobStatus answers NOT_FOUND for anything the caller may not see (a blob of others, or
 none at all: the two look the same). WatchJob streams count against the per-identity cap of
 watch streams shared with WatchEvents (--max-watch-streams). SubmitJob is refused with
-RESOURCE_EXHAUSTED when the caller has --max-live-jobs live jobs (coordinator/trust/job_cap.py).
+RESOURCE_EXHAUSTED when the caller has --max-live-jobs live jobs (coordinator/trust/job_cap.py),
+or has as many submissions in progress as one tenant may (coordinator/engine/submit_gate.py).
 """
 
 from __future__ import annotations
@@ -162,8 +163,12 @@ class JobService:
         return job_pb2.DeleteBlobResponse(released_bytes=released, deleted=deleted)
 
     async def SubmitJob(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job:
+        # A tenant at its cap of live jobs is refused here, before anything else. The engine
+        # counts again when it stores the job: this lock is not held through the program
+        # check, whose queue serves tenants in turn (coordinator/engine/submit_gate.py).
         async with self._live_jobs.hold(current_principal_id()):
-            return await self._engine.submit_job(req, ctx)
+            pass
+        return await self._engine.submit_job(req, ctx)
 
     async def GetJob(self, req: job_pb2.GetJobRequest, ctx: Ctx) -> common_pb2.Job:
         return await get_job(self._store, req.job_id)

@@ -27,28 +27,25 @@ from coordinator.core.errors import (
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
-    UnavailableError,
 )
-from coordinator.core.ids import require_sha256
-from coordinator.core.principal import current_principal, current_principal_id
+from coordinator.core.principal import current_principal_id
 from coordinator.engine.api import CoordinatorContext, Ctx
 from coordinator.engine.cluster_scheduling import ClusterScheduling
 from coordinator.engine.job_pay import settle_ended, settle_ended_jobs
 from coordinator.engine.job_runner import TERMINAL, JobRunner
 from coordinator.engine.strategies import STRATEGIES, ParameterServerRounds, RingRounds
+from coordinator.engine.submission import SubmitChecks
 from coordinator.engine.verification_store import stored_accused
 from coordinator.rounds.allocator import segments, split_batch
 from coordinator.scheduling.cluster_scheduler import JobPlan, Plan
-from coordinator.store.blobs import BlobCaller
-from epochmesh.errors import CodecError, SpecError
+from epochmesh.errors import CodecError
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.money import format_credits
-from epochmesh.program.inspection import InspectionLimits, ProgramInspector, Verdict
-from epochmesh.spec import DEFAULT_PRIORITY, PRIORITIES, validate_job_spec
+from epochmesh.program.inspection import InspectionLimits, ProgramInspector
+from epochmesh.spec import DEFAULT_PRIORITY, PRIORITIES
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
 from epochmesh.verification import MAX_CHUNKS
-from epochmesh.wire.safetensors_file import read_safetensors_header
 from epochmesh.wire.tensors import DTYPES, BundleAssembler, iter_chunks
 
 log = logging.getLogger(__name__)
@@ -126,6 +123,7 @@ class Engine:
             concurrency=config.program_check_concurrency,
             spare=config.program_check_spare,
         )
+        self.submit_checks = SubmitChecks(ctx, self.program_inspector)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -669,72 +667,29 @@ class Engine:
 
     # -- JobService -----------------------------------------------------------------------------
 
-    async def _require_blob(self, ref: common_pb2.BlobRef, what: str) -> None:
-        """The blob is stored and the submitter may name it: it uploaded it or one of its jobs
-        uses it (operators: any). A blob of others looks like one never uploaded."""
-        if not ref.sha256:
-            raise InvalidArgumentError(f"{what}: no blob given")
-        require_sha256(ref.sha256, f"{what} sha256")
-        record = await self.ctx.blobs.get(ref.sha256)
-        if record is None or not await self.ctx.blobs.visible(
-            ref.sha256, BlobCaller.of(current_principal())
-        ):
-            raise FailedPreconditionError(
-                f"{what}: blob {ref.sha256} is not uploaded (a job names only blobs its "
-                "submitter uploaded or its earlier jobs use)"
-            )
-        if ref.size and ref.size != record.size:
-            raise InvalidArgumentError(
-                f"{what}: blob {ref.sha256} has {record.size} bytes, not {ref.size}"
-            )
-
     async def submit_job(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job:
-        spec = req.spec
-        try:
-            validate_job_spec(spec)
-        except SpecError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        if spec.aggregation == "ring" and spec.compression == "topk":
-            raise InvalidArgumentError(
-                'compression "topk" cannot be used with aggregation = "ring": top-k keeps '
-                "different indices on every node, so a ring cannot sum the chunks in place; "
-                'use compression = "int8" (or fp16/bf16) with the ring, or topk with "ps"'
+        owner, checks = (
+            current_principal_id(),
+            self.submit_checks,
+        )  # coordinator/engine/submission.py
+        with checks.gate.admit(owner):
+            num_samples = await checks.validate(req)
+            how = "checked" if await checks.check_program(req, owner) else "cached"
+            spec = req.spec
+            job = common_pb2.Job(
+                name=spec.name,
+                state=JS.JOB_STATE_QUEUED,
+                spec=spec,
+                program=req.program,
+                initial_state=req.initial_state,
+                shards=req.shards,
+                num_samples=num_samples,
+                samples_total=num_samples * spec.epochs,
+                last_loss=float("nan"),
+                message="waiting for nodes",
             )
-        await self._require_blob(req.program, "program")
-        await self._require_blob(req.initial_state, "initial_state")
-        if not req.shards:
-            raise InvalidArgumentError("the job has no dataset shards")
-        expected_start = 0
-        for i, shard in enumerate(req.shards):
-            if shard.start != expected_start or shard.count <= 0:
-                raise InvalidArgumentError(
-                    f"shard {i} covers [{shard.start}, {shard.start + shard.count}); shards "
-                    f"must be contiguous from 0 (expected start {expected_start}, count > 0)"
-                )
-            expected_start += shard.count
-            await self._require_blob(shard.blob, f"shard {i}")
-        num_samples = expected_start
-        await self._check_shards(req, spec)
-        program = await self.ctx.blobs.read_bytes(req.program.sha256)
-        state = await self.ctx.blobs.read_bytes(req.initial_state.sha256)
-        inspection = await self.program_inspector.inspect(program, state)
-        if inspection.verdict is Verdict.UNAVAILABLE:
-            raise UnavailableError(f"cannot check the program now: {inspection.reason}")
-        if not inspection.ok:
-            raise InvalidArgumentError(f"program refused: {inspection.reason}")
-        job = common_pb2.Job(
-            name=spec.name,
-            state=JS.JOB_STATE_QUEUED,
-            spec=spec,
-            program=req.program,
-            initial_state=req.initial_state,
-            shards=req.shards,
-            num_samples=num_samples,
-            samples_total=num_samples * spec.epochs,
-            last_loss=float("nan"),
-            message="waiting for nodes",
-        )
-        job = await self._create_with_escrow(job)
+            async with checks.live_jobs.hold(owner):
+                job = await self._create_with_escrow(job)
         await self.ctx.events.append(
             "job.submitted",
             job_id=job.job_id,
@@ -742,6 +697,7 @@ class Engine:
                 f"job {spec.name!r} submitted: {num_samples} samples, {spec.epochs} epochs, "
                 f"global batch {spec.global_batch}"
             ),
+            attrs={"program_check": how},
         )
         self._start_runner(job)
         return job
@@ -788,26 +744,6 @@ class Engine:
         self.scheduling.invalidate()
         self._wake_all()
         return runner.job
-
-    async def _check_shards(self, req: job_pb2.SubmitJobRequest, spec: common_pb2.JobSpec) -> None:
-        """Each shard's safetensors header (only the header is read) names the job's tensors
-        with the samples the shard declares."""
-        names = list(dict.fromkeys([*spec.inputs, *spec.targets]))
-        for i, shard in enumerate(req.shards):
-            path = self.ctx.blobs.path(shard.blob.sha256)
-            try:
-                header = await asyncio.to_thread(read_safetensors_header, path)
-            except CodecError as exc:
-                raise InvalidArgumentError(f"shard {i}: {exc}") from None
-            for name in names:
-                entry = header.get(name)
-                if not isinstance(entry, dict) or not entry.get("shape"):
-                    raise InvalidArgumentError(f"shard {i} has no tensor {name!r}")
-                if entry["shape"][0] != shard.count:
-                    raise InvalidArgumentError(
-                        f"shard {i}: tensor {name!r} has {entry['shape'][0]} samples, the shard "
-                        f"declares {shard.count}"
-                    )
 
     def _runner(self, job_id: str) -> JobRunner | None:
         return self.runners.get(job_id)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
@@ -59,6 +59,7 @@ STDERR_TAIL_BYTES = 4 << 10
 MAX_REASON_CHARS = 300
 REAP_TIMEOUT_S = 5.0  # after an exit or a kill: how long the pipes may take to close
 READY = b"ready"
+_FEED_CHUNK = 1 << 20  # a file part goes to a child in pieces of at most this
 
 # What an inspection child gets of the environment (nothing else: no tokens, no credentials).
 _PASSED_ENV = ("LANG", "LC_ALL", TEST_FAULT_ENV)
@@ -135,6 +136,22 @@ class Inspection:
     @property
     def ok(self) -> bool:
         return self.verdict is Verdict.ACCEPTED
+
+
+@dataclass(frozen=True)
+class FilePart:
+    """A request blob read from an open file as it is handed over, 1 MiB at a time: a caller
+    never holds the whole blob (`size` bytes from the file's position; the caller closes it)."""
+
+    file: BinaryIO
+    size: int
+
+
+Payload = bytes | FilePart
+
+
+def payload_size(part: Payload) -> int:
+    return part.size if isinstance(part, FilePart) else len(part)
 
 
 @dataclass(frozen=True)
@@ -259,11 +276,23 @@ def _accepted(answer: Mapping[str, Any], seconds: float) -> Inspection:
 # The wire: a request is a JSON header line, then the blobs it lists
 
 
-def encode_request(header: Mapping[str, Any], blobs: Sequence[bytes]) -> list[bytes]:
+def encode_request(header: Mapping[str, Any], blobs: Sequence[Payload]) -> list[Payload]:
     """The pieces to write to a child's stdin; the child reads them with `read_request`."""
     head = dict(header)
-    head["blob_bytes"] = [len(b) for b in blobs]
+    head["blob_bytes"] = [payload_size(b) for b in blobs]
     return [json.dumps(head).encode() + b"\n", *blobs]
+
+
+def _file_chunks(part: FilePart) -> Iterator[bytes]:
+    """A file part's bytes in chunks; a file shorter than its size ends them early (the child
+    then reads a short request and answers nothing)."""
+    left = part.size
+    while left > 0:
+        chunk = part.file.read(min(left, _FEED_CHUNK))
+        if not chunk:
+            return
+        left -= len(chunk)
+        yield chunk
 
 
 def read_request(stream: BinaryIO) -> tuple[dict[str, Any], list[bytes]]:
@@ -399,7 +428,7 @@ class ChildProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def send(self, parts: Sequence[bytes]) -> None:
+    def send(self, parts: Sequence[Payload]) -> None:
         """Write the request (in a thread: the child may still be importing); close stdin."""
         assert self.proc.stdin is not None
         self._sent_at = time.monotonic()
@@ -466,10 +495,11 @@ def _drain(stream: IO[bytes], sink: Callable[[bytes], None]) -> None:
             sink(chunk)
 
 
-def _write_all(stream: IO[bytes], parts: Sequence[bytes]) -> None:
+def _write_all(stream: IO[bytes], parts: Sequence[Payload]) -> None:
     with contextlib.suppress(OSError, ValueError):  # the child died or closed its stdin
         for part in parts:
-            stream.write(part)
+            for chunk in _file_chunks(part) if isinstance(part, FilePart) else (part,):
+                stream.write(chunk)
         stream.flush()
     with contextlib.suppress(OSError, ValueError):
         stream.close()
@@ -540,7 +570,7 @@ class AsyncChild:
             done.cancel()
         return self._out.ready
 
-    async def run(self, parts: Sequence[bytes], timeout_s: float | None) -> ChildExit:
+    async def run(self, parts: Sequence[Payload], timeout_s: float | None) -> ChildExit:
         """Hand over the request and wait for the exit; see `ChildProcess.finish`."""
         sent_at = time.monotonic()
         feeder = asyncio.create_task(self._feed(parts))
@@ -560,13 +590,19 @@ class AsyncChild:
             if self.alive:  # cancelled
                 self.kill()
 
-    async def _feed(self, parts: Sequence[bytes]) -> None:
+    async def _feed(self, parts: Sequence[Payload]) -> None:
         stdin = self.proc.stdin
         assert stdin is not None
         with contextlib.suppress(ConnectionError, OSError):
             for part in parts:
-                stdin.write(part)
-                await stdin.drain()
+                if not isinstance(part, FilePart):
+                    stdin.write(part)
+                    await stdin.drain()
+                    continue
+                chunks = _file_chunks(part)
+                while chunk := await asyncio.to_thread(next, chunks, b""):
+                    stdin.write(chunk)
+                    await stdin.drain()
             stdin.close()
 
     async def _exit(self, *, timed_out: bool, begin: float) -> ChildExit:
@@ -612,9 +648,9 @@ def _argv() -> list[str]:
 
 
 def _inspection_request(
-    program: bytes, state: bytes, limits: InspectionLimits, trial: TrialBatch | None
-) -> tuple[list[bytes], int]:
-    blobs = [program, state]
+    program: Payload, state: Payload, limits: InspectionLimits, trial: TrialBatch | None
+) -> tuple[list[Payload], int]:
+    blobs: list[Payload] = [program, state]
     header: dict[str, Any] = {"cpu_seconds": limits.cpu_seconds, "sizes": []}
     if trial is not None:
         from epochmesh.wire.tensors import to_safetensors
@@ -626,7 +662,7 @@ def _inspection_request(
         header.update(
             sizes=list(trial.sizes), num_inputs=len(trial.inputs), num_targets=len(trial.targets)
         )
-    budget = limits.memory_budget(sum(len(b) for b in blobs))
+    budget = limits.memory_budget(sum(payload_size(b) for b in blobs))
     header["memory_budget"] = budget
     return encode_request(header, blobs), budget
 
@@ -706,7 +742,7 @@ async def inspect_program_async(
 
 
 async def _run_inspection(
-    child: AsyncChild, program: bytes, state: bytes, limits: InspectionLimits
+    child: AsyncChild, program: Payload, state: Payload, limits: InspectionLimits
 ) -> Inspection:
     parts, budget = _inspection_request(program, state, limits, None)
     ended = await child.run(parts, limits.timeout_s)
@@ -735,7 +771,8 @@ class ProgramInspector:
         self._spare: asyncio.Task[AsyncChild] | None = None
         self._closed = False
 
-    async def inspect(self, program: bytes, state: bytes) -> Inspection:
+    async def inspect(self, program: Payload, state: Payload) -> Inspection:
+        """Check `program` with `state`; a `FilePart` is read as it is handed over."""
         async with self._slots:
             child = await self._take_child()
             try:
