@@ -1,4 +1,9 @@
-"""Operator commands on nodes: ``nodes``, ``cordon``, ``uncordon``, ``drain``."""
+"""Operator commands on nodes: ``nodes``, ``cordon``, ``uncordon`` (alias ``undrain``),
+``drain [--stop]``.
+
+Drained or cordoned, a node gets no new work and its agent stays up and idle, heartbeating,
+until uncordoned (as in Slurm and Kubernetes). Only ``drain --stop`` makes the agent go: it
+finishes its current task, leaves the coordinator and exits."""
 
 from __future__ import annotations
 
@@ -107,14 +112,17 @@ def cmd_nodes(ctx: Context) -> int:
 def _node_action(verb: str, method_name: str, done: str) -> Callable[[Context], int]:
     def run(ctx: Context) -> int:
         node = ctx.get_node(ctx.args.node)
+        stop = bool(getattr(ctx.args, "stop", False))
         coord = ctx.coordinator
         method = getattr(coord.scheduler, method_name)
-        updated = coord.call(method_name, method, scheduler_pb2.NodeRequest(node_id=node.node_id))
+        request = scheduler_pb2.NodeRequest(node_id=node.node_id, stop=stop)
+        updated = coord.call(method_name, method, request)
         if ctx.json:
             ctx.emit_json(to_dict(updated))
         else:
             label = f"{updated.node_id} ({updated.name})" if updated.name else updated.node_id
-            ctx.emit(f"node {label} {done}: now {node_state_name(updated.state)}")
+            what = "asked to leave" if stop else done
+            ctx.emit(f"node {label} {what}: now {node_state_name(updated.state)}")
         return ExitCode.OK
 
     run.__doc__ = f"{verb} a node"
@@ -124,6 +132,24 @@ def _node_action(verb: str, method_name: str, done: str) -> Callable[[Context], 
 cmd_cordon = _node_action("cordon", "Cordon", "cordoned")
 cmd_uncordon = _node_action("uncordon", "Uncordon", "uncordoned")
 cmd_drain = _node_action("drain", "Drain", "draining")
+
+# (the command list's line, the command's own description)
+CORDON_HELP = (
+    "give a node no new work; the agent stays up and idle",
+    "Give a node no new work. It finishes the round it is in and its agent stays up and idle, "
+    "heartbeating, until `epochmesh uncordon`.",
+)
+UNCORDON_HELP = (
+    "give a cordoned or drained node work again",
+    "Give a cordoned or drained node work again (`undrain` is the same command). A `drain "
+    "--stop` that its agent has not acted on yet is withdrawn: the agent stays.",
+)
+DRAIN_HELP = (
+    "finish its task, then no work; the agent stays up and idle (--stop: it exits)",
+    "Let a node finish its current task, then give it no work: the agent stays up and idle, "
+    "heartbeating, until `epochmesh uncordon`. With --stop the agent finishes its task, "
+    "leaves the coordinator and exits.",
+)
 
 
 def register(
@@ -150,11 +176,21 @@ def register(
     )
     p.set_defaults(func=cmd_nodes)
 
-    for name, func, text in (
-        ("cordon", cmd_cordon, "exclude a node from new work (it keeps its current round)"),
-        ("uncordon", cmd_uncordon, "make a cordoned node eligible for work again"),
-        ("drain", cmd_drain, "let a node finish its current round, then give it no work"),
+    for name, aliases, func, (text, description) in (
+        ("cordon", [], cmd_cordon, CORDON_HELP),
+        ("uncordon", ["undrain"], cmd_uncordon, UNCORDON_HELP),
+        ("drain", [], cmd_drain, DRAIN_HELP),
     ):
-        p = sub.add_parser(name, parents=common, help=text, description=text.capitalize() + ".")
+        p = sub.add_parser(
+            name, aliases=aliases, parents=common, help=text, description=description
+        )
         p.add_argument("node", metavar="NODE", help="node id, unique id prefix or unique name")
+        if name == "drain":
+            p.add_argument(
+                "--stop",
+                action="store_true",
+                help="make the agent leave too: it finishes its current task, leaves the "
+                "coordinator and exits 0 (the node shows as offline; started again, it comes "
+                "back cordoned)",
+            )
         p.set_defaults(func=func)

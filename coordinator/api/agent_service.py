@@ -167,6 +167,7 @@ class AgentService:
             heartbeat_interval_ms=self._registry.heartbeat_interval_ms,
             state=state,  # type: ignore[arg-type]
             cancel_task=cancel,
+            leave=self._registry.leave_requested(req.node_id),
         )
 
     async def Leave(self, req: agent_pb2.LeaveRequest, ctx: Ctx) -> agent_pb2.LeaveResponse:

@@ -1,5 +1,8 @@
 """SchedulerService: operators -> coordinator (nodes, jobs, events, cordon/drain, stats).
 
+Drain keeps the node's agent up and idle; Drain with stop also asks it to leave (its next
+heartbeat answer says so), which it does once its current task is done.
+
 GetAllocation, PreviewAllocation, GetQueue and SetTenantWeight go to the training engine. Node
 arguments accept a node id or a unique node name. SetTenantWeight names a tenant the
 coordinator knows (coordinator/market/accounts.py) or asks to create it (else NOT_FOUND).
@@ -49,6 +52,11 @@ def check_node_states(states: Collection[int]) -> list[int]:
     return list(states)
 
 
+def _no_stop(req: scheduler_pb2.NodeRequest, rpc: str) -> None:
+    if req.stop:
+        raise InvalidArgumentError(f"stop is for Drain only, not {rpc}")
+
+
 def job_state_name(state: int) -> str:
     name: str = common_pb2.JobState.Name(state)
     return name.removeprefix("JOB_STATE_")
@@ -64,8 +72,10 @@ class SchedulerService:
         engine: TrainingEngine,
         authorizer: Authorizer | None = None,
         watchers: StreamCaps | None = None,
+        fee_ppm: int = 0,
     ) -> None:
         self._registry = registry
+        self._fee_ppm = fee_ppm  # the platform fee QuoteJob adds to every part
         self._store = store
         self._blobs = blobs
         self._events = events
@@ -128,7 +138,9 @@ class SchedulerService:
     async def QuoteJob(
         self, req: scheduler_pb2.QuoteJobRequest, ctx: Ctx
     ) -> scheduler_pb2.QuoteJobResponse:
-        return await quote_job(req, self._registry, self._store, self._engine, now_ms())
+        return await quote_job(
+            req, self._registry, self._store, self._engine, now_ms(), self._fee_ppm
+        )
 
     async def WatchEvents(
         self, req: scheduler_pb2.WatchEventsRequest, ctx: Ctx
@@ -155,13 +167,17 @@ class SchedulerService:
                 yield event
 
     async def Cordon(self, req: scheduler_pb2.NodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
+        _no_stop(req, "Cordon")
         return await self._registry.cordon(self._node(req.node_id).node_id)
 
     async def Uncordon(self, req: scheduler_pb2.NodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
+        _no_stop(req, "Uncordon")
         return await self._registry.uncordon(self._node(req.node_id).node_id)
 
     async def Drain(self, req: scheduler_pb2.NodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
-        return await self._registry.drain(self._node(req.node_id).node_id)
+        """No new work for the node, its agent stays up and idle; with ``stop`` the agent is
+        also asked to leave once its current task is done."""
+        return await self._registry.drain(self._node(req.node_id).node_id, stop=req.stop)
 
     async def Revoke(
         self, req: scheduler_pb2.RevokeRequest, ctx: Ctx

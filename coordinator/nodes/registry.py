@@ -8,13 +8,22 @@ only touch memory too: they are stored with the node's next write.
 States (common.proto NodeState):
   ONLINE      leased, idle, eligible for work (after Register; Uncordon)
   BUSY        leased, working for a job (set by the engine through `set_busy`)
-  DRAINING    finishes its current round, then gets no work and is expected to Leave
-              (operator Drain, or a heartbeat with draining=True)
+  DRAINING    finishes its current round, then gets no new work. After an operator's Drain
+              its agent stays up and idle, heartbeating, until Uncordon (drained = up and
+              idle, as in Slurm and Kubernetes); after a heartbeat with draining=True the
+              agent is stopping on its own (SIGTERM) and Leaves
   CORDONED    leased but no new work (operator Cordon; Uncordon undoes it)
   OFFLINE     lease lapsed (the sweeper) or the node left; it must Register again
   QUARANTINED leased but excluded (set by a later issue)
 CORDONED and QUARANTINED survive a re-registration; a draining node that registers again is
 ONLINE. A cordoned or draining node may still carry ``current_job_id`` (it finishes its round).
+
+Leaving is separate from draining and explicit: an operator's Drain with ``stop`` also asks the
+agent to leave. The request lives in memory with the lease and is answered in every heartbeat
+(`leave_requested`, HeartbeatResponse.leave) until the agent finishes its task and Leaves; it
+ends with the lease (Leave, expiry, a re-registration) or with Uncordon, and a coordinator
+restart forgets it (the node stays drained). It is no reason to keep anything: an agent that is
+gone is simply gone.
 
 A node earns for its donor: the one its join token named (the store's node_donors), else the
 node itself. The registry reads it at load and at register and shows it as the label
@@ -106,6 +115,8 @@ class _Node:
     info: common_pb2.NodeInfo
     lease_id: str
     expires: float  # monotonic deadline of the lease; meaningless when OFFLINE
+    # An operator asked this lease's agent to leave (Drain with stop); never stored.
+    leave_requested: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,6 +265,11 @@ class NodeRegistry:
             counts[n.info.state] = counts.get(n.info.state, 0) + 1
         return counts
 
+    def leave_requested(self, node_id: str) -> bool:
+        """An operator asked the node's agent to leave (Drain with stop) and it has not yet."""
+        node = self._nodes.get(node_id)
+        return node is not None and node.leave_requested and node.info.state != OFFLINE
+
     def check_lease(self, node_id: str, lease_id: str) -> common_pb2.NodeInfo:
         """NotFoundError for an unknown node, LeaseExpiredError for a wrong or lapsed lease;
         returns (a copy of) the node otherwise. Does not renew the lease."""
@@ -332,6 +348,7 @@ class NodeRegistry:
         info.online_since_ms = wall
         node.lease_id = lease_id
         node.expires = now + self.lease_ttl_s
+        node.leave_requested = False  # a leave request was the old incarnation's
         self._nodes[node_id] = node
         self._dirty.discard(node_id)
         await self._persist(
@@ -387,6 +404,7 @@ class NodeRegistry:
             raise LeaseExpiredError()
         node.info.state = OFFLINE
         node.info.current_job_id = ""
+        node.leave_requested = False
         await self._persist(
             node, "node.left", f"left: {reason or 'no reason given'}", {"reason": reason}
         )
@@ -406,22 +424,39 @@ class NodeRegistry:
         return _copy(node.info)
 
     async def uncordon(self, node_id: str) -> common_pb2.NodeInfo:
-        """Back to ONLINE (BUSY if it carries a job) from CORDONED or DRAINING. Idempotent."""
+        """Back to ONLINE (BUSY if it carries a job) from CORDONED or DRAINING; a leave
+        request its agent has not acted on yet is withdrawn. Idempotent."""
         node = self._require_live(node_id, "uncordon")
+        withdrawn, node.leave_requested = node.leave_requested, False
         if node.info.state in (CORDONED, DRAINING):
             node.info.state = BUSY if node.info.current_job_id else ONLINE
             node.info.return_state = NS.NODE_STATE_UNSPECIFIED
-            await self._persist(node, "node.uncordoned", "uncordoned by an operator")
+            message = "uncordoned by an operator" + (
+                " (its leave request withdrawn)" if withdrawn else ""
+            )
+            await self._persist(node, "node.uncordoned", message)
         return _copy(node.info)
 
-    async def drain(self, node_id: str) -> common_pb2.NodeInfo:
-        """The node finishes its current round, gets no new work, and its agent leaves; when
-        it comes back it is CORDONED (it gets no work until an operator uncordons it)."""
+    async def drain(self, node_id: str, *, stop: bool = False) -> common_pb2.NodeInfo:
+        """The node finishes its current round and gets no new work; its agent stays up and
+        idle, heartbeating, until an operator uncordons it. When the agent comes back after
+        going OFFLINE the node is CORDONED (no work until uncordoned). With ``stop`` the agent
+        is also asked to leave (`leave_requested`): it finishes its task, Leaves and exits.
+        Idempotent; ``stop`` on a drained node adds the leave request."""
         node = self._require_live(node_id, "drain")
         node.info.return_state = CORDONED
+        ask_leave = stop and not node.leave_requested
+        node.leave_requested = node.leave_requested or stop
         if node.info.state != DRAINING:
             node.info.state = DRAINING
-            await self._persist(node, "node.draining", "drained by an operator", {"by": "operator"})
+            message = "drained by an operator" + ("; its agent is asked to leave" if stop else "")
+            attrs = {"by": "operator", "stop": "true" if stop else "false"}
+            await self._persist(node, "node.draining", message, attrs)
+        elif ask_leave:
+            attrs = {"by": "operator", "stop": "true"}
+            await self._persist(node, "node.draining", "its agent is asked to leave", attrs)
+        if ask_leave:
+            log.info("node %s (%s): its agent is asked to leave", node_id, node.info.name)
         return _copy(node.info)
 
     # -- strikes -----------------------------------------------------------------------------
@@ -685,6 +720,7 @@ class NodeRegistry:
         info = node.info
         info.state = OFFLINE
         info.current_job_id = ""
+        node.leave_requested = False
         await self._persist(
             node,
             "node.offline",

@@ -3,7 +3,7 @@
 Event kinds written by the control plane (attrs in brackets):
   coordinator.started [address, schema_version], coordinator.stopping,
   node.registered, node.rejoined, node.offline [reason], node.left [reason],
-  node.cordoned, node.uncordoned, node.draining [by], node.busy, node.idle,
+  node.cordoned, node.uncordoned, node.draining [by, stop], node.busy, node.idle,
   node.benchmark [samples_per_second], blob.stored [sha256, size].
 The training engine adds its own ("job.*", "round.*", ...) through `EventLog.append` or
 `Store.append_event` (inside a store transaction if it likes: the event is announced only once

@@ -80,16 +80,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., task_id: _Optional[str] = ..., draining: _Optional[bool] = ..., price_micro_per_hour: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_ttl_ms", "heartbeat_interval_ms", "state", "cancel_task")
+    __slots__ = ("lease_ttl_ms", "heartbeat_interval_ms", "state", "cancel_task", "leave")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_TASK_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     heartbeat_interval_ms: int
     state: _common_pb2.NodeState
     cancel_task: bool
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., cancel_task: _Optional[bool] = ...) -> None: ...
+    leave: bool
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., cancel_task: _Optional[bool] = ..., leave: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "lease_id", "reason")
@@ -132,7 +134,7 @@ class NextTaskRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state", "ring_total_samples", "state_source_node_id", "push_state", "state_source_address", "ring_gateway", "params_bundle", "params_data", "compute_budget_seconds", "verify_chunks", "check", "revoked_node_ids", "state_params_checksum", "state_optim_checksum", "restored_version")
+    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state", "ring_total_samples", "state_source_node_id", "push_state", "state_source_address", "ring_gateway", "params_bundle", "params_data", "compute_budget_seconds", "verify_chunks", "check", "revoked_node_ids", "state_params_checksum", "state_optim_checksum", "restored_version", "checked_node_id")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,7 @@ class Task(_message.Message):
     STATE_PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     STATE_OPTIM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     RESTORED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     kind: TaskKind
     job_id: str
@@ -193,7 +196,8 @@ class Task(_message.Message):
     state_params_checksum: str
     state_optim_checksum: str
     restored_version: int
-    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., ring_total_samples: _Optional[int] = ..., state_source_node_id: _Optional[str] = ..., push_state: _Optional[bool] = ..., state_source_address: _Optional[str] = ..., ring_gateway: _Optional[bool] = ..., params_bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., params_data: _Optional[bytes] = ..., compute_budget_seconds: _Optional[float] = ..., verify_chunks: _Optional[int] = ..., check: _Optional[_Union[CheckSpec, _Mapping]] = ..., revoked_node_ids: _Optional[_Iterable[str]] = ..., state_params_checksum: _Optional[str] = ..., state_optim_checksum: _Optional[str] = ..., restored_version: _Optional[int] = ...) -> None: ...
+    checked_node_id: str
+    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., ring_total_samples: _Optional[int] = ..., state_source_node_id: _Optional[str] = ..., push_state: _Optional[bool] = ..., state_source_address: _Optional[str] = ..., ring_gateway: _Optional[bool] = ..., params_bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., params_data: _Optional[bytes] = ..., compute_budget_seconds: _Optional[float] = ..., verify_chunks: _Optional[int] = ..., check: _Optional[_Union[CheckSpec, _Mapping]] = ..., revoked_node_ids: _Optional[_Iterable[str]] = ..., state_params_checksum: _Optional[str] = ..., state_optim_checksum: _Optional[str] = ..., restored_version: _Optional[int] = ..., checked_node_id: _Optional[str] = ...) -> None: ...
 
 class CheckSpec(_message.Message):
     __slots__ = ("seed", "buckets")

@@ -119,7 +119,8 @@ class AgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Leave(self, request, context):
-        """Leave on purpose (drain finished, SIGTERM); the node goes OFFLINE at once.
+        """Leave on purpose (SIGTERM, or an operator's drain --stop: HeartbeatResponse.leave); the
+        node goes OFFLINE at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -76,10 +76,12 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, since_id: _Optional[int] = ..., follow: _Optional[bool] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeRequest(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "stop")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    stop: bool
+    def __init__(self, node_id: _Optional[str] = ..., stop: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatsRequest(_message.Message):
     __slots__ = ()

@@ -159,19 +159,24 @@ class SchedulerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cordon(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """No new work for the node; its agent stays up and idle. Uncordon undoes it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Uncordon(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Back to work from CORDONED or DRAINING (and a pending drain --stop is withdrawn).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The node finishes its current task and gets no new work; its agent stays up and idle
+        until Uncordon. With NodeRequest.stop, the agent also leaves once its task is done and
+        exits (it hears so in its next HeartbeatResponse.leave).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

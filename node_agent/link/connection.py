@@ -183,6 +183,9 @@ class HeartbeatHooks:
     draining: Callable[[], bool]
     on_state: Callable[[int], None]  # NodeState the coordinator reports
     on_cancel_task: Callable[[str], None]  # task id the coordinator wants abandoned
+    # Whether an operator asks this node to leave (drain --stop: finish the task, Leave, exit),
+    # after every heartbeat the coordinator answers (False: not, or no longer).
+    on_leave_request: Callable[[bool], None] = lambda wanted: None
 
 
 class CoordinatorConnection:
@@ -548,6 +551,7 @@ class CoordinatorConnection:
         hooks.on_state(response.state)
         if response.cancel_task and request.task_id:
             hooks.on_cancel_task(request.task_id)
+        hooks.on_leave_request(response.leave)
         return self.heartbeat_interval_s
 
     async def leave(self, reason: str, timeout: float = 2.0) -> bool:
