@@ -243,7 +243,14 @@ class Coordinator:
             server,
             SCHEDULER_SERVICE,
             SchedulerService(
-                self.registry, self.store, self.blobs, self.events, self.engine, auth, watchers
+                self.registry,
+                self.store,
+                self.blobs,
+                self.events,
+                self.engine,
+                auth,
+                watchers,
+                fee_ppm=self.config.platform_fee_ppm,
             ),
             auth,
         )

@@ -1,18 +1,21 @@
 """Quotes against what jobs then take and cost, on a real local cluster. Prints one JSON line.
 
-    .venv/bin/python scripts/bench_quote.py [--agents 1,2] [--models zen,mlp] [--price 3]
-                                            [--work DIR]
+    .venv/bin/python scripts/bench_quote.py [--agents 1,2] [--models zen,mlp,conv,spirals]
+                                            [--repeats 2] [--price 3] [--work DIR]
 
-For each agent count: a fresh local cluster (scripts/local_cluster.py: TLS, agents with
---benchmark quick, each asking ``--price`` credits per node-hour), credits granted to the
-operator; then for each model, in order: ``epochmesh quote JOB.toml --output json``, submit
-(the program comes from the export cache the quote filled), wait until the job ends, and
-compare. ``zen`` is examples/zen; ``mlp`` a 4-layer MLP on random data written here. The later
-models of a cluster are quoted with the earlier jobs recorded (calibration); the first with
-the defaults.
+For each agent count and each repeat: a fresh local cluster (scripts/local_cluster.py: TLS,
+agents with --benchmark quick, each asking ``--price`` credits per node-hour), credits granted
+to the operator; then for each model, in order: ``epochmesh quote JOB.toml --output json``,
+submit (the program comes from the export cache the quote filled), wait until the job ends,
+and compare. ``zen`` is examples/zen; ``spirals`` examples/spirals; ``mlp`` a 4-layer MLP and
+``conv`` a small conv net on random data, written here. The later models of a cluster are
+quoted with the earlier jobs recorded (calibration); the first with the defaults.
 
 Actual seconds: from the submit command's start to the job's last update (ended); actual
 cost: the job's spent micro-credits. ``ratio`` fields are quoted / actual (1.0 is exact).
+``summary`` gives, per agent count and model, the median ratio over the repeats and its spread
+(min, max); ``parts`` of a result, per node, its local batches and median compute seconds per
+round (what the quote's step model is fitted on).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,6 +77,54 @@ checkpoint_every = 20
 """
 
 
+CONV_MODEL = '''"""A small conv net on 1x28x28 images (scripts/bench_quote.py)."""
+from torch import nn
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 7 * 7, 10),
+    )
+'''
+
+
+def write_conv(out: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 1, 28, 28, generator=gen)
+    y = torch.randint(0, 10, (2048,), generator=gen)
+    save_file({"x": x, "y": y}, str(out / "train.safetensors"))
+    (out / "model.py").write_text(CONV_MODEL)
+    text = MLP_JOB.replace("bench-mlp", "bench-conv").replace("epochs = 3", "epochs = 2")
+    (out / "job.toml").write_text(text.replace("global_batch = 128", "global_batch = 64"))
+    return out / "job.toml"
+
+
+def write_example(name: str, out: Path) -> Path:
+    shutil.copytree(ROOT / "examples" / name, out, dirs_exist_ok=True)
+    subprocess.run(
+        [sys.executable, str(out / "make_data.py"), str(out / "train.safetensors")],
+        check=True,
+        capture_output=True,
+    )
+    return out / "job.toml"
+
+
+def write_job(model: str, out: Path) -> Path:
+    if model in ("zen", "spirals"):
+        return write_example(model, out)
+    if model == "mlp":
+        return write_mlp(out)
+    if model == "conv":
+        return write_conv(out)
+    raise SystemExit(f"unknown model {model!r}: zen, spirals, mlp or conv")
+
+
 def write_mlp(out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
@@ -82,16 +136,6 @@ def write_mlp(out: Path) -> Path:
     save_file({"x": x, "y": y}, str(out / "train.safetensors"))
     (out / "model.py").write_text(MLP_MODEL)
     (out / "job.toml").write_text(MLP_JOB)
-    return out / "job.toml"
-
-
-def write_zen(out: Path) -> Path:
-    shutil.copytree(ROOT / "examples" / "zen", out, dirs_exist_ok=True)
-    subprocess.run(
-        [sys.executable, str(out / "make_data.py"), str(out / "train.safetensors")],
-        check=True,
-        capture_output=True,
-    )
     return out / "job.toml"
 
 
@@ -119,6 +163,14 @@ def run_job(cluster: LocalCluster, path: Path) -> dict[str, Any]:
     lines = cluster.cli("rounds", job_id, "--output", "json").splitlines()
     records = [json.loads(line) for line in lines if line.strip()]  # one round a line
     used = sorted({p["node_id"] for r in records for p in r.get("parts", [])})
+    parts: dict[str, dict[str, Any]] = {}
+    for r in records:
+        for p in r.get("parts", []):
+            if p.get("status") == "applied":
+                d = parts.setdefault(p["node_id"], {"batches": [], "seconds": []})
+                d["batches"].append(int(p.get("local_batch", 0)))
+                d["seconds"].append(float(p.get("seconds", 0.0)))
+    refs = {n["node_id"]: n["reference_samples_per_second"] for n in q["nodes"]}
     return {
         "job_id": job_id,
         "state": job["state"],
@@ -139,21 +191,50 @@ def run_job(cluster: LocalCluster, path: Path) -> dict[str, Any]:
         "overhead_source": q["overhead_source"],
         "start_s": round(q["start_seconds"], 2),
         "flops_per_sample": q["flops_per_sample"],
+        "parts": {
+            node: {
+                "batches": sorted(set(d["batches"])),
+                "median_batch": statistics.median(d["batches"]),
+                "median_seconds": round(statistics.median(d["seconds"]), 5),
+                "reference_rate": round(refs.get(node, 0.0), 1),
+            }
+            for node, d in parts.items()
+        },
     }
+
+
+def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per agent count and model: the median quoted/actual ratio and its spread."""
+    out = []
+    keys = sorted({(r["agents"], r["model"]) for r in results}, key=lambda k: (k[0], k[1]))
+    for agents, model in keys:
+        runs = [r for r in results if (r["agents"], r["model"]) == (agents, model)]
+        row: dict[str, Any] = {"agents": agents, "model": model, "runs": len(runs)}
+        for key in ("seconds_ratio", "cost_ratio", "actual_seconds"):
+            xs = [r[key] for r in runs if r[key]]
+            row[key] = round(statistics.median(xs), 3) if xs else None
+            row[f"{key}_spread"] = [min(xs), max(xs)] if xs else None
+        out.append(row)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--agents", default="1,2", help="agent counts, comma-separated")
-    ap.add_argument("--models", default="zen,mlp", help="zen and/or mlp, in order")
+    ap.add_argument(
+        "--models", default="zen,mlp,conv,spirals", help="zen, mlp, conv, spirals, in order"
+    )
+    ap.add_argument("--repeats", type=int, default=2, help="fresh clusters per agent count")
     ap.add_argument("--price", default="3", help="each agent's price, credits per node-hour")
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: temp)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_quote-"))
     results = []
-    for agents in [int(a) for a in args.agents.split(",")]:
-        with LocalCluster(work / f"cluster-{agents}") as cluster:
+    runs = [(int(a), k) for a in args.agents.split(",") for k in range(args.repeats)]
+    for agents, repeat in runs:
+        where = work / f"cluster-{agents}-{repeat}"
+        with LocalCluster(where) as cluster:
             cluster.start_coordinator()
             for i in range(agents):
                 cluster.start_agent(f"a{i}", "--price", args.price)
@@ -167,11 +248,15 @@ def main() -> None:
 
             wait_for(ready, 120, f"{agents} benchmarked agent(s)")
             for model in args.models.split(","):
-                jobs_dir = work / f"cluster-{agents}" / "jobs" / model
-                path = write_zen(jobs_dir) if model == "zen" else write_mlp(jobs_dir)
+                path = write_job(model, where / "jobs" / model)
                 with_budget(path, 100)
-                log.info("agents %d, model %s: quote, submit, wait", agents, model)
-                result = {"agents": agents, "model": model, **run_job(cluster, path)}
+                log.info("agents %d (run %d), model %s: quote, submit, wait", agents, repeat, model)
+                result = {
+                    "agents": agents,
+                    "repeat": repeat,
+                    "model": model,
+                    **run_job(cluster, path),
+                }
                 log.info("%s", result)
                 results.append(result)
     ratios = [r["seconds_ratio"] for r in results if r["seconds_ratio"]]
@@ -180,6 +265,8 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "quote",
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                "summary": summary(results),
                 "results": results,
                 "within_2x_seconds": all(0.5 <= x <= 2 for x in ratios),
                 "within_2x_cost": all(0.5 <= x <= 2 for x in costs),

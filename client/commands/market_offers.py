@@ -33,7 +33,6 @@ PREDICTED_NOTE = (
     "an efficiency (FROM: jobs measured on its device model, else a default) / the "
     "program's FLOPs per sample"
 )
-FLOP_SAMPLES = 4  # samples the program's FLOPs are counted on
 RATE_SOURCES = {
     "same_program": "same program",
     "calibrated": "device model",
@@ -341,32 +340,6 @@ def _emit_lines(ctx: Context, rows: list[tuple[str, str]]) -> None:
         ctx.emit(f"{key.ljust(width)}  {value}")
 
 
-def program_figures(packed: Any) -> tuple[float, str, int]:
-    """(FLOPs of a training step per sample, the program's sha256, the parameters' bytes) of
-    a packed job, counted on the first few samples of its dataset."""
-    import hashlib
-
-    from safetensors.torch import load
-
-    from epochmesh.program.flops import training_flops_per_sample
-
-    data = load(packed.shards[0][2]) if packed.shards else {}
-    spec = packed.spec
-    n = min(FLOP_SAMPLES, packed.num_samples)
-    try:
-        flops = training_flops_per_sample(
-            packed.program,
-            packed.initial_state,
-            [data[k][:n] for k in spec.inputs],
-            [data[k][:n] for k in spec.targets],
-        )
-    except (KeyError, ValueError, RuntimeError) as err:
-        raise CliError(
-            ExitCode.USAGE, f"cannot count the program's FLOPs: {err}", "check model.py"
-        ) from None
-    return flops, hashlib.sha256(packed.program).hexdigest(), len(packed.initial_state)
-
-
 def program_quote_dict(
     spec: common_pb2.JobSpec,
     samples: int,
@@ -459,7 +432,7 @@ def program_quote_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _quote_file(ctx: Context, path: Path) -> int:
-    from client.commands.submit import load_checked, pack
+    from client.commands.submit import load_checked, pack, program_figures
 
     spec, samples = load_job(path)  # exit 2 before the coordinator is asked
     nodes = _quote_nodes(ctx)

@@ -1,11 +1,15 @@
 """SchedulerService.QuoteJob: gathers what `coordinator.market.quote_estimate.estimate` needs
-(the nodes that could take a job, the live jobs and who holds which node, the jobs measured
+(the nodes that could take a job, the live jobs and who holds which node, the steps measured
 so far and the fixed costs recorded rounds show) and answers with its estimate.
 
+Measured steps: the applied parts of the last RATE_ROUNDS rounds of the RECENT_JOBS newest
+succeeded jobs and of the live ones, one point per node and local batch (the median compute
+seconds), with the node's reference benchmark and the program's FLOPs when known.
+
 What a quote learns: the FLOPs per sample of every program it is asked about, by program
-sha256 (scheduler state QUOTE_FLOPS_KEY, the newest MAX_PROGRAMS), so that a job later run
-with that program calibrates the quotes of other programs (its measured speed over its
-FLOPs is an efficiency of its device model).
+sha256 (scheduler state QUOTE_FLOPS_KEY, the newest MAX_PROGRAMS), so that a job run with
+that program calibrates the quotes of other programs. `epochmesh submit` sends a QuoteJob of
+the program it submits for this reason, so every submitted job's FLOPs are known.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from coordinator.core.principal import current_principal_id
 from coordinator.engine.api import TrainingEngine
 from coordinator.engine.cluster_scheduling import node_kind
 from coordinator.market.quote_estimate import (
+    QUICK_REFERENCE_BATCHES,
     Cluster,
     Estimate,
     History,
@@ -29,8 +34,10 @@ from coordinator.market.quote_estimate import (
     Node,
     Program,
     QuotedJob,
+    bench_seconds,
     estimate,
     job_history,
+    step_model,
 )
 from coordinator.nodes.registry import NodeRegistry
 from coordinator.scheduling.cluster_scheduler import Holding, JobRequest, tier_of
@@ -43,7 +50,7 @@ log = logging.getLogger(__name__)
 QUOTE_FLOPS_KEY = "quote_flops"
 MAX_PROGRAMS = 1000
 RECENT_JOBS = 10  # ended jobs whose rounds calibrate a quote
-RATE_ROUNDS = 20  # of an ended job: its last rounds' billed rates are its measured speed
+RATE_ROUNDS = 20  # of a job: its last rounds' applied parts are its measured steps
 FAR_MS = 2**62  # a live job's nodes stay with it in the quote's scheduler pass
 
 JS = common_pb2.JobState
@@ -79,6 +86,7 @@ def quote_node(info: common_pb2.NodeInfo) -> Node:
         price=max(0, info.price_micro_per_hour),
         max_batch=max(0, b.max_batch_size),
         bandwidth=b.bandwidth_bytes_per_second,
+        quick_bench=tuple(sorted(p.batch_size for p in b.points)) == QUICK_REFERENCE_BATCHES,
     )
 
 
@@ -133,10 +141,46 @@ async def _remember(store: Store, known: dict[str, float], sha: str, flops: floa
     await store.put_scheduler_state(QUOTE_FLOPS_KEY, json.dumps(known).encode())
 
 
+def _steps(
+    job: common_pb2.Job,
+    rounds: Sequence[common_pb2.RoundRecord],
+    registry: NodeRegistry,
+    known: Mapping[str, float],
+) -> list[Measured]:
+    """The job's measured steps: per node and local batch, the median compute seconds of
+    its applied parts in ``rounds``."""
+    by_step: dict[tuple[str, int], list[float]] = {}
+    for r in rounds:
+        for p in r.parts:
+            if p.status == "applied" and p.local_batch > 0 and p.seconds > 0:
+                by_step.setdefault((p.node_id, p.local_batch), []).append(p.seconds)
+    sha = job.program.sha256
+    out = []
+    for (node_id, batch), seconds in by_step.items():
+        info = registry.get(node_id)
+        if info is None or info.benchmark.samples_per_second <= 0:
+            continue
+        out.append(
+            Measured(
+                kind=node_kind(info),
+                program=sha,
+                flops_per_sample=known.get(sha, 0.0),
+                batch=batch,
+                seconds=statistics.median(seconds),
+                reference_rate=info.benchmark.samples_per_second,
+            )
+        )
+    return out
+
+
 async def _recorded(
-    store: Store, registry: NodeRegistry, known: Mapping[str, float]
+    store: Store,
+    registry: NodeRegistry,
+    known: Mapping[str, float],
+    live: Sequence[common_pb2.Job],
 ) -> tuple[History, list[Measured]]:
-    """The fixed costs of the recently ended jobs and their nodes' measured speeds."""
+    """The fixed costs of the recently ended jobs, and the steps measured in them and in the
+    live jobs."""
     ended = await store.list_jobs(states=[JS.JOB_STATE_SUCCEEDED], limit=RECENT_JOBS)
     spans = []
     measured = []
@@ -147,53 +191,43 @@ async def _recorded(
         compute = sum(
             max((p.seconds for p in r.parts if p.status == "applied"), default=0.0) for r in rounds
         )
+        steps = _steps(job, rounds[-RATE_ROUNDS:], registry, known)
+        measured += steps
         spans.append(
-            (job.created_ms, rounds[0].started_ms, rounds[-1].finished_ms, len(rounds), compute)
-        )
-        by_node: dict[str, list[float]] = {}
-        for r in rounds[-RATE_ROUNDS:]:
-            for p in r.parts:
-                if p.status == "applied" and p.billed_rate > 0:
-                    by_node.setdefault(p.node_id, []).append(p.billed_rate)
-        for node_id, rates in by_node.items():
-            info = registry.get(node_id)
-            if info is None or info.benchmark.samples_per_second <= 0:
-                continue
-            measured.append(
-                Measured(
-                    kind=node_kind(info),
-                    program=job.program.sha256,
-                    flops_per_sample=known.get(job.program.sha256, 0.0),
-                    rate=statistics.median(rates),
-                    reference_rate=info.benchmark.samples_per_second,
-                )
+            (
+                job.created_ms,
+                rounds[0].started_ms,
+                rounds[-1].finished_ms,
+                len(rounds),
+                compute,
+                _bench(job, rounds, registry, known, steps),
             )
+        )
+    for job in live:
+        rounds = await store.list_rounds(job.job_id)
+        measured += _steps(job, rounds[-RATE_ROUNDS:], registry, known)
     return job_history(spans), measured
 
 
-def _live_measured(
-    cluster: Cluster,
-    jobs: Sequence[common_pb2.Job],
+def _bench(
+    job: common_pb2.Job,
+    rounds: Sequence[common_pb2.RoundRecord],
     registry: NodeRegistry,
     known: Mapping[str, float],
-) -> list[Measured]:
-    program = {j.job_id: j.program.sha256 for j in jobs}
-    out = []
-    for node_id, rates in cluster.job_rates.items():
-        info = registry.get(node_id)
-        if info is None or info.benchmark.samples_per_second <= 0:
-            continue
-        for job_id, rate in rates.items():
-            sha = program.get(job_id, "")
-            out.append(
-                Measured(
-                    kind=node_kind(info),
-                    program=sha,
-                    flops_per_sample=known.get(sha, 0.0),
-                    rate=rate,
-                    reference_rate=info.benchmark.samples_per_second,
-                )
-            )
+    steps: Sequence[Measured],
+) -> float:
+    """The predicted seconds of the job benchmark its first round's nodes ran (0: its FLOPs
+    unknown)."""
+    program = Program(known.get(job.program.sha256, 0.0), job.program.sha256)
+    if program.flops_per_sample <= 0:
+        return 0.0
+    out = 0.0
+    for p in rounds[0].parts:
+        info = registry.get(p.node_id)
+        if info is not None:
+            node = quote_node(info)
+            model = step_model(node.kind, program, steps)
+            out = max(out, bench_seconds(node, model, program.flops_per_sample))
     return out
 
 
@@ -250,15 +284,15 @@ async def quote_job(
     now_ms: int,
     fee_ppm: int = 0,
 ) -> scheduler_pb2.QuoteJobResponse:
-    """The quote of the job ``req`` describes, for the calling tenant."""
+    """The quote of the job ``req`` describes, for the calling tenant, with the coordinator's
+    platform fee (``fee_ppm``) on every part."""
     _check(req)
     spec = req.spec
     known = await _known_flops(store)
     await _remember(store, known, req.program_sha256, req.flops_per_sample)
     infos = {i.node_id: i for i in registry.eligible_nodes()}
     cluster, live_jobs = _live(engine)
-    history, measured = await _recorded(store, registry, known)
-    measured += _live_measured(cluster, live_jobs, registry, known)
+    history, measured = await _recorded(store, registry, known, live_jobs)
     job = QuotedJob(
         tenant=current_principal_id() or "",
         priority=tier_of(spec.priority),

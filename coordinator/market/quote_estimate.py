@@ -1,36 +1,46 @@
 """What a job not yet submitted would take and cost (pure: no clock, no I/O; ``now_ms`` comes
-in): `estimate(...)` predicts each node's speed on the job's own program, picks the nodes the
-cluster scheduler would give it, and prices the run by the billing rule.
+in): `estimate(...)` predicts each node's step time on the job's own program, picks the nodes
+the cluster scheduler would give it, and prices the run by the billing rule.
 
-Speed. A node's samples/s on the job is ``its reference FLOP/s x efficiency / the program's
-FLOPs per sample``: the reference benchmark's samples/s times REFERENCE_FLOPS_PER_SAMPLE is
-the node's measured FLOP/s, and the program's FLOPs per training sample are counted where it
-is exported (epochmesh/program/flops.py). Efficiency (the share of the reference FLOP/s a job
-reaches) is calibrated: the median over the jobs measured on nodes of the same device model
-(a job with the same program first, then any job whose FLOPs are known), else over all device
-models, else DEFAULT_EFFICIENCY. A node's job benchmark measures compute alone, and that is
-the rate the job is billed at.
+Speed: a step model. One training step of ``b`` samples on a node takes
+
+    seconds(b) = (fixed + b x flops_per_sample / efficiency) / node_flops
+
+``node_flops`` is the node's reference benchmark samples/s times REFERENCE_FLOPS_PER_SAMPLE
+(its measured FLOP/s); the program's FLOPs per training sample are counted where it is
+exported (epochmesh/program/flops.py). ``fixed`` (a step's cost that does not grow with the
+batch: dispatch of every operator, the confined child's round trip, the optimizer hand-over,
+in reference FLOPs, so that it scales with the node's speed) and ``efficiency`` (the share of
+the reference FLOP/s a program's FLOPs run at) are fitted per device model by least squares
+of relative error over measured steps (`fit_step_model`): every applied part of recent jobs
+is a point (its local batch x its program's FLOPs, its compute seconds x its node's FLOP/s).
+A small program is thus dominated by ``fixed`` and is not predicted too fast, a big one by
+its FLOPs. Where the points come from, first that fits: the same program on the node's device
+model (SAME_PROGRAM), any program of known FLOPs on it (CALIBRATED), on any device model
+(CALIBRATED_ANY), else DEFAULT_STEP. Points that cannot separate the two terms (one batch x
+FLOPs) fit ``efficiency`` under the ``fixed`` of the next source down.
 
 Nodes. The quoted job enters a pass of the cluster scheduler
 (`coordinator.scheduling.cluster_scheduler.schedule`) beside the live jobs, with its predicted
-rates as its measured ones: the nodes it gets there are the nodes it would get; each round's
-local batches are `coordinator.rounds.allocator.split_batch` of those rates, capped by each
-node's largest batch.
+rates (at the local batch it would have on the nodes offered) as its measured ones: the nodes
+it gets there are the nodes it would get; each round's local batches are
+`coordinator.rounds.allocator.split_batch` of the rates at those batches (solved by a few
+fixed-point passes, since a node's rate depends on its batch), capped by each node's largest
+batch.
 
 Time. ``start + rounds x (slowest part's compute + round overhead) + checkpoints x
 checkpoint cost``. Rounds: each epoch ``ceil(samples / global_batch)``, the last one the
-remainder. Start: the program check at submission and the job benchmark on each node (its
-steps' samples at the node's predicted rate plus loading the program; the nodes benchmark
-at once): as recorded jobs took, else DEFAULT_START_S plus the benchmark's compute. Round
-overhead (hand-out, parameter pull, update push, verification, aggregation
-and record) and start come from the jobs this coordinator recorded (`History`), else from
-the constants below, measured on a 2-core CPU host with scripts/bench_quote.py; the
-parameters' transfer (pull and push) over the slowest chosen node's measured bandwidth
-comes on top.
+remainder. Start: the program check at submission and the job benchmark on each node (the
+steps of its plan, JOB_PLAN or with --benchmark quick QUICK_JOB_PLAN, timed by the step model,
+plus loading the program; the nodes benchmark at once): the recorded jobs' median start less
+their own benchmark, else DEFAULT_START_S, plus this program's benchmark. Round overhead
+(hand-out, parameter pull, update push, verification, aggregation and record) comes from the
+jobs this coordinator recorded (`History`), else DEFAULT_ROUND_OVERHEAD_S; the parameters'
+transfer (pull and push) over the slowest chosen node's measured bandwidth comes on top.
 
 Cost. Each round's part on node i earns ``price_i x b_i / rate_i / 3600`` micro-credits,
-rounded down (coordinator/accounting/billing.py, at the predicted rate), plus the platform
-fee, summed over every round.
+rounded down (coordinator/accounting/billing.py), at the rate the node shows at that batch
+(``b_i / seconds(b_i)``), plus the platform fee, summed over every round.
 """
 
 from __future__ import annotations
@@ -53,30 +63,37 @@ from coordinator.scheduling.cluster_scheduler import (
 from epochmesh.quote import REFERENCE_FLOPS_PER_SAMPLE
 
 QUOTED_JOB = "quote"  # the quoted job's id in the scheduler pass
-# Without a measured job: the share of the reference FLOP/s a program reaches (the zen
-# transformer and a 4-layer MLP on a loaded 2-core CPU host, --benchmark quick agents:
-# 0.12-0.3 by the billed rates of scripts/bench_quote.py's jobs).
-DEFAULT_EFFICIENCY = 0.25
-# Without recorded jobs (scripts/bench_quote.py, 2-core CPU host, 1-2 agents on loopback,
-# parameter-server rounds with spot checks): seconds a round spends outside compute, and
-# from submission to the first round (program check, claim, program load, job benchmark
-# setup) besides the benchmark's compute.
+# Without measured jobs: the step model fitted on this machine's runs of scripts/bench_quote.py
+# (a 2-core x86-64 VM without GPU, loaded; 1-2 agents with --benchmark quick on loopback; the
+# zen transformer, a 4-layer MLP, a conv net and the spirals MLP; docs/benchmarks.md).
+DEFAULT_FIXED_FLOPS = 4.1e8  # a step's fixed cost, in reference FLOPs (about 10 ms there)
+DEFAULT_EFFICIENCY = 0.44
+# Without recorded jobs (the same runs): seconds a round spends outside compute, and from
+# submission to the first round (program check, claim, program load) besides the job
+# benchmark's compute.
 DEFAULT_ROUND_OVERHEAD_S = 0.12
 DEFAULT_START_S = 4.0
 # A checkpoint writes parameters and optimizer state (about 3x the parameters) to the blob
 # store: a fixed cost plus the bytes at a disk's speed.
 CHECKPOINT_FIXED_S = 0.02
 DISK_BYTES_PER_S = 200e6
-# The job benchmark (node_agent/training/benchmark.py JOB_PLAN): batch sizes 16, 64 and 256,
-# each one tracked step, 2 warm-up and 20 timed steps; agents started with --benchmark quick
-# run QUICK_JOB_PLAN (1 and 5).
-JOB_BENCH_SAMPLES = (16 + 64 + 256) * 23
-QUICK_JOB_BENCH_SAMPLES = (16 + 64 + 256) * 7
+# The job benchmark (node_agent/training/benchmark.py): per batch size 16, 64 and 256, one
+# memory-tracked step, warm-up steps and timed steps, timed steps cut at a number of seconds:
+# JOB_PLAN (1 + 2 + 20 steps, 10 s) and, for agents started with --benchmark quick,
+# QUICK_JOB_PLAN (1 + 1 + 5 steps, 2 s).
+JOB_BENCH_BATCHES = (16, 64, 256)
+JOB_BENCH = (3, 20, 10.0)  # untimed steps, timed steps, most seconds of timed steps
+QUICK_JOB_BENCH = (2, 5, 2.0)
+# A quick agent's reference benchmark runs these batch sizes (QUICK_PLAN), a full one
+# (32, 128, 512): how the coordinator tells which job benchmark a node will run.
+QUICK_REFERENCE_BATCHES = (16, 64)
+# Two points separate the fixed cost from the FLOPs when their batch x FLOPs differ this much.
+SPREAD = 1.5
 
-# Where a node's rate comes from.
-SAME_PROGRAM = "same_program"  # jobs with this very program measured on its device model
-CALIBRATED = "calibrated"  # other jobs measured on its device model
-CALIBRATED_ANY = "calibrated_other_devices"  # jobs measured on other device models
+# Where a node's step model comes from.
+SAME_PROGRAM = "same_program"  # steps of this very program measured on its device model
+CALIBRATED = "calibrated"  # steps of other programs measured on its device model
+CALIBRATED_ANY = "calibrated_other_devices"  # steps measured on other device models
 DEFAULT = "default_efficiency"
 
 
@@ -92,16 +109,135 @@ class Node:
     bandwidth: float = 0.0  # bytes/s to the coordinator (0: unknown)
     quick_bench: bool = False  # it runs the short job benchmark
 
+    @property
+    def flops(self) -> float:
+        """Its measured FLOP/s (0: no reference benchmark)."""
+        r = self.reference_rate
+        return r * REFERENCE_FLOPS_PER_SAMPLE if math.isfinite(r) and r > 0 else 0.0
+
 
 @dataclass(frozen=True)
 class Measured:
-    """One job's measured samples/s on a node of device model ``kind``."""
+    """A job's measured step on a node of device model ``kind``: ``batch`` samples in
+    ``seconds`` of compute (a median over its rounds at that batch)."""
 
     kind: str
     program: str  # the job's program sha256
     flops_per_sample: float  # 0: unknown
-    rate: float  # the job's samples/s there
+    batch: int
+    seconds: float
     reference_rate: float  # the node's reference samples/s
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """``seconds(b) = (fixed_flops + b x flops_per_sample / efficiency) / node FLOP/s``."""
+
+    fixed_flops: float
+    efficiency: float
+    source: str
+    points: int = 0  # measured steps it was fitted on
+
+    def seconds(self, node_flops: float, batch: float, flops_per_sample: float) -> float:
+        if node_flops <= 0:
+            return math.inf
+        return (self.fixed_flops + batch * flops_per_sample / self.efficiency) / node_flops
+
+    def rate(self, node_flops: float, batch: float, flops_per_sample: float) -> float:
+        """Samples/s at ``batch`` (0.0 when it cannot be predicted)."""
+        s = self.seconds(node_flops, batch, flops_per_sample)
+        r = batch / s if s > 0 else 0.0
+        return r if math.isfinite(r) and r > 0 else 0.0
+
+
+DEFAULT_STEP = StepModel(DEFAULT_FIXED_FLOPS, DEFAULT_EFFICIENCY, DEFAULT)
+
+
+def fit_step_model(
+    points: Sequence[tuple[float, float]], source: str, prior: StepModel = DEFAULT_STEP
+) -> StepModel | None:
+    """The step model of ``points`` ``(batch x FLOPs per sample, seconds x node FLOP/s)``:
+    ``y = fixed + x / efficiency`` by least squares of the relative error (each point weighs
+    1 / y^2), ``fixed`` >= 0. Points whose ``x`` do not spread by SPREAD keep ``prior``'s
+    fixed cost (no more than half a step's) and fit the efficiency alone. None: no usable
+    point."""
+    pts = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y) and x > 0 and y > 0]
+    if not pts:
+        return None
+    xs = [x for x, _ in pts]
+    if max(xs) >= SPREAD * min(xs):
+        # Weighted normal equations of y = a + k x with weights 1 / y^2.
+        w = [1.0 / (y * y) for _, y in pts]
+        sw = sum(w)
+        sx = sum(wi * x for wi, (x, _) in zip(w, pts, strict=True))
+        sy = sum(wi * y for wi, (_, y) in zip(w, pts, strict=True))
+        sxx = sum(wi * x * x for wi, (x, _) in zip(w, pts, strict=True))
+        sxy = sum(wi * x * y for wi, (x, y) in zip(w, pts, strict=True))
+        det = sw * sxx - sx * sx
+        if det > 0:
+            k = (sw * sxy - sx * sy) / det
+            a = (sy - k * sx) / sw
+            if a < 0:  # no negative fixed cost: the line through the origin
+                a, k = 0.0, sxy / sxx
+            if k > 0 and math.isfinite(k) and math.isfinite(a):
+                return StepModel(a, 1.0 / k, source, len(pts))
+    fixed = min(prior.fixed_flops, 0.5 * min(y for _, y in pts))
+    k = statistics.median((y - fixed) / x for x, y in pts)
+    if not (math.isfinite(k) and k > 0):
+        return None
+    return StepModel(fixed, 1.0 / k, source, len(pts))
+
+
+def _point(m: Measured, flops: float) -> tuple[float, float]:
+    return m.batch * flops, m.seconds * m.reference_rate * REFERENCE_FLOPS_PER_SAMPLE
+
+
+def step_model(kind: str, program: Program, measured: Sequence[Measured]) -> StepModel:
+    """The step model of ``program`` on device model ``kind`` (see the module docstring)."""
+    ok = [m for m in measured if m.batch > 0 and m.seconds > 0 and m.reference_rate > 0]
+    known = [m for m in ok if m.flops_per_sample > 0]
+    model = DEFAULT_STEP
+    for group, source in (
+        (known, CALIBRATED_ANY),
+        ([m for m in known if m.kind == kind], CALIBRATED),
+    ):
+        fitted = fit_step_model([_point(m, m.flops_per_sample) for m in group], source, model)
+        model = fitted or model
+    same = [m for m in ok if program.sha256 and m.program == program.sha256]
+    same = [m for m in same if m.kind == kind] or same
+    if same:
+        # Its own FLOPs (1 per sample when unknown: the fit is then in samples).
+        flops = program.flops_per_sample if program.flops_per_sample > 0 else 1.0
+        prior = model
+        if program.flops_per_sample <= 0:  # the prior's efficiency is per FLOP: not usable
+            prior = StepModel(0.0, 1.0, DEFAULT)
+        fitted = fit_step_model([_point(m, flops) for m in same], SAME_PROGRAM, prior)
+        if fitted is not None:
+            return fitted
+    return model
+
+
+def predicted_rate(
+    node: Node, program: Program, measured: Sequence[Measured], batch: float = 1.0
+) -> tuple[float, str]:
+    """The node's predicted samples/s on the program at local batch ``batch`` (0.0: no
+    reference benchmark, or the program's FLOPs unknown and no job with the same program
+    measured)."""
+    model = step_model(node.kind, program, measured)
+    return _rate(node, program, model, batch), model.source
+
+
+def _flops(program: Program, model: StepModel) -> float:
+    if model.source == SAME_PROGRAM and program.flops_per_sample <= 0:
+        return 1.0
+    return program.flops_per_sample
+
+
+def _rate(node: Node, program: Program, model: StepModel, batch: float) -> float:
+    flops = _flops(program, model)
+    if node.flops <= 0 or flops <= 0:
+        return 0.0
+    return model.rate(node.flops, batch, flops)
 
 
 @dataclass(frozen=True)
@@ -177,46 +313,40 @@ class Estimate:
         return bool(self.nodes)
 
 
-def efficiency(kind: str, program: Program, measured: Sequence[Measured]) -> tuple[float, str]:
-    """The share of its reference FLOP/s the program reaches on device model ``kind``, and
-    where that comes from (see the module docstring)."""
-    same = [m for m in measured if program.sha256 and m.program == program.sha256]
-    known = [m for m in measured if m.flops_per_sample > 0]
-
-    def ratio(m: Measured) -> float:
-        flops = m.flops_per_sample if m.flops_per_sample > 0 else program.flops_per_sample
-        return m.rate * flops / (m.reference_rate * REFERENCE_FLOPS_PER_SAMPLE)
-
-    for group, source in (
-        ([m for m in same if m.kind == kind], SAME_PROGRAM),
-        ([m for m in known if m.kind == kind], CALIBRATED),
-        (same, SAME_PROGRAM),
-        (known, CALIBRATED_ANY),
-    ):
-        values = [ratio(m) for m in group if m.rate > 0 and m.reference_rate > 0]
-        values = [v for v in values if math.isfinite(v) and v > 0]
-        if values:
-            return statistics.median(values), source
-    return DEFAULT_EFFICIENCY, DEFAULT
-
-
-def predicted_rate(node: Node, program: Program, measured: Sequence[Measured]) -> tuple[float, str]:
-    """The node's predicted samples/s on the program (0.0: no reference benchmark, or the
-    program's FLOPs unknown and no job with the same program measured)."""
-    if node.reference_rate <= 0 or not math.isfinite(node.reference_rate):
-        return 0.0, "none"
-    eff, source = efficiency(node.kind, program, measured)
-    if program.flops_per_sample <= 0:
-        return 0.0, "none"
-    rate = node.reference_rate * REFERENCE_FLOPS_PER_SAMPLE * eff / program.flops_per_sample
-    return (rate, source) if math.isfinite(rate) and rate > 0 else (0.0, "none")
-
-
 def _rounds(job: QuotedJob) -> list[tuple[int, int]]:
     """(batch, how many rounds) of an epoch: full rounds, then the remainder."""
     full, rest = divmod(job.num_samples, job.global_batch)
     out = [(job.global_batch, full)] if full else []
     return out + ([(rest, 1)] if rest else [])
+
+
+def bench_seconds(node: Node, model: StepModel, flops_per_sample: float) -> float:
+    """Seconds the job benchmark's steps take on ``node`` (see JOB_BENCH)."""
+    untimed, timed, most = QUICK_JOB_BENCH if node.quick_bench else JOB_BENCH
+    total = 0.0
+    for b in JOB_BENCH_BATCHES:
+        step = model.seconds(node.flops, b, flops_per_sample)
+        total += untimed * step + min(timed * step, most + step)
+    return total
+
+
+def _split(
+    batch: int,
+    nodes: Mapping[str, Node],
+    models: Mapping[str, StepModel],
+    program: Program,
+    caps: Mapping[str, int],
+) -> tuple[dict[str, int], dict[str, float]]:
+    """The local batches of a round of ``batch`` samples and each node's rate at its batch:
+    split_batch by the rates at the batches of the previous pass, from an even split."""
+    n = len(nodes)
+    batches = {i: max(1, batch // n) for i in nodes}
+    rates: dict[str, float] = {}
+    for _ in range(4):
+        rates = {i: _rate(nodes[i], program, models[i], max(1, batches[i])) for i in nodes}
+        batches = split_batch(batch, rates, {i: min(caps[i], batch) for i in nodes})
+    rates = {i: _rate(nodes[i], program, models[i], batches[i]) for i in nodes if batches[i] > 0}
+    return batches, rates
 
 
 def estimate(
@@ -231,8 +361,16 @@ def estimate(
 ) -> Estimate:
     """The quote of ``job`` (see the module docstring)."""
     history = history or History()
-    rates = {n.node_id: predicted_rate(n, program, measured) for n in nodes}
+    models = {n.node_id: step_model(n.kind, program, measured) for n in nodes}
     by_id = {n.node_id: n for n in nodes}
+    # The scheduler ranks nodes by their rate at the local batch they would have.
+    offered = sum(1 for n in nodes if n.flops > 0)
+    nominal = max(1, math.ceil(job.global_batch / max(1, min(offered, job.max_nodes))))
+    rates = {
+        n.node_id: (_rate(n, program, models[n.node_id], nominal), models[n.node_id].source)
+        for n in nodes
+    }
+    rates = {k: (r, src if r > 0 else "none") for k, (r, src) in rates.items()}
     request = JobRequest(
         job_id=QUOTED_JOB,
         tenant=job.tenant,
@@ -248,10 +386,7 @@ def estimate(
         NodeOffer(
             node_id=n.node_id,
             reference_rate=n.reference_rate,
-            job_rates={
-                **cluster.job_rates.get(n.node_id, {}),
-                **({QUOTED_JOB: rates[n.node_id][0]} if rates[n.node_id][0] > 0 else {}),
-            },
+            job_rates={**cluster.job_rates.get(n.node_id, {}), QUOTED_JOB: rates[n.node_id][0]},
             kind=n.kind,
             price=n.price,
         )
@@ -291,7 +426,7 @@ def estimate(
             overhead_source=overhead_source,
             rates=rates,
         )
-    chosen = {n: rates[n][0] for n in mine.nodes}
+    chosen = {n: by_id[n] for n in mine.nodes}
     caps = {n: (by_id[n].max_batch or job.global_batch) for n in chosen}
     bandwidth = min(
         (by_id[n].bandwidth for n in chosen if by_id[n].bandwidth > 0), default=math.inf
@@ -301,15 +436,16 @@ def estimate(
     epoch_cost = epoch_fee = 0
     rounds = 0
     full_batches: dict[str, int] = {}
+    full_rates: dict[str, float] = {}
     full_compute = 0.0
     for batch, count in _rounds(job):
-        batches = split_batch(batch, chosen, {n: min(caps[n], batch) for n in chosen})
+        batches, at = _split(batch, chosen, models, program, caps)
         if batch == job.global_batch:
-            full_batches = batches
-        compute = max(b / chosen[n] for n, b in batches.items())
+            full_batches, full_rates = batches, at
+        compute = max(b / at[n] for n, b in batches.items() if b > 0)
         full_compute = full_compute or compute
         charges = [
-            charge_part(n, "", by_id[n].price, chosen[n], b, fee_ppm=fee_ppm)
+            charge_part(n, "", by_id[n].price, at[n], b, fee_ppm=fee_ppm)
             for n, b in batches.items()
             if b > 0
         ]
@@ -318,18 +454,22 @@ def estimate(
         epoch_s += count * (compute + overhead)
         rounds += count
     if not full_batches:  # an epoch smaller than one global batch
-        full_batches = split_batch(job.num_samples, chosen, caps)
+        full_batches, full_rates = _split(job.num_samples, chosen, models, program, caps)
     total_rounds = rounds * job.epochs
     checkpoints = total_rounds // job.checkpoint_every if job.checkpoint_every > 0 else 0
-    bench = max(
-        (QUICK_JOB_BENCH_SAMPLES if by_id[n].quick_bench else JOB_BENCH_SAMPLES) / chosen[n]
-        for n in chosen
-    )
-    start_s = history.start_s if history.start_s is not None else DEFAULT_START_S + bench
+    bench = max(bench_seconds(chosen[n], models[n], _flops(program, models[n])) for n in chosen)
+    fixed_start = history.start_s if history.start_s is not None else DEFAULT_START_S
+    start_s = fixed_start + bench
     total_s = start_s + epoch_s * job.epochs + checkpoints * checkpoint_s
     return Estimate(
         nodes=tuple(
-            NodeQuote(n, chosen[n], rates[n][1], by_id[n].price, full_batches.get(n, 0))
+            NodeQuote(
+                n,
+                full_rates.get(n, rates[n][0]),
+                rates[n][1],
+                by_id[n].price,
+                full_batches.get(n, 0),
+            )
             for n in sorted(chosen)
         ),
         reason=mine.reason,
@@ -350,19 +490,20 @@ def estimate(
 
 
 def job_history(
-    jobs: Sequence[tuple[int, int, int, int, float]],
+    jobs: Sequence[tuple[int, int, int, int, float, float]],
 ) -> History:
     """Fixed costs from recorded jobs, each ``(created_ms, first round's start ms, last
-    round's finish ms, rounds, summed slowest-part compute seconds)``: the median of each
-    job's (wall time of its rounds - their compute) / rounds, and of its time from
-    submission to its first round (the program check, claims, the job benchmark)."""
+    round's finish ms, rounds, summed slowest-part compute seconds, its job benchmark's
+    predicted seconds (0: unknown))``: the median of each job's (wall time of its rounds -
+    their compute) / rounds, and of its time from submission to its first round (the program
+    check, claims, loading) less its benchmark."""
     overheads = []
     starts = []
-    for created, first, last, rounds, compute in jobs:
+    for created, first, last, rounds, compute, bench in jobs:
         if rounds <= 0 or last <= first or first < created:
             continue
         overheads.append(max(0.0, ((last - first) / 1000 - compute) / rounds))
-        starts.append((first - created) / 1000)
+        starts.append(max(0.0, (first - created) / 1000 - max(0.0, bench)))
     if not overheads:
         return History()
     return History(

@@ -1,6 +1,6 @@
-"""The quote of a job not yet submitted (coordinator/market/quote_estimate.py, pure): rates
-from the program's FLOPs and the nodes' reference FLOP/s, calibration, the scheduler's node
-set, rounds, fixed costs and the billing rule."""
+"""The quote of a job not yet submitted (coordinator/market/quote_estimate.py, pure): the step
+model (a fixed cost per step plus the program's FLOPs at an efficiency, fitted on measured
+steps), the scheduler's node set, rounds, fixed costs and the billing rule."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from coordinator.market.quote_estimate import (
     CALIBRATED,
     CALIBRATED_ANY,
     DEFAULT,
-    DEFAULT_EFFICIENCY,
     DEFAULT_ROUND_OVERHEAD_S,
+    DEFAULT_STEP,
     SAME_PROGRAM,
     Cluster,
     History,
@@ -24,10 +24,13 @@ from coordinator.market.quote_estimate import (
     Node,
     Program,
     QuotedJob,
-    efficiency,
+    StepModel,
+    bench_seconds,
     estimate,
+    fit_step_model,
     job_history,
     predicted_rate,
+    step_model,
 )
 from coordinator.scheduling.cluster_scheduler import Holding, JobRequest, Tier
 from epochmesh.quote import REFERENCE_FLOPS_PER_SAMPLE
@@ -63,29 +66,99 @@ def test_the_reference_models_flops_are_counted_as_a_programs_are() -> None:
     assert counter.get_total_flops() / 8 == REF
 
 
-def test_a_nodes_rate_is_its_reference_flops_times_efficiency_over_the_programs() -> None:
+def measured(
+    kind: str, program: str, flops: float, batch: int, fixed: float, eff: float, ref: float = 100.0
+) -> Measured:
+    """A step of ``batch`` samples as a device of (fixed, eff) and reference rate ``ref``
+    takes it."""
+    seconds = (fixed + batch * flops / eff) / (ref * REF)
+    return Measured(kind, program, flops, batch, seconds, ref)
+
+
+def test_a_step_is_a_fixed_cost_plus_the_programs_flops_at_an_efficiency() -> None:
     node = Node("n1", "cpu:2", reference_rate=100_000.0)
-    rate, source = predicted_rate(node, Program(flops_per_sample=REF * 10), [])
+    model = StepModel(fixed_flops=REF * 50, efficiency=0.5, source=DEFAULT)
+    # At batch 100 of a 10-reference-FLOP program: (50 + 100 x 10 / 0.5) reference samples.
+    assert model.seconds(node.flops, 100, REF * 10) == pytest.approx(2050 / 100_000)
+    assert model.rate(node.flops, 100, REF * 10) == pytest.approx(100 / (2050 / 100_000))
+    # A small batch is slower per sample: the fixed cost weighs more.
+    assert model.rate(node.flops, 10, REF * 10) < model.rate(node.flops, 100, REF * 10)
+    rate, source = predicted_rate(node, Program(REF * 10), [], batch=100)
     assert source == DEFAULT
-    assert rate == pytest.approx(100_000 / 10 * DEFAULT_EFFICIENCY)
-    assert predicted_rate(Node("n2", "cpu:2", 0.0), Program(REF), []) == (0.0, "none")
-    assert predicted_rate(node, Program(0.0), []) == (0.0, "none")
+    assert rate == pytest.approx(DEFAULT_STEP.rate(node.flops, 100, REF * 10))
+    assert predicted_rate(Node("n2", "cpu:2", 0.0), Program(REF), [])[0] == 0.0
+    assert predicted_rate(node, Program(0.0), [])[0] == 0.0
+
+
+def test_the_fit_recovers_fixed_cost_and_efficiency_across_programs() -> None:
+    fixed, eff = REF * 2000, 0.4
+    steps = [
+        measured("cpu", p, flops, b, fixed, eff)
+        for p, flops in (("small", REF * 2), ("big", REF * 40))
+        for b in (32, 128)
+    ]
+    model = step_model("cpu", Program(REF * 10, "new"), steps)
+    assert model.source == CALIBRATED and model.points == 4
+    assert model.fixed_flops == pytest.approx(fixed, rel=1e-6)
+    assert model.efficiency == pytest.approx(eff, rel=1e-6)
+    # So a third program is predicted as the device runs it, small or big.
+    node = Node("n", "cpu", 100.0)
+    for flops in (REF * 0.01, REF * 10, REF * 1000):
+        truth = 64 / ((fixed + 64 * flops / eff) / node.flops)
+        assert predicted_rate(node, Program(flops), steps, 64)[0] == pytest.approx(truth)
+    # Nodes of the same model at another speed: the same fit (both terms scale with it).
+    slow = [measured("cpu", "s", REF, b, fixed, eff, ref=25.0) for b in (16, 256)]
+    both = step_model("cpu", Program(REF), steps + slow)
+    assert both.efficiency == pytest.approx(eff, rel=1e-6)
+
+
+def test_points_of_one_size_fit_the_efficiency_under_the_prior_fixed_cost() -> None:
+    one = [measured("cpu", "p", REF * 1000, 64, REF * 100, 0.5)]
+    model = fit_step_model([(64 * REF * 1000, one[0].seconds * 100 * REF)], CALIBRATED)
+    assert model is not None
+    # The default fixed cost is kept (it is under half the step) and the slope fits the rest.
+    assert model.fixed_flops == DEFAULT_STEP.fixed_flops
+    expected = model.seconds(100 * REF, 64, REF * 1000)
+    assert expected == pytest.approx(one[0].seconds)
+    # A prior fixed cost over half the step is cut to half of it.
+    tiny = fit_step_model([(1.0, DEFAULT_STEP.fixed_flops)], CALIBRATED)
+    assert tiny is not None and tiny.fixed_flops == DEFAULT_STEP.fixed_flops / 2
+    assert fit_step_model([], CALIBRATED) is None
+    assert fit_step_model([(1.0, -1.0), (math.nan, 2.0)], CALIBRATED) is None
+    # A negative intercept is clipped: the line through the origin.
+    line = fit_step_model([(1.0, 1.0), (2.0, 2.5), (4.0, 5.5)], CALIBRATED)
+    assert line is not None and line.fixed_flops == 0.0 and line.efficiency > 0
 
 
 def test_calibration_prefers_the_same_program_then_the_device_model() -> None:
     prog = Program(flops_per_sample=REF * 4, sha256="p")
-    other = Measured("cpu:2", "q", REF * 2, rate=10.0, reference_rate=100.0)  # eff 0.2
-    elsewhere = Measured("gpu", "r", REF, rate=50.0, reference_rate=100.0)  # eff 0.5
-    same = Measured("cpu:2", "p", 0.0, rate=5.0, reference_rate=100.0)  # eff 5*4/100 = 0.2
-    assert efficiency("cpu:2", prog, [other, elsewhere]) == (pytest.approx(0.2), CALIBRATED)
-    assert efficiency("tpu", prog, [other, elsewhere]) == (pytest.approx(0.35), CALIBRATED_ANY)
-    same_fast = Measured("cpu:2", "p", 0.0, rate=10.0, reference_rate=100.0)  # eff 0.4
-    assert efficiency("cpu:2", prog, [other, same_fast]) == (pytest.approx(0.4), SAME_PROGRAM)
-    assert efficiency("cpu:2", prog, [same]) == (pytest.approx(0.2), SAME_PROGRAM)
-    assert efficiency("cpu:2", prog, []) == (DEFAULT_EFFICIENCY, DEFAULT)
-    # The same program measured at a node's speed predicts that speed again on its model.
-    rate, _ = predicted_rate(Node("n", "cpu:2", 100.0), prog, [same_fast])
-    assert rate == pytest.approx(10.0)
+    other = [measured("cpu:2", "q", REF * 2, b, REF * 10, 0.2) for b in (16, 64)]
+    elsewhere = [measured("gpu", "r", REF, b, REF * 10, 0.5) for b in (16, 64)]
+    # The same program, its FLOPs not recorded with its steps.
+    same = [measured("cpu:2", "p", REF * 4, b, REF * 30, 0.4) for b in (16, 64)]
+    same = [Measured(m.kind, m.program, 0.0, m.batch, m.seconds, 100.0) for m in same]
+    assert step_model("cpu:2", prog, other + elsewhere).source == CALIBRATED
+    assert step_model("cpu:2", prog, other + elsewhere).efficiency == pytest.approx(0.2)
+    assert step_model("tpu", prog, other + elsewhere).source == CALIBRATED_ANY
+    mine = step_model("cpu:2", prog, other + same)
+    assert mine.source == SAME_PROGRAM
+    assert (mine.fixed_flops, mine.efficiency) == (pytest.approx(REF * 30), pytest.approx(0.4))
+    assert step_model("cpu:2", prog, []) == DEFAULT_STEP
+    # The same program measured predicts its speed again, its FLOPs known or not.
+    node = Node("n", "cpu:2", 100.0)
+    truth = 32 / ((REF * 30 + 32 * REF * 4 / 0.4) / node.flops)
+    assert predicted_rate(node, prog, same, 32)[0] == pytest.approx(truth)
+    assert predicted_rate(node, Program(0.0, "p"), same, 32) == (pytest.approx(truth), SAME_PROGRAM)
+
+
+def test_the_job_benchmark_follows_its_plan() -> None:
+    model = StepModel(0.0, 1.0, DEFAULT)
+    node = Node("n", "cpu", 1000.0)  # a step of b samples of the reference: b / 1000 s
+    full = sum(3 * b / 1000 + min(20 * b / 1000, 10 + b / 1000) for b in (16, 64, 256))
+    assert bench_seconds(node, model, REF) == pytest.approx(full)
+    quick = Node("q", "cpu", 1000.0, quick_bench=True)
+    short = sum(2 * b / 1000 + min(5 * b / 1000, 2 + b / 1000) for b in (16, 64, 256))
+    assert bench_seconds(quick, model, REF) == pytest.approx(short)
 
 
 def test_rounds_time_and_cost_follow_the_spec_and_the_billing_rule() -> None:
@@ -94,8 +167,9 @@ def test_rounds_time_and_cost_follow_the_spec_and_the_billing_rule() -> None:
         Node("b", "cpu", reference_rate=3000.0, price=1_000_000),
     ]
     prog = Program(flops_per_sample=REF, sha256="x", state_bytes=0)
-    measured = [Measured("cpu", "x", REF, rate=100.0, reference_rate=1000.0)]  # eff 0.1
-    est = estimate(0, job(), prog, nodes, Cluster(), measured)
+    # eff 0.1, no fixed cost: a node does a tenth of its reference samples/s at any batch.
+    steps = [measured("cpu", "x", REF, b, 0.0, 0.1, ref=1000.0) for b in (16, 64)]
+    est = estimate(0, job(), prog, nodes, Cluster(), steps)
     assert est.fits and [n.node_id for n in est.nodes] == ["a", "b"]
     rates = {n.node_id: n.rate for n in est.nodes}
     assert rates == {"a": pytest.approx(100.0), "b": pytest.approx(300.0)}
@@ -113,18 +187,34 @@ def test_rounds_time_and_cost_follow_the_spec_and_the_billing_rule() -> None:
     cost += earned_micro(3_000_000, 10, 100.0) + earned_micro(1_000_000, 30, 300.0)
     assert est.epoch_cost == cost and est.total_cost == 3 * cost and est.fee == 0
     # A platform fee comes on top, per part.
-    with_fee = estimate(0, job(), prog, nodes, Cluster(), measured, fee_ppm=100_000)
+    with_fee = estimate(0, job(), prog, nodes, Cluster(), steps, fee_ppm=100_000)
     assert with_fee.total_cost > est.total_cost and with_fee.fee > 0
+
+
+def test_a_fixed_step_cost_makes_more_nodes_cost_more_per_sample() -> None:
+    # The cost per sample grows as the local batch shrinks: the fixed cost is paid per step.
+    prog = Program(REF, "x")
+    steps = [measured("cpu", "x", REF, b, REF * 200, 0.5, ref=1000.0) for b in (16, 256)]
+    one = estimate(
+        0, job(max_nodes=1), prog, [Node("a", "cpu", 1000.0, price=10**6)], Cluster(), steps
+    )
+    nodes = [Node(n, "cpu", 1000.0, price=10**6) for n in ("a", "b", "c", "d")]
+    four = estimate(0, job(), prog, nodes, Cluster(), steps)
+    assert len(four.nodes) == 4 and all(n.local_batch == 16 for n in four.nodes)
+    assert four.total_cost > one.total_cost
+    assert four.round_compute_s > one.round_compute_s / 4
 
 
 def test_recorded_jobs_replace_the_default_fixed_costs() -> None:
     # created 0, first round at 5 s, last round ends at 25 s, 100 rounds of 10 s compute.
-    history = job_history([(0, 5000, 25_000, 100, 10.0), (0, 0, 0, 0, 0.0)])
-    assert history == History(round_overhead_s=pytest.approx(0.1), start_s=5.0, jobs=1)
+    # Its job benchmark took 2 s of that: the fixed start is 3 s.
+    history = job_history([(0, 5000, 25_000, 100, 10.0, 2.0), (0, 0, 0, 0, 0.0, 0.0)])
+    assert history == History(round_overhead_s=pytest.approx(0.1), start_s=3.0, jobs=1)
     assert job_history([]) == History()
     nodes = [Node("a", "cpu", 1000.0)]
     est = estimate(0, job(), Program(REF), nodes, Cluster(), [], history)
-    assert est.overhead_source == "recorded" and est.start_s == 5.0
+    bench = bench_seconds(nodes[0], DEFAULT_STEP, REF)
+    assert est.overhead_source == "recorded" and est.start_s == pytest.approx(3.0 + bench)
     assert est.round_overhead_s == pytest.approx(0.1)
 
 
