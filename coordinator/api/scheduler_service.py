@@ -1,5 +1,8 @@
 """SchedulerService: operators -> coordinator (nodes, jobs, events, cordon/drain, stats).
 
+Drain keeps the node's agent up and idle; Drain with stop also asks it to leave (its next
+heartbeat answer says so), which it does once its current task is done.
+
 GetAllocation, PreviewAllocation, GetQueue and SetTenantWeight go to the training engine. Node
 arguments accept a node id or a unique node name. SetTenantWeight names a tenant the
 coordinator knows (coordinator/market/accounts.py) or asks to create it (else NOT_FOUND).
@@ -47,6 +50,11 @@ def check_node_states(states: Collection[int]) -> list[int]:
         if state not in valid:
             raise InvalidArgumentError(f"unknown node state {state}")
     return list(states)
+
+
+def _no_stop(req: scheduler_pb2.NodeRequest, rpc: str) -> None:
+    if req.stop:
+        raise InvalidArgumentError(f"stop is for Drain only, not {rpc}")
 
 
 def job_state_name(state: int) -> str:
@@ -159,13 +167,17 @@ class SchedulerService:
                 yield event
 
     async def Cordon(self, req: scheduler_pb2.NodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
+        _no_stop(req, "Cordon")
         return await self._registry.cordon(self._node(req.node_id).node_id)
 
     async def Uncordon(self, req: scheduler_pb2.NodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
+        _no_stop(req, "Uncordon")
         return await self._registry.uncordon(self._node(req.node_id).node_id)
 
     async def Drain(self, req: scheduler_pb2.NodeRequest, ctx: Ctx) -> common_pb2.NodeInfo:
-        return await self._registry.drain(self._node(req.node_id).node_id)
+        """No new work for the node, its agent stays up and idle; with ``stop`` the agent is
+        also asked to leave once its current task is done."""
+        return await self._registry.drain(self._node(req.node_id).node_id, stop=req.stop)
 
     async def Revoke(
         self, req: scheduler_pb2.RevokeRequest, ctx: Ctx
