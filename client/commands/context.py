@@ -13,6 +13,7 @@ from client.commands.output import closest
 from client.config import ResolvedAddress, load_credentials
 from client.render import Style, render_table, table_width, terminal_width
 from client.rpc import CONNECT_TIMEOUT_S, CliError, Coordinator, ExitCode, speaks_tls
+from epochmesh.job_ref import match_jobs
 from epochmesh.v1 import common_pb2, job_pb2, market_pb2, scheduler_pb2
 
 # Account kinds a reference may name with a prefix (``tenant:u-62b``); a bare id is a tenant's.
@@ -132,7 +133,8 @@ class Context:
 
     # -- lookups shared by commands -----------------------------------------------------------
     def get_job(self, ref: str) -> common_pb2.Job:
-        """The job named by an id, a unique id prefix, or a unique job name."""
+        """The job named by an id, a unique id prefix, or a unique job name (the rule of
+        epochmesh/job_ref.py, which the dashboard follows too)."""
         coord = self.coordinator
         ref = ref.strip()
         if not ref:
@@ -148,7 +150,7 @@ class Context:
         jobs: list[common_pb2.Job] = list(
             coord.call("ListJobs", coord.jobs.ListJobs, job_pb2.ListJobsRequest(limit=10_000)).jobs
         )
-        matches = [j for j in jobs if j.job_id.startswith(ref) or j.name == ref]
+        matches = match_jobs(ref, jobs)  # the one rule, as the dashboard's
         if len(matches) == 1:
             return matches[0]
         if len(matches) > 1:

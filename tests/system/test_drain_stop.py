@@ -93,6 +93,17 @@ def test_drain_keeps_the_agent_idle_and_drain_stop_makes_it_exit(tmp_path: Path)
                 assert status.json()["state"] in ("queued", "paused")  # waits for a node
                 assert not status.json().get("samples_done")
 
+            # A second job of the same name: the name, or a prefix of both ids, is ambiguous.
+            again = cli.run("submit", str(spec))
+            assert again.code == 0, again.stderr
+            second_id = again.stdout.strip().splitlines()[0]
+            for ref in ("held-back", "j-"):
+                ambiguous = cli.run("status", ref)
+                assert ambiguous.code == 2, (ambiguous.stdout, ambiguous.stderr)
+                assert f"{ref!r} matches 2 jobs" in ambiguous.stderr, ambiguous.stderr
+                assert "give the full job id" in ambiguous.stderr
+            assert cli.run("cancel", second_id).code == 0
+
             # undrain (uncordon's alias): the node gets the job's work.
             undrained = cli.run("undrain", "solo")
             assert undrained.code == 0, undrained.stderr
