@@ -1,8 +1,9 @@
-"""Who recomputes a checked chunk: the candidates of other donors, one drawn by speed.
+"""Who recomputes a checked chunk: the candidates of other donors, one drawn by verified history.
 
-The job's `Verifier` (coordinator/engine/verifier.py) hands a checked part's drawn chunk to a
-node of a donor neither the node's nor an earlier checker's; these functions pick it and cut the
-chunk's samples out of the part's.
+The job's `Verifier` (coordinator/engine/verifier.py) hands a checked part's drawn chunk to
+nodes of donors neither the node's nor an earlier checker's; these functions pick them (weighted
+by their reputation records, `coordinator.verification.quorum.checker_weight`, never by a speed
+they claim) and cut the chunk's samples out of the part's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from coordinator.engine.ports import JobPort
 from coordinator.nodes.registry import NodeRegistry
 from coordinator.rounds.sample_ranges import index_run_array
+from coordinator.verification.quorum import checker_weight
 from epochmesh.v1 import common_pb2
 
 NS = common_pb2.NodeState
@@ -57,19 +59,13 @@ def checker_candidates(
 
 
 def draw_checker(runner: JobPort, candidates: list[str], rng: random.Random) -> str:
-    """One of ``candidates``, drawn with probability in proportion to its speed (its
-    measured samples/s on this job, else its reference benchmark): every node then spends
-    about the same share of its time on checks, so the split by speed stays right and a
-    slow node does not hold its next part back recomputing a fast node's chunk."""
-    estimator = runner.planner.estimator
-
-    def rate(n: str) -> float:
-        try:
-            return estimator.estimate(n)
-        except KeyError:  # not (yet) planned on this job: its reference benchmark
-            return runner.host.reference_rate(n)
-
-    weights = [max(1e-9, rate(n)) for n in candidates]
+    """One of ``candidates``, drawn with probability in proportion to its verified history
+    (`checker_weight` of its reputation record): a verdict needs checkers of distinct donors
+    that agree, and identities without a record of verified work (Sybils made to be drawn
+    together) are drawn seldom while nodes with one are around. Not by speed: a benchmark is
+    the node's own claim."""
+    registry = runner.ctx.registry
+    weights = [checker_weight(registry.reputation(n)) for n in candidates]
     x = rng.random() * sum(weights)
     for n, w in zip(candidates, weights, strict=True):
         x -= w

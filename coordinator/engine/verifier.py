@@ -11,13 +11,20 @@ Per job, one `Verifier`:
 2. CommitSketches: the node's per-chunk sketches must add up to its update's sketch (within
    the codec's tolerance): a node that sent something its chunks do not contain is caught here,
    at no compute.
-3. Only then is the chunk to recompute drawn, and a node of another donor recomputes it from
-   the round's starting parameters (a CHECK task, ahead of its queue). Its sketch must match
-   the node's within the tolerance measured for the pair of devices. A mismatch goes to a third
-   node of a third donor before anyone is accused: if it sides with the node, the first checker
-   gets a strike; if not, the node is quarantined with the evidence, its updates since its last
-   verified round are undone (the runner rolls back to the state before the first of them) and
-   its reputation is reset.
+3. Only then is the chunk to recompute drawn, and two nodes of two other donors (drawn by
+   their verified history) recompute it from the round's starting parameters (CHECK tasks,
+   ahead of their queues), with the program's random draws seeded as on the node (the task
+   names it). Each sketch is compared with the node's and with the other checkers', within the
+   tolerance measured for the pair of devices, and the quorum rule
+   (coordinator/verification/quorum.py, acted on by coordinator/engine/recomputation.py)
+   decides: checkers of distinct donors must agree with each other before any verdict (more
+   checkers are drawn while they do not). A quorum that reproduces the node's chunk passes it;
+   a quorum that agrees on another result accuses it: it is quarantined with the evidence, its
+   updates since its last verified round are undone (the runner rolls back to the state before
+   the first of them) and its reputation is reset. Checkers that contradicted the quorum get a
+   strike. Recomputations that all disagree with each other declare the program
+   nondeterministic: the job fails for its program's fault, nobody is struck and no pay is
+   forfeited.
 
 Local SGD parts (their chunks are runs of inner steps, docs/verification-protocol.md): the node
 commits with its update the digest of the state (parameters and inner optimizer state) each
@@ -66,19 +73,23 @@ import random
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from coordinator.core.errors import FailedPreconditionError, InvalidArgumentError
 from coordinator.engine.checker_selection import (
     checker_candidates,
-    device_kind,
     draw_checker,
     slice_runs,
 )
 from coordinator.engine.ports import JobPort, RingStatePort
+from coordinator.engine.recomputation import (
+    MAX_CHECKERS,
+    Checker,
+    PendingCheck,
+    act,
+    record_answer,
+)
 from coordinator.engine.ring_audits import RingAudit, RingAudits
 from coordinator.engine.verification_store import StateWriter, read_stored
 from coordinator.rounds.ring_verdicts import RingAttempt
@@ -101,8 +112,6 @@ from epochmesh.verification import (
     commitment_problem,
     consistency_tolerance,
     local_sgd_commitment_problem,
-    loss_matches,
-    recompute_tolerance,
     split_round_start,
 )
 from epochmesh.wire.tensors import encode_bundle
@@ -110,8 +119,6 @@ from epochmesh.wire.tensors import encode_bundle
 log = logging.getLogger(__name__)
 NS = common_pb2.NodeState
 
-# A checker that fails or does not answer is replaced, at most this many times per check.
-MAX_CHECKERS = 4
 # Seconds a node has for its sketches, and a checker for its recomputation, beyond a few
 # rounds' time.
 MIN_SKETCH_WAIT_S = 10.0
@@ -119,44 +126,6 @@ MIN_CHECK_WAIT_S = 15.0
 WATCH_EVERY_S = 0.25
 # How long the job's end waits for the last checks.
 SETTLE_MAX_S = 120.0
-
-
-@dataclass
-class Checker:
-    node_id: str
-    task_id: str
-    deadline: float
-    distance: float = math.nan
-    loss: float = math.nan
-    agrees: bool | None = None  # None: not answered
-
-
-@dataclass
-class PendingCheck:
-    """One checked part, from its update to the verdict."""
-
-    node_id: str
-    task_id: str  # the TRAIN task
-    round: int
-    version: int
-    ranges: np.ndarray  # the part's sample runs
-    chunks: list[tuple[int, float]]  # committed (samples, loss) per chunk
-    codec: str
-    seed: int
-    buckets: int
-    update_sketch: torch.Tensor | None  # None: a ring member's, sent with its sketches
-    deadline: float  # for the sketches
-    state: str = "sketches"  # sketches | snapshot (local SGD) | checking
-    chunk_sketches: torch.Tensor | None = None
-    chunk: int = -1
-    # Local SGD: the committed start digest of each chunk, the part's samples per step, and
-    # the uploaded start state of the chunk drawn (encoded, for the checker's task).
-    digests: list[bytes] = field(default_factory=list)
-    local_batch: int = 0
-    snapshot: tuple[common_pb2.TensorBundle, bytes] | None = None
-    checkers: list[Checker] = field(default_factory=list)
-    tried: set[str] = field(default_factory=set)
-    standing: str = "new"  # the node's standing when its part was drawn (see Verifier.samples)
 
 
 class Verifier:
@@ -176,8 +145,8 @@ class Verifier:
         spec = runner.spec
         self.ring = spec.aggregation == "ring"
         self.local_sgd = spec.sync == "local_sgd"
-        # Ring parts: twice the chunks, each checked by two checkers at once (`_start_checks`).
-        self.verify_chunks = (2 if self.ring else 1) * VERIFY_CHUNKS
+        # Twice the chunks, each checked by two checkers at once (`_start_checks`).
+        self.verify_chunks = 2 * VERIFY_CHUNKS
         self.rng = rng or random.SystemRandom()
         self._pending: dict[str, PendingCheck] = {}  # by TRAIN task id
         self._by_check_task: dict[str, str] = {}  # CHECK task id -> TRAIN task id
@@ -197,7 +166,12 @@ class Verifier:
         # the check overhead is recomputed / trained (a sample costs the same either way).
         self.trained: dict[str, int] = {"new": 0, "building": 0, "trusted": 0}
         self.recomputed: dict[str, int] = {"new": 0, "building": 0, "trusted": 0}
-        self.verdicts: dict[str, int] = {"passed": 0, "failed": 0, "undecided": 0}
+        self.verdicts: dict[str, int] = {
+            "passed": 0,
+            "failed": 0,
+            "undecided": 0,
+            "nondeterministic": 0,
+        }
         # Ring audits (coordinator/engine/ring_audits.py): their verdicts come back here.
         self.audits = RingAudits(runner, self, evidence_wait_s=MIN_SKETCH_WAIT_S)
 
@@ -484,7 +458,9 @@ class Verifier:
             if not bool(torch.isfinite(values).all()) or not bool(torch.isfinite(own).all()):
                 problem = "the sketches hold NaN or Inf"
         if problem:
-            await self._fail(pc, f"its sketch commitment is malformed: {problem}", {}, accuse=False)
+            await self.failed(
+                pc, f"its sketch commitment is malformed: {problem}", {}, accuse=False
+            )
             raise InvalidArgumentError(f"sketches refused: {problem}")
         pc.chunk_sketches = values.reshape(k, pc.buckets)
         update_sketch = own if pc.update_sketch is None else pc.update_sketch
@@ -499,7 +475,7 @@ class Verifier:
         tolerance = consistency_tolerance(pc.codec)
         distance = relative_distance(combined, update_sketch)
         if tolerance is not None and not distance <= tolerance:
-            await self._fail(
+            await self.failed(
                 pc,
                 f"its update is not the sum of its committed chunks (relative distance "
                 f"{distance:.3g} > {tolerance:g} allowed for codec {pc.codec})",
@@ -553,7 +529,7 @@ class Verifier:
             payload = await asyncio.to_thread(encode_bundle, tensors)
         round_payload = self._payloads.get(pc.version)
         if round_payload is None:
-            await self._inconclusive(pc, f"the parameters of version {pc.version} are gone")
+            await self.inconclusive(pc, f"the parameters of version {pc.version} are gone")
             return
         assert pc.chunk_sketches is not None
         problem, evidence = await asyncio.to_thread(
@@ -566,7 +542,7 @@ class Verifier:
             pc.buckets,
         )
         if problem:
-            await self._fail(
+            await self.failed(
                 pc,
                 f"the start state of its chunk {pc.chunk} {problem}",
                 {"check": "snapshot", "chunk": str(pc.chunk), **evidence},
@@ -584,14 +560,14 @@ class Verifier:
         not; undecided: the ring's checksum is gone) or was settled meanwhile."""
         agreed = await self._ring_state().agreed_params_checksum(pc.version)
         if agreed is None:
-            await self._inconclusive(pc, f"the ring's checksum of version {pc.version} is gone")
+            await self.inconclusive(pc, f"the ring's checksum of version {pc.version} is gone")
             return False
         expected = self.runner.ps.expected()
         problem, evidence, params = await asyncio.to_thread(
             ring_start_problem, tensors, expected, agreed
         )
         if problem:
-            await self._fail(
+            await self.failed(
                 pc,
                 f"the parameters it says its round {pc.round} started from {problem}",
                 {"check": "snapshot", **evidence},
@@ -606,43 +582,26 @@ class Verifier:
     # -- recomputation ---------------------------------------------------------------------------
 
     async def _start_checks(self, pc: PendingCheck) -> None:
-        """The chunk drawn goes to its first checker; in a ring job at once to a second one of
-        a third donor too (where there is one): its members are busy in the next ring round, so
-        a checker answers only after it, and a second checker sent after a mismatch would cost
-        another round before the node is caught. Ring parts are cut into twice the chunks, so
-        that two checkers recompute as many samples as one does elsewhere; a part of fewer
-        samples than that has chunks of one sample, and gets one checker at a time."""
-        await self._next_checker(pc)
-        if (
-            self.ring
-            and len(pc.chunks) >= 2 * VERIFY_CHUNKS
-            and not self._settled(pc)
-            and len(pc.checkers) == 1
-            and len(pc.tried) < MAX_CHECKERS
-            and checker_candidates(
-                self.runner, pc.node_id, [c.node_id for c in pc.checkers], pc.tried
-            )
-        ):
-            await self._next_checker(pc)
+        """The chunk drawn goes to two checkers of two other donors at once (where there are
+        two): a verdict needs a quorum of checkers of distinct donors that agree with each
+        other (coordinator/engine/recomputation.py), and a second checker sent only after the
+        first answered would cost another round. Parts are cut into twice the chunks, so that
+        two checkers recompute as many samples as one did."""
+        if await self.add_checker(pc) and not self._settled(pc):
+            await self.add_checker(pc)
+        if not pc.checkers and not self._settled(pc):
+            await act(self.runner, self, pc)  # nobody to check: undecided
 
-    async def _next_checker(self, pc: PendingCheck) -> None:
-        """Hand the chosen chunk to one more checker (a new donor), or give up undecided."""
-        answered = [c for c in pc.checkers if c.agrees is not None]
+    async def add_checker(self, pc: PendingCheck) -> bool:
+        """Hand the chosen chunk to one more checker (a new donor, drawn by verified history);
+        False when none can be drawn."""
         if len(pc.tried) >= MAX_CHECKERS:
-            await self._inconclusive(pc, f"{len(pc.tried)} checkers failed or did not answer")
-            return
+            return False
         candidates = checker_candidates(
             self.runner, pc.node_id, [c.node_id for c in pc.checkers], pc.tried
         )
         if not candidates:
-            why = (
-                "no node of another donor to recompute its chunk"
-                if not answered
-                else f"checker {answered[0].node_id} disagreed and no node of a third donor "
-                "can settle it"
-            )
-            await self._inconclusive(pc, why)
-            return
+            return False
         node = draw_checker(self.runner, candidates, self.rng)
         start = int(sum(n for n, _ in pc.chunks[: pc.chunk]))
         end = start + int(pc.chunks[pc.chunk][0])
@@ -657,12 +616,14 @@ class Verifier:
             pc.snapshot if pc.digests else self._payloads.get(pc.version),
             local_batch=pc.local_batch if pc.digests else 0,
         )
+        task.checked_node_id = pc.node_id  # its id seeds the program's draws, as on the node
         wait = max(MIN_CHECK_WAIT_S, 4.0 * self.runner.round_seconds())
         pc.checkers.append(Checker(node, task_id, time.monotonic() + wait))
         pc.tried.add(node)
         self._by_check_task[task_id] = pc.task_id
         self.recomputed[pc.standing] += end - start
         self.runner.host.enqueue(node, task, self.runner.job_id, front=True)
+        return True
 
     def is_check_task(self, node_id: str, task_id: str) -> bool:
         pc = self._pending.get(self._by_check_task.get(task_id, ""))
@@ -698,67 +659,17 @@ class Verifier:
                 req.error,
             )
             pc.checkers.remove(checker)
-            await self._next_checker(pc)
+            await act(self.runner, self, pc)
             return
         if len(req.sketch) != pc.buckets or not all(math.isfinite(x) for x in req.sketch):
             pc.checkers.remove(checker)
-            await self._next_checker(pc)
+            await act(self.runner, self, pc)
             raise InvalidArgumentError(
                 f"check report refused: a sketch of {len(req.sketch)} finite values is expected "
                 f"({pc.buckets})"
             )
-        assert pc.chunk_sketches is not None
-        theirs = torch.tensor(list(req.sketch), dtype=torch.float64)
-        tolerance = recompute_tolerance(
-            device_kind(self.runner.ctx.registry, pc.node_id),
-            device_kind(self.runner.ctx.registry, req.node_id),
-            local_sgd=bool(pc.digests),
-        )
-        checker.distance = relative_distance(theirs, pc.chunk_sketches[pc.chunk])
-        checker.loss = req.loss
-        committed_loss = pc.chunks[pc.chunk][1]
-        checker.agrees = checker.distance <= tolerance and loss_matches(
-            committed_loss, req.loss, tolerance
-        )
-        answered = [c for c in pc.checkers if c.agrees is not None]
-        if checker.agrees:
-            for other in answered:  # a checker that disagreed with the node and this one
-                if other is not checker and not other.agrees:
-                    await self.runner.ctx.registry.add_strike(
-                        other.node_id,
-                        f"its recomputation of a chunk of {pc.node_id}'s round {pc.round} "
-                        f"(distance {other.distance:.3g}) disagreed with the node and with "
-                        f"{checker.node_id}",
-                        job_id=self.runner.job_id,
-                    )
-            await self._pass(pc)
-            return
-        if len(answered) >= 2:  # two checkers of two other donors disagree with the node
-            evidence = {
-                "check": "recomputation",
-                "round": str(pc.round),
-                "chunk": str(pc.chunk),
-                "seed": str(pc.seed),
-                "tolerance": f"{tolerance:.3g}",
-                "committed_loss": f"{committed_loss:.9g}",
-            }
-            for i, c in enumerate(answered):
-                evidence[f"checker{i + 1}"] = c.node_id
-                evidence[f"distance{i + 1}"] = f"{c.distance:.6g}"
-                evidence[f"loss{i + 1}"] = f"{c.loss:.9g}"
-            await self._fail(
-                pc,
-                f"its chunk {pc.chunk} of round {pc.round} was recomputed by "
-                + " and ".join(c.node_id for c in answered)
-                + f" (relative distances {', '.join(f'{c.distance:.3g}' for c in answered)}; "
-                f"tolerance {tolerance:.3g})",
-                evidence,
-                accuse=True,
-            )
-            return
-        if any(c.agrees is None for c in pc.checkers):
-            return  # a checker sent at the same time (ring jobs) settles it
-        await self._next_checker(pc)  # a third node settles it
+        record_answer(self.runner, pc, checker, list(req.sketch), req.loss)
+        await act(self.runner, self, pc)
 
     # -- verdicts --------------------------------------------------------------------------------
 
@@ -776,7 +687,7 @@ class Verifier:
         check meanwhile)."""
         return self._pending.get(pc.task_id) is not pc
 
-    async def _pass(self, pc: PendingCheck) -> None:
+    async def passed(self, pc: PendingCheck) -> None:
         if self._settled(pc):
             return
         self._forget(pc)
@@ -802,7 +713,7 @@ class Verifier:
             ", ".join(c.node_id for c in pc.checkers),
         )
 
-    async def _inconclusive(self, pc: PendingCheck, why: str) -> None:
+    async def inconclusive(self, pc: PendingCheck, why: str) -> None:
         if self._settled(pc):
             return
         self._forget(pc)
@@ -823,7 +734,36 @@ class Verifier:
             attrs={"round": str(pc.round)},
         )
 
-    async def _fail(
+    async def nondeterministic(
+        self, pc: PendingCheck, reason: str, evidence: Mapping[str, str]
+    ) -> None:
+        """The recomputations of ``pc``'s chunk all disagree: the job's program computes
+        different results from the same input. Its fault, not a donor's: nobody is struck,
+        the node's held pay is released, the submitter is told (an event, and the job fails
+        with the reason at its next round)."""
+        if self._settled(pc):
+            return
+        self._forget(pc)
+        self.verdicts["nondeterministic"] += 1
+        self.changed_state()
+        message = (
+            f"its program is nondeterministic: round {pc.round}'s chunk {pc.chunk} of "
+            f"{pc.node_id} was computed differently by every node that ran it ({reason}); a "
+            "program must compute the same result from the same input and seed (random draws "
+            "are seeded per chunk; avoid uninitialised tensors and nondeterministic kernels)"
+        )
+        log.warning("job %s: %s", self.runner.job_id, message)
+        await self.runner.ctx.events.append(
+            "job.nondeterministic",
+            job_id=self.runner.job_id,
+            message=message,
+            attrs={"node": pc.node_id, **evidence},
+        )
+        await self.runner.release_pay(pc.node_id, pc.round)
+        if not self.runner.node_set.job_fault_verdict:
+            self.runner.node_set.job_fault_verdict = message
+
+    async def failed(
         self, pc: PendingCheck, reason: str, evidence: Mapping[str, str], *, accuse: bool
     ) -> None:
         """The node's update of ``pc.round`` is wrong (``accuse``: proven, quarantine) or
@@ -864,7 +804,7 @@ class Verifier:
         node still online gets a strike (``verbs``: how the reason says it, gone / online)."""
         gone = not self.runner.ctx.registry.is_alive(pc.node_id)
         why = verbs[0] if gone else verbs[1]
-        await self._fail(pc, f"it {why} {what}", {"check": check}, accuse=False)
+        await self.failed(pc, f"it {why} {what}", {"check": check}, accuse=False)
         if not gone:
             await self.runner.ctx.registry.add_strike(pc.node_id, strike, job_id=self.runner.job_id)
 
@@ -904,7 +844,7 @@ class Verifier:
                             pc.checkers.remove(c)
                             self._by_check_task.pop(c.task_id, None)
                         if late:
-                            await self._next_checker(pc)
+                            await act(self.runner, self, pc)
                 except Exception:
                     log.exception(
                         "job %s: verification of %s failed", self.runner.job_id, pc.node_id

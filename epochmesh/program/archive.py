@@ -53,6 +53,7 @@ import torch
 
 from epochmesh.errors import CodecError, ProgramError
 from epochmesh.program.op_allowlist import ALLOWED_ATEN_OPS
+from epochmesh.program.zero_fill import zero_fill_uninitialised
 from epochmesh.wire.tensors import from_safetensors, safetensors_metadata, to_safetensors
 
 WRAPPER_PREFIX = "model."
@@ -789,6 +790,7 @@ class TrainableProgram:
             module = ep.module()
         except Exception as e:
             raise ProgramError(f"cannot build the exported module: {_first_line(e)}") from None
+        zero_fill_uninitialised(module)  # no uninitialised memory in its results
         module.to(dev)
         for alias, canonical in aliases.items():
             _tie(module, WRAPPER_PREFIX + alias, WRAPPER_PREFIX + canonical)

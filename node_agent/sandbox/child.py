@@ -14,13 +14,16 @@ pair to the agent is its only channel (node_agent.sandbox.wire). It confines its
 - ``grads``: the region (float32, one slot per parameter) the gradients are written to;
 - ``arena``: a region the agent writes batches into;
 - ``step``: loss and gradients (or the loss alone) of the batch described by arena slots,
-  optionally with the peak tensor memory of the step;
+  optionally with the peak tensor memory of the step; with a ``seed``, torch's generators are
+  seeded with it first (node_agent.sandbox.seeding);
 - ``chunk_grads``: the region (one float32 gradient layout per chunk, ``stride`` bytes apart)
   that ``chunks`` writes to;
 - ``chunks``: the loss and gradient of each of several slices of the batch on its own (a
   verified part's chunks, issue 20), each in micro-batches of at most ``micro_batch`` samples
   accumulated as the agent's trainer does (`accumulated_loss_and_grads`), in one request: one
-  round trip instead of one per chunk;
+  round trip instead of one per chunk; with ``seeds`` (one per chunk), each micro-batch k of
+  chunk i runs with the generators seeded ``micro_seed(seeds[i], k)``, so that a checker that
+  recomputes a chunk draws the worker's dropout masks and noise;
 - ``probe``: try something confinement must stop and say what happened.
 
 Errors are answered ({"ok": false, "kind", "error"}); after running out of memory the child
@@ -33,6 +36,7 @@ that step crash, hang or allocate without bound.
 
 from __future__ import annotations
 
+import errno
 import glob
 import importlib
 import logging
@@ -47,8 +51,15 @@ import torch
 
 from epochmesh.errors import ProgramError
 from epochmesh.program.archive import TrainableProgram
-from epochmesh.program.confine import Confinement, confine_self, data_bytes, runtime_read_paths
+from epochmesh.program.confine import (
+    ARCHES,
+    Confinement,
+    confine_self,
+    data_bytes,
+    runtime_read_paths,
+)
 from node_agent.core.measure import CpuMemoryMeter, is_out_of_memory
+from node_agent.sandbox.seeding import micro_seed, seed_generators, valid_seed
 from node_agent.sandbox.wire import (
     ALIGN,
     Layout,
@@ -168,11 +179,16 @@ class ProgramRunner:
             _test_fault(str(msg["fault"]))
         inputs, targets = self._batch(msg)
         with_grads = bool(msg.get("grads", True))
+        seed = msg.get("seed")
+        if seed is not None and not valid_seed(seed):
+            raise WireError("malformed step request: a bad seed")
         meter = CpuMemoryMeter() if msg.get("track_memory") else None
         if self.mirror:
             self._copy_in()
 
         def run() -> float:
+            if seed is not None:
+                seed_generators(seed, prog.device)
             if not with_grads:
                 return prog.loss(inputs, targets)
             loss, grads = prog.loss_and_grads(inputs, targets)
@@ -203,6 +219,7 @@ class ProgramRunner:
         bounds = msg.get("bounds")
         stride = msg.get("stride")
         micro = msg.get("micro_batch", 0)
+        seeds = msg.get("seeds")
         specs = [(k, torch.float32, tuple(v.shape)) for k, v in self.grad_views.items()]
         if (
             not isinstance(bounds, list)
@@ -219,6 +236,14 @@ class ProgramRunner:
             or len(bounds) * stride > region.size
             or type(micro) is not int
             or micro < 0
+            or (
+                seeds is not None
+                and (
+                    not isinstance(seeds, list)
+                    or len(seeds) != len(bounds)
+                    or not all(valid_seed(x) for x in seeds)
+                )
+            )
         ):
             raise WireError("malformed chunks request")
         meter = CpuMemoryMeter() if msg.get("track_memory") else None
@@ -236,6 +261,7 @@ class ProgramRunner:
                         [t[start:end] for t in targets],
                         micro,
                         views,
+                        None if seeds is None else seeds[i],
                     )
                 )
             return losses
@@ -255,21 +281,27 @@ class ProgramRunner:
         targets: list[torch.Tensor],
         micro_batch: int,
         out: dict[str, torch.Tensor],
+        seed: int | None = None,
     ) -> float:
         """The slice's mean loss, its gradient written to ``out`` (float32): the arithmetic of
         node_agent.training.compute.accumulated_loss_and_grads over one `step` per micro-batch (each
         micro-batch's gradient taken as float32 on the CPU, then weighted and summed there),
-        so that a chunk computed here equals one computed call by call."""
+        so that a chunk computed here equals one computed call by call. With a ``seed``,
+        micro-batch k runs with the generators seeded ``micro_seed(seed, k)``."""
         n = int(inputs[0].shape[0]) if inputs else 0
         if micro_batch <= 0 or n <= micro_batch:
+            if seed is not None:
+                seed_generators(micro_seed(seed, 0), prog.device)
             loss, grads = prog.loss_and_grads(inputs, targets)
             with torch.no_grad():
                 for name, g in grads.items():
                     out[name].copy_(g)
             return loss
         total = 0.0
-        for start in range(0, n, micro_batch):
+        for k, start in enumerate(range(0, n, micro_batch)):
             end = min(n, start + micro_batch)
+            if seed is not None:
+                seed_generators(micro_seed(seed, k), prog.device)
             loss, grads = prog.loss_and_grads(
                 [t[start:end] for t in inputs], [t[start:end] for t in targets]
             )
@@ -339,6 +371,17 @@ def probe(msg: dict[str, Any]) -> dict[str, Any]:
         elif what == "alloc":
             hoard = torch.ones(int(msg.get("bytes", 0)) // 4)
             hoard.add_(1)
+        elif what == "syscall":  # by name (confine's table) or number, integer arguments
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.syscall.restype = ctypes.c_long
+            nr = msg.get("nr")
+            if type(nr) is not int:
+                nr = ARCHES[os.uname().machine].nr[str(msg.get("name"))]
+            args = (ctypes.c_long(int(a)) for a in msg.get("args", []))
+            if libc.syscall(ctypes.c_long(nr), *args) < 0:
+                return {"outcome": f"refused: {errno.errorcode[ctypes.get_errno()]}"}
         else:
             return {"outcome": f"unknown probe {what!r}"}
     except Exception as e:  # the point: report whatever stopped it

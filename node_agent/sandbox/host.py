@@ -465,7 +465,11 @@ class ConfinedProgram:
         return layout.to_json()
 
     def _step(
-        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], grads: bool
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        grads: bool,
+        seed: int | None = None,
     ) -> float:
         args = [*inputs, *targets]
         if self.num_user_inputs and len(args) != self.num_user_inputs:
@@ -485,6 +489,8 @@ class ConfinedProgram:
                 "grads": grads,
                 "track_memory": self.track_memory,
             }
+            if seed is not None:
+                message["seed"] = int(seed)
             fault = self._test_fault()
             if fault:
                 message["fault"] = fault
@@ -506,11 +512,16 @@ class ConfinedProgram:
         return kind
 
     def loss_and_grads(
-        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        seed: int | None = None,
     ) -> tuple[float, dict[str, torch.Tensor]]:
         """Mean loss of the batch and its gradients (float32 CPU copies); ProgramFault for a
-        non-finite loss (the trainer checks the gradients of the whole update)."""
-        loss = self._step(inputs, targets, grads=True)
+        non-finite loss (the trainer checks the gradients of the whole update). With a
+        ``seed``, the child seeds torch's generators with it first
+        (node_agent.sandbox.seeding)."""
+        loss = self._step(inputs, targets, grads=True, seed=seed)
         return loss, {k: v.clone() for k, v in self._grad_views.items()}
 
     def loss(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
@@ -522,13 +533,16 @@ class ConfinedProgram:
         targets: Sequence[torch.Tensor],
         bounds: Sequence[tuple[int, int]],
         micro_batch: int = 0,
+        seeds: Sequence[int] | None = None,
     ) -> list[tuple[float, dict[str, torch.Tensor]]]:
         """The mean loss and gradient (float32 CPU copies) of each slice [start, end) of the
         batch on its own, in micro-batches of at most ``micro_batch`` samples accumulated as
         node_agent.training.compute.accumulated_loss_and_grads does: the same numbers as one such call
         per slice, in one request to the child (a verified part's chunks, issue 20: twelve
         round trips to the child cost more than the small models' compute). ProgramFault for
-        a non-finite loss."""
+        a non-finite loss. ``seeds``: one per slice, the seed of its random draws (micro-batch
+        k of slice i draws under ``micro_seed(seeds[i], k)``, as
+        accumulated_loss_and_grads does)."""
         args = [*inputs, *targets]
         if self.num_user_inputs and len(args) != self.num_user_inputs:
             raise ValueError(
@@ -541,6 +555,8 @@ class ConfinedProgram:
             raise ValueError(f"chunk bounds {spans[:4]}... do not fit a batch of {n}")
         if not spans:
             return []
+        if seeds is not None and len(seeds) != len(spans):
+            raise ValueError(f"{len(seeds)} seeds for {len(spans)} chunks")
         with self._lock:
             child = self._start()
             assert self._grad_layout is not None
@@ -565,6 +581,8 @@ class ConfinedProgram:
                 "micro_batch": max(0, int(micro_batch)),
                 "track_memory": self.track_memory,
             }
+            if seeds is not None:
+                message["seeds"] = [int(x) for x in seeds]
             fault = self._test_fault()
             if fault:
                 message["fault"] = fault

@@ -12,7 +12,10 @@ for the job's own rounds), makes it hold that version (`ensure_params`: the job'
 chunk's mean loss and gradient with the job's micro_batch
 (`accumulated_loss_and_grads`, as the checked node computed each chunk) through the
 slowdown controller (a slowed agent is slow here too) and answers ReportCheck with the loss,
-the gradient's CountSketch (epochmesh.sketch, float64) and the device seconds it took.
+the gradient's CountSketch (epochmesh.sketch, float64) and the device seconds it took. The
+program's random draws are seeded as on the checked node (`checked_scope`: the task's job and
+round, the checked node's id `checked_node_id`, the chunk's samples), so that its dropout masks
+and noise are the ones the checked node drew.
 
 A local SGD check (`is_local_sgd`) carries the checked node's state at the chunk's start
 inline ("param/<name>", "optim/<key>/<name>": its parameters and inner optimizer state): the
@@ -42,6 +45,7 @@ from epochmesh.verification import MAX_BUCKETS
 from epochmesh.wire.tensors import decode_bundle
 from node_agent.link.connection import Expired
 from node_agent.sandbox.host import NONFINITE, ConfinedProgram, ProgramFault
+from node_agent.sandbox.seeding import SeedScope
 from node_agent.training.compute import (
     accumulated_loss_and_grads,
     inner_step_slices,
@@ -77,7 +81,14 @@ def check_problem(task: agent_pb2.Task) -> str:
             return "a local SGD check names no local_batch"
     if not task.ranges:
         return "the check names no samples"
+    if not task.checked_node_id:
+        return "the check names no checked node (its id seeds the program's random draws)"
     return ""
+
+
+def checked_scope(task: agent_pb2.Task) -> SeedScope:
+    """Whose random draws a check repeats: the checked node's in the task's job and round."""
+    return SeedScope(task.job_id, int(task.round), task.checked_node_id)
 
 
 def local_check_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> CheckResult:
@@ -91,7 +102,13 @@ def local_check_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task
     job.version = -1  # the program holds the checked node's state from now on
     ctx.check_cancelled()
     update = recompute_local_chunk(
-        job.program, task.spec, state, slices, job.dataset.get_batch, ctx.slowdown
+        job.program,
+        task.spec,
+        state,
+        slices,
+        job.dataset.get_batch,
+        ctx.slowdown,
+        checked_scope(task),
     )
     require_finite(update)
     ctx.check_cancelled()
@@ -115,8 +132,9 @@ def check_in_thread(ctx: TaskContext, job: LoadedJob, task: agent_pb2.Task) -> C
     ctx.check_cancelled()
     inputs, targets = job.dataset.get_batch(indices)
     program, micro = job.program, task.spec.micro_batch
+    seed = checked_scope(task).seed(indices)
     loss, grads = ctx.slowdown.timed_step(
-        lambda: accumulated_loss_and_grads(program, inputs, targets, micro)
+        lambda: accumulated_loss_and_grads(program, inputs, targets, micro, seed)
     )
     compute_s = ctx.slowdown.last_device_seconds
     gradient = {k: g.detach().to("cpu", torch.float32) for k, g in grads.items()}

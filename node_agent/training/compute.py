@@ -25,6 +25,12 @@ is its start parameters minus the next chunk's, and each commitment carries the 
 start state; a checker runs a drawn chunk's steps again from that state
 (`recompute_local_chunk`).
 
+Random draws (docs/verification-protocol.md, "Random draws"): every forward unit (a chunk,
+the whole part when it is not chunked, an inner step of local SGD) runs with torch's generators
+seeded from (job, round, the node whose part it is, the unit's sample indices)
+(node_agent.sandbox.seeding.SeedScope), and its k-th micro-batch from ``micro_seed(seed, k)``:
+a checker (which passes the checked node's id) draws the worker's dropout masks and noise.
+
 The round's `Tamper` (``ctx.tamper``, node_agent.training.tamper; HONEST but in tests) is
 called at its hooks: whether the round computes only a share of its part (the partial paths of
 `update_in_thread`), and what is sent instead of the computed update (chunks and update
@@ -69,6 +75,7 @@ from node_agent.sandbox.host import (
     ConfinedProgram,
     ProgramFault,
 )
+from node_agent.sandbox.seeding import SeedScope, micro_seed, seed_generators
 from node_agent.training.context import TaskContext
 from node_agent.training.jobs import (
     ChunkGradients,
@@ -121,11 +128,28 @@ def inner_step_slices(
     return [list(indices[i : i + local_batch]) for i in range(0, len(indices), local_batch)]
 
 
+def seeded_loss_and_grads(
+    program: Program,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    seed: int | None,
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """``program.loss_and_grads`` with torch's generators seeded ``seed`` first (None: as
+    they are): a confined program's child seeds its own, an in-process program's are seeded
+    here."""
+    if isinstance(program, ConfinedProgram):
+        return program.loss_and_grads(inputs, targets, seed=seed)
+    if seed is not None:
+        seed_generators(seed, getattr(program, "device", torch.device("cpu")))
+    return program.loss_and_grads(inputs, targets)
+
+
 def accumulated_loss_and_grads(
     program: Program,
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor],
     micro_batch: int = 0,
+    seed: int | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """The batch's mean loss and its gradient, computed in consecutive chunks of at most
     ``micro_batch`` samples (gradient accumulation; 0, or a batch no larger: one pass).
@@ -134,16 +158,23 @@ def accumulated_loss_and_grads(
     so the result is the whole batch's gradient up to float rounding, for any loss that is a
     mean over samples (the built-in ones are) and a model whose samples do not interact (batch
     norm sees a chunk's statistics, as with any gradient accumulation). A node's memory then
-    holds one chunk's activations, and a CPU's caches a working set that fits them."""
+    holds one chunk's activations, and a CPU's caches a working set that fits them.
+
+    ``seed`` (the unit's, `SeedScope.seed`): chunk k runs with the generators seeded
+    ``micro_seed(seed, k)``, as the program child's batched chunk call does."""
     n = int(inputs[0].shape[0]) if inputs else 0
+
+    def seed_of(k: int) -> int | None:
+        return None if seed is None else micro_seed(seed, k)
+
     if micro_batch <= 0 or n <= micro_batch:
-        return program.loss_and_grads(inputs, targets)
+        return seeded_loss_and_grads(program, inputs, targets, seed_of(0))
     total_loss = 0.0
     acc: dict[str, torch.Tensor] = {}
-    for start in range(0, n, micro_batch):
+    for k, start in enumerate(range(0, n, micro_batch)):
         end = min(n, start + micro_batch)
-        loss, grads = program.loss_and_grads(
-            [t[start:end] for t in inputs], [t[start:end] for t in targets]
+        loss, grads = seeded_loss_and_grads(
+            program, [t[start:end] for t in inputs], [t[start:end] for t in targets], seed_of(k)
         )
         weight = (end - start) / n
         total_loss += loss * weight
@@ -160,12 +191,14 @@ def gradient_step(
     batch: Batch,
     slowdown: SlowdownController,
     micro_batch: int = 0,
+    seed: int | None = None,
 ) -> ComputedUpdate:
     """Sync mode: the gradient of the mean loss over one batch (parameters untouched), in
-    chunks of at most ``micro_batch`` samples (see `accumulated_loss_and_grads`)."""
+    chunks of at most ``micro_batch`` samples (see `accumulated_loss_and_grads`; ``seed``:
+    the batch's)."""
     inputs, targets = batch
     loss, grads = slowdown.timed_step(
-        lambda: accumulated_loss_and_grads(program, inputs, targets, micro_batch)
+        lambda: accumulated_loss_and_grads(program, inputs, targets, micro_batch, seed)
     )
     return ComputedUpdate(
         kind=KIND_GRADIENT,
@@ -182,17 +215,24 @@ def chunk_losses_and_grads(
     targets: Sequence[torch.Tensor],
     bounds: Sequence[tuple[int, int]],
     micro_batch: int = 0,
+    seeds: Sequence[int] | None = None,
 ) -> list[tuple[float, dict[str, torch.Tensor]]]:
     """Each slice [start, end) of the batch's mean loss and gradient on its own, through
     `accumulated_loss_and_grads` (a confined program: all of them in one request to its child,
-    with the same arithmetic)."""
+    with the same arithmetic); ``seeds``: each slice's seed."""
+    if seeds is not None and len(seeds) != len(bounds):
+        raise ValueError(f"{len(seeds)} seeds for {len(bounds)} chunks")
     if isinstance(program, ConfinedProgram):
-        return program.chunked_loss_and_grads(inputs, targets, bounds, micro_batch)
+        return program.chunked_loss_and_grads(inputs, targets, bounds, micro_batch, seeds)
     return [
         accumulated_loss_and_grads(
-            program, [t[a:b] for t in inputs], [t[a:b] for t in targets], micro_batch
+            program,
+            [t[a:b] for t in inputs],
+            [t[a:b] for t in targets],
+            micro_batch,
+            None if seeds is None else seeds[i],
         )
-        for a, b in bounds
+        for i, (a, b) in enumerate(bounds)
     ]
 
 
@@ -240,18 +280,20 @@ def compute_chunks(
     micro_batch: int,
     verify_chunks: int,
     count: int | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> tuple[ChunkGradients, float]:
     """The part's chunks (`chunk_bounds`): all their sample counts, and the loss and gradient
     of the first ``count`` of them (default: all), in one slowed step; with its device
-    seconds."""
+    seconds. ``seeds``: every chunk's (`chunk_seeds`)."""
     inputs, targets = batch
     n = int(inputs[0].shape[0]) if inputs else 0
     bounds = chunk_bounds(n, verify_chunks)
     if not bounds:
         raise ValueError("the task names no samples to cut into chunks")
     todo = bounds if count is None else bounds[: max(1, count)]
+    todo_seeds = None if seeds is None else list(seeds)[: len(todo)]
     results = slowdown.timed_step(
-        lambda: chunk_losses_and_grads(program, inputs, targets, todo, micro_batch)
+        lambda: chunk_losses_and_grads(program, inputs, targets, todo, micro_batch, todo_seeds)
     )
     chunks = ChunkGradients(
         samples=[b - a for a, b in bounds],
@@ -269,11 +311,20 @@ def chunked_gradient_step(
     slowdown: SlowdownController,
     micro_batch: int,
     verify_chunks: int,
+    seeds: Sequence[int] | None = None,
 ) -> ComputedUpdate:
     """Sync mode with verification: the part cut into chunks, each chunk's loss and gradient
     computed on its own, the update their sample-weighted sum (`update_from_chunks`)."""
-    chunks, compute_s = compute_chunks(program, batch, slowdown, micro_batch, verify_chunks)
+    chunks, compute_s = compute_chunks(
+        program, batch, slowdown, micro_batch, verify_chunks, seeds=seeds
+    )
     return update_from_chunks(chunks, compute_s)
+
+
+def chunk_seeds(scope: SeedScope, indices: Sequence[int], verify_chunks: int) -> list[int]:
+    """The seed of each chunk (`chunk_bounds`) of a part of samples ``indices``: of its own
+    samples, as a checker recomputing that chunk alone seeds it."""
+    return [scope.seed(indices[a:b]) for a, b in chunk_bounds(len(indices), verify_chunks)]
 
 
 def prefetched_batches(
@@ -318,9 +369,12 @@ def local_sgd_steps(
     clock: Callable[[], float] = time.monotonic,
     micro_batch: int = 0,
     chunk_steps: Sequence[tuple[int, int]] = (),
+    scope: SeedScope | None = None,
 ) -> ComputedUpdate:
     """Local SGD's inner loop: one optimizer step per slice (its gradient in chunks of at most
-    ``micro_batch`` samples), then Δ = start − end.
+    ``micro_batch`` samples), then Δ = start − end. ``scope``: each step's random draws are
+    seeded from its slice's samples (`SeedScope.seed`), so that a checker that runs a chunk's
+    steps again draws the same.
 
     ``chunk_steps`` (verification: `local_sgd_grid`): the state (parameters and optimizer
     state) is kept before the first step of each of these pieces, and the update carries the
@@ -362,10 +416,16 @@ def local_sgd_steps(
                 chunk_losses.append(0.0)
                 chunk_samples.append(0)
 
+            seed = None if scope is None else scope.seed(idx)
+
             def step(
-                inputs: list[torch.Tensor] = inputs, targets: list[torch.Tensor] = targets
+                inputs: list[torch.Tensor] = inputs,
+                targets: list[torch.Tensor] = targets,
+                seed: int | None = seed,
             ) -> float:
-                loss, grads = accumulated_loss_and_grads(program, inputs, targets, micro_batch)
+                loss, grads = accumulated_loss_and_grads(
+                    program, inputs, targets, micro_batch, seed
+                )
                 optimizer_step(optimizer, params, names, grads)
                 return loss
 
@@ -473,11 +533,13 @@ def recompute_local_chunk(
     slices: Sequence[Sequence[int]],
     get_batch: Callable[[Sequence[int]], Batch],
     slowdown: SlowdownController,
+    scope: SeedScope | None = None,
 ) -> ComputedUpdate:
     """A checker's recomputation of a local SGD chunk: its steps on ``slices`` from ``state``
     (the checked node's parameters and inner optimizer state at the chunk's start) with a
-    fresh inner optimizer of the spec that state is loaded into. The program holds the start
-    parameters afterwards (the caller's job no longer holds its version)."""
+    fresh inner optimizer of the spec that state is loaded into, each step's draws seeded in
+    the checked node's ``scope``. The program holds the start parameters afterwards (the
+    caller's job no longer holds its version)."""
     names = program.param_names
     params, optim = split_training_state(state)
     missing = [n for n in names if n not in params]
@@ -489,7 +551,7 @@ def recompute_local_chunk(
     optimizer = build_optimizer(spec, program.parameters())
     load_optimizer_state_tensors(optimizer, names, optim)
     return local_sgd_steps(
-        program, optimizer, slices, get_batch, slowdown, micro_batch=spec.micro_batch
+        program, optimizer, slices, get_batch, slowdown, micro_batch=spec.micro_batch, scope=scope
     )
 
 
@@ -551,6 +613,7 @@ def _compute(
     indices = ranges_to_indices(task.ranges)
     spec = task.spec
     partly = tamper.partial(task.round)
+    scope = SeedScope(task.job_id, int(task.round), ctx.node_id)
     if not is_local_sgd(spec):
         if len(indices) != task.local_batch:
             raise ValueError(
@@ -566,6 +629,7 @@ def _compute(
                 spec.micro_batch,
                 task.verify_chunks,
                 count=tamper.share(total),
+                seeds=chunk_seeds(scope, indices, task.verify_chunks),
             )
             chunks.losses, chunks.grads = tamper.filled_chunks(chunks.losses, chunks.grads, total)
             update = update_from_chunks(chunks, compute_s)
@@ -576,16 +640,25 @@ def _compute(
                 ctx.slowdown,
                 spec.micro_batch,
                 task.verify_chunks,
+                chunk_seeds(scope, indices, task.verify_chunks),
             )
         elif partly:
             part = indices[: tamper.share(len(indices))]
             update = gradient_step(
-                job.program, job.dataset.get_batch(part), ctx.slowdown, spec.micro_batch
+                job.program,
+                job.dataset.get_batch(part),
+                ctx.slowdown,
+                spec.micro_batch,
+                scope.seed(part),
             )
             update.num_samples = len(indices)  # claimed
         else:
             update = gradient_step(
-                job.program, job.dataset.get_batch(indices), ctx.slowdown, spec.micro_batch
+                job.program,
+                job.dataset.get_batch(indices),
+                ctx.slowdown,
+                spec.micro_batch,
+                scope.seed(indices),
             )
         return tamper.sent(job, task, update)
 
@@ -615,6 +688,7 @@ def _compute(
             0.0 if partly else max(0.0, task.compute_budget_seconds),
             micro_batch=spec.micro_batch,
             chunk_steps=chunk_steps,
+            scope=scope,
         )
     except BaseException:
         # The steps that ran changed the optimizer's state (after a diverging step: inf or NaN

@@ -57,6 +57,7 @@ N = 240
 K = 12
 BUCKETS = 256
 JOB = "j-verify"
+WORKER = "n-worker"  # the agent's node id: its checks of its own chunks name it as the worker
 
 
 @dataclass
@@ -163,6 +164,7 @@ async def agent(
     connection = CoordinatorConnection(
         f"127.0.0.1:{port}", tmp_path / "agent", lambda: agent_pb2.RegisterRequest(), insecure=True
     )
+    connection.node_id = WORKER
     programs, program = loaded
     dataset = ShardedDataset(packed.shards, inputs=["x"], targets=["y"])
     loaded_jobs = jobs.LoadedJobs()  # the program stays for the next test
@@ -210,6 +212,7 @@ def check_task(
         spec=packed.spec,
         deadline_seconds=60,
         check=agent_pb2.CheckSpec(seed=seed, buckets=BUCKETS),
+        checked_node_id=WORKER,
         **params,
     )
     task.ranges.add(start=start, stop=stop)
