@@ -7,7 +7,11 @@ torch.ops.aten.<op>.<overload> only when "aten.<op>.<overload>" is in `ALLOWED_A
 # How the list was made (torch 2.13). It is literal on purpose: a torch upgrade must not widen it.
 #
 # _CORE: torch's core ATen operator set, the overloads tagged torch.Tag.core (189 in torch
-#   2.13; `scripts/op_allowlist.py core` lists them), less 14 trimmed ones:
+#   2.13; `scripts/op_allowlist.py core` lists them), less 17 trimmed ones:
+#   - aten._native_batch_norm_legit.default, .no_stats, aten._native_batch_norm_legit_no_training
+#     .default: their CPU kernels index the weight, bias and running statistics by channel
+#     without checking their lengths (a short running mean is written past its end); exports
+#     emit the checked aten.batch_norm.default for nn.BatchNorm*d instead;
 #   - aten.as_strided.default, aten.empty_strided.default: a view or a buffer laid out by
 #     strides given as arguments (raw stride access); no export of an ordinary model emits them;
 #   - aten.sym_stride.int, aten.sym_storage_offset.default: raw stride and storage-offset reads,
@@ -25,6 +29,13 @@ torch.ops.aten.<op>.<overload> only when "aten.<op>.<overload>" is in `ALLOWED_A
 #   recurrent and attention layers, pooling, activations, the nn.functional losses, tensor
 #   manipulation, indexing, creation and type conversion, no_grad and autocast regions). Each
 #   entry names what emitted it.
+# Argument shapes: a listed operator is not trusted with its arguments' shapes either.
+#   `epochmesh.program.shape_check` propagates shapes through the graph with each operator's
+#   fake implementation before anything runs, and checks its own contract for the operators
+#   whose CPU kernels trust some argument (batch/instance/group/layer norm, lstm/gru/rnn_tanh,
+#   embedding/embedding_bag, convolutions, grid_sampler_2d's modes, _fft_*). An operator added
+#   here must pass tests/unit/test_shape_fuzz.py (mismatched shapes and dtypes are refused before
+#   its kernel runs, or its kernel checks them itself); add a contract when it does not.
 # Never on the list: sparse tensors (sparse_coo_tensor, _sparse_*, to_dense, coalesce,
 #   _indices, values, crow_/col_indices: unchecked indices write out of bounds), nested tensors,
 #   quantized tensors (quantize_*, q_*, int_repr, dequantize, fbgemm), mkldnn, as_strided*,
@@ -45,9 +56,6 @@ _CORE = frozenset(
         "aten._fft_c2r.default",
         "aten._fft_r2c.default",
         "aten._log_softmax.default",
-        "aten._native_batch_norm_legit.default",
-        "aten._native_batch_norm_legit.no_stats",
-        "aten._native_batch_norm_legit_no_training.default",
         "aten._pdist_forward.default",
         "aten._softmax.default",
         "aten._to_copy.default",
