@@ -3,9 +3,12 @@
 The process to confine (a child started with a fresh interpreter, never forked from a process
 holding keys) imports what it needs first, then calls `confine_self`, which applies, in order:
 
-1. resource limits: no core files, no file writes (RLIMIT_FSIZE 0), `open_files` descriptors,
-   `memory_bytes` of private writable memory (RLIMIT_DATA), `cpu_seconds` of CPU time as a soft
-   limit under an unlimited hard one, which the parent moves with `set_cpu_limit`;
+1. resource limits: no core files, no file writes (RLIMIT_FSIZE 0, which also keeps a memfd
+   at size 0), `open_files` descriptors, `memory_bytes` of private writable memory
+   (RLIMIT_DATA), `address_space_bytes` of mappings of any kind (RLIMIT_AS: shared ones too,
+   which RLIMIT_DATA does not count) and `cpu_seconds` of CPU time, the last two as soft limits
+   under an unlimited hard one, which the parent moves (`set_address_space_limit`,
+   `set_cpu_limit`) and the process cannot (seccomp refuses it setrlimit);
 2. no new privileges (PR_SET_NO_NEW_PRIVS), which Landlock and seccomp require;
 3. no capabilities: bounding set emptied where permitted, ambient set cleared, capset to empty;
 4. Landlock: every filesystem right the kernel's ABI knows is handled; `read_paths` stay
@@ -22,7 +25,14 @@ holding keys) imports what it needs first, then calls `confine_self`, which appl
    pair it was given); programs (execve, execveat); processes (fork, vfork, clone without
    CLONE_THREAD or with a namespace flag; clone3 gets ENOSYS, so that glibc falls back to
    clone); other processes (ptrace, process_vm_readv/writev, process_madvise, pidfd_*, kcmp,
-   tkill; kill, tgkill, rt_(tg)sigqueueinfo unless aimed at this process); limits (setrlimit,
+   tkill, migrate_pages, move_pages; kill, tgkill, rt_(tg)sigqueueinfo unless aimed at this
+   process); scheduling (setpriority, sched_setparam, sched_setscheduler, sched_setattr,
+   sched_setaffinity, ioprio_set: the getters stay, OpenMP reads its affinity); leaving the
+   parent's session or group (setsid, setpgid) and the death signal set before confinement
+   (prctl PR_SET_PDEATHSIG; prctl's other options stay: torch names its threads); System V
+   IPC (shm*, msg*, sem*) and POSIX message queues (mq_*), whose memory no limit counts and
+   whose objects outlive the process (POSIX shared memory is a file in /dev/shm, which
+   Landlock closes); limits (setrlimit,
    and prlimit64 unless it reads this process's own: the parent's prlimit is not filtered);
    identities (set*id, setgroups); mounts and namespaces; file modes, owners, times and
    extended attributes (which Landlock does not cover); keys, bpf, perf_event_open,
@@ -58,6 +68,7 @@ class Confinement:
     """What a confined process may still do."""
 
     memory_bytes: int | None = None  # private writable memory, in all (RLIMIT_DATA)
+    address_space_bytes: int | None = None  # every mapping, in all (soft RLIMIT_AS)
     cpu_seconds: int | None = None  # CPU seconds (soft RLIMIT_CPU): SIGXCPU ends the process
     open_files: int = 64  # RLIMIT_NOFILE: descriptors numbered below this
     read_paths: tuple[str, ...] = ()  # the only hierarchies left readable (Landlock)
@@ -172,6 +183,14 @@ def set_cpu_limit(pid: int, seconds: float) -> None:
     resource.prlimit(pid, resource.RLIMIT_CPU, (soft, hard))
 
 
+def set_address_space_limit(pid: int, limit: int) -> None:
+    """Let process `pid` map at most `limit` bytes in all: its soft RLIMIT_AS, under the hard
+    limit it has (see set_cpu_limit)."""
+    _, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+    soft = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+    resource.prlimit(pid, resource.RLIMIT_AS, (soft, hard))
+
+
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -181,11 +200,20 @@ def _cpu_seconds(pid: int) -> float:
 
 def data_bytes(pid: int | None = None) -> int:
     """The private writable memory (VmData) of a process, in bytes."""
+    return _status_bytes("VmData", pid)
+
+
+def address_space_bytes(pid: int | None = None) -> int:
+    """What a process has mapped (VmSize), in bytes."""
+    return _status_bytes("VmSize", pid)
+
+
+def _status_bytes(key: str, pid: int | None) -> int:
     with open(f"/proc/{pid or 'self'}/status") as f:
         for line in f:
-            if line.startswith("VmData:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
-    raise OSError("VmData not found")
+    raise OSError(f"{key} not found")
 
 
 def describe_exit(returncode: int) -> str:
@@ -217,11 +245,16 @@ def _set_rlimits(c: Confinement) -> None:
         limits.append((resource.RLIMIT_DATA, c.memory_bytes))
     for which, value in limits:
         resource.setrlimit(which, (value, value))
-    if c.cpu_seconds is not None:
-        # Soft only: the parent moves it with set_cpu_limit, and could not raise a hard limit.
-        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-        soft = c.cpu_seconds if hard == resource.RLIM_INFINITY else min(c.cpu_seconds, hard)
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+    # Soft only: the parent moves them (set_cpu_limit, set_address_space_limit), and could not
+    # raise a hard limit.
+    for which, soft_value in (
+        (resource.RLIMIT_CPU, c.cpu_seconds),
+        (resource.RLIMIT_AS, c.address_space_bytes),
+    ):
+        if soft_value is not None:
+            _, hard = resource.getrlimit(which)
+            soft = soft_value if hard == resource.RLIM_INFINITY else min(soft_value, hard)
+            resource.setrlimit(which, (soft, hard))
 
 
 # -- system calls ------------------------------------------------------------------------------
@@ -265,6 +298,37 @@ _SYSCALLS: dict[str, tuple[int | None, int | None]] = {
     "pidfd_send_signal": (424, 424),
     "kcmp": (312, 272),
     "tkill": (200, 130),
+    "migrate_pages": (256, 238),
+    "move_pages": (279, 239),
+    # scheduling of any process (the agent's included: renice, SCHED_IDLE, pinning); the
+    # getters (sched_getaffinity, which OpenMP reads) stay
+    "setpriority": (141, 140),
+    "sched_setparam": (142, 118),
+    "sched_setscheduler": (144, 119),
+    "sched_setaffinity": (203, 122),
+    "sched_setattr": (314, 274),
+    "ioprio_set": (251, 30),
+    # leaving the agent's session or process group
+    "setsid": (112, 157),
+    "setpgid": (109, 154),
+    # System V and POSIX IPC: memory no limit counts, objects that outlive the process
+    "shmget": (29, 194),
+    "shmat": (30, 196),
+    "shmctl": (31, 195),
+    "msgget": (68, 186),
+    "msgsnd": (69, 189),
+    "msgrcv": (70, 188),
+    "msgctl": (71, 187),
+    "semget": (64, 190),
+    "semop": (65, 193),
+    "semtimedop": (220, 192),
+    "semctl": (66, 191),
+    "mq_open": (240, 180),
+    "mq_unlink": (241, 181),
+    "mq_timedsend": (242, 182),
+    "mq_timedreceive": (243, 183),
+    "mq_notify": (244, 184),
+    "mq_getsetattr": (245, 185),
     "kill": (62, 129),
     "tgkill": (234, 131),
     "rt_sigqueueinfo": (129, 138),
@@ -353,6 +417,7 @@ _SYSCALLS: dict[str, tuple[int | None, int | None]] = {
     "ioperm": (173, None),
     # examined or used here
     "ioctl": (16, 29),
+    "prctl": (157, 167),
     "seccomp": (317, 277),
     "landlock_create_ruleset": (444, 444),
     "landlock_add_rule": (445, 445),
@@ -369,6 +434,7 @@ _SPECIAL = {
     "rt_sigqueueinfo",
     "rt_tgsigqueueinfo",
     "ioctl",
+    "prctl",
     "seccomp",
     "landlock_create_ruleset",
     "landlock_add_rule",
@@ -410,6 +476,7 @@ def _syscall(libc: ctypes.CDLL, nr: int, *args: object) -> int:
 
 # -- privileges --------------------------------------------------------------------------------
 
+_PR_SET_PDEATHSIG = 1
 _PR_CAPBSET_DROP = 24
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_CAP_AMBIENT = 47
@@ -692,6 +759,15 @@ def seccomp_program(arch: Arch, pid: int) -> list[Instruction]:
         (_JEQ, 1, 0, _TIOCLINUX),
         (_RET, 0, 0, RET_ALLOW),
         (_RET, 0, 0, eperm),
+    ]
+    # prctl: the death signal stays as set before confinement (SIGKILL when the parent dies);
+    # the other options (thread names, which torch sets) stay
+    prog += [
+        (_JEQ, 0, 3, arch.nr["prctl"]),
+        (_LD_W_ABS, 0, 0, _arg_low(0)),
+        (_JEQ, 0, 1, _PR_SET_PDEATHSIG),
+        (_RET, 0, 0, eperm),
+        (_RET, 0, 0, RET_ALLOW),
     ]
     prog.append((_RET, 0, 0, RET_ALLOW))
     return prog

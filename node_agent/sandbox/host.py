@@ -30,6 +30,7 @@ import resource
 import select
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,7 +46,12 @@ from epochmesh.program.archive import (
     assign_tensors,
     read_initial_state,
 )
-from epochmesh.program.confine import describe_exit, set_cpu_limit
+from epochmesh.program.confine import (
+    address_space_bytes,
+    describe_exit,
+    set_address_space_limit,
+    set_cpu_limit,
+)
 from epochmesh.v1 import common_pb2
 from epochmesh.wire.tensors import to_safetensors
 from node_agent.core.measure import MEMORY_HEADROOM, Point, fitting, linear_fit
@@ -81,6 +87,12 @@ DEFAULT_STEP_TIMEOUT_S = 120.0
 MIN_STEP_TIMEOUT_S = 10.0
 CPU_SLACK_S = 30.0
 MAX_REPORTED_CPU_S = 1e6  # a child's CPU figure for one request beyond this is nonsense
+# A CPU child's address space (RLIMIT_AS) beyond its memory limit and the regions it was given:
+# per torch thread, glibc's malloc arena (64 MiB, reserved unused) and a stack (8 MiB), with
+# room to spare; in all, libraries opened late.
+THREAD_ADDRESS_BYTES = 128 << 20
+ADDRESS_SLACK_BYTES = 512 << 20
+STOP_GRACE_S = 5.0  # the agent's shutdown: how long children get to exit before SIGKILL
 
 # Kinds of ProgramFault.
 CRASHED = "crashed"
@@ -141,7 +153,32 @@ class ProgramChild:
         self.confinement = str(ready.get("confinement", ""))[:200]
         base = ready.get("data_base")
         self.data_base = base if type(base) is int and base >= 0 else 0
+        self._shared_bytes = 0  # regions sent to it, which it maps (counted by RLIMIT_AS)
+        self._address_base: int | None = None
+        if limits.device.startswith("cpu") and limits.memory_bytes is not None:
+            # Not on a GPU: its driver reserves far more address space than it uses.
+            with contextlib.suppress(OSError, ValueError):
+                self._address_base = address_space_bytes(self.pid)
+                self._limit_address_space()
+                self.confinement += ", address space capped"
         log.info("program child %d started (%s)", self.pid, self.confinement)
+
+    def _limit_address_space(self) -> None:
+        """RLIMIT_AS (soft; the child cannot move it): what it had mapped when ready, its memory
+        limit, the regions it was given, and room for its threads. Counts what RLIMIT_DATA does
+        not: shared mappings (MAP_SHARED | MAP_ANONYMOUS)."""
+        if self._address_base is None or self.limits.memory_bytes is None:
+            return
+        threads = self.limits.threads or torch.get_num_threads()
+        limit = (
+            self._address_base
+            + self.limits.memory_bytes
+            + self._shared_bytes
+            + (threads + 4) * THREAD_ADDRESS_BYTES
+            + ADDRESS_SLACK_BYTES
+        )
+        with contextlib.suppress(OSError, ValueError):  # it is exiting
+            set_address_space_limit(self.pid, limit)
 
     def request(
         self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout_s: float
@@ -157,6 +194,11 @@ class ProgramChild:
                 set_cpu_limit(self.pid, CPU_SLACK_S + 2 * timeout_s * max(1, threads))
             except (OSError, ValueError):
                 pass  # it is exiting
+            if fds and self._address_base is not None:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        self._shared_bytes += os.fstat(fd).st_size
+                self._limit_address_space()
         try:
             send_message(self.sock, message, fds)
         except OSError:
@@ -208,6 +250,9 @@ class ProgramChild:
             _, hard = resource.prlimit(self.pid, resource.RLIMIT_DATA)
             if hard == resource.RLIM_INFINITY or limit < hard:
                 resource.prlimit(self.pid, resource.RLIMIT_DATA, (limit, limit))
+        if self.limits.memory_bytes is None or memory_bytes < self.limits.memory_bytes:
+            self.limits = replace(self.limits, memory_bytes=memory_bytes)
+            self._limit_address_space()
 
     def cpu_seconds(self) -> float:
         """CPU time the child spent on the requests it answered (its own process_time figures:
@@ -244,6 +289,13 @@ class ProgramChild:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        self.kill()
+
+    def stop_by(self, deadline: float) -> None:
+        """Wait until the monotonic `deadline` for the child to exit (after `close`), then kill
+        it (through its pidfd: never another process that took its pid)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         self.kill()
 
 
@@ -409,12 +461,14 @@ class ConfinedProgram:
         child = self._child
         return self._cpu_of_dead + (child.cpu_seconds() if child is not None else 0.0)
 
-    def close(self) -> None:
+    def close(self) -> ProgramChild | None:
+        """Ask the child to exit (a thread reaps it); returns it, for a caller that waits."""
         with self._lock:
-            if self._child is not None:
-                self._cpu_of_dead += self._child.cpu_seconds()
-                self._child.close()
-                self._child = None
+            child, self._child = self._child, None
+            if child is not None:
+                self._cpu_of_dead += child.cpu_seconds()
+                child.close()
+        return child
 
     def probe(self, **message: Any) -> str:
         """Tests only (EPOCHMESH_TEST_HOOKS=1): ask the child to try something."""
@@ -744,10 +798,15 @@ class ProgramHosts:
             closed = self._cpu_of_closed
         return closed + sum(p.cpu_seconds() for p in programs)
 
-    def close_all(self) -> None:
-        """Stop every program, then the zygote (at the agent's shutdown)."""
+    def close_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop every program, then the zygote (at the agent's shutdown): each child is asked to
+        exit and, still there after `grace_s`, killed through its pidfd. (Should the agent die
+        instead, its children die with it: their parent-death signal, which seccomp keeps
+        them from undoing.)"""
         with self._lock:
             programs, self._programs = self._programs, []
-        for p in programs:
-            p.close()
+        children = [c for c in (p.close() for p in programs) if c is not None]
+        deadline = time.monotonic() + grace_s
+        for child in children:
+            child.stop_by(deadline)
         self.zygote.stop()

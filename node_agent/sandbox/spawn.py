@@ -103,7 +103,41 @@ def spawn_child(env: dict[str, str]) -> tuple[ChildProcess, socket.socket, IO[by
     agent's end of its socket pair, its stderr."""
     proc, parent = _start_interpreter("node_agent.sandbox.child", env)
     assert proc.stderr is not None
-    return proc, parent, proc.stderr
+    return SpawnedChild(proc), parent, proc.stderr
+
+
+class SpawnedChild:
+    """A child started as a fresh interpreter: Popen's waits, its signals through a pidfd
+    opened before anything could reap it (never to a process that took its pid later)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):  # no pidfds: Popen's own kill
+            self._pidfd = os.pidfd_open(proc.pid)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self._pidfd is None:
+            self._proc.kill()
+            return
+        with contextlib.suppress(ProcessLookupError):  # it has exited
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
 
 class Zygote:
@@ -257,7 +291,7 @@ class ZygoteClient:
         self._next_id = 0
         self._stopping = False
         self._gone = False
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._handle: SpawnedChild | None = None  # the zygote, signalled through a pidfd
         self._sock: socket.socket | None = None
         ready: Future[int] = Future()
         threading.Thread(
@@ -309,9 +343,9 @@ class ZygoteClient:
                     send_message(self._sock, {"op": "stop"})
 
     def kill(self) -> None:
-        if self._proc is not None:
+        if self._handle is not None:
             with contextlib.suppress(OSError):
-                self._proc.kill()
+                self._handle.kill()
 
     def _run(self, env: dict[str, str], ready: Future[int]) -> None:
         try:
@@ -319,7 +353,7 @@ class ZygoteClient:
         except OSError as e:
             ready.set_exception(ZygoteError(str(e)))
             return
-        self._proc, self._sock = proc, parent
+        self._handle, self._sock = SpawnedChild(proc), parent
         threading.Thread(
             target=log_lines,
             args=(proc.stderr, proc.pid, "program zygote"),

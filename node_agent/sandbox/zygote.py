@@ -14,8 +14,9 @@ control socket to the agent), then serves, one message at a time (node_agent.san
 - ``stop``: forks no more, and exits once its last child is gone.
 
 It reaps its children and reports each: ``exited`` (pid, status: Popen.returncode's sign
-convention). It exits when the agent closes its end, and is killed when the agent (the thread
-that started it) dies; its children are killed when it dies.
+convention). It exits when the agent closes its end, killing its children through their
+pidfds, and is killed when the agent (the thread that started it) dies; its children are
+killed when it dies (a parent-death signal that a confined child cannot undo).
 """
 
 from __future__ import annotations
@@ -52,9 +53,17 @@ class Zygote:
             for fd, _ in self.poller.poll():
                 if fd == self.control.fileno():
                     if not self._command():
+                        self.kill_children()
                         return
                 elif fd in self.children:
                     self._reap(fd)
+
+    def kill_children(self) -> None:
+        """The agent has gone: SIGKILL every child through its pidfd (their parent-death
+        signal would take them when this process exits; this does not wait for that)."""
+        for pidfd in self.children:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
 
     def _command(self) -> bool:
         """One message from the agent; False when it has gone."""

@@ -5,6 +5,7 @@ run through a small BPF interpreter, for both architectures' tables."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pwd
@@ -222,6 +223,118 @@ def test_threads_and_torch_still_work(probes: dict[str, Any]) -> None:
     assert probes["thread"][0] == "allowed" and probes["thread_ran"]
     assert probes["torch_threads"] == 2
     assert probes["matmul_equal"] and probes["backward"]
+
+
+# -- shared memory, scheduling, the death signal --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def escapes() -> dict[str, Any]:
+    """A confined child with torch tries what would let it use memory no limit counts, slow or
+    pin the agent, or outlive it. The calls aim at the child itself (the filter does not look
+    at the target: test_the_seccomp_filter_decides), so a missing filter harms no one here."""
+    if not LINUX:
+        pytest.skip("process confinement is Linux-only")
+    return run_child(
+        """
+        import ctypes, errno, mmap, signal
+        from multiprocessing import shared_memory
+        import torch
+        from epochmesh.program.confine import ARCHES, address_space_bytes
+        libc = ctypes.CDLL(None, use_errno=True)
+        nr = ARCHES[os.uname().machine].nr
+        def call(name, *args):
+            def go():
+                if libc.syscall(ctypes.c_long(nr[name]), *(ctypes.c_long(a) for a in args)) < 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, os.strerror(e))
+            return go
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG, as the agent's child does
+        status = open("/proc/self/status")  # opened before: re-read after confinement
+        confined(
+            memory_bytes=data_bytes() + (256 << 20),
+            address_space_bytes=address_space_bytes() + (1 << 30),
+        )
+        me = os.getpid()
+        attempt("shmget", call("shmget", 0, 1 << 20, 0o1600))  # IPC_PRIVATE, IPC_CREAT | 0600
+        attempt("shmat", call("shmat", 0, 0, 0))
+        attempt("shmctl", call("shmctl", 0, 0, 0))  # IPC_RMID
+        attempt("msgget", call("msgget", 0, 0o1600))
+        attempt("msgsnd", call("msgsnd", 0, 0, 0, 0))
+        attempt("semget", call("semget", 0, 1, 0o1600))
+        attempt("semop", call("semop", 0, 0, 0))
+        name = ctypes.create_string_buffer(b"epochmesh-test")
+        attempt("mq_open", call("mq_open", ctypes.addressof(name), 0o102, 0o600, 0))
+        attempt("posix_shm", lambda: shared_memory.SharedMemory(create=True, size=1 << 20))
+        attempt("dev_shm", lambda: open(f"/dev/shm/epochmesh-test-{me}", "wb"))
+        attempt("setpriority", lambda: os.setpriority(os.PRIO_PROCESS, me, 19))
+        attempt("setpriority_group", lambda: os.setpriority(os.PRIO_PGRP, 0, 19))
+        attempt("sched_setscheduler", lambda: os.sched_setscheduler(me, os.SCHED_IDLE, os.sched_param(0)))
+        attempt("sched_setparam", lambda: os.sched_setparam(me, os.sched_param(0)))
+        attempt("sched_setaffinity", lambda: os.sched_setaffinity(me, {min(os.sched_getaffinity(0))}))
+        attempt("sched_setattr", call("sched_setattr", me, 0, 0))
+        attempt("ioprio_set", call("ioprio_set", 1, me, (3 << 13)))  # this process, idle class
+        attempt("sched_getaffinity", lambda: len(os.sched_getaffinity(0)) > 0)
+        attempt("getpriority", lambda: os.getpriority(os.PRIO_PROCESS, 0))
+        attempt("pdeathsig", lambda: libc.prctl(1, 0, 0, 0, 0) and ctypes.get_errno())
+        sig = ctypes.c_int(-1)
+        attempt("get_pdeathsig", lambda: (libc.prctl(2, ctypes.byref(sig), 0, 0, 0), sig.value))
+        attempt("set_name", lambda: libc.prctl(15, b"pt_test", 0, 0, 0))  # PR_SET_NAME
+        attempt("setsid", os.setsid)
+        attempt("setpgid", lambda: os.setpgid(0, 0))
+        attempt("shared_anon_map", lambda: len(mmap.mmap(-1, 4 << 30)))  # not counted as data
+        attempt("private_map", lambda: len(mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE)))
+        torch.set_num_threads(4)
+        x = torch.randn(64, 32, requires_grad=True)
+        (x @ x.T).relu().sum().backward()
+        out["torch"] = bool(torch.isfinite(x.grad).all()) and torch.get_num_threads() == 4
+        out["big_matmul"] = float((torch.randn(800, 800) @ torch.randn(800, 800)).sum()) != 0
+        status.seek(0)
+        out["threads"] = int(next(l for l in status if l.startswith("Threads:")).split()[1])
+        """
+    )
+
+
+def eperm(outcome: list[str]) -> bool:
+    """Refused by the seccomp filter (EPERM), not by something else on the way."""
+    return outcome[0] == "PermissionError" and outcome[1].startswith("[Errno 1] ")
+
+
+def test_no_system_v_or_posix_ipc(escapes: dict[str, Any]) -> None:
+    need_seccomp(escapes)
+    for name in ("shmget", "shmat", "shmctl", "msgget", "msgsnd", "semget", "semop", "mq_open"):
+        assert eperm(escapes[name]), (name, escapes[name])
+    need_landlock(escapes)
+    for name in ("posix_shm", "dev_shm"):  # a file in /dev/shm: Landlock refuses (EACCES)
+        assert refused(escapes[name]), (name, escapes[name])
+
+
+def test_no_scheduling_changes_but_reads(escapes: dict[str, Any]) -> None:
+    need_seccomp(escapes)
+    for name in ("setpriority", "setpriority_group", "sched_setscheduler", "sched_setparam"):
+        assert eperm(escapes[name]), (name, escapes[name])
+    for name in ("sched_setaffinity", "sched_setattr", "ioprio_set"):
+        assert eperm(escapes[name]), (name, escapes[name])
+    assert escapes["sched_getaffinity"] == ["allowed", "True"]
+    assert escapes["getpriority"][0] == "allowed"
+
+
+def test_the_death_signal_session_and_group_stay(escapes: dict[str, Any]) -> None:
+    need_seccomp(escapes)
+    assert escapes["pdeathsig"] == ["allowed", repr(errno.EPERM)]  # prctl -1, errno EPERM
+    assert escapes["get_pdeathsig"] == ["allowed", repr((0, int(signal.SIGKILL)))]
+    assert escapes["set_name"] == ["allowed", "0"]  # torch names its threads
+    assert eperm(escapes["setsid"]) and eperm(escapes["setpgid"])
+
+
+def test_the_address_space_cap_counts_shared_mappings_and_torch_runs_under_it(
+    escapes: dict[str, Any],
+) -> None:
+    assert escapes["shared_anon_map"][0] == "OSError", escapes["shared_anon_map"]
+    assert "Cannot allocate memory" in escapes["shared_anon_map"][1]
+    assert escapes["private_map"] == ["allowed", repr(64 << 20)]
+    assert escapes["torch"] and escapes["big_matmul"]
+    assert escapes["threads"] >= 4  # the pool started under the cap
 
 
 # -- threads started before confinement ---------------------------------------------------------
@@ -443,6 +556,17 @@ def test_the_seccomp_filter_decides(name: str) -> None:
         assert bpf(prog, arch.audit, nr["prlimit64"], who, 0, 0x7FFF0000, 0) == EPERM
         assert bpf(prog, arch.audit, nr["prlimit64"], who, 0, 1 << 32, 0) == EPERM
     assert bpf(prog, arch.audit, nr["prlimit64"], pid + 1, 0, 0, 0x7FFF0000) == EPERM
+    for call in ("shmget", "shmat", "msgget", "msgsnd", "semget", "mq_open", "setsid"):
+        assert bpf(prog, arch.audit, nr[call]) == EPERM, call
+    for call in ("setpriority", "sched_setscheduler", "sched_setaffinity", "sched_setattr"):
+        for target in (0, pid, pid + 1, 1):  # itself, the agent, anyone
+            assert bpf(prog, arch.audit, nr[call], target, target) == EPERM, call
+    assert bpf(prog, arch.audit, nr["setpgid"], 0, 0) == EPERM
+    assert bpf(prog, arch.audit, nr["prctl"], 1, 0) == EPERM  # PR_SET_PDEATHSIG
+    assert bpf(prog, arch.audit, nr["prctl"], 1, 9) == EPERM
+    for option in (2, 15, 16, 38):  # GET_PDEATHSIG, SET_NAME, GET_NAME, SET_NO_NEW_PRIVS
+        assert bpf(prog, arch.audit, nr["prctl"], option, 0) == RET_ALLOW, option
+    assert bpf(prog, arch.audit, nr["prctl"], 1 + (1 << 32), 0) == EPERM  # an int: low half
     assert bpf(prog, arch.audit, nr["ioctl"], 0, 0x5412) == EPERM  # TIOCSTI
     assert bpf(prog, arch.audit, nr["ioctl"], 0, 0x541B) == RET_ALLOW  # FIONREAD
     for allowed in ("seccomp", "landlock_restrict_self"):
@@ -454,8 +578,10 @@ def test_the_seccomp_filter_decides(name: str) -> None:
         assert bpf(prog, arch.audit, 0x40000000 + 41) == EPERM  # x32 socket
         assert bpf(prog, arch.audit, 0x40000000) == EPERM  # x32 read: no x32 at all
         assert bpf(prog, arch.audit, 0) == RET_ALLOW  # read
+        assert bpf(prog, arch.audit, 204) == RET_ALLOW  # sched_getaffinity
         assert bpf(prog, arch.audit, nr["fork"]) == EPERM
         assert bpf(prog, arch.audit, nr["modify_ldt"]) == EPERM
     else:
         assert "fork" not in nr and "modify_ldt" not in nr
         assert bpf(prog, arch.audit, 63) == RET_ALLOW  # read
+        assert bpf(prog, arch.audit, 123) == RET_ALLOW  # sched_getaffinity
