@@ -127,7 +127,12 @@ class SubmitChecks:
         )
         verdict: CheckVerdict = outcome.verdict
         if not outcome.checked:
-            log.info("program %s: the check's verdict (%s) is remembered", program, verdict.verdict)
+            log.info(
+                "program %s with state %s: %s by an earlier check, not checked again",
+                program,
+                state,
+                verdict.verdict,
+            )
         if verdict.verdict is Verdict.UNAVAILABLE:
             raise UnavailableError(f"cannot check the program now: {verdict.reason}")
         if not verdict.ok:
