@@ -17,7 +17,16 @@ way from round CHEAT_FROM on (the agent's test-only EPOCHMESH_TEST_CHEAT switch)
 `false_accusations`: honest nodes struck or quarantined over every job. Prints one JSON line:
 
     .venv/bin/python scripts/bench_verify.py [--samples 1920] [--epochs 3] [--trust-rounds 160]
-        [--mode sync|local_sgd|ring|ring_local_sgd] [--inner-steps H]
+        [--mode sync|local_sgd|ring|ring_local_sgd] [--inner-steps H] [--random-rounds 40]
+        [--only-random]
+
+Random programs (honest randomness must never look like cheating): after the clean job, an
+honest job of `RANDOM_MODEL` (the conv net with `nn.Dropout`, `torch.rand_like` noise and a
+`torch.randperm` feature order, whose draws the agents seed per chunk from the job, round,
+worker and samples) on all five nodes (`random_job`: its verification figures; its checks
+must pass), then the `flipped` cheat on that model (`random_cheat`: still caught).
+`random_false_accusations`: honest nodes struck, failed or quarantined, plus programs declared
+nondeterministic, over those two jobs. `--only-random` runs only those two jobs.
 
 `--mode local_sgd` runs every job as local SGD (H = 12 inner steps, or --inner-steps, of 24
 samples a round, SGD with momentum kept across rounds, outer Nesterov lr 0.5, momentum 0.5:
@@ -89,6 +98,24 @@ RING_MODES = ("ring", "ring_local_sgd")
 # has 24 chunks and the chunk drawn goes to two checkers at once, as a synchronous ring part's
 # (with fewer, one at a time: a mismatch then waits a ring round for its second checker).
 INNER_STEPS = {"local_sgd": 12, "ring_local_sgd": 24}
+# The conv net with random draws: dropout, uniform noise, a random feature order.
+RANDOM_MODEL = """
+import torch
+from torch import nn
+
+
+class Noise(nn.Module):
+    def forward(self, x):
+        x = x + 0.05 * (torch.rand_like(x) - 0.5)
+        return x[:, torch.randperm(x.shape[1])]
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.Tanh(), nn.Dropout(0.2), nn.Conv2d(32, 32, 3, padding=1),
+        nn.Tanh(), nn.Flatten(), Noise(), nn.Dropout(0.3), nn.Linear(32 * 12 * 12, 4),
+    )
+"""
 
 
 class Bench:
@@ -139,6 +166,7 @@ class Bench:
         seed: int,
         on_poll: Callable[[], None] = lambda: None,
         train_extra: str = "",
+        model: str = "",
     ) -> tuple[str, Path]:
         job_dir = self.work / "jobs" / name
         toml = write_job(
@@ -154,6 +182,8 @@ class Bench:
             train_extra="\n".join(x for x in (self.extra, train_extra) if x),
             aggregation=self.aggregation,
         )
+        if model:
+            (job_dir / "model.py").write_text(model)
         out = self.cluster.cli("submit", str(toml), "--output", "json")
         job_id = str(json.loads(out)["job_id"])
 
@@ -224,6 +254,98 @@ def rounds_to_quarantine(bench: Bench, job_id: str, node_id: str, cheated: list[
     return sum(1 for r in rounds if r.round >= first and r.finished_ms <= at)
 
 
+def run_cheat(
+    bench: Bench,
+    cluster: LocalCluster,
+    cheat: str,
+    args: argparse.Namespace,
+    peer: list[str],
+    model: str = "",
+    label: str = "",
+) -> dict[str, Any]:
+    """The job once with a fresh agent cheating ``cheat``-wise from round CHEAT_FROM on (the
+    spare joins once it is quarantined): how fast it was caught, what it cost."""
+    label = label or cheat
+    name = f"cheat-{label}"
+    cluster.start_agent(
+        name, "--slowdown", "1", *peer, env={"EPOCHMESH_TEST_CHEAT": f"{cheat}:{CHEAT_FROM}"}
+    )
+    bench.wait_ready([name])
+    node_id = bench.nodes()[name].node_id
+    spare: list[bool] = []
+
+    def replace_the_cheater() -> None:
+        """The job needs five nodes: once the cheater is quarantined, the spare joins in its
+        place."""
+        if not spare and bench.nodes()[name].state == NS.NODE_STATE_QUARANTINED:
+            cluster.start_agent("spare", "--slowdown", "1", *peer)
+            spare.append(True)
+
+    job_id, job_dir = bench.run_job(
+        label, args.samples, args.epochs, seed=7, on_poll=replace_the_cheater, model=model
+    )
+    loss = bench.result_loss(job_id, job_dir)
+    cheater = bench.nodes()[name]
+    out = {
+        "rounds_to_quarantine": rounds_to_quarantine(
+            bench, job_id, node_id, cheated_rounds(bench.work / f"agent-{name}.log")
+        ),
+        "quarantined": cheater.state == NS.NODE_STATE_QUARANTINED,
+        "loss": loss,
+        "exactly_once": exactly_once(bench.rounds(job_id), args.samples, args.epochs),
+        "nondeterministic": nondeterministic(bench, job_id),
+        "verification": bench.summary(job_id),
+    }
+    log.info("%s: %s", label, out)
+    cluster.agents[name].terminate()
+    if spare:
+        cluster.agents["spare"].terminate()
+        cluster.agents["spare"].wait()
+    return out
+
+
+def nondeterministic(bench: Bench, job_id: str) -> int:
+    """The job's programs declared nondeterministic (job.nondeterministic events)."""
+    return sum(1 for e in bench.events(job_id) if e.kind == "job.nondeterministic")
+
+
+def false_accusations(nodes: dict[str, common_pb2.NodeInfo]) -> int:
+    """Honest nodes struck, with a failed check, or quarantined."""
+    return sum(
+        1
+        for n in HONEST
+        if nodes[n].strikes > 0
+        or nodes[n].reputation.failed_total > 0
+        or nodes[n].state == NS.NODE_STATE_QUARANTINED
+    )
+
+
+def random_stage(
+    bench: Bench, cluster: LocalCluster, args: argparse.Namespace, peer: list[str]
+) -> dict[str, Any]:
+    """An honest job of RANDOM_MODEL on all five nodes, then the flipped cheat on it."""
+    random_id, _ = bench.run_job(
+        "random", args.random_rounds * bench.per_round, 1, seed=3, model=RANDOM_MODEL
+    )
+    honest = bench.summary(random_id)
+    log.info("random-draws job: %s", honest)
+    undecidable = nondeterministic(bench, random_id)
+    cluster.agents["spare"].terminate()
+    cluster.agents["spare"].wait()
+    cheat = run_cheat(bench, cluster, "flipped", args, peer, RANDOM_MODEL, "random-flipped")
+    return {
+        "random_job": honest,
+        "random_checked_samples": sum(
+            int(honest.get(f"recomputed_{s}") or 0) for s in ("new", "building", "trusted")
+        ),
+        "random_passed": int(honest.get("passed") or 0),
+        "random_cheat": cheat,
+        "random_false_accusations": false_accusations(bench.nodes())
+        + undecidable
+        + cheat["nondeterministic"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1920)
@@ -239,6 +361,17 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=80,
         help="rounds of an honest job with micro-batches and int8 updates",
+    )
+    parser.add_argument(
+        "--random-rounds",
+        type=int,
+        default=40,
+        help="rounds of the honest job of a model with dropout, noise and a random permutation",
+    )
+    parser.add_argument(
+        "--only-random",
+        action="store_true",
+        help="run only the random model's honest job and its flipped cheat",
     )
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--mode", choices=sorted(MODES), default="sync")
@@ -262,6 +395,19 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start_agent("spare", "--slowdown", "1", *peer)
         bench = Bench(cluster, work, args.mode, args.inner_steps)
         bench.wait_ready([*HONEST, "spare"])
+        if args.only_random:
+            random = random_stage(bench, cluster, args, peer)
+            nodes = bench.nodes()
+            result = {
+                "mode": args.mode,
+                "inner_steps": bench.per_round // bench.global_batch,
+                **random,
+                "false_accusations": false_accusations(nodes),
+                "honest_node_rounds": sum(nodes[n].parts_applied for n in HONEST),
+                "seconds": round(time.monotonic() - started, 1),
+            }
+            print(json.dumps(result))
+            return 0
 
         trust_samples = args.trust_rounds * bench.per_round // 2
         trust_id, _ = bench.run_job("trust", trust_samples, 2, seed=1)
@@ -284,58 +430,16 @@ def main(argv: list[str] | None = None) -> int:
         again_id, again_dir = bench.run_job("clean-again", args.samples, args.epochs, seed=7)
         clean_again = bench.result_loss(again_id, again_dir) / clean_loss
         log.info("clean job again: loss over the first %.4f", clean_again)
-        cluster.agents["spare"].terminate()
+        random = random_stage(bench, cluster, args, peer)
 
         cheats: dict[str, dict[str, Any]] = {}
         # Ring members also cheat in what they put into the all-reduce (their ring audit).
         for cheat in (*CHEATS, "contribution") if args.mode in RING_MODES else CHEATS:
-            name = f"cheat-{cheat}"
-            cluster.start_agent(
-                name,
-                "--slowdown",
-                "1",
-                *peer,
-                env={"EPOCHMESH_TEST_CHEAT": f"{cheat}:{CHEAT_FROM}"},
-            )
-            bench.wait_ready([name])
-            node_id = bench.nodes()[name].node_id
-            spare: list[bool] = []
-
-            def replace_the_cheater(name: str = name, spare: list[bool] = spare) -> None:
-                """The job needs five nodes: once the cheater is quarantined, the spare
-                joins in its place."""
-                if not spare and bench.nodes()[name].state == NS.NODE_STATE_QUARANTINED:
-                    cluster.start_agent("spare", "--slowdown", "1", *peer)
-                    spare.append(True)
-
-            job_id, job_dir = bench.run_job(
-                cheat, args.samples, args.epochs, seed=7, on_poll=replace_the_cheater
-            )
-            loss = bench.result_loss(job_id, job_dir)
-            cheater = bench.nodes()[name]
-            cheats[cheat] = {
-                "rounds_to_quarantine": rounds_to_quarantine(
-                    bench, job_id, node_id, cheated_rounds(work / f"agent-{name}.log")
-                ),
-                "quarantined": cheater.state == NS.NODE_STATE_QUARANTINED,
-                "loss_over_clean": loss / clean_loss,
-                "exactly_once": exactly_once(bench.rounds(job_id), args.samples, args.epochs),
-                "verification": bench.summary(job_id),
-            }
-            log.info("%s: %s", cheat, cheats[cheat])
-            cluster.agents[name].terminate()
-            if spare:
-                cluster.agents["spare"].terminate()
-                cluster.agents["spare"].wait()
+            cheats[cheat] = run_cheat(bench, cluster, cheat, args, peer)
+            cheats[cheat]["loss_over_clean"] = cheats[cheat].pop("loss") / clean_loss
 
         nodes = bench.nodes()
-        false = sum(
-            1
-            for n in HONEST
-            if nodes[n].strikes > 0
-            or nodes[n].reputation.failed_total > 0
-            or nodes[n].state == NS.NODE_STATE_QUARANTINED
-        )
+        false = false_accusations(nodes)
         node_rounds = sum(nodes[n].parts_applied for n in HONEST)
 
     def overhead(summaries: list[dict[str, str]], standing: str) -> float | None:
@@ -365,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         "clean_again_over_clean": clean_again,
         "trust_job": trust,
         "mixed_job": mixed,
+        **random,
         "seconds": round(time.monotonic() - started, 1),
     }
     print(json.dumps(result))

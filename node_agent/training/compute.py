@@ -25,7 +25,7 @@ is its start parameters minus the next chunk's, and each commitment carries the 
 start state; a checker runs a drawn chunk's steps again from that state
 (`recompute_local_chunk`).
 
-Random draws (docs/verification-protocol.md, "Random draws"): every forward unit (a chunk,
+Random draws (node_agent.sandbox.seeding): every forward unit (a chunk,
 the whole part when it is not chunked, an inner step of local SGD) runs with torch's generators
 seeded from (job, round, the node whose part it is, the unit's sample indices)
 (node_agent.sandbox.seeding.SeedScope), and its k-th micro-batch from ``micro_seed(seed, k)``:
