@@ -4,9 +4,9 @@ A ring round in which any member is checked is audited (coordinator/engine/verif
 members"): every member sends its sketches of what it sent and received in the reduce-scatter
 and of its own contribution (`epochmesh.ring.evidence`); once all of it is in, `judge` names a
 member that contradicts itself, and a hop whose two ends disagree undoes the round without
-blaming either (the two are kept apart in later rings; a member two different neighbours
-disagree with is quarantined). `RingAudits` keeps the audits and the disputed hops; its verdicts
-go to the job's `Verifier` through `AuditVerdicts`.
+blaming either (the two are kept apart in later rings; a member that neighbours of two donors
+other than its own disagree with is quarantined). `RingAudits` keeps the audits and the
+disputed hops; its verdicts go to the job's `Verifier` through `AuditVerdicts`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from coordinator.core.errors import FailedPreconditionError, InvalidArgumentError
+from coordinator.engine.checker_selection import donor
 from coordinator.engine.ports import JobPort
 from epochmesh.ring.evidence import RingEvidence, judge
 from epochmesh.sketch import sketch
@@ -184,8 +185,9 @@ class RingAudits:
 
     async def _disputed_hop(self, audit: RingAudit, sender: str, receiver: str, why: str) -> None:
         """``sender`` and ``receiver`` disagree on what passed between them: one of them lies.
-        The round is undone; the two are kept apart from now on, and a member two different
-        neighbours disagree with is quarantined."""
+        The round is undone; the two are kept apart from now on, and a member that neighbours
+        of two donors other than its own disagree with is quarantined (two neighbours of one
+        donor, which could be one Sybil's two nodes, count as one)."""
         reason = f"ring round {audit.round}: {why}"
         self.runner.undo_from(audit.round, reason)
         await self.runner.ctx.events.append(
@@ -197,9 +199,11 @@ class RingAudits:
         for a, b in ((sender, receiver), (receiver, sender)):
             self.disputes.setdefault(a, {})[b] = audit.round
         self.verdicts.changed_state()
+        registry = self.runner.ctx.registry
         for node in (sender, receiver):
             partners = self.disputes.get(node, {})
-            if len(partners) >= 2 and node not in self.verdicts.accused:
+            donors = {donor(registry, p) for p in partners} - {donor(registry, node)}
+            if len(donors) >= 2 and node not in self.verdicts.accused:
                 await self.verdicts.condemn(
                     node,
                     audit.round,
