@@ -148,16 +148,21 @@ def quantized_rate(rate: float) -> float:
     return round(rate * RATE_QUANTUM) / RATE_QUANTUM if rate > 0 else 0.0
 
 
-def standing_rate(observed: Sequence[float], peer_claims: Sequence[float]) -> float:
+def standing_rate(
+    observed: Sequence[float], peer_claims: Sequence[float], floor: float = 0.0
+) -> float:
     """The samples/s the coordinator can stand behind for a node of a job it has not observed
     yet: the median estimate of the job's observed nodes, else (none observed yet) the median
-    of the other nodes' benchmark claims for the job (the device model's figure on this job),
-    else 0 (nothing to stand behind: the part's own observation decides at round close)."""
+    of the other nodes' benchmark claims for the job, but never below ``floor``, the node's
+    device model's reference floor (coordinator/rounds/claims.py `reference_floor`), which is
+    all there is for a node alone in a job (the part's own observation decides at round
+    close)."""
     seen = [r for r in observed if math.isfinite(r) and r > 0]
     if seen:
         return float(statistics.median(seen))
     claims = [r for r in peer_claims if math.isfinite(r) and r > 0]
-    return float(statistics.median(claims)) if claims else 0.0
+    floor = floor if math.isfinite(floor) and floor > 0 else 0.0
+    return max(float(statistics.median(claims)) if claims else 0.0, floor)
 
 
 def handout_rate(estimate: float, observed: bool, standing: float) -> float:

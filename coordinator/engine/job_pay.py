@@ -16,6 +16,7 @@ from coordinator.accounting.credit_book import REFUND, RELEASED, Entry, held_acc
 from coordinator.engine.api import CoordinatorContext
 from coordinator.engine.round_writer import RoundWriter
 from coordinator.market.job_billing import JobBilling, settle_ended_job
+from coordinator.rounds.claims import reference_floor
 from coordinator.rounds.planner import RoundPlanner
 from epochmesh.money import format_credits
 from epochmesh.v1 import common_pb2
@@ -35,12 +36,31 @@ class JobPay:
         job: common_pb2.Job,
         billing: JobBilling,
         writer: RoundWriter,
+        planner: RoundPlanner | None = None,
     ) -> None:
+        """``planner``: the job's, whose claims get their device model's reference floor from
+        here (`reference_floor`)."""
         self.ctx = ctx
         self.job = job
         self.job_id = job.job_id
         self.billing = billing
         self.writer = writer
+        if planner is not None:
+            planner.reference_of = self.reference_floor
+
+    def reference_floor(self, node_id: str) -> float:
+        """The samples/s below which ``node_id``'s claims are not believed: the reference floor
+        of its device model over the registered nodes (coordinator/rounds/claims.py)."""
+        info = self.ctx.registry.get(node_id)
+        if info is None:
+            return 0.0
+        kind = _device_model(info)
+        refs = [
+            n.benchmark.samples_per_second
+            for n in self.ctx.registry.list()
+            if _device_model(n) == kind or n.node_id == node_id
+        ]
+        return reference_floor(refs)
 
     async def release(self, node_id: str, up_to_round: int) -> None:
         """A check vouched for ``node_id``'s parts up to ``up_to_round``: the pay held for
@@ -171,8 +191,8 @@ def unobserved_standing(
 ) -> dict[str, float]:
     """The ``nodes`` no round of the job observed yet, each with the rate the coordinator can
     stand behind for it (coordinator/accounting/billing.py `standing_rate`: the job's observed
-    nodes, else the other ``members``' benchmark claims): its own claim bounds its pay only
-    from above."""
+    nodes, else the other ``members``' benchmark claims, never below its device model's
+    reference floor): its own claim bounds its pay only from above."""
     est = planner.estimator
     observed = {n: est.estimate(n) for n in est.nodes if est.observations(n) > 0}
     out = {}
@@ -180,7 +200,8 @@ def unobserved_standing(
         if n in observed or n not in est:
             continue
         claims = [r.samples_per_second for m, r in planner.bench.items() if m != n and m in members]
-        out[n] = standing_rate([r for m, r in observed.items() if m != n], claims)
+        seen = [r for m, r in observed.items() if m != n]
+        out[n] = standing_rate(seen, claims, planner.reference_of(n))
     return out
 
 
@@ -226,3 +247,12 @@ async def settle_ended(
         return
     if posted:
         log.info("job %s ended: %d settlement entries posted", job.job_id, len(posted))
+
+
+def _device_model(info: common_pb2.NodeInfo) -> str:
+    """The device model a node computes on: coordinator/engine/cluster_scheduling.py
+    `node_kind`'s rule (a layer above this one: not importable here)."""
+    if not info.devices:
+        return ""
+    d = info.devices[0]
+    return f"{d.kind}:{d.name or d.cores}"

@@ -125,7 +125,7 @@ class JobRunner:
             True  # a part's pay waits for its checks (coordinator/engine/verifier.py)
         )
         self.rollback = Rollbacks(self.verifier)
-        self.pay = JobPay(self.ctx, job, self.billing, self.writer)
+        self.pay = JobPay(self.ctx, job, self.billing, self.writer, self.planner)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

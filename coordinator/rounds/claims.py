@@ -20,7 +20,20 @@ beyond what the coordinator observes itself:
 - **Unobserved benchmarks.** A node with no observed round is planned by its benchmark, which
   it ran itself. Its planning rate is capped at BENCHMARK_CAP times the fastest observed node of
   the job, or, while no node is observed yet, BENCHMARK_CAP times the median claim: a liar's
-  first round cannot take the batch, and its first observed round replaces the claim.
+  first round cannot take the batch, and its first observed round replaces the claim. From
+  below it is bounded by its device model's reference floor (`reference_floor`): the median
+  reference benchmark (samples/s of the reference model) of the registered nodes of its device
+  model, its own when it is the only one, divided by BENCHMARK_CAP. A claim of being slow, even
+  alone in a job, cannot shrink its share (or, coordinator/accounting/billing.py
+  `standing_rate`, swell the budget its first round reserves) below that floor.
+
+  Why the reference and not a job's measured figures: a part's pay follows what its round
+  observes anyway (`settled_rate`), so the floor only has to keep an unobserved claim from
+  being absurd, and the reference benchmark is the one figure every node has for its device
+  model. Each node of a model counts once, so a liar's own reference is one vote among its
+  model's. A program much heavier per sample than the reference model (an MLP of 540 kFLOPs)
+  runs below the floor: such a node's first round is billed at the floor rather than its
+  observed rate, which underpays it for that round only.
 """
 
 from __future__ import annotations
@@ -29,7 +42,13 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-__all__ = ["BENCHMARK_CAP", "CLAIM_TOLERANCE", "capped_benchmarks", "confirmed_compute"]
+__all__ = [
+    "BENCHMARK_CAP",
+    "CLAIM_TOLERANCE",
+    "capped_benchmarks",
+    "confirmed_compute",
+    "reference_floor",
+]
 
 # How many times the fastest observed node (or the median claim) an unobserved node's benchmark
 # may say it is: a legitimately faster device gets its full share from its first observed round.
@@ -58,14 +77,26 @@ def confirmed_compute(parts: Sequence[tuple[float, float]]) -> list[float]:
 
 
 def capped_benchmarks(
-    claims: Mapping[str, float], observed: Mapping[str, float]
+    claims: Mapping[str, float],
+    observed: Mapping[str, float],
+    floors: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """Planning rates of unobserved nodes (``claims``: samples/s they benchmarked) capped by
-    the job's observed nodes' estimates (``observed``), see the module docstring."""
+    the job's observed nodes' estimates (``observed``) and bounded from below by ``floors``
+    (node -> its `reference_floor`), see the module docstring."""
     if observed:
         cap = BENCHMARK_CAP * max(observed.values())
     elif claims:
         cap = BENCHMARK_CAP * statistics.median(claims.values())
     else:
         return {}
-    return {n: min(rate, cap) for n, rate in claims.items()}
+    floors = floors or {}
+    return {n: max(min(rate, cap), floors.get(n, 0.0)) for n, rate in claims.items()}
+
+
+def reference_floor(references: Sequence[float]) -> float:
+    """The samples/s below which no unobserved node of a device model is believed: the median
+    of the model's nodes' reference benchmarks (``references``) / BENCHMARK_CAP; 0 without
+    one (see the module docstring)."""
+    refs = [r for r in references if math.isfinite(r) and r > 0]
+    return float(statistics.median(refs)) / BENCHMARK_CAP if refs else 0.0

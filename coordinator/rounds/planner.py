@@ -12,6 +12,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 
 from coordinator.rounds.allocator import quotas, split_batch
 from coordinator.rounds.claims import capped_benchmarks, confirmed_compute
@@ -42,6 +43,9 @@ class RoundPlanner:
         self.time_boxing = time_boxing
         self.estimator = ThroughputEstimator()
         self.bench: dict[str, common_pb2.BenchmarkResult] = {}  # node -> its job benchmark
+        # node -> the samples/s below which its claims are not believed (claims.py
+        # reference_floor of its device model; set by the runner's JobPay)
+        self.reference_of: Callable[[str], float] = lambda _node: 0.0
         self.batches: dict[str, int] = {}  # b_i of the last planned round
         # Seconds a round spends outside the nodes' work (apply, record), smoothed.
         self.overhead_s = 0.0
@@ -102,7 +106,8 @@ class RoundPlanner:
             for n in nodes or self.estimator.nodes:
                 if n in self.bench and n not in claims:
                     claims[n] = self.bench_rate(n, expected_batch)
-        return capped_benchmarks(claims, observed)[node_id]
+        floors = {node_id: self.reference_of(node_id)}
+        return capped_benchmarks(claims, observed, floors)[node_id]
 
     def bench_points(self, node_id: str) -> list[tuple[int, float]]:
         """(batch size, samples/s) of the node's job benchmark: the shape of its step time."""
