@@ -261,12 +261,29 @@ def main() -> None:
                 results.append(result)
     ratios = [r["seconds_ratio"] for r in results if r["seconds_ratio"]]
     costs = [r["cost_ratio"] for r in results if r["cost_ratio"]]
+    rows = summary(results)
+    for r in rows:
+        log.info(
+            "agents %d %-8s quoted/actual: time %s %s, cost %s %s (%d runs)",
+            r["agents"],
+            r["model"],
+            r["seconds_ratio"],
+            r["seconds_ratio_spread"],
+            r["cost_ratio"],
+            r["cost_ratio_spread"],
+            r["runs"],
+        )
     print(
         json.dumps(
             {
                 "bench": "quote",
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-                "summary": summary(results),
+                "summary": rows,
+                "medians_within_2x": all(
+                    r[k] is not None and 0.5 <= r[k] <= 2
+                    for r in rows
+                    for k in ("seconds_ratio", "cost_ratio")
+                ),
                 "results": results,
                 "within_2x_seconds": all(0.5 <= x <= 2 for x in ratios),
                 "within_2x_cost": all(0.5 <= x <= 2 for x in costs),

@@ -29,9 +29,9 @@ HIDDEN_STATES = frozenset({NS.NODE_STATE_OFFLINE, NS.NODE_STATE_QUARANTINED})
 QUOTE_STATES = (NS.NODE_STATE_ONLINE, NS.NODE_STATE_BUSY)  # the nodes that could take a job
 RATES_NOTE = "rates from the reference benchmark; a job's own speed differs"
 PREDICTED_NOTE = (
-    "JOB SAMPLES/S is predicted for this program: each node's reference benchmark FLOP/s x "
-    "an efficiency (FROM: jobs measured on its device model, else a default) / the "
-    "program's FLOPs per sample"
+    "JOB SAMPLES/S is predicted for this program at its local batch: a step takes a fixed "
+    "cost plus the program's FLOPs at an efficiency, both fitted on the steps measured on "
+    "the node's device model (FROM), over the node's reference benchmark FLOP/s"
 )
 RATE_SOURCES = {
     "same_program": "same program",

@@ -13,10 +13,12 @@ Steps, each failing with a one-line message and a stable exit code:
    stderr (blobs the coordinator already holds are skipped);
 5. SubmitJob; print the job id (or the job as JSON) on stdout; with ``--watch``, follow it.
 
-After SubmitJob, the program's FLOPs per training sample (counted on a few samples, as
-``epochmesh quote`` counts them) go to the coordinator in a QuoteJob of the same job, so that
-the job's measured speed calibrates later quotes; the answer is not shown, and a failure of it
-is logged, never the submission's.
+After SubmitJob, the program's FLOPs per training sample go to the coordinator in a QuoteJob
+of the same job, so that the job's measured speed calibrates later quotes; the answer is not
+shown, and a failure of it is logged, never the submission's. The figure is remembered per
+program sha256 in the export cache's folder (``flops/``), so a submit after ``epochmesh quote``
+(or of a program submitted before) sends it at no cost; otherwise it is counted as the quote
+counts it, on a few samples (loading the exported program once: seconds for a large one).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -88,13 +92,43 @@ def pack(loaded: Any, path: Path, ctx: Context) -> Any:
     return packed
 
 
+def _memo(sha: str) -> Path:
+    from epochmesh.export_cache import default_root
+
+    return default_root() / "flops" / sha
+
+
+def _remembered(sha: str) -> float | None:
+    try:
+        value = float(_memo(sha).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def _remember(sha: str, flops: float) -> None:
+    path = _memo(sha)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(repr(flops))
+        tmp.replace(path)
+    except OSError as err:
+        log.debug("the program's FLOPs were not remembered: %s", err)
+
+
 def program_figures(packed: Any) -> tuple[float, str, int]:
     """(FLOPs of a training step per sample, the program's sha256, the parameters' bytes) of
-    a packed job, counted on the first few samples of its dataset."""
+    a packed job: remembered for its program, else counted on the first few samples of its
+    dataset (and remembered)."""
     from safetensors.torch import load
 
     from epochmesh.program.flops import training_flops_per_sample
 
+    sha = hashlib.sha256(packed.program).hexdigest()
+    known = _remembered(sha)
+    if known is not None:
+        return known, sha, len(packed.initial_state)
     data = load(packed.shards[0][2]) if packed.shards else {}
     spec = packed.spec
     n = min(FLOP_SAMPLES, packed.num_samples)
@@ -109,7 +143,9 @@ def program_figures(packed: Any) -> tuple[float, str, int]:
         raise CliError(
             ExitCode.USAGE, f"cannot count the program's FLOPs: {err}", "check model.py"
         ) from None
-    return flops, hashlib.sha256(packed.program).hexdigest(), len(packed.initial_state)
+    if flops > 0:
+        _remember(sha, flops)
+    return flops, sha, len(packed.initial_state)
 
 
 def send_flops(ctx: Context, packed: Any) -> None:

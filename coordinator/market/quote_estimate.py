@@ -34,9 +34,11 @@ remainder. Start: the program check at submission and the job benchmark on each 
 steps of its plan, JOB_PLAN or with --benchmark quick QUICK_JOB_PLAN, timed by the step model,
 plus loading the program; the nodes benchmark at once): the recorded jobs' median start less
 their own benchmark, else DEFAULT_START_S, plus this program's benchmark. Round overhead
-(hand-out, parameter pull, update push, verification, aggregation and record) comes from the
-jobs this coordinator recorded (`History`), else DEFAULT_ROUND_OVERHEAD_S; the parameters'
-transfer (pull and push) over the slowest chosen node's measured bandwidth comes on top.
+(hand-out, parameter pull, update push, verification, aggregation and record) is a fixed part
+plus a part in proportion to the round's compute (the rounds of a program of heavy steps
+spend more around them too), fitted on the jobs this coordinator recorded (`History`), else
+DEFAULT_ROUND_OVERHEAD_S and DEFAULT_OVERHEAD_PER_COMPUTE; the parameters' transfer (pull and
+push) over the slowest chosen node's measured bandwidth comes on top.
 
 Cost. Each round's part on node i earns ``price_i x b_i / rate_i / 3600`` micro-credits,
 rounded down (coordinator/accounting/billing.py), at the rate the node shows at that batch
@@ -68,10 +70,12 @@ QUOTED_JOB = "quote"  # the quoted job's id in the scheduler pass
 # zen transformer, a 4-layer MLP, a conv net and the spirals MLP; docs/benchmarks.md).
 DEFAULT_FIXED_FLOPS = 4.1e8  # a step's fixed cost, in reference FLOPs (about 10 ms there)
 DEFAULT_EFFICIENCY = 0.44
-# Without recorded jobs (the same runs): seconds a round spends outside compute, and from
-# submission to the first round (program check, claim, program load) besides the job
-# benchmark's compute.
-DEFAULT_ROUND_OVERHEAD_S = 0.12
+# Without recorded jobs (the same runs): seconds a round spends outside compute, a fixed part
+# and a part in proportion to the round's compute (the agent's work around a step: parameters
+# in, gradients and their commitments out, on the same loaded cores), and from submission to
+# the first round (program check, claim, program load) besides the job benchmark's compute.
+DEFAULT_ROUND_OVERHEAD_S = 0.033
+DEFAULT_OVERHEAD_PER_COMPUTE = 4.0
 DEFAULT_START_S = 4.0
 # A checkpoint writes parameters and optimizer state (about 3x the parameters) to the blob
 # store: a fixed cost plus the bytes at a disk's speed.
@@ -164,28 +168,37 @@ def fit_step_model(
     pts = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y) and x > 0 and y > 0]
     if not pts:
         return None
-    xs = [x for x, _ in pts]
-    if max(xs) >= SPREAD * min(xs):
-        # Weighted normal equations of y = a + k x with weights 1 / y^2.
-        w = [1.0 / (y * y) for _, y in pts]
-        sw = sum(w)
-        sx = sum(wi * x for wi, (x, _) in zip(w, pts, strict=True))
-        sy = sum(wi * y for wi, (_, y) in zip(w, pts, strict=True))
-        sxx = sum(wi * x * x for wi, (x, _) in zip(w, pts, strict=True))
-        sxy = sum(wi * x * y for wi, (x, y) in zip(w, pts, strict=True))
-        det = sw * sxx - sx * sx
-        if det > 0:
-            k = (sw * sxy - sx * sy) / det
-            a = (sy - k * sx) / sw
-            if a < 0:  # no negative fixed cost: the line through the origin
-                a, k = 0.0, sxy / sxx
-            if k > 0 and math.isfinite(k) and math.isfinite(a):
-                return StepModel(a, 1.0 / k, source, len(pts))
+    line = relative_line(pts)
+    if line is not None and line[1] > 0:
+        return StepModel(line[0], 1.0 / line[1], source, len(pts))
     fixed = min(prior.fixed_flops, 0.5 * min(y for _, y in pts))
     k = statistics.median((y - fixed) / x for x, y in pts)
     if not (math.isfinite(k) and k > 0):
         return None
     return StepModel(fixed, 1.0 / k, source, len(pts))
+
+
+def relative_line(pts: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """``(a, k)`` of ``y = a + k x`` by least squares of the relative error (weights 1 / y^2)
+    over points with ``y > 0``, ``a >= 0`` (else the line through the origin); None when the
+    ``x`` do not spread by SPREAD or the fit is degenerate."""
+    xs = [x for x, _ in pts]
+    if not pts or min(xs) <= 0 or max(xs) < SPREAD * min(xs):
+        return None
+    w = [1.0 / (y * y) for _, y in pts]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, pts, strict=True))
+    sy = sum(wi * y for wi, (_, y) in zip(w, pts, strict=True))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, pts, strict=True))
+    sxy = sum(wi * x * y for wi, (x, y) in zip(w, pts, strict=True))
+    det = sw * sxx - sx * sx
+    if det <= 0:
+        return None
+    k = (sw * sxy - sx * sy) / det
+    a = (sy - k * sx) / sw
+    if a < 0:  # no negative fixed part: the line through the origin
+        a, k = 0.0, sxy / sxx
+    return (a, k) if math.isfinite(a) and math.isfinite(k) else None
 
 
 def _point(m: Measured, flops: float) -> tuple[float, float]:
@@ -244,7 +257,8 @@ def _rate(node: Node, program: Program, model: StepModel, batch: float) -> float
 class History:
     """Fixed costs measured from recorded jobs (None: none recorded)."""
 
-    round_overhead_s: float | None = None
+    round_overhead_s: float | None = None  # the fixed part
+    overhead_per_compute: float = DEFAULT_OVERHEAD_PER_COMPUTE
     start_s: float | None = None
     jobs: int = 0
 
@@ -432,6 +446,7 @@ def estimate(
         (by_id[n].bandwidth for n in chosen if by_id[n].bandwidth > 0), default=math.inf
     )
     overhead = base_overhead + 2 * program.state_bytes / bandwidth
+    per_compute = history.overhead_per_compute
     epoch_s = 0.0
     epoch_cost = epoch_fee = 0
     rounds = 0
@@ -451,7 +466,7 @@ def estimate(
         ]
         epoch_cost += count * sum(c.submitter_total for c in charges)
         epoch_fee += count * sum(c.fee for c in charges)
-        epoch_s += count * (compute + overhead)
+        epoch_s += count * (compute * (1 + per_compute) + overhead)
         rounds += count
     if not full_batches:  # an epoch smaller than one global batch
         full_batches, full_rates = _split(job.num_samples, chosen, models, program, caps)
@@ -477,7 +492,7 @@ def estimate(
         checkpoints=checkpoints,
         start_s=start_s,
         round_compute_s=full_compute,
-        round_overhead_s=overhead,
+        round_overhead_s=overhead + per_compute * full_compute,
         checkpoint_s=checkpoint_s,
         epoch_seconds=epoch_s,
         total_seconds=total_s,
@@ -494,20 +509,31 @@ def job_history(
 ) -> History:
     """Fixed costs from recorded jobs, each ``(created_ms, first round's start ms, last
     round's finish ms, rounds, summed slowest-part compute seconds, its job benchmark's
-    predicted seconds (0: unknown))``: the median of each job's (wall time of its rounds -
-    their compute) / rounds, and of its time from submission to its first round (the program
-    check, claims, loading) less its benchmark."""
-    overheads = []
+    predicted seconds (0: unknown))``. A job's round overhead is (wall time of its rounds -
+    their compute) / rounds; over jobs whose compute per round spreads, ``overhead = fixed +
+    per_compute x compute`` is fitted (`relative_line`), else the per-compute part is the
+    default and the fixed part the median of the rest. The start: the median of each job's
+    time from submission to its first round (program check, claims, loading) less its
+    benchmark."""
+    points = []
     starts = []
     for created, first, last, rounds, compute, bench in jobs:
         if rounds <= 0 or last <= first or first < created:
             continue
-        overheads.append(max(0.0, ((last - first) / 1000 - compute) / rounds))
+        per_round = compute / rounds
+        points.append((per_round, max(0.0, (last - first) / 1000 / rounds - per_round)))
         starts.append(max(0.0, (first - created) / 1000 - max(0.0, bench)))
-    if not overheads:
+    if not points:
         return History()
+    line = relative_line([(c, o) for c, o in points if c > 0 and o > 0])
+    if line is not None and line[1] >= 0:
+        fixed, per_compute = line
+    else:
+        per_compute = DEFAULT_OVERHEAD_PER_COMPUTE
+        fixed = statistics.median(max(0.0, o - per_compute * c) for c, o in points)
     return History(
-        round_overhead_s=statistics.median(overheads),
+        round_overhead_s=fixed,
+        overhead_per_compute=per_compute,
         start_s=statistics.median(starts),
-        jobs=len(overheads),
+        jobs=len(points),
     )

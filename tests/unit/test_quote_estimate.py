@@ -15,6 +15,7 @@ from coordinator.market.quote_estimate import (
     CALIBRATED,
     CALIBRATED_ANY,
     DEFAULT,
+    DEFAULT_OVERHEAD_PER_COMPUTE,
     DEFAULT_ROUND_OVERHEAD_S,
     DEFAULT_STEP,
     SAME_PROGRAM,
@@ -178,7 +179,9 @@ def test_rounds_time_and_cost_follow_the_spec_and_the_billing_rule() -> None:
     assert est.rounds == 16 * 3 and est.checkpoints == 4
     full = max(16 / 100.0, 48 / 300.0)
     last = max(10 / 100.0, 30 / 300.0)
-    epoch = 15 * (full + DEFAULT_ROUND_OVERHEAD_S) + last + DEFAULT_ROUND_OVERHEAD_S
+    k = DEFAULT_OVERHEAD_PER_COMPUTE  # a round's overhead grows with its compute
+    epoch = 15 * (full * (1 + k) + DEFAULT_ROUND_OVERHEAD_S)
+    epoch += last * (1 + k) + DEFAULT_ROUND_OVERHEAD_S
     assert est.epoch_seconds == pytest.approx(epoch)
     assert est.total_seconds == pytest.approx(
         est.start_s + 3 * epoch + est.checkpoints * est.checkpoint_s
@@ -206,12 +209,28 @@ def test_a_fixed_step_cost_makes_more_nodes_cost_more_per_sample() -> None:
 
 
 def test_recorded_jobs_replace_the_default_fixed_costs() -> None:
-    # created 0, first round at 5 s, last round ends at 25 s, 100 rounds of 10 s compute.
-    # Its job benchmark took 2 s of that: the fixed start is 3 s.
+    # created 0, first round at 5 s, last round ends at 25 s, 100 rounds of 0.1 s compute:
+    # 0.1 s overhead a round. One job: the default per-compute part, the fixed part the rest
+    # (never below 0).
+    k = DEFAULT_OVERHEAD_PER_COMPUTE
     history = job_history([(0, 5000, 25_000, 100, 10.0, 2.0), (0, 0, 0, 0, 0.0, 0.0)])
-    assert history == History(round_overhead_s=pytest.approx(0.1), start_s=3.0, jobs=1)
+    assert history.jobs == 1 and history.overhead_per_compute == k
+    assert history.round_overhead_s == pytest.approx(max(0.0, 0.1 - k * 0.1))
+    # Its job benchmark took 2 s of its 5 s start: the fixed start is 3 s.
+    assert history.start_s == 3.0
+    one = job_history([(0, 1000, 2000, 10, 0.01, 0.0)])  # 0.099 s a round over 0.001 compute
+    assert one.round_overhead_s == pytest.approx(0.1 - 0.001 - k * 0.001)
     assert job_history([]) == History()
+    # Jobs of light and heavy rounds: both parts fitted (here 0.05 s + 2 x compute; a round
+    # takes compute x 3 + 0.05 s).
+    jobs = [
+        (0, 1000, 1000 + round(100 * (c * 3 + 0.05) * 1000), 100, 100 * c, 0.0) for c in (0.01, 0.1)
+    ]
+    fitted = job_history(jobs)
+    assert fitted.round_overhead_s == pytest.approx(0.05, rel=1e-3)
+    assert fitted.overhead_per_compute == pytest.approx(2.0, rel=1e-3)
     nodes = [Node("a", "cpu", 1000.0)]
+    history = History(round_overhead_s=0.1, overhead_per_compute=0.0, start_s=3.0, jobs=1)
     est = estimate(0, job(), Program(REF), nodes, Cluster(), [], history)
     bench = bench_seconds(nodes[0], DEFAULT_STEP, REF)
     assert est.overhead_source == "recorded" and est.start_s == pytest.approx(3.0 + bench)
