@@ -53,7 +53,7 @@ import torch
 
 from epochmesh.errors import CodecError, ProgramError
 from epochmesh.program.op_allowlist import ALLOWED_ATEN_OPS
-from epochmesh.program.shape_check import ShapeCheck
+from epochmesh.program.shape_check import ShapeCheck, batch_ranges
 from epochmesh.program.zero_fill import zero_fill_uninitialised
 from epochmesh.wire.tensors import from_safetensors, safetensors_metadata, to_safetensors
 
@@ -817,7 +817,7 @@ class TrainableProgram:
             prog.load_state_dict(state)
         except ValueError as e:
             raise ProgramError(f"initial state does not fit the program: {e}") from None
-        prog._shapes.check_declared(_batch_ranges(ep))
+        prog._shapes.check_declared(batch_ranges(ep))
         return prog
 
     # -- state -----------------------------------------------------------------------------
@@ -975,27 +975,13 @@ def _tie(module: torch.nn.Module, alias: str, canonical: str) -> None:
     parent_name, _, leaf = alias.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
     slots = parent._parameters if leaf in parent._parameters else parent._buffers
-    if leaf not in slots:
-        raise ProgramError(
-            f"tied weight {alias.removeprefix(WRAPPER_PREFIX)!r} is not in the program"
-        )
-    tied = slots[leaf]
-    if tied is None or target is None or tied.shape != target.shape or tied.dtype != target.dtype:
-        raise ProgramError(
-            f"tied weight {alias.removeprefix(WRAPPER_PREFIX)!r} differs in shape or dtype "
-            f"from {canonical.removeprefix(WRAPPER_PREFIX)!r}"
-        )
+    tied, name = slots.get(leaf), alias.removeprefix(WRAPPER_PREFIX)
+    other = canonical.removeprefix(WRAPPER_PREFIX)
+    if tied is None or target is None:
+        raise ProgramError(f"tied weight {name!r} is not in the program")
+    if tied.shape != target.shape or tied.dtype != target.dtype:
+        raise ProgramError(f"tied weight {name!r} differs in shape or dtype from {other!r}")
     slots[leaf] = target
-
-
-def _batch_ranges(ep: torch.export.ExportedProgram) -> dict[Any, tuple[int, int]]:
-    """{symbol: (lo, hi)} of the archive's range constraints (the batch size), hi bounded."""
-    out: dict[Any, tuple[int, int]] = {}
-    for sym, vr in ep.range_constraints.items():
-        lo = int(vr.lower) if _finite_int(vr.lower) else 0
-        hi = int(vr.upper) if _finite_int(vr.upper) else 1 << 31  # unbounded: int_oo
-        out[sym] = (max(lo, 0), max(lo, hi, 0))
-    return out
 
 
 def _is_param(module: torch.nn.Module, name: str) -> bool:
@@ -1011,8 +997,3 @@ def _first_line(e: BaseException) -> str:
         if line.strip():
             return f"{type(e).__name__}: {line.strip()}"
     return type(e).__name__
-
-
-def _finite_int(value: Any) -> bool:
-    """A sympy bound that is an integer (not int_oo)."""
-    return type(value) is int or bool(getattr(value, "is_Integer", False))

@@ -151,6 +151,21 @@ class ShapeCheck:
             _run_graph(self._module, self._module.graph, inputs, fake, declared)
 
 
+def batch_ranges(ep: torch.export.ExportedProgram) -> dict[Any, tuple[int, int]]:
+    """{symbol: (lo, hi)} of the archive's range constraints (the batch size), hi bounded."""
+    out: dict[Any, tuple[int, int]] = {}
+    for sym, vr in ep.range_constraints.items():
+        lo = int(vr.lower) if _finite_int(vr.lower) else 0
+        hi = int(vr.upper) if _finite_int(vr.upper) else 1 << 31  # unbounded: int_oo
+        out[sym] = (max(lo, 0), max(lo, hi, 0))
+    return out
+
+
+def _finite_int(value: Any) -> bool:
+    """A sympy bound that is an integer (not int_oo)."""
+    return type(value) is int or bool(getattr(value, "is_Integer", False))
+
+
 class _Spec:
     """An input's shape, dtype and device."""
 
@@ -263,6 +278,8 @@ def _call(
         where = f"node {node.name!r} ({name})"
         contract = CONTRACTS.get(name)
         try:
+            if name in SAME_FLOAT_DTYPE:
+                _same_float_dtype(args, kwargs)
             if contract is not None:
                 contract(args, kwargs)
             return target(*args, **kwargs)
@@ -650,6 +667,40 @@ def _fft_c2r(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
             "last transformed dimension"
         )
 
+
+def _same_float_dtype(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """The floating-point tensors of a call share one dtype (autocast regions excepted: there
+    the kernel's arguments are cast first)."""
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return
+    dtypes: set[torch.dtype] = set()
+    stack: list[Any] = [*args, *kwargs.values()]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.dtype.is_floating_point:
+                dtypes.add(v.dtype)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    if len(dtypes) > 1:
+        raise ProgramError(f"mixes floating-point dtypes {sorted(str(d) for d in dtypes)}")
+
+
+# Operators whose CPU kernels require one floating dtype across input and weights (the fake
+# implementations of several of them promote instead).
+SAME_FLOAT_DTYPE = frozenset(
+    {
+        "aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.bmm.default",
+        "aten.baddbmm.default", "aten.matmul.default", "aten.bilinear.default",
+        "aten.convolution.default", "aten.conv1d.default", "aten.conv2d.default",
+        "aten.conv3d.default", "aten.conv_transpose2d.input", "aten.batch_norm.default",
+        "aten.instance_norm.default", "aten.layer_norm.default", "aten.native_layer_norm.default",
+        "aten.group_norm.default", "aten.native_group_norm.default", "aten.prelu.default",
+        "aten.embedding_bag.padding_idx", "aten._embedding_bag.default",
+        "aten.lstm.input", "aten.gru.input", "aten.rnn_tanh.input",
+        "aten.scaled_dot_product_attention.default",
+    }
+)  # fmt: skip
 
 CONTRACTS: dict[str, Contract] = {
     "aten.batch_norm.default": _batch_norm,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from epochmesh.errors import ProgramError
-from epochmesh.program.archive import TrainableProgram, _batch_ranges, validate_program_archive
-from epochmesh.program.shape_check import CONTRACTS, ShapeCheck
+from epochmesh.program.archive import TrainableProgram, validate_program_archive
+from epochmesh.program.shape_check import CONTRACTS, ShapeCheck, batch_ranges
 from tests.fixtures.shape_programs import cell_program, legit_batch_norm_program, with_weight
 
 pytestmark = pytest.mark.timeout(300)
@@ -136,7 +136,7 @@ def test_the_examples_pass_and_the_check_costs_little(example: str) -> None:
     loaded = time.perf_counter() - t0
     ep = torch.export.load(io.BytesIO(program))
     t1 = time.perf_counter()
-    ShapeCheck(prog._module).check_declared(_batch_ranges(ep))
+    ShapeCheck(prog._module).check_declared(batch_ranges(ep))
     declared = time.perf_counter() - t1
     t2 = time.perf_counter()
     ShapeCheck(prog._module).check_inputs([t[:64] for t in _inputs(ep, example)])
