@@ -26,8 +26,8 @@ Failures raise ProgramError naming the node, the operator and what does not fit.
 
 The contracts: where an operator's fake implementation computes a shape without checking what
 its CPU kernel relies on, a contract below checks it (tests/unit/test_shape_fuzz.py feeds every
-weight of the catalogue's models with wrong shapes and dtypes; the operators it does not reach
-were reviewed by reading, not fuzzed):
+weight of the catalogue's models with wrong shapes and dtypes; operators no weight reaches are
+not fuzzed yet):
 - matrix products, convolutions, norms, embedding bags, recurrent layers and attention
   (SAME_FLOAT_DTYPE): one floating dtype across input and weights outside autocast regions;
 - batch_norm, instance_norm: weight, bias, running mean and variance are vectors of the
