@@ -20,7 +20,6 @@ from typing import Protocol
 import torch
 
 from coordinator.core.errors import FailedPreconditionError, InvalidArgumentError
-from coordinator.engine.checker_selection import donor
 from coordinator.engine.ports import JobPort
 from epochmesh.ring.evidence import RingEvidence, judge
 from epochmesh.sketch import sketch
@@ -202,7 +201,10 @@ class RingAudits:
         registry = self.runner.ctx.registry
         for node in (sender, receiver):
             partners = self.disputes.get(node, {})
-            donors = {donor(registry, p) for p in partners} - {donor(registry, node)}
+            # A node without a donor is its own (checker_selection.donor's rule).
+            donors = {registry.donor_of(p) or p for p in partners} - {
+                registry.donor_of(node) or node
+            }
             if len(donors) >= 2 and node not in self.verdicts.accused:
                 await self.verdicts.condemn(
                     node,
