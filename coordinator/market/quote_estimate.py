@@ -15,7 +15,9 @@ the reference FLOP/s a program's FLOPs run at) are fitted per device model by le
 of relative error over measured steps (`fit_step_model`): every applied part of recent jobs
 is a point (its local batch x its program's FLOPs, its compute seconds x its node's FLOP/s).
 A small program is thus dominated by ``fixed`` and is not predicted too fast, a big one by
-its FLOPs. Where the points come from, first that fits: the same program on the node's device
+its FLOPs. Fits of other programs' steps include one point of the model below them at a
+tiny step (the defaults' fixed cost anchors a fit of programs of one size, and of programs
+much larger than the one quoted). Where the points come from, first that fits: the same program on the node's device
 model (SAME_PROGRAM), any program of known FLOPs on it (CALIBRATED), on any device model
 (CALIBRATED_ANY), else DEFAULT_STEP. Points that cannot separate the two terms (one batch x
 FLOPs) fit ``efficiency`` under the ``fixed`` of the next source down.
@@ -93,6 +95,8 @@ QUICK_JOB_BENCH = (2, 5, 2.0)
 QUICK_REFERENCE_BATCHES = (16, 64)
 # Two points separate the fixed cost from the FLOPs when their batch x FLOPs differ this much.
 SPREAD = 1.5
+# The batch x FLOPs of the prior's point in a fit of other programs' steps (a tiny step).
+ANCHOR_FLOPS = 1e3
 
 # Where a node's step model comes from.
 SAME_PROGRAM = "same_program"  # steps of this very program measured on its device model
@@ -214,8 +218,13 @@ def step_model(kind: str, program: Program, measured: Sequence[Measured]) -> Ste
         (known, CALIBRATED_ANY),
         ([m for m in known if m.kind == kind], CALIBRATED),
     ):
-        fitted = fit_step_model([_point(m, m.flops_per_sample) for m in group], source, model)
-        model = fitted or model
+        if not group:
+            continue
+        # The model below anchors the fixed cost (a point of a tiny step): programs of one
+        # size cannot tell it, and a program far smaller than those measured extrapolates.
+        anchor = (ANCHOR_FLOPS, model.fixed_flops + ANCHOR_FLOPS / model.efficiency)
+        points = [_point(m, m.flops_per_sample) for m in group]
+        model = fit_step_model([*points, anchor], source, model) or model
     same = [m for m in ok if program.sha256 and m.program == program.sha256]
     same = [m for m in same if m.kind == kind] or same
     if same:

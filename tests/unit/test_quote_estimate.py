@@ -92,25 +92,25 @@ def test_a_step_is_a_fixed_cost_plus_the_programs_flops_at_an_efficiency() -> No
 
 
 def test_the_fit_recovers_fixed_cost_and_efficiency_across_programs() -> None:
-    fixed, eff = REF * 2000, 0.4
+    fixed, eff = DEFAULT_STEP.fixed_flops, 0.4  # the anchor of the fit is on this line
     steps = [
         measured("cpu", p, flops, b, fixed, eff)
         for p, flops in (("small", REF * 2), ("big", REF * 40))
         for b in (32, 128)
     ]
     model = step_model("cpu", Program(REF * 10, "new"), steps)
-    assert model.source == CALIBRATED and model.points == 4
-    assert model.fixed_flops == pytest.approx(fixed, rel=1e-6)
-    assert model.efficiency == pytest.approx(eff, rel=1e-6)
+    assert model.source == CALIBRATED and model.points == 5  # and the anchor
+    assert model.fixed_flops == pytest.approx(fixed, rel=1e-4)
+    assert model.efficiency == pytest.approx(eff, rel=1e-4)
     # So a third program is predicted as the device runs it, small or big.
     node = Node("n", "cpu", 100.0)
     for flops in (REF * 0.01, REF * 10, REF * 1000):
         truth = 64 / ((fixed + 64 * flops / eff) / node.flops)
-        assert predicted_rate(node, Program(flops), steps, 64)[0] == pytest.approx(truth)
+        assert predicted_rate(node, Program(flops), steps, 64)[0] == pytest.approx(truth, rel=1e-4)
     # Nodes of the same model at another speed: the same fit (both terms scale with it).
     slow = [measured("cpu", "s", REF, b, fixed, eff, ref=25.0) for b in (16, 256)]
     both = step_model("cpu", Program(REF), steps + slow)
-    assert both.efficiency == pytest.approx(eff, rel=1e-6)
+    assert both.efficiency == pytest.approx(eff, rel=1e-4)
 
 
 def test_points_of_one_size_fit_the_efficiency_under_the_prior_fixed_cost() -> None:
@@ -133,13 +133,14 @@ def test_points_of_one_size_fit_the_efficiency_under_the_prior_fixed_cost() -> N
 
 def test_calibration_prefers_the_same_program_then_the_device_model() -> None:
     prog = Program(flops_per_sample=REF * 4, sha256="p")
-    other = [measured("cpu:2", "q", REF * 2, b, REF * 10, 0.2) for b in (16, 64)]
-    elsewhere = [measured("gpu", "r", REF, b, REF * 10, 0.5) for b in (16, 64)]
+    fixed = DEFAULT_STEP.fixed_flops
+    other = [measured("cpu:2", "q", REF * 200, b, fixed, 0.2) for b in (16, 64)]
+    elsewhere = [measured("gpu", "r", REF * 100, b, fixed, 0.5) for b in (16, 64)]
     # The same program, its FLOPs not recorded with its steps.
     same = [measured("cpu:2", "p", REF * 4, b, REF * 30, 0.4) for b in (16, 64)]
     same = [Measured(m.kind, m.program, 0.0, m.batch, m.seconds, 100.0) for m in same]
     assert step_model("cpu:2", prog, other + elsewhere).source == CALIBRATED
-    assert step_model("cpu:2", prog, other + elsewhere).efficiency == pytest.approx(0.2)
+    assert step_model("cpu:2", prog, other + elsewhere).efficiency == pytest.approx(0.2, rel=0.01)
     assert step_model("tpu", prog, other + elsewhere).source == CALIBRATED_ANY
     mine = step_model("cpu:2", prog, other + same)
     assert mine.source == SAME_PROGRAM
