@@ -11,8 +11,8 @@ of these ways:
   tensor, so the whole gradient's norm is kept too), seeded from the round;
 - ``lazy``: only the first ceil(k/4) chunks are computed (the others' compute is really
   skipped); each skipped chunk claims the mean of the computed chunks' gradients and losses;
-- ``stale``: the previous round's chunk gradients and losses (what the agent computed then) are
-  sent again; the first cheated round, with nothing kept, is honest;
+- ``stale``: an earlier round's chunk gradients and losses (what the agent computed then: the
+  latest part of as many chunks) are sent again; a round with none kept that fits is honest;
 - ``slowclaim``: its updates are honest, but every job benchmark it reports claims CLAIM_RATE
   samples/s (at every batch size): a node that says it is slow asks to be paid more per
   sample (the coordinator bills a claim only from above: coordinator/accounting/billing.py);
@@ -342,7 +342,9 @@ def apply_cheat(
     sends the honest one when it has none that fits (its first round, another chunk count)."""
     previous = job.previous
     if cheat.kind == STALE:
-        job.previous = update
+        count = len(update.chunks.grads) if update.chunks is not None else 0
+        previous = job.earlier.get(count, previous)
+        job.previous = job.earlier[count] = update
     if not cheat.active_at(task.round) or cheat.kind in (LAZY, CONTRIBUTION, SLOW_CLAIM):
         return update  # lazy: done while computing
     if cheat.kind == STALE and not _fits(previous, update):

@@ -51,6 +51,8 @@ class LoadedJob:
     # Kept by the round's Tamper (node_agent.training.tamper) for later rounds: the last round's
     # update as computed.
     previous: ComputedUpdate | None = None
+    # ... and the latest update of each chunk count it computed.
+    earlier: dict[int, ComputedUpdate] = field(default_factory=dict)
     # Task.restored_version the inner optimizer stepped under (None: not seen yet): the job's
     # state was restored since when a task brings another.
     restored_version: int | None = None
