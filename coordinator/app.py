@@ -222,6 +222,7 @@ class Coordinator:
         auth = self.authorizer
         if cfg.http_listen:
             self.metrics = CoordinatorMetrics()
+            self.metrics.attach_event_drops(lambda: self.events.dropped_total)
         interceptors = [self.metrics.grpc] if self.metrics is not None else []
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self._server = server

@@ -3,7 +3,8 @@ scrape time from the registry, store, engine and ledger by coordinator/observabi
 metric families, beside the gRPC interceptor's metrics (coordinator/observability/grpc_metrics.py).
 
 `cluster_families(state)` is pure; `CoordinatorMetrics` holds the registry the HTTP server
-renders. Per-job series exist for live jobs and for jobs that ended within the retention
+renders, and the count of node events the event log dropped for their node's rate limit
+(`attach_event_drops`: a plain counter, read at scrape time without a trip to the loop). Per-job series exist for live jobs and for jobs that ended within the retention
 (`ClusterView`'s ``retention_s``), so the output stays bounded however many jobs came and went.
 """
 
@@ -198,9 +199,27 @@ class ClusterCollector(Collector):
         return list(cluster_families(self._read_state()))
 
 
+class EventDropsCollector(Collector):
+    """Node events dropped for their node's rate limit since the start (``read_dropped``:
+    coordinator/store/events.py's `EventLog.dropped_total`, an int a scrape may read from its
+    thread)."""
+
+    def __init__(self, read_dropped: Callable[[], int]) -> None:
+        self._read_dropped = read_dropped
+
+    def collect(self) -> Iterable[object]:  # type: ignore[override]
+        return [
+            CounterMetricFamily(
+                "epochmesh_node_events_dropped",
+                "Events nodes caused beyond their rate limit (dropped, not stored) since start",
+                value=self._read_dropped(),
+            )
+        ]
+
+
 class CoordinatorMetrics:
     """The registry behind ``/metrics``: the gRPC interceptor's metrics, and the cluster's
-    once `attach_cluster` is called."""
+    and the event log's drops once `attach_cluster` and `attach_event_drops` are called."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -208,6 +227,9 @@ class CoordinatorMetrics:
 
     def attach_cluster(self, read_state: Callable[[], ClusterState]) -> None:
         self.registry.register(ClusterCollector(read_state))
+
+    def attach_event_drops(self, read_dropped: Callable[[], int]) -> None:
+        self.registry.register(EventDropsCollector(read_dropped))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

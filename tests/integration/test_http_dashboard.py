@@ -266,6 +266,32 @@ async def test_login_roles_and_revocation(tmp_path: Path) -> None:
         assert (await fetch(coord, "/metrics", headers=bearer)).status == 401
 
 
+async def test_metrics_count_the_node_events_dropped_for_their_rate_limit(
+    coord: Coordinator,
+) -> None:
+    """A node that causes more events than its burst (reference benchmarks here, each one an
+    event) has the excess dropped; /metrics counts them as the event log does."""
+    text = (await fetch(coord, "/metrics")).text
+    assert sample(text, "epochmesh_node_events_dropped_total") == 0
+    reg = await _register(coord, "chatty")
+    async with aio_channel_for(coord.address, "node") as ch:
+        stub = agent_pb2_grpc.AgentServiceStub(ch)
+        for i in range(200):
+            await stub.ReportBenchmark(
+                agent_pb2.ReportBenchmarkRequest(
+                    node_id=reg.node_id,
+                    lease_id=reg.lease_id,
+                    result=common_pb2.BenchmarkResult(samples_per_second=100.0 + i),
+                ),
+                timeout=10,
+            )
+    dropped = coord.events.dropped_total
+    assert dropped > 0
+    await scrape_until(coord, lambda t: sample(t, "epochmesh_node_events_dropped_total") == dropped)
+    text = (await fetch(coord, "/metrics")).text
+    assert "# TYPE epochmesh_node_events_dropped_total counter" in text
+
+
 async def test_metrics_stay_bounded_as_jobs_come_and_go(tmp_path: Path) -> None:
     async with in_process_coordinator(
         tmp_path / "c", http_listen="127.0.0.1:0", metrics_retention_s=0.0
