@@ -277,7 +277,7 @@ def test_ctrl_c_exits_130(cluster: Cluster) -> None:
 
 
 def test_drain(cluster: Cluster, tmp_path: Path) -> None:
-    # Its own agent: a drained agent finishes its work and leaves.
+    # Its own agent: a drained agent stays up and idle (drain --stop would make it leave).
     agent = AgentProc(cluster.address, tmp_path / "gamma", "gamma")
     try:
         wait_for_nodes(cluster.address, ["gamma"], agents=[agent])
