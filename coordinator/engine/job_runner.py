@@ -717,10 +717,10 @@ class JobRunner:
             await self.writer.written()
         except Exception:
             log.exception("job %s: a round record could not be written", self.job_id)
+        if self.job.state in TERMINAL:
+            return  # it ended while this waited (a cancel): an end is final
         previous = self.job.state
-        self.job.state = state
-        self.job.message = message
-        self.job.updated_ms = now_ms()
+        self.job.state, self.job.message, self.job.updated_ms = state, message, now_ms()
         if state in TERMINAL and previous not in TERMINAL:
             # The end and its money in one transaction (coordinator/engine/job_pay.py).
             await self.pay.record_end(previous, self.verifier.accused)

@@ -82,5 +82,10 @@ async def test_memory_cap_binds_only_without_micro_batches(
     assert not big.errors and not small.errors
     assert {t.spec.micro_batch for t in small.tasks} == {micro_batch}
     assert len(small.tasks) == NUM_SAMPLES // GLOBAL_BATCH
-    assert {t.local_batch for t in small.tasks} == small_batches
-    assert {t.local_batch for t in big.tasks} == {GLOBAL_BATCH - b for b in small_batches}
+    # The split follows the speeds the coordinator sees (a loaded host may show the small
+    # node slower for a round): the cap is what must bind, or not.
+    small_sizes = {t.local_batch for t in small.tasks}
+    assert max(small_sizes) == max(small_batches), small_sizes
+    assert sum(t.local_batch for t in small.tasks) + sum(t.local_batch for t in big.tasks) == (
+        NUM_SAMPLES
+    )

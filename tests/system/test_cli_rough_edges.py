@@ -222,9 +222,11 @@ def test_a_tls_cli_against_a_plaintext_coordinator(site: Site, plain: Coordinato
     # Not logged in at all: the same diagnosis.
     nobody = Cli(plain.address, site.tmp / "nobody", role=None)
     assert_clean_error(nobody.run("nodes"), 4, "speaks plaintext", "pass --insecure")
-    # With --debug gRPC's own lines are back (and the traceback).
+    # With --debug the traceback is shown and gRPC's own logging is left at its default (whether
+    # C-core logs the failed handshake before the CLI exits is up to its timing; a user's
+    # GRPC_VERBOSITY, below, makes it log for sure).
     debug = site.op.run("status", "--debug", env=cli_env(site.op.config_home, plain.address))
-    assert debug.code == 4 and "ssl_transport_security" in debug.stderr, debug.stderr
+    assert debug.code == 4 and "Traceback" in debug.stderr, debug.stderr
 
 
 def test_an_insecure_cli_against_a_tls_coordinator(site: Site, plain: CoordinatorProc) -> None:
