@@ -12,18 +12,18 @@ import os
 import sys
 from collections.abc import MutableMapping, Sequence
 
+from epochmesh.grpc_logs import grpc_imported, quiet_grpc_core
+
 
 def quiet_grpc_logs(argv: Sequence[str], environ: MutableMapping[str, str]) -> None:
     """Silences gRPC's own C-core log lines (e.g. a TLS handshake failure's
-    ``ssl_transport_security.cc`` line): the CLI explains failures in its own words. A user's
-    explicit GRPC_VERBOSITY is kept, and ``--debug`` keeps gRPC's default. Takes effect only
-    before gRPC is imported (it reads the variable when it starts)."""
-    if "GRPC_VERBOSITY" in environ or "--debug" in argv:
-        return
-    environ["GRPC_VERBOSITY"] = "NONE"
+    ``ssl_transport_security.cc`` line) unless ``--debug`` is among the arguments: the CLI
+    explains failures in its own words (`epochmesh.grpc_logs.quiet_grpc_core`, as the
+    coordinator and the agent do)."""
+    quiet_grpc_core("--debug" in argv, environ)
 
 
-if "grpc" not in sys.modules:  # the console script: nothing has imported gRPC yet
+if not grpc_imported():  # the console script: nothing has imported gRPC yet
     quiet_grpc_logs(sys.argv[1:], os.environ)
 
 # ruff: noqa: E402 - gRPC is imported once its verbosity is set (above)

@@ -24,7 +24,6 @@ from coordinator.accounting.billing import per_credit
 from coordinator.core.errors import InvalidArgumentError
 from coordinator.core.principal import current_principal_id
 from coordinator.engine.api import TrainingEngine
-from coordinator.engine.cluster_scheduling import node_kind
 from coordinator.market.quote_estimate import (
     QUICK_REFERENCE_BATCHES,
     Cluster,
@@ -39,6 +38,7 @@ from coordinator.market.quote_estimate import (
     job_history,
     step_model,
 )
+from coordinator.nodes.kinds import node_kind
 from coordinator.nodes.registry import NodeRegistry
 from coordinator.scheduling.cluster_scheduler import Holding, JobRequest, tier_of
 from coordinator.store.base import Store

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.accounting.billing import per_credit
+from coordinator.nodes.kinds import node_kind
 from coordinator.scheduling.cluster_scheduler import (
     Holding,
     JobRequest,
@@ -92,14 +93,6 @@ class Preemption:
     job_id: str
     nodes: tuple[str, ...]
     reason: str
-
-
-def node_kind(info: common_pb2.NodeInfo) -> str:
-    """The device model a node computes on ("cuda:NVIDIA H100 80GB HBM3", "cpu:2")."""
-    if not info.devices:
-        return ""
-    d = info.devices[0]
-    return f"{d.kind}:{d.name or d.cores}"
 
 
 class ClusterScheduling:

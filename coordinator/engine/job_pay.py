@@ -16,6 +16,7 @@ from coordinator.accounting.credit_book import REFUND, RELEASED, Entry, held_acc
 from coordinator.engine.api import CoordinatorContext
 from coordinator.engine.round_writer import RoundWriter
 from coordinator.market.job_billing import JobBilling, settle_ended_job
+from coordinator.nodes.kinds import node_kind
 from coordinator.rounds.claims import reference_floor
 from coordinator.rounds.planner import RoundPlanner
 from epochmesh.money import format_credits
@@ -54,11 +55,11 @@ class JobPay:
         info = self.ctx.registry.get(node_id)
         if info is None:
             return 0.0
-        kind = _device_model(info)
+        kind = node_kind(info)
         refs = [
             n.benchmark.samples_per_second
             for n in self.ctx.registry.list()
-            if _device_model(n) == kind or n.node_id == node_id
+            if node_kind(n) == kind or n.node_id == node_id
         ]
         return reference_floor(refs)
 
@@ -247,12 +248,3 @@ async def settle_ended(
         return
     if posted:
         log.info("job %s ended: %d settlement entries posted", job.job_id, len(posted))
-
-
-def _device_model(info: common_pb2.NodeInfo) -> str:
-    """The device model a node computes on: coordinator/engine/cluster_scheduling.py
-    `node_kind`'s rule (a layer above this one: not importable here)."""
-    if not info.devices:
-        return ""
-    d = info.devices[0]
-    return f"{d.kind}:{d.name or d.cores}"
