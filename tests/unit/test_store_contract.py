@@ -1,9 +1,11 @@
-"""The `Store` contract, run against every backend (SQLite on a file, memory).
+"""The `Store` contract, run against every backend (SQLite on a file, memory, PostgreSQL).
 
 One suite, one factory per backend (as Flower's linkstate_test.py): every test takes the
-``store`` fixture and runs once per name in `BACKENDS`; a new backend (PostgreSQL) adds its
-name and a branch in `open_store`. What only one backend has (SQLite's WAL mode, schema
-migrations, persistence across a reopen) is tested in tests/unit/test_store.py.
+``store`` fixture and runs once per name in `BACKENDS`; a new backend adds its name and a
+branch in `open_store`. PostgreSQL runs on a real server (tests/pg.py: one per test process, a
+fresh database per test; skipped, saying why, where PostgreSQL is not installed). What only
+one backend has (SQLite's WAL mode, schema migrations, persistence across a reopen) is tested
+in tests/unit/test_store.py and tests/unit/test_store_postgres.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from coordinator.accounting.credit_book import Entry
@@ -24,29 +27,33 @@ from coordinator.core.ids import is_job_id
 from coordinator.store.base import HeartbeatUpdate, NodeRecord, Store, TokenRecord, kind_matches
 from coordinator.store.memory import MemoryStore
 from coordinator.store.migrations import LATEST_SCHEMA_VERSION
+from coordinator.store.postgres import PostgresStore
 from coordinator.store.sqlite import SqliteStore
 from epochmesh.v1 import common_pb2
+from tests.pg import pg_server, pg_url  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(30)
 
-BACKENDS = ("sqlite", "memory")
+BACKENDS = ("sqlite", "memory", "postgresql")
 
-# What a backend raises for a ledger entry that moves no positive amount (SQLite: its CHECK
-# constraint; memory: ValueError, as the credit book's own check).
-LEDGER_REFUSALS = (ValueError, sqlite3.IntegrityError)
+# What a backend raises for a ledger entry that moves no positive amount (SQLite and
+# PostgreSQL: their CHECK constraint; memory: ValueError, as the credit book's own check).
+LEDGER_REFUSALS = (ValueError, sqlite3.IntegrityError, asyncpg.CheckViolationError)
 
 
-async def open_store(backend: str, tmp_path: Path) -> Store:
+async def open_store(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Store:
     if backend == "sqlite":
         return await SqliteStore.open(tmp_path / "c.db")
     if backend == "memory":
         return MemoryStore()
+    if backend == "postgresql":
+        return await PostgresStore.open(request.getfixturevalue("pg_url"))
     raise ValueError(f"no store backend {backend!r}")
 
 
 @pytest.fixture(params=BACKENDS)
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    s = await open_store(request.param, tmp_path)
+    s = await open_store(request.param, request, tmp_path)
     yield s
     await s.close()
 
