@@ -17,6 +17,18 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
           >&2 || echo "could not install chromium: the browser test will be skipped" >&2
     fi
 fi
+# The PostgreSQL store's tests start their own PostgreSQL server (tests/pg.py) from Debian's
+# programs: install them where missing (those tests skip themselves when they cannot be).
+if ! command -v pg_ctl >/dev/null && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null; then
+        SUDO=""
+        [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
+        echo "installing postgresql for the PostgreSQL store's tests" >&2
+        { $SUDO apt-get update -qq && \
+          DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq postgresql; } \
+          >&2 || echo "could not install postgresql: its tests will be skipped" >&2
+    fi
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Types ([tool.mypy] in pyproject.toml: the pure packages and the seams strict). The layer
