@@ -61,6 +61,7 @@ from coordinator.observability.cluster_view import ClusterView
 from coordinator.observability.dashboard_access import is_loopback_host, login_required
 from coordinator.observability.http_server import DashboardBackend, HttpServer
 from coordinator.observability.metrics import CoordinatorMetrics
+from coordinator.store.base import Store
 from coordinator.store.blobs import BlobStore, UploadLimits
 from coordinator.store.events import EventLog
 from coordinator.store.gc import (
@@ -68,7 +69,7 @@ from coordinator.store.gc import (
     engine_rollback_floor,
     retention_policy,
 )
-from coordinator.store.sqlite import SqliteStore
+from coordinator.store.opening import open_store
 from coordinator.trust.auth import Authorizer
 from coordinator.trust.tokens import (
     CertificateAuthority,
@@ -135,7 +136,7 @@ class Coordinator:
         self._cleanup = contextlib.AsyncExitStack()
         self._started = False
         self._stopped = False
-        self.store: SqliteStore
+        self.store: Store
         self.events: EventLog
         self.blobs: BlobStore
         self.registry: NodeRegistry
@@ -187,7 +188,7 @@ class Coordinator:
         # The trust root first: an incomplete one stops the start before anything is touched.
         ca = None if cfg.insecure else ensure_ca(cfg.data_dir)
 
-        self.store = await SqliteStore.open(cfg.db_path)
+        self.store = await open_store(cfg.store, cfg.db_path)
         self._cleanup.push_async_callback(self.store.close)
         self.events = EventLog(self.store)
         await self.events.start()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -97,12 +98,25 @@ def _inline_bytes(text: str) -> int:
     return value
 
 
+# The default of --store, so that `serve` and `token create` find the same database.
+STORE_ENV = "EPOCHMESH_STORE"
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
         type=Path,
         default=DEFAULT_DATA_DIR,
         help=f"state directory: database, blobs, address file (default ./{DEFAULT_DATA_DIR})",
+    )
+    parser.add_argument(
+        "--store",
+        default=os.environ.get(STORE_ENV, ""),
+        metavar="URL",
+        help="keep the coordinator's state in this PostgreSQL database: "
+        "postgresql://USER@HOST:PORT/DB (default: $EPOCHMESH_STORE, else SQLite in the data "
+        "directory; blobs and the CA stay in the data directory either way; a password is "
+        "better given in PGPASSWORD or ~/.pgpass than on the command line)",
     )
     parser.add_argument(
         "--log-level",
@@ -397,6 +411,7 @@ def _fee_ppm(text: str) -> int:
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
         data_dir=args.data_dir,
+        store=args.store,
         listen=args.listen,
         heartbeat_interval_s=args.heartbeat_interval,
         lease_ttl_s=args.lease_ttl,
@@ -466,6 +481,12 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("invalid configuration: %s", exc)
         return 2
     try:
+        if config.store:
+            # Before the coordinator's own imports (seconds): a database it cannot use is
+            # reported at once.
+            from coordinator.store.postgres import probe
+
+            asyncio.run(probe(config.store))
         return asyncio.run(serve(config))
     except (RuntimeError, CoordinatorError, OSError) as exc:
         log.error("coordinator failed to start: %s", exc)
@@ -525,14 +546,15 @@ async def _create_token(
     donor: str,
     max_uses: int = 0,
     cert_ttl_s: float | None = None,
+    store_url: str = "",
 ) -> str:
     from coordinator.core.config import CoordinatorConfig
-    from coordinator.store.sqlite import SqliteStore
+    from coordinator.store.opening import open_store
     from coordinator.trust.tokens import DEFAULT_CERT_TTL_S, create_token, ensure_ca
 
-    config = CoordinatorConfig(data_dir=data_dir)
+    config = CoordinatorConfig(data_dir=data_dir, store=store_url)
     ca = ensure_ca(data_dir)
-    store = await SqliteStore.open(config.db_path)
+    store = await open_store(config.store, config.db_path)
     try:
         return await create_token(
             store,
@@ -582,9 +604,19 @@ def run_token(args: argparse.Namespace) -> int:
     try:
         token = asyncio.run(
             _create_token(
-                args.data_dir, args.role, ttl_s, args.reusable, donor, args.uses or 0, cert_ttl_s
+                args.data_dir,
+                args.role,
+                ttl_s,
+                args.reusable,
+                donor,
+                args.uses or 0,
+                cert_ttl_s,
+                store_url=args.store,
             )
         )
+    except ValueError as exc:
+        log.error("invalid configuration: %s", exc)
+        return 2
     except (RuntimeError, CoordinatorError, OSError) as exc:
         log.error("cannot create a token in %s: %s", args.data_dir, exc)
         return 1

@@ -24,6 +24,8 @@ LEASE_TTL_HEARTBEATS = 3.0
 @dataclass(frozen=True)
 class CoordinatorConfig:
     data_dir: Path = DEFAULT_DATA_DIR
+    # Where the state lives: "" for SQLite in data_dir, or a postgresql://USER@HOST:PORT/DB URL.
+    store: str = ""
     listen: str = DEFAULT_LISTEN
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     # None: LEASE_TTL_HEARTBEATS x heartbeat_interval_s (see `lease_ttl`).
@@ -98,6 +100,8 @@ class CoordinatorConfig:
     event_retention_s: float = 30 * 86400.0
 
     def __post_init__(self) -> None:
+        if self.store and not self.store.startswith(("postgresql://", "postgres://")):
+            raise ValueError("--store must be a postgresql://USER@HOST:PORT/DB URL")
         if not 0 <= self.platform_fee_ppm <= 1_000_000:
             raise ValueError("the platform fee must be within 0..100 %")
         if self.heartbeat_interval_s <= 0:

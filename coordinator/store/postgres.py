@@ -103,6 +103,25 @@ async def _to_the_end(aw: Awaitable[T]) -> T:
         raise
 
 
+async def probe(url: str, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+    """Connect once and hang up: StoreError with the reason when the database named by ``url``
+    cannot be used (for a start that should fail before it loads everything else)."""
+    if not is_postgres_url(url):
+        raise StoreError(f"not a PostgreSQL URL: {redact_url(url)!r}")
+    try:
+        conn = await asyncio.wait_for(
+            asyncpg.connect(url, timeout=connect_timeout_s), timeout=connect_timeout_s * 2
+        )
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise StoreError(_connect_error(url, exc)) from None
+    await conn.close()
+
+
+def _connect_error(url: str, exc: BaseException) -> str:
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"cannot connect to PostgreSQL at {redact_url(url)}: {reason}"
+
+
 class _Params:
     """Positional parameters of a statement built piece by piece: ``p.add(x)`` -> "$n"."""
 
@@ -161,8 +180,7 @@ class PostgresStore(Store):
                 timeout=connect_timeout_s * 2,
             )
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise StoreError(f"cannot connect to PostgreSQL at {where}: {reason}") from None
+            raise StoreError(_connect_error(url, exc)) from None
         try:
             async with pool.acquire() as conn:
                 version = await migrate(conn, target)

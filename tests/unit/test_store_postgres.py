@@ -20,6 +20,7 @@ from coordinator.store.migrations import LATEST_SCHEMA_VERSION, MIGRATIONS
 from coordinator.store.opening import open_store
 from coordinator.store.postgres import PostgresStore, redact_url
 from epochmesh.v1 import common_pb2
+
 # The fixtures pg_server and pg_url, imported: tests name them as parameters (F811).
 from tests.pg import PgServer, pg_server, pg_url  # noqa: F401
 from tests.procs import free_port
