@@ -50,7 +50,11 @@ def _basis() -> torch.Tensor:
 
 
 class World:
-    """Synthetic training rounds (see the module docstring)."""
+    """Synthetic training rounds (see the module docstring).
+
+    A round is drawn in the noise's eigenbasis (`draw`) and turned into updates by one product
+    with the basis (`updates`); many rounds drawn first share one product (`batch`), which
+    costs a fraction of one product per round and gives the same vectors."""
 
     def __init__(self, seed: int, spikes: int = 10, spike_share: float = 0.5) -> None:
         self.gen = torch.Generator().manual_seed(seed)
@@ -64,8 +68,9 @@ class World:
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen, dtype=torch.float64)
 
-    def round(self, samples: Sequence[int], noise_scale: float) -> list[torch.Tensor]:
-        """A new true gradient g and, per node, the mean gradient over its samples; g last."""
+    def draw(self, samples: Sequence[int], noise_scale: float) -> torch.Tensor:
+        """One round in the eigenbasis: a new true gradient g, then per node its noise
+        (DIM x (1 + nodes))."""
         z = self._randn(DIM)
         top = z[: self.spikes] / z[: self.spikes].norm() * math.sqrt(0.8)
         rest = z[self.spikes :] * self.sd[self.spikes :]
@@ -75,13 +80,35 @@ class World:
             variances = torch.exp(self._randn(b)) / math.exp(0.5)
             scale = math.sqrt(noise_scale / b * float(variances.mean()))
             columns.append(self._randn(DIM) * self.sd * scale)
-        vectors = self.basis @ torch.stack(columns, dim=1)
-        g = vectors[:, 0]
-        return [g + vectors[:, 1 + i] for i in range(len(samples))] + [g]
+        return torch.stack(columns, dim=1)
 
-    def noise_like(self, u: torch.Tensor) -> torch.Tensor:
+    def batch(self, drawn: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """`updates` of many drawn rounds, with one product for all of them."""
+        vectors = self.basis @ torch.cat(list(drawn), dim=1)
+        out, at = [], 0
+        for d in drawn:
+            out.append(_split(vectors[:, at : at + d.shape[1]]))
+            at += d.shape[1]
+        return out
+
+    def round(self, samples: Sequence[int], noise_scale: float) -> list[torch.Tensor]:
+        """A new true gradient g and, per node, the mean gradient over its samples; g last."""
+        return _split(self.basis @ self.draw(samples, noise_scale))
+
+    def direction(self) -> torch.Tensor:
+        """A random unit vector (scaled to an update's norm by `noise_like`)."""
         r = self._randn(DIM)
-        return r / r.norm() * u.norm()
+        return r / r.norm()
+
+
+def _split(vectors: torch.Tensor) -> list[torch.Tensor]:
+    """Columns g, e_1 .. e_n (in the parameter basis) as the updates g + e_i, then g."""
+    g = vectors[:, 0]
+    return [g + vectors[:, 1 + i] for i in range(vectors.shape[1] - 1)] + [g]
+
+
+def noise_like(u: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    return direction * u.norm()
 
 
 def as_update(v: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -105,14 +132,18 @@ def test_honest_nodes_are_never_flagged() -> None:
     its band's half width (flagged beyond 1). Honest nodes are also never flagged in any
     round of the cheater tests below (11,200 more node-rounds)."""
     world, rng = World(1), random.Random(1)
-    history: tuple[float, ...] = ()
-    node_rounds = flagged = 0
-    lowest, widest = 0.0, 0.0
+    plan = []
     for _ in range(500):
         noise_scale = rng.choice((4, 16, 64, 256))
         n = rng.randint(3, 8)
         samples = [round(math.exp(rng.uniform(math.log(4), math.log(256)))) for _ in range(n)]
-        updates = world.round(samples, noise_scale)[:-1]
+        plan.append((samples, world.draw(samples, noise_scale)))
+    rounds = world.batch([drawn for _, drawn in plan])
+    history: tuple[float, ...] = ()
+    node_rounds = flagged = 0
+    lowest, widest = 0.0, 0.0
+    for (samples, _), round_ in zip(plan, rounds, strict=True):
+        updates = round_[:-1]
         result = run(list(zip(samples, updates, strict=True)), history)
         assert result.judged
         history = extend_history(history, result)
@@ -128,10 +159,11 @@ def test_honest_nodes_are_never_flagged() -> None:
 
 
 # --------------------------------------------------------------------------- cheaters
-CHEATS: dict[str, Callable[[World, torch.Tensor], torch.Tensor]] = {
-    "scaled": lambda w, u: 100 * u,
-    "flipped": lambda w, u: -u,
-    "random": lambda w, u: w.noise_like(u),
+# A cheat's update from the honest one and a random unit vector (drawn for every round).
+CHEATS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "scaled": lambda u, r: 100 * u,
+    "flipped": lambda u, r: -u,
+    "random": noise_like,
 }
 
 
@@ -142,18 +174,23 @@ def flag_rates(cheat: str, noise_scale: float, rounds: int = 80, warm_up: int = 
     rates = []
     for pos in range(len(MIXED)):
         world = World(100 + pos)
+        # A lazy node's update is the mean over a quarter of its samples.
+        drawn = [b // 4 if cheat == "lazy" and i == pos else b for i, b in enumerate(MIXED)]
+        plan, directions = [], []
+        for _ in range(rounds):
+            plan.append(world.draw(drawn, noise_scale))
+            if cheat == "random":
+                directions.append(world.direction())
         history: tuple[float, ...] = ()
         hits = 0
         previous = None
-        for rnd in range(rounds):
-            # A lazy node's update is the mean over a quarter of its samples.
-            drawn = [b // 4 if cheat == "lazy" and i == pos else b for i, b in enumerate(MIXED)]
-            updates = world.round(drawn, noise_scale)[:-1]
+        for rnd, round_ in enumerate(world.batch(plan)):
+            updates = round_[:-1]
             honest = updates[pos]
             if cheat == "stale":
                 updates[pos] = honest if previous is None else previous
             elif cheat in CHEATS:
-                updates[pos] = CHEATS[cheat](world, honest)
+                updates[pos] = CHEATS[cheat](honest, directions[rnd] if directions else honest)
             previous = honest
             result = run(list(zip(MIXED, updates, strict=True)), history)
             history = extend_history(history, result)
@@ -252,8 +289,8 @@ def test_identical_updates_are_not_flagged() -> None:
 def test_history_is_bounded_and_keeps_only_unflagged_nodes() -> None:
     world = World(6)
     history: tuple[float, ...] = ()
-    for _ in range(200):
-        updates = world.round(MIXED, 4)[:-1]
+    for round_ in world.batch([world.draw(MIXED, 4) for _ in range(200)]):
+        updates = round_[:-1]
         updates[0] = 100 * updates[0]
         result = run(list(zip(MIXED, updates, strict=True)), history)
         assert 0 in result.suspicious
