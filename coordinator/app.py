@@ -17,6 +17,14 @@ AgentService, JobService and SchedulerService call is authenticated and role-che
 (coordinator/trust/auth.py), and the caller's principal is available to handlers through
 ``coordinator.core.principal.current_principal()``.
 
+On PostgreSQL several coordinators may share one database (coordinator/ha/): each listens at
+once, serving health NOT_SERVING and answering every other call UNAVAILABLE with the active
+one's address (`ServingGate`) while it waits for the lease; the one holding the lease loads
+the state and serves, as a restart does, and its store refuses every write once the lease is
+lost (fencing epoch). Losing the lease, it steps down (`stepped_down` is set: health
+NOT_SERVING, calls refused; the caller stops it, engine included). They share one CA, kept in
+the database (coordinator/trust/shared_ca.py).
+
 Every RPC handler is wrapped (coordinator/api/handlers.py `service_handlers`): a request that
 does not parse is answered INVALID_ARGUMENT, a `CoordinatorError` becomes its status code, any
 other exception INTERNAL; the server keeps serving.
@@ -29,6 +37,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -45,7 +54,6 @@ from coordinator.api.handlers import (
     MARKET_SERVICE,
     SCHEDULER_SERVICE,
     SERVICE_NAMES,
-    add_service,
 )
 from coordinator.api.identity_service import IdentityService
 from coordinator.api.job_service import JobService
@@ -55,6 +63,8 @@ from coordinator.api.scheduler_service import SchedulerService
 from coordinator.core.config import CoordinatorConfig, parse_listen
 from coordinator.core.stream_caps import StreamCaps, fetch_caps
 from coordinator.engine.api import CoordinatorContext, EngineFactory, NullEngine, TrainingEngine
+from coordinator.ha.gate import ServingGate
+from coordinator.ha.lease import LeaseRow, PostgresLease
 from coordinator.market.credit_ledger import CreditLedger
 from coordinator.nodes.registry import NodeRegistry
 from coordinator.observability.cluster_view import ClusterView
@@ -69,8 +79,10 @@ from coordinator.store.gc import (
     engine_rollback_floor,
     retention_policy,
 )
-from coordinator.store.opening import open_store
+from coordinator.store.opening import POSTGRES_SCHEMES, open_store
+from coordinator.store.postgres import PostgresStore
 from coordinator.trust.auth import Authorizer
+from coordinator.trust.shared_ca import ensure_shared_ca
 from coordinator.trust.tokens import (
     CertificateAuthority,
     ensure_ca,
@@ -133,6 +145,10 @@ class Coordinator:
         self._engine_factory = engine_factory
         self.address = ""
         self.shutdown = asyncio.Event()
+        # Set when the lease on a shared database is lost: stop the coordinator.
+        self.stepped_down = asyncio.Event()
+        self.gate = ServingGate()
+        self.lease: PostgresLease | None = None
         self._cleanup = contextlib.AsyncExitStack()
         self._started = False
         self._stopped = False
@@ -147,6 +163,7 @@ class Coordinator:
         self.fetchers: StreamCaps
         self.gc: GarbageCollector | None = None
         self.health: health.aio.HealthServicer
+        self._served: tuple[str, ...] = ()
         self._server: grpc.aio.Server
         # None with --insecure.
         self.ca: CertificateAuthority | None = None
@@ -180,16 +197,103 @@ class Coordinator:
 
     async def _start(self) -> None:
         cfg = self.config
-        host, _ = parse_listen(cfg.listen)
         ensure_data_dir(cfg.data_dir)
         lock = DataDirLock(cfg.lock_file)
         lock.acquire()
         self._cleanup.callback(lock.release)
+        shared = cfg.store.startswith(POSTGRES_SCHEMES)
         # The trust root first: an incomplete one stops the start before anything is touched.
-        ca = None if cfg.insecure else ensure_ca(cfg.data_dir)
-
+        ca = None if cfg.insecure or shared else ensure_ca(cfg.data_dir)
         self.store = await open_store(cfg.store, cfg.db_path)
         self._cleanup.push_async_callback(self.store.close)
+        if shared and not cfg.insecure:
+            assert isinstance(self.store, PostgresStore)
+            ca = await ensure_shared_ca(self.store, cfg.data_dir)
+        if ca is not None:
+            self.ca = ensure_server_certificate(cfg.data_dir, ca, cfg.advertise)
+        if cfg.http_listen:
+            self.metrics = CoordinatorMetrics()
+        await self._listen()
+        if shared:
+            await self._acquire_lease()
+        await self._serve()
+
+    async def _listen(self) -> None:
+        """The gRPC server, its port open, every call but health refused (`ServingGate`)."""
+        cfg = self.config
+        host, _ = parse_listen(cfg.listen)
+        interceptors = [self.metrics.grpc] if self.metrics is not None else []
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        self._server = server
+        server.add_generic_rpc_handlers((self.gate,))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self._served = SERVICE_NAMES if self.ca is not None else SERVICE_NAMES[:-1]
+        for name in ("", *self._served):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (*self._served, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+        )
+        try:
+            if self.ca is None:
+                log.warning(
+                    "--insecure: serving PLAINTEXT gRPC on %s with no authentication; anyone "
+                    "who can reach it can act as any node, submitter or operator",
+                    cfg.listen,
+                )
+                port = server.add_insecure_port(cfg.listen)
+            else:
+                creds = coordinator_server_credentials(
+                    self.ca.cert_pem, self.ca.server_key_pem, self.ca.server_cert_pem
+                )
+                port = server.add_secure_port(cfg.listen, creds)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot listen on {cfg.listen}: {exc}") from exc
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {cfg.listen}")
+        await server.start()
+        self._cleanup.push_async_callback(server.stop, 0)
+        self.address = f"{host}:{port}"
+        write_atomically(cfg.addr_file, self.address + "\n")
+        self._cleanup.callback(cfg.addr_file.unlink, missing_ok=True)
+
+    async def _acquire_lease(self) -> None:
+        """Stand by until this coordinator holds the database's lease; then fence the store
+        with it and watch it."""
+        cfg = self.config
+        assert isinstance(self.store, PostgresStore)
+        lease = self.lease = PostgresLease(
+            cfg.store,
+            f"{socket.gethostname()}/{os.getpid()}",
+            cfg.advertise_address or self.address,
+            poll_s=cfg.lease_poll_s,
+            timeout_s=cfg.lease_timeout_s,
+        )
+        self._cleanup.push_async_callback(lease.close)
+        log.info("waiting for the coordinator lease (standby until it is free) on %s", self.address)
+
+        def standby(row: LeaseRow) -> None:
+            self.gate.active_address = row.address
+
+        await lease.acquire(standby)
+        self.store.fence(lease.epoch, lease.held)
+        watcher = asyncio.create_task(self._watch_lease(lease), name="lease-watch")
+        self._cleanup.callback(watcher.cancel)
+
+    async def _watch_lease(self, lease: PostgresLease) -> None:
+        reason = await lease.watch()
+        if self._stopped:
+            return
+        log.error("stepping down: %s; the store writes nothing more", reason)
+        self.gate.close()
+        for name in ("", *self._served):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.stepped_down.set()
+
+    async def _serve(self) -> None:
+        """Load the state from the store and open the gate: what a start does, on a
+        standby's takeover too."""
+        cfg = self.config
         self.events = EventLog(self.store)
         await self.events.start()
         self._cleanup.callback(self.events.close)
@@ -217,32 +321,23 @@ class Coordinator:
         self.engine = factory(self.context)
         self.registry.add_offline_listener(self.engine.on_node_offline)
 
-        if ca is not None:
-            self.ca = ensure_server_certificate(cfg.data_dir, ca, cfg.advertise)
+        if self.ca is not None:
             self.authorizer = Authorizer(self.ca.cert_pem, await self.store.list_revocations())
         auth = self.authorizer
-        if cfg.http_listen:
-            self.metrics = CoordinatorMetrics()
+        if self.metrics is not None:
             self.metrics.attach_event_drops(lambda: self.events.dropped_total)
-        interceptors = [self.metrics.grpc] if self.metrics is not None else []
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-        self._server = server
+        gate = self.gate
         fetchers = self.fetchers = fetch_caps(cfg.max_fetch_streams, cfg.max_fetch_streams_total)
-        add_service(
-            server,
-            AGENT_SERVICE,
-            AgentService(self.registry, self.blobs, self.engine, fetchers),
-            auth,
+        gate.install(
+            AGENT_SERVICE, AgentService(self.registry, self.blobs, self.engine, fetchers), auth
         )
         watchers = self.watchers = watch_caps(cfg.max_watch_streams, cfg.max_watch_streams_total)
-        add_service(
-            server,
+        gate.install(
             JOB_SERVICE,
             JobService(self.store, self.blobs, self.engine, watchers, fetchers, cfg.max_live_jobs),
             auth,
         )
-        add_service(
-            server,
+        gate.install(
             SCHEDULER_SERVICE,
             SchedulerService(
                 self.registry,
@@ -256,39 +351,13 @@ class Coordinator:
             ),
             auth,
         )
-        add_service(
-            server, MARKET_SERVICE, MarketService(self.store, self.credits, self.engine), auth
-        )
+        gate.install(MARKET_SERVICE, MarketService(self.store, self.credits, self.engine), auth)
         if self.ca is not None:
             # No role check: the join token is the credential.
-            identity_service = IdentityService(self.store, self.ca, self.events, self.authorizer)
-            add_service(server, IDENTITY_SERVICE, identity_service)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        served = SERVICE_NAMES if self.ca is not None else SERVICE_NAMES[:-1]
-        reflection.enable_server_reflection(
-            (*served, HEALTH_SERVICE, reflection.SERVICE_NAME), server
-        )
-        try:
-            if self.ca is None:
-                log.warning(
-                    "--insecure: serving PLAINTEXT gRPC on %s with no authentication; anyone "
-                    "who can reach it can act as any node, submitter or operator",
-                    cfg.listen,
-                )
-                port = server.add_insecure_port(cfg.listen)
-            else:
-                creds = coordinator_server_credentials(
-                    self.ca.cert_pem, self.ca.server_key_pem, self.ca.server_cert_pem
-                )
-                port = server.add_secure_port(cfg.listen, creds)
-        except RuntimeError as exc:
-            raise RuntimeError(f"cannot listen on {cfg.listen}: {exc}") from exc
-        if port == 0:
-            raise RuntimeError(f"cannot listen on {cfg.listen}")
-        await server.start()
-        self._cleanup.push_async_callback(server.stop, 0)
-        self.address = f"{host}:{port}"
+            gate.install(
+                IDENTITY_SERVICE,
+                IdentityService(self.store, self.ca, self.events, self.authorizer),
+            )
 
         self.registry.start()
         self._cleanup.push_async_callback(self.registry.stop)
@@ -305,15 +374,17 @@ class Coordinator:
         self._cleanup.push_async_callback(self.gc.stop)
         if self.metrics is not None:
             self._start_http(self.metrics)
-        for name in ("", *served):
+        gate.open()
+        for name in ("", *self._served):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        attrs = {"address": self.address, "schema_version": str(self.store.schema_version)}
+        if self.lease is not None:
+            attrs["lease_epoch"] = str(self.lease.epoch)
         await self.events.append(
             "coordinator.started",
             message=f"coordinator listening on {self.address}",
-            attrs={"address": self.address, "schema_version": str(self.store.schema_version)},
+            attrs=attrs,
         )
-        write_atomically(cfg.addr_file, self.address + "\n")
-        self._cleanup.callback(cfg.addr_file.unlink, missing_ok=True)
         log.info(
             "coordinator serving on %s (data dir %s, %d nodes known)",
             self.address,
@@ -389,8 +460,11 @@ class Coordinator:
         log.info("coordinator stopping (grace %.1fs)", grace)
         steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [
             ("health", self.health.enter_graceful_shutdown),
-            ("event", lambda: self.events.append("coordinator.stopping", message="stopping")),
         ]
+        if not self.stepped_down.is_set():  # the store is fenced once the lease is lost
+            steps.append(
+                ("event", lambda: self.events.append("coordinator.stopping", message="stopping"))
+            )
         for what, step in steps:
             try:
                 await step()

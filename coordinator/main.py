@@ -22,12 +22,18 @@ TLS is on by default: the first start creates a CA in the data dir (ca.pem, ca.k
 server certificate it issues (server.pem, server.key), and refuses to start when only one of
 the CA's files is there; ``--advertise HOST`` adds names to the server certificate; ``--insecure`` serves plaintext
 without authentication (logged as a warning).
+
+On PostgreSQL, coordinators sharing the database elect one active through a lease
+(coordinator/ha/); the others stand by. ``--advertise HOST:PORT`` is the address the active
+one tells standbys' callers to use (default: the listen address); serve exits with status 3
+when it loses the lease.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -42,6 +48,7 @@ from coordinator.core.config import (
     DEFAULT_DATA_DIR,
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HTTP_LISTEN,
+    DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_LISTEN,
     LEASE_TTL_HEARTBEATS,
     CoordinatorConfig,
@@ -97,6 +104,9 @@ def _inline_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be 0..{MAX_CHUNK_BYTES}, got {text}")
     return value
 
+
+# serve's exit status when the coordinator lost the lease on a shared database and stepped down.
+EXIT_LEASE_LOST = 3
 
 # The default of --store, so that `serve` and `token create` find the same database.
 STORE_ENV = "EPOCHMESH_STORE"
@@ -252,7 +262,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="HOST",
         help="host name or address clients use to reach this coordinator, written into the "
-        "server certificate when the CA is created (repeatable)",
+        "server certificate (repeatable); HOST:PORT also names the address a standby sends "
+        "callers to while this coordinator is the active one on a shared PostgreSQL database "
+        "(default: the listen address)",
+    )
+    parser.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=DEFAULT_LEASE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on a shared PostgreSQL database: the active coordinator steps down when its lease "
+        "connection is silent this long, and the server frees the lease of one it cannot hear "
+        f"from after as long (default {DEFAULT_LEASE_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--inline-params-max-bytes",
@@ -408,6 +429,15 @@ def _fee_ppm(text: str) -> int:
     return int(ppm)
 
 
+def advertised_host(value: str) -> str:
+    """The host of an --advertise value: HOST, [IPv6]:PORT or HOST:PORT (a bare IPv6 address
+    stays whole)."""
+    host, sep, port = value.rpartition(":")
+    if sep and port.isdigit() and (host.startswith("[") or ":" not in host):
+        return host
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     return CoordinatorConfig(
         data_dir=args.data_dir,
@@ -430,7 +460,9 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         split=args.split,
         log_level=args.log_level,
         insecure=args.insecure,
-        advertise=tuple(args.advertise),
+        advertise=tuple(advertised_host(a) for a in args.advertise),
+        advertise_address=next((a for a in args.advertise if advertised_host(a) != a), ""),
+        lease_timeout_s=args.lease_timeout,
         inline_params_max_bytes=args.inline_params_max_bytes,
         program_check_timeout_s=args.program_check_timeout,
         program_check_memory_bytes=args.program_check_memory,
@@ -465,9 +497,26 @@ async def serve(config: CoordinatorConfig, engine_factory: EngineFactory | None 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await coordinator.start()
+    # A standby's start lasts until it holds the lease: a signal meanwhile ends it.
+    starting = asyncio.create_task(coordinator.start())
+    signalled = asyncio.create_task(stop.wait())
+    await asyncio.wait((starting, signalled), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("signal received while standing by: shutting down")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return 0
+    signalled.cancel()
+    starting.result()
+    stepped_down = asyncio.create_task(coordinator.stepped_down.wait())
     try:
-        await stop.wait()
+        await asyncio.wait(
+            (stepped_down, asyncio.create_task(stop.wait())), return_when=asyncio.FIRST_COMPLETED
+        )
+        if stepped_down.done():
+            log.error("lost the coordinator lease: stopped; start it again to serve as a standby")
+            return EXIT_LEASE_LOST
         log.info("signal received: shutting down")
     finally:
         await coordinator.stop()
@@ -553,9 +602,15 @@ async def _create_token(
     from coordinator.trust.tokens import DEFAULT_CERT_TTL_S, create_token, ensure_ca
 
     config = CoordinatorConfig(data_dir=data_dir, store=store_url)
-    ca = ensure_ca(data_dir)
+    ca = None if store_url else ensure_ca(data_dir)
     store = await open_store(config.store, config.db_path)
     try:
+        if ca is None:  # the CA every coordinator on the database shares
+            from coordinator.store.postgres import PostgresStore
+            from coordinator.trust.shared_ca import ensure_shared_ca
+
+            assert isinstance(store, PostgresStore)
+            ca = await ensure_shared_ca(store, data_dir)
         return await create_token(
             store,
             ca,

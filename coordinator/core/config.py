@@ -17,6 +17,8 @@ DEFAULT_LISTEN = "127.0.0.1:7070"
 DEFAULT_HTTP_LISTEN = "127.0.0.1:7080"
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 DEFAULT_BLOB_QUOTA_BYTES = 50 << 30
+DEFAULT_LEASE_TIMEOUT_S = 8.0
+
 # A lease survives this many missed heartbeats, minus one.
 LEASE_TTL_HEARTBEATS = 3.0
 
@@ -44,6 +46,12 @@ class CoordinatorConfig:
     insecure: bool = False
     # Extra host names / addresses for the server certificate (--advertise).
     advertise: tuple[str, ...] = ()
+    # On a shared PostgreSQL database (coordinator/ha/): the HOST:PORT standbys send callers to
+    # while this coordinator is active ("": the listen address); the lease's silence limit and
+    # how often a standby tries to take it.
+    advertise_address: str = ""
+    lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
+    lease_poll_s: float = 1.0
     # Parameter-server rounds: parameters up to this many bytes (encoded) travel inline with
     # every task instead of through a PullParameters call; 0: always PullParameters.
     inline_params_max_bytes: int = MAX_CHUNK_BYTES
@@ -106,6 +114,10 @@ class CoordinatorConfig:
             raise ValueError("the platform fee must be within 0..100 %")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
+        if self.lease_timeout_s <= 0 or self.lease_poll_s <= 0:
+            raise ValueError("the lease timeout and poll interval must be positive")
+        if self.advertise_address:
+            parse_listen(self.advertise_address)
         if self.scheduler_hold_s is not None and not self.scheduler_hold_s >= 0:
             raise ValueError("the scheduler's hold time must be >= 0")
         if self.lease_ttl_s is not None and self.lease_ttl_s <= self.heartbeat_interval_s:

@@ -242,6 +242,29 @@ MIGRATIONS: tuple[Migration, ...] = (
         (),
         backfill=_backfill_job_blobs,
     ),
+    Migration(
+        12,
+        "coordinators sharing one database: the lease and the trust root",
+        (
+            # One row: which coordinator is active (its fencing epoch, name and address).
+            # Used on PostgreSQL (coordinator/ha/lease.py); a SQLite file has one coordinator.
+            """CREATE TABLE IF NOT EXISTS coordinator_lease (
+                id INTEGER PRIMARY KEY CHECK (id = 1),
+                epoch INTEGER NOT NULL,
+                holder TEXT NOT NULL,
+                address TEXT NOT NULL,
+                acquired_ms INTEGER NOT NULL
+            )""",
+            "INSERT OR IGNORE INTO coordinator_lease VALUES (1, 0, '', '', 0)",
+            # The CA every coordinator on the database shares (coordinator/trust/shared_ca.py).
+            """CREATE TABLE IF NOT EXISTS trust_root (
+                id INTEGER PRIMARY KEY CHECK (id = 1),
+                ca_cert BLOB NOT NULL,
+                ca_key BLOB NOT NULL,
+                created_ms INTEGER NOT NULL
+            )""",
+        ),
+    ),
 )
 
 

@@ -23,6 +23,12 @@ PgBouncer (not needed against a server directly).
   transactions their callers open, as on SQLite. Statements that may meet a duplicate use
   ``ON CONFLICT DO NOTHING`` and report it, so a refused insert inside a caller's transaction
   raises the domain error without aborting the transaction on the server.
+- Fencing (several coordinators on one database, coordinator/ha/lease.py): once `fence` is
+  given the epoch of the lease this coordinator holds, every write transaction first reads the
+  lease row ``FOR SHARE`` and refuses (StoreError, nothing written) when the epoch moved on or
+  the lease is known lost. A takeover bumps the epoch with an UPDATE of that row, which waits
+  for every write transaction still holding the share lock: the old coordinator's writes all
+  commit before the new one's first, or not at all.
 - Opening fails fast: an unreachable server, a wrong database or role raise StoreError with a
   one-line reason (password left out) within ``connect_timeout_s``.
 """
@@ -32,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -146,6 +152,8 @@ class PostgresStore(Store):
         self._pending_events: list[common_pb2.Event] = []
         self._listeners: list[EventListener] = []
         self._closed = False
+        # (epoch, whether the lease is still held) once `fence` was called; None: unfenced.
+        self._fence: tuple[int, Callable[[], bool]] | None = None
 
     # -- opening and migrations -----------------------------------------------------------------
 
@@ -208,6 +216,26 @@ class PostgresStore(Store):
         async with self._pool.acquire() as conn:
             yield conn
 
+    def fence(self, epoch: int, held: Callable[[], bool]) -> None:
+        """Refuse every write transaction from now on unless the lease row still carries
+        ``epoch`` and ``held()`` is true (see the module docstring)."""
+        self._fence = (epoch, held)
+
+    async def _check_fence(self, conn: Connection) -> None:
+        if self._fence is None:
+            return
+        epoch, held = self._fence
+        if held():
+            current = await conn.fetchval(
+                "SELECT epoch FROM coordinator_lease WHERE id = 1 FOR SHARE"
+            )
+            if current == epoch:
+                return
+        raise StoreError(
+            f"this coordinator lost its lease (epoch {epoch}): another one is active; "
+            "nothing was written"
+        )
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -234,6 +262,7 @@ class PostgresStore(Store):
             async with self._pool.acquire() as conn:
                 try:
                     await _to_the_end(conn.execute("BEGIN"))
+                    await self._check_fence(conn)
                 except BaseException:
                     await self._rollback(conn)
                     raise

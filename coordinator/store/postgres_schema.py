@@ -258,6 +258,28 @@ PG_MIGRATIONS: tuple[PgMigration, ...] = (
         (),
         backfill=_backfill_job_blobs,
     ),
+    PgMigration(
+        12,
+        "coordinators sharing one database: the lease and the trust root",
+        (
+            # One row: which coordinator is active (its fencing epoch, name and address).
+            """CREATE TABLE IF NOT EXISTS coordinator_lease (
+                id SMALLINT PRIMARY KEY CHECK (id = 1),
+                epoch BIGINT NOT NULL,
+                holder TEXT NOT NULL,
+                address TEXT NOT NULL,
+                acquired_ms BIGINT NOT NULL
+            )""",
+            "INSERT INTO coordinator_lease VALUES (1, 0, '', '', 0) ON CONFLICT DO NOTHING",
+            # The CA every coordinator on the database shares (coordinator/trust/shared_ca.py).
+            """CREATE TABLE IF NOT EXISTS trust_root (
+                id SMALLINT PRIMARY KEY CHECK (id = 1),
+                ca_cert BYTEA NOT NULL,
+                ca_key BYTEA NOT NULL,
+                created_ms BIGINT NOT NULL
+            )""",
+        ),
+    ),
 )
 
 if [(m.version, m.description) for m in PG_MIGRATIONS] != [
