@@ -27,7 +27,7 @@ Failures raise ProgramError naming the node, the operator and what does not fit.
 The contracts: where an operator's fake implementation computes a shape without checking what
 its CPU kernel relies on, a contract below checks it (tests/unit/test_shape_fuzz.py feeds every
 weight of the catalogue's models with wrong shapes and dtypes; operators no weight reaches are
-not fuzzed yet):
+fuzzed by tests/unit/test_shape_fuzz_ops.py):
 - matrix products, convolutions, norms, embedding bags, recurrent layers and attention
   (SAME_FLOAT_DTYPE): one floating dtype across input and weights outside autocast regions;
 - batch_norm, instance_norm: weight, bias, running mean and variance are vectors of the
@@ -44,6 +44,10 @@ not fuzzed yet):
   strides and dilations, groups > 0;
 - grid_sampler_2d, _fft_r2c, _fft_c2r: enum-valued integers in range; _fft_c2r's last
   dimension size agrees with its input (the kernel reads last_dim_size // 2 + 1 elements).
+- every other allowed operator: `epochmesh.program.op_contracts` (index/scatter/gather family,
+  pads, adaptive pools, dims within the rank, FFT dims, and the dtypes an operator's meaning
+  requires), checked before the contracts above (tests/unit/test_shape_fuzz_ops.py fuzzes every
+  allowed operator).
 Index values (gather, scatter, index, index_put, index_select, embedding) are data: the CPU
 kernels check their ranges as they run.
 """
@@ -61,6 +65,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from epochmesh.errors import ProgramError
+from epochmesh.program import op_contracts
 from epochmesh.program.op_allowlist import ALLOWED_ATEN_OPS
 
 # Distinct input signatures remembered as checked (beyond it, each run is checked again).
@@ -281,6 +286,7 @@ def _call(
         where = f"node {node.name!r} ({name})"
         contract = CONTRACTS.get(name)
         try:
+            op_contracts.check(target, name, args, kwargs)
             if name in SAME_FLOAT_DTYPE:
                 _same_float_dtype(args, kwargs)
             if contract is not None:
