@@ -40,10 +40,26 @@ def pytest_configure() -> None:
     _precompile()
     # Every `epochmesh submit` the suite runs shares one export cache of this session (never
     # the developer's ~/.cache): the same example models are exported once, not per test.
+    # pytest-xdist's workers inherit the controller's folder (its writers replace entries
+    # atomically), so a model is exported once per run, not once per worker; the controller
+    # removes it.
     global _CACHE_DIR
-    if _CACHE_DIR is None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and os.environ.get(ENV_CACHE_DIR, "").startswith(_shared_cache_prefix()):
+        pass  # the controller's folder
+    elif _CACHE_DIR is None:
         _CACHE_DIR = tempfile.mkdtemp(prefix="epochmesh-test-cache-")
         os.environ[ENV_CACHE_DIR] = _CACHE_DIR
+    if worker:
+        # Each worker has a core's share: torch's intra-op threads (one per core by default)
+        # would only contend with the other worker's.
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def _shared_cache_prefix() -> str:
+    return os.path.join(tempfile.gettempdir(), "epochmesh-test-cache-")
 
 
 def pytest_unconfigure() -> None:

@@ -18,6 +18,7 @@ import torch
 
 from coordinator.verification.snapshot_check import snapshot_problem
 from epochmesh.dataset import ShardedDataset
+from epochmesh.export_cache import ExportCache
 from epochmesh.optim import build_optimizer
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.program.archive import TrainableProgram
@@ -60,7 +61,9 @@ TOL = recompute_tolerance("cpu", "cpu", local_sgd=True)
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
-    return build_job(load_spec(write_mlp_job(tmp_path_factory.mktemp("mlp"), N)))
+    return build_job(
+        load_spec(write_mlp_job(tmp_path_factory.mktemp("mlp"), N)), cache=ExportCache.default()
+    )
 
 
 @pytest.fixture(scope="module")

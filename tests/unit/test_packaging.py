@@ -9,6 +9,7 @@ import torch
 
 from epochmesh.dataset import ShardedDataset, ranges_to_indices
 from epochmesh.errors import CodecError, ExportError, SpecError
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import DEFAULT_SHARD_BYTES, PackedJob, build_job, describe
 from epochmesh.spec import load_spec
 from epochmesh.v1 import common_pb2
@@ -47,7 +48,7 @@ def mlp_reference(seed: int = 0) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
     job = write_mlp_job(tmp_path_factory.mktemp("mlp"), num_samples=250)
-    return build_job(load_spec(job), shard_samples=64)
+    return build_job(load_spec(job), shard_samples=64, cache=ExportCache.default())
 
 
 def test_packed_job_contents(packed: PackedJob) -> None:
@@ -93,9 +94,11 @@ def test_default_shard_size(tmp_path: Path) -> None:
     job = write_mlp_job(tmp_path, 500)
     loaded = load_spec(job)
     per_sample = 16 * 4 + 8  # x float32[16] + y int64
-    packed = build_job(loaded, verify=False)
+    # The second build is the first one's program from the cache: only the shards differ.
+    cache = ExportCache.default()
+    packed = build_job(loaded, verify=False, cache=cache)
     assert len(packed.shards) == 1 and DEFAULT_SHARD_BYTES // per_sample > 500
-    small = build_job(loaded, shard_bytes=per_sample * 100, verify=False)
+    small = build_job(loaded, shard_bytes=per_sample * 100, verify=False, cache=cache)
     assert [c for _, c, _ in small.shards] == [100] * 5
     with pytest.raises(SpecError, match="shard_samples must be >= 1"):
         build_job(loaded, shard_samples=0)

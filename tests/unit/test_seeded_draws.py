@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from epochmesh.dataset import ShardedDataset
+from epochmesh.export_cache import ExportCache
 from epochmesh.optim import build_optimizer
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.program.archive import TrainableProgram
@@ -56,7 +57,7 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
     }
     job_dir = tmp_path_factory.mktemp("random")
     path = write_job(job_dir, RANDOM_MLP_MODEL, make_classification(N), doc)
-    return build_job(load_spec(path))
+    return build_job(load_spec(path), cache=ExportCache.default())
 
 
 def program_of(packed: PackedJob) -> TrainableProgram:
