@@ -1,10 +1,11 @@
-"""The ring's bulk data path: RingChunk frames over a plain TCP (or TLS) socket, off grpcio.
+"""The ring's bulk data path: RingChunk frames over a TCP socket (mutual TLS or plain), off grpcio.
 
 grpcio's Python data path copies every message several times and hands it between threads on
 both sides, which caps a ring over PushChunks well below gloo on a few cores. This module moves
 the same frames over a socket of their own, with no copy on the way out (`sendmsg` of the
-header and a view of the caller's buffer) and none beyond the kernel's on the way in (payloads
-land in a preallocated buffer, or straight in the ring buffer where a chunk is only copied).
+header and a view of the caller's buffer; under TLS one AES-GCM pass) and none beyond the
+kernel's on the way in (payloads land, or are decrypted, in a preallocated buffer, or straight
+in the ring buffer where a chunk is only copied).
 
 Handshake (one connection per ring attempt, sender = the left neighbour):
 
@@ -20,12 +21,16 @@ Handshake (one connection per ring attempt, sender = the left neighbour):
    checks that it names the expected node id, as `peer_channel` does) and requires one from the
    sender, which must name the node the token was issued to. Without identities (``--insecure``
    agents) the socket is plaintext, as gRPC is then.
-3. The sender sends ``MAGIC + token``; the receiver answers OK, or an error reply (a wrong,
+3. The sender sends ``MAGIC + token`` (under TLS followed by its 32-byte key share); the
+   receiver answers OK (under TLS carrying its own key share), or an error reply (a wrong,
    used or expired token: UNAUTHENTICATED; another node's certificate: PERMISSION_DENIED) and
    closes. The TLS handshake and the token must arrive within `HANDSHAKE_TIMEOUT_S` of the
    accept, and at most `MAX_HANDSHAKES` connections may be that far at once (others are closed
    at once). Anything going wrong up to here makes the sender fall back to PushChunks for this
    attempt (`node_agent.ring.allreduce`).
+4. Under TLS, both ends then leave TLS for AES-256-GCM records keyed from the two shares
+   (`node_agent.ring.bulk_conn`): the frames and replies below travel sealed, at a fraction of
+   the CPU that TLS records cost Python's `ssl`.
 
 Frames (sender to receiver): ``<u32 head_len><u32 payload_len>`` then ``head`` (a serialized
 RingChunk whose DataChunk carries the offset but no data: the same header bytes PushChunks
@@ -55,17 +60,17 @@ import struct
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Protocol
 
 import grpc
-from cryptography import x509
 
 from epochmesh import identity as idm
 from epochmesh.fsutil import write_private
 from epochmesh.limits import MAX_CHUNK_BYTES
+from node_agent.ring.bulk_conn import KEY_SHARE_BYTES, BulkError, Conn, TlsConn
 from node_agent.ring.mailbox import AttemptExpired, ChunkRejected, RingMailbox
 from node_agent.ring.wire import (
     ABORT_PHASE,
@@ -78,7 +83,7 @@ from node_agent.ring.wire import (
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"EMB1"
+MAGIC = b"EMB2"
 # A connection must complete its TLS handshake and present its token within this many seconds
 # of the accept, and at most MAX_HANDSHAKES connections may be at that stage at once: a caller
 # that connects and says nothing holds a slot only that long.
@@ -98,19 +103,6 @@ REPLY_ACK = 1
 REPLY_ERROR = 2
 _END_FRAME = _FRAME.pack(0, 0)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class BulkError(Exception):
-    """The bulk connection broke or was refused. `code` and `failed_node` come from the
-    receiver's ERROR reply when it sent one."""
-
-    def __init__(
-        self, details: str, code: grpc.StatusCode | None = None, failed_node: str | None = None
-    ) -> None:
-        super().__init__(details)
-        self.details = details
-        self.code = code
-        self.failed_node = failed_node
 
 
 class TooManyTokens(Exception):
@@ -167,172 +159,6 @@ def server_ssl_context(identity: idm.Identity) -> ssl.SSLContext:
     return ctx
 
 
-# ---------------------------------------------------------------------------------------------
-# Connections: plaintext (the event loop's socket calls) or TLS (ssl.SSLObject over memory BIOs)
-
-
-class _Conn:
-    """A connected non-blocking socket with async exact reads and gathered writes."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.loop = asyncio.get_running_loop()
-
-    async def recv_into(self, view: memoryview) -> int:
-        return await self.loop.sock_recv_into(self.sock, view)
-
-    async def recv_exactly(self, view: memoryview) -> None:
-        got = 0
-        n = len(view)
-        while got < n:
-            k = await self.recv_into(view[got:])
-            if k == 0:
-                raise BulkError(f"connection closed after {got} of {n} bytes")
-            got += k
-
-    async def sendall(self, bufs: Sequence[bytes | memoryview]) -> None:
-        sock = self.sock
-        pending = [memoryview(b).cast("B") for b in bufs]
-        while pending:
-            try:
-                sent = sock.sendmsg(pending)
-            except (BlockingIOError, InterruptedError):
-                await self._writable()
-                continue
-            while sent:
-                head = pending[0]
-                if sent >= len(head):
-                    sent -= len(head)
-                    pending.pop(0)
-                else:
-                    pending[0] = head[sent:]
-                    sent = 0
-            # Drop empty views (sendmsg of only empty buffers returns 0).
-            while pending and not len(pending[0]):
-                pending.pop(0)
-
-    async def _writable(self) -> None:
-        fut: asyncio.Future[None] = self.loop.create_future()
-        fd = self.sock.fileno()
-
-        def ready() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        self.loop.add_writer(fd, ready)
-        try:
-            await fut
-        finally:
-            self.loop.remove_writer(fd)
-
-    async def handshake(self) -> None:
-        return None
-
-    def peer_principal(self) -> idm.Principal | None:
-        return None
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-    def shutdown_write(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_WR)
-
-
-class _TlsConn(_Conn):
-    """TLS on a non-blocking socket through ssl.SSLObject and memory BIOs, on the event loop.
-
-    (Encrypting and decrypting large payloads on a thread pool instead was measured slower:
-    about 1.6x the CPU for 4 ranks on 2 cores, and lower bandwidth.)"""
-
-    RAW_READ = 256 * 1024
-
-    def __init__(
-        self, sock: socket.socket, ctx: ssl.SSLContext, *, server_hostname: str | None = None
-    ) -> None:
-        super().__init__(sock)
-        self._raw = memoryview(bytearray(self.RAW_READ))
-        self._in = ssl.MemoryBIO()
-        self._out = ssl.MemoryBIO()
-        self._send_lock = asyncio.Lock()  # one sender of ciphertext at a time, in order
-        self._ssl = ctx.wrap_bio(
-            self._in,
-            self._out,
-            server_side=server_hostname is None,
-            server_hostname=server_hostname,
-        )
-
-    async def _flush(self) -> None:
-        async with self._send_lock:
-            data = self._out.read()
-            if data:
-                await super().sendall([data])
-
-    async def _fill(self) -> None:
-        n = await self.loop.sock_recv_into(self.sock, self._raw)
-        if not n:
-            self._in.write_eof()
-        else:
-            self._in.write(self._raw[:n])
-
-    async def handshake(self) -> None:
-        while True:
-            try:
-                self._ssl.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                await self._flush()
-                await self._fill()
-        await self._flush()
-
-    def _decrypt(self, view: memoryview) -> int:
-        """Decrypt what the incoming BIO holds into `view`: the bytes written, 0 at the end of
-        the stream, -1 when more ciphertext is needed first."""
-        got = 0
-        n = len(view)
-        while got < n:  # one record (16 KiB at most) per read
-            try:
-                # With a buffer, read returns the byte count (typeshed says bytes).
-                k = cast(int, self._ssl.read(n - got, view[got:]))
-            except ssl.SSLWantReadError:
-                break
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                return got
-            if k <= 0:
-                return got
-            got += k
-        return got if got else -1
-
-    async def recv_into(self, view: memoryview) -> int:
-        while True:
-            got = self._decrypt(view)
-            if got >= 0:
-                return got
-            await self._flush()  # e.g. a key update
-            await self._fill()
-
-    async def sendall(self, bufs: Sequence[bytes | memoryview]) -> None:
-        async with self._send_lock:
-            for b in bufs:
-                view = memoryview(b).cast("B")
-                while len(view):
-                    n = self._ssl.write(view)
-                    view = view[n:]
-            data = self._out.read()
-            if data:
-                await super().sendall([data])
-
-    def peer_principal(self) -> idm.Principal | None:
-        der = self._ssl.getpeercert(binary_form=True)
-        if not der:
-            return None
-        try:
-            return idm.principal_of(x509.load_der_x509_certificate(der))
-        except (ValueError, idm.IdentityError):
-            return None
-
-
 # The receiver lets the event loop run after this many chunks that arrived without a wait
 # (after every chunk measured slower; 4 ranks on 2 cores, 64 MiB). Socket buffers are left to
 # the kernel's autotuning (4 MiB fixed buffers measured slower too).
@@ -345,7 +171,7 @@ def _configure(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-async def _read_reply(conn: _Conn) -> tuple[int, bytes]:
+async def _read_reply(conn: Conn) -> tuple[int, bytes]:
     head = bytearray(_REPLY.size)
     await conn.recv_exactly(memoryview(head))
     kind, length = _REPLY.unpack(head)
@@ -388,7 +214,7 @@ def chunk_head(header: bytes, offset: int) -> bytes:
 class BulkOutput:
     """The sender's end of one bulk connection (one ring attempt to the right neighbour)."""
 
-    def __init__(self, conn: _Conn) -> None:
+    def __init__(self, conn: Conn) -> None:
         self._conn = conn
         self._closed = False
         self._reply: asyncio.Task[tuple[int, bytes]] = asyncio.get_running_loop().create_task(
@@ -492,25 +318,28 @@ async def connect(
         raise BulkError(f"cannot resolve {host!r}")
     family, type_, proto, _, addr = infos[0]
     sock = socket.socket(family, type_, proto)
-    conn: _Conn | None = None
+    conn: Conn | None = None
     try:
         _configure(sock)
         await loop.sock_connect(sock, addr)
         if ssl_context is not None:
-            conn = _TlsConn(sock, ssl_context, server_hostname=node_id)
+            conn = TlsConn(sock, ssl_context, server_hostname=node_id)
         else:
-            conn = _Conn(sock)
+            conn = Conn(sock)
         await conn.handshake()
         if ssl_context is not None:
             principal = conn.peer_principal()
             if principal is None or principal.role != idm.ROLE_NODE or principal.id != node_id:
                 raise BulkError(f"the peer's certificate does not name node {node_id!r}")
-        await conn.sendall([MAGIC + token])
+        share = secrets.token_bytes(KEY_SHARE_BYTES) if isinstance(conn, TlsConn) else b""
+        await conn.sendall([MAGIC + token + share])
         kind, body = await _read_reply(conn)
         if kind == REPLY_ERROR:
             raise _parse_error(body)
-        if kind != REPLY_OK:
-            raise BulkError(f"unexpected reply {kind} to the token")
+        if kind != REPLY_OK or len(body) != len(share):
+            raise BulkError(f"unexpected reply {kind} ({len(body)} bytes) to the token")
+        if isinstance(conn, TlsConn):
+            conn.seal(share, body)
         return BulkOutput(conn)
     except BaseException:
         if conn is not None:
@@ -668,11 +497,12 @@ class BulkListener:
     async def _serve(self, sock: socket.socket) -> None:
         _configure(sock)
         tls = self._follower is not None
-        conn: _Conn = (
-            _TlsConn(sock, server_ssl_context(self._follower.current()))
+        conn = (
+            TlsConn(sock, server_ssl_context(self._follower.current()))
             if self._follower is not None
-            else _Conn(sock)
+            else Conn(sock)
         )
+        share_len = KEY_SHARE_BYTES if isinstance(conn, TlsConn) else 0
         # Counted from the accept: the TLS handshake and the token must come within
         # handshake_timeout_s, and at most max_handshakes connections wait for theirs.
         self.handshaking += 1
@@ -680,13 +510,13 @@ class BulkListener:
             try:
                 async with asyncio.timeout(self.handshake_timeout_s):
                     await conn.handshake()
-                    hello = bytearray(len(MAGIC) + TOKEN_BYTES)
+                    hello = bytearray(len(MAGIC) + TOKEN_BYTES + share_len)
                     await conn.recv_exactly(memoryview(hello))
             finally:
                 self.handshaking -= 1
             if bytes(hello[: len(MAGIC)]) != MAGIC:
                 return  # not our protocol: just close
-            grant = self._take(bytes(hello[len(MAGIC) :]))
+            grant = self._take(bytes(hello[len(MAGIC) : len(MAGIC) + TOKEN_BYTES]))
             if grant is None:
                 await self._refuse(
                     conn, grpc.StatusCode.UNAUTHENTICATED, "unknown, used or expired bulk token"
@@ -714,7 +544,13 @@ class BulkListener:
                         f"the bulk token of node {grant.from_node_id!r} was presented by {who}",
                     )
                     return
-            await conn.sendall([_REPLY.pack(REPLY_OK, 0)])
+            if isinstance(conn, TlsConn):
+                # Both shares went inside TLS: the stream leaves it for sealed records.
+                share = secrets.token_bytes(KEY_SHARE_BYTES)
+                await conn.sendall([_REPLY.pack(REPLY_OK, len(share)) + share])
+                conn.seal(bytes(hello[len(MAGIC) + TOKEN_BYTES :]), share)
+            else:
+                await conn.sendall([_REPLY.pack(REPLY_OK, 0)])
             await self._receive(conn, grant)
         except (TimeoutError, OSError, ssl.SSLError, BulkError) as exc:
             log.debug("bulk connection ended: %r", exc)
@@ -723,7 +559,7 @@ class BulkListener:
 
     async def _refuse(
         self,
-        conn: _Conn,
+        conn: Conn,
         code: grpc.StatusCode,
         details: str,
         failed_node: str | None = None,
@@ -737,7 +573,7 @@ class BulkListener:
                 while await conn.recv_into(sink):
                     pass
 
-    async def _receive(self, conn: _Conn, grant: _Grant) -> None:
+    async def _receive(self, conn: Conn, grant: _Grant) -> None:
         service = self.service
         key = grant.key
         try:
