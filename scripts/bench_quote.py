@@ -3,7 +3,8 @@
     .venv/bin/python scripts/bench_quote.py [--agents 1,2] [--models zen,mlp,conv,spirals]
                                             [--repeats 2] [--price 3] [--work DIR]
 
-For each agent count and each repeat: a fresh local cluster (scripts/local_cluster.py: TLS,
+For each repeat, then each agent count (interleaved: 1, 2, 1, 2 agents, so that a change of
+the shared machine's load falls on both counts alike): a fresh local cluster (scripts/local_cluster.py: TLS,
 agents with --benchmark quick, each asking ``--price`` credits per node-hour), credits granted
 to the operator; then for each model, in order: ``epochmesh quote JOB.toml --output json``,
 submit (the program comes from the export cache the quote filled), wait until the job ends,
@@ -12,10 +13,13 @@ and compare. ``zen`` is examples/zen; ``spirals`` examples/spirals; ``mlp`` a 4-
 quoted with the earlier jobs recorded (calibration); the first with the defaults.
 
 Actual seconds: from the submit command's start to the job's last update (ended); actual
-cost: the job's spent micro-credits. ``ratio`` fields are quoted / actual (1.0 is exact).
-``summary`` gives, per agent count and model, the median ratio over the repeats and its spread
-(min, max); ``parts`` of a result, per node, its local batches and median compute seconds per
-round (what the quote's step model is fitted on).
+cost: the job's spent micro-credits. ``ratio`` fields are quoted / actual (1.0 is exact);
+``job_seconds_ratio`` compares the coordinator's part alone (from the job's record to its
+end) with the quote's ``job_seconds``. ``summary`` gives, per agent count and model, the median
+ratio over the repeats and its spread (min, max), and the median 1-minute load average at the
+jobs' starts and ends; ``parts`` of a result, per node, its local batches and median compute
+seconds per round (what the quote's step model is fitted on); ``profile`` where the job's time
+went (submission, start, rounds: compute and the rest).
 """
 
 from __future__ import annotations
@@ -148,6 +152,7 @@ def with_budget(path: Path, credits: int) -> Path:
 
 
 def run_job(cluster: LocalCluster, path: Path) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
     q = json.loads(cluster.cli("quote", str(path), "--output", "json"))
     start_ms = time.time() * 1000
     job_id = cluster.cli("submit", str(path)).strip()
@@ -157,7 +162,9 @@ def run_job(cluster: LocalCluster, path: Path) -> dict[str, Any]:
         return job if job["state"] in ENDED else None
 
     job = wait_for(ended, 1800, f"job {job_id}'s end", interval=2.0)
+    load_after = os.getloadavg()[0]
     actual_s = (int(job["updated_ms"]) - start_ms) / 1000
+    job_s = (int(job["updated_ms"]) - int(job.get("created_ms", 0))) / 1000
     actual_cost = int(job.get("spent_micro", 0))
     chosen = sorted(n["node_id"] for n in q["nodes"])
     lines = cluster.cli("rounds", job_id, "--output", "json").splitlines()
@@ -171,12 +178,16 @@ def run_job(cluster: LocalCluster, path: Path) -> dict[str, Any]:
                 d["batches"].append(int(p.get("local_batch", 0)))
                 d["seconds"].append(float(p.get("seconds", 0.0)))
     refs = {n["node_id"]: n["reference_samples_per_second"] for n in q["nodes"]}
+    profile = round_profile(start_ms, job, records)
     return {
         "job_id": job_id,
         "state": job["state"],
         "quoted_seconds": round(q["total_seconds"], 2),
         "actual_seconds": round(actual_s, 2),
         "seconds_ratio": round(q["total_seconds"] / actual_s, 3) if actual_s > 0 else None,
+        "quoted_submit_seconds": round(q.get("submit_seconds", 0.0), 2),
+        "job_seconds_ratio": round(q.get("job_seconds", 0.0) / job_s, 3) if job_s > 0 else None,
+        "load": [round(load_before, 2), round(load_after, 2)],
         "quoted_cost_micro": q["total_cost_micro"],
         "actual_cost_micro": actual_cost,
         "cost_ratio": round(q["total_cost_micro"] / actual_cost, 3) if actual_cost else None,
@@ -191,6 +202,8 @@ def run_job(cluster: LocalCluster, path: Path) -> dict[str, Any]:
         "overhead_source": q["overhead_source"],
         "start_s": round(q["start_seconds"], 2),
         "flops_per_sample": q["flops_per_sample"],
+        "quoted_round_compute_s": round(q["round_compute_seconds"], 4),
+        "profile": profile,
         "parts": {
             node: {
                 "batches": sorted(set(d["batches"])),
@@ -203,6 +216,49 @@ def run_job(cluster: LocalCluster, path: Path) -> dict[str, Any]:
     }
 
 
+def round_profile(
+    start_ms: float, job: dict[str, Any], records: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Where a job's time went, from its recorded rounds: submit command to the job's record
+    (CLI, upload, program check), record to the first round (claim, job benchmark, program
+    load), the rounds (per round: the slowest applied part's compute, the rest of the round's
+    wall time, the gap to the next round's start), and the last round to the job's end."""
+    applied = [r for r in records if any(p.get("status") == "applied" for p in r["parts"])]
+    if not applied:
+        return {}
+    created = int(job.get("created_ms", 0))
+    first = int(applied[0]["started_ms"])
+    last = int(applied[-1]["finished_ms"])
+    compute = [
+        max(float(p.get("seconds", 0.0)) for p in r["parts"] if p.get("status") == "applied")
+        for r in applied
+    ]
+    walls = [(int(r["finished_ms"]) - int(r["started_ms"])) / 1000 for r in applied]
+    gaps = [
+        (int(b["started_ms"]) - int(a["finished_ms"])) / 1000
+        for a, b in zip(applied, applied[1:], strict=False)
+    ]
+    comm = [
+        float(p.get("communicate_seconds", 0.0))
+        for r in applied
+        for p in r["parts"]
+        if p.get("status") == "applied"
+    ]
+    n = len(applied)
+    return {
+        "submit_to_record_s": round((created - start_ms) / 1000, 2),
+        "record_to_first_round_s": round((first - created) / 1000, 2),
+        "rounds_s": round((last - first) / 1000, 2),
+        "end_after_last_round_s": round((int(job["updated_ms"]) - last) / 1000, 2),
+        "rounds": n,
+        "per_round_s": round((last - first) / 1000 / n, 4),
+        "median_compute_s": round(statistics.median(compute), 4),
+        "median_round_wall_s": round(statistics.median(walls), 4),
+        "median_gap_s": round(statistics.median(gaps), 4) if gaps else 0.0,
+        "median_communicate_s": round(statistics.median(comm), 4) if comm else 0.0,
+    }
+
+
 def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per agent count and model: the median quoted/actual ratio and its spread."""
     out = []
@@ -210,10 +266,12 @@ def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for agents, model in keys:
         runs = [r for r in results if (r["agents"], r["model"]) == (agents, model)]
         row: dict[str, Any] = {"agents": agents, "model": model, "runs": len(runs)}
-        for key in ("seconds_ratio", "cost_ratio", "actual_seconds"):
-            xs = [r[key] for r in runs if r[key]]
+        for key in ("seconds_ratio", "cost_ratio", "job_seconds_ratio", "actual_seconds"):
+            xs = [r[key] for r in runs if r.get(key)]
             row[key] = round(statistics.median(xs), 3) if xs else None
             row[f"{key}_spread"] = [min(xs), max(xs)] if xs else None
+        loads = [x for r in runs for x in r["load"]]
+        row["load"] = round(statistics.median(loads), 2) if loads else None
         out.append(row)
     return out
 
@@ -231,7 +289,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_quote-"))
     results = []
-    runs = [(int(a), k) for a in args.agents.split(",") for k in range(args.repeats)]
+    runs = [(int(a), k) for k in range(args.repeats) for a in args.agents.split(",")]
     for agents, repeat in runs:
         where = work / f"cluster-{agents}-{repeat}"
         with LocalCluster(where) as cluster:
@@ -264,7 +322,7 @@ def main() -> None:
     rows = summary(results)
     for r in rows:
         log.info(
-            "agents %d %-8s quoted/actual: time %s %s, cost %s %s (%d runs)",
+            "agents %d %-8s quoted/actual: time %s %s, cost %s %s (%d runs, load %s)",
             r["agents"],
             r["model"],
             r["seconds_ratio"],
@@ -272,12 +330,14 @@ def main() -> None:
             r["cost_ratio"],
             r["cost_ratio_spread"],
             r["runs"],
+            r["load"],
         )
     print(
         json.dumps(
             {
                 "bench": "quote",
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                "command": " ".join(["scripts/bench_quote.py", *sys.argv[1:]]),
                 "summary": rows,
                 "medians_within_2x": all(
                     r[k] is not None and 0.5 <= r[k] <= 2

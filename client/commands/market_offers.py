@@ -340,13 +340,29 @@ def _emit_lines(ctx: Context, rows: list[tuple[str, str]]) -> None:
         ctx.emit(f"{key.ljust(width)}  {value}")
 
 
+def elapsed_since_process_start() -> float:
+    """Seconds since this process started (Linux /proc; 0.0 where it cannot be read)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def program_quote_dict(
     spec: common_pb2.JobSpec,
     samples: int,
     flops: float,
     reply: scheduler_pb2.QuoteJobResponse,
+    submit_seconds: float = 0.0,
 ) -> dict[str, Any]:
-    """``quote JOB.toml --output json``."""
+    """``quote JOB.toml --output json``: the coordinator's estimate (``job_seconds``, from the
+    job's submission) plus this machine's own part of a submit (``submit_seconds``) makes
+    ``total_seconds``."""
+    total = reply.total_seconds + submit_seconds
     chosen = [n for n in reply.nodes if n.chosen]
     budget = spec.budget_micro if spec.HasField("budget_micro") else None
     deadline = spec.deadline_seconds if spec.HasField("deadline_seconds") else None
@@ -384,14 +400,16 @@ def program_quote_dict(
         "overhead_source": reply.overhead_source,
         "recorded_jobs": reply.recorded_jobs,
         "epoch_seconds": reply.epoch_seconds,
-        "total_seconds": reply.total_seconds,
+        "submit_seconds": submit_seconds,
+        "job_seconds": reply.total_seconds,
+        "total_seconds": total,
         "epoch_cost_micro": reply.epoch_cost_micro,
         "total_cost_micro": reply.total_cost_micro,
         "fee_micro": reply.fee_micro,
         "budget_micro": budget,
         "budget_covers": reply.total_cost_micro <= (budget or 0),
         "deadline_seconds": deadline,
-        "deadline_met": None if deadline is None else reply.total_seconds <= deadline,
+        "deadline_met": None if deadline is None else total <= deadline,
         "rates": "predicted_for_the_program",
     }
 
@@ -418,6 +436,7 @@ def program_quote_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
             f"{fmt_seconds(d['round_overhead_seconds'])} overhead "
             f"({'recorded' if d['overhead_source'] == 'recorded' else 'default'})",
         ),
+        ("submit", f"{fmt_seconds(d['submit_seconds'])} (this machine: start-up, packing, upload)"),
         ("start", f"{fmt_seconds(d['start_seconds'])} (program check, job benchmark)"),
         ("epoch", f"{fmt_seconds(d['epoch_seconds'])}, {_credits(d['epoch_cost_micro'])}"),
         ("total", f"{fmt_seconds(d['total_seconds'])}, {_credits(d['total_cost_micro'])}"),
@@ -433,6 +452,7 @@ def program_quote_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _quote_file(ctx: Context, path: Path) -> int:
     from client.commands.submit import load_checked, pack, program_figures
+    from client.upload import Uploader
 
     spec, samples = load_job(path)  # exit 2 before the coordinator is asked
     nodes = _quote_nodes(ctx)
@@ -441,8 +461,15 @@ def _quote_file(ctx: Context, path: Path) -> int:
     if not local.fits:  # too few nodes within the job's max_price whatever their speed
         raise _no_fit(spec, local)
     packed = pack(load_checked(path), path, ctx)  # as submit exports it (export cache)
-    flops, sha, state_bytes = program_figures(packed)
     coord = ctx.coordinator
+    # The coordinator counts the program's FLOPs itself (its program check): it needs the
+    # program and its initial state (a later submit finds them uploaded).
+    program_ref, state_ref = Uploader(coord).upload_all([packed.program, packed.initial_state])
+    # What `submit` will spend on this machine before the job exists: as this command, its
+    # start-up, export-cache load, packing and upload (its program check then answered from
+    # the check the quote ran).
+    submit_s = elapsed_since_process_start()
+    flops, _, state_bytes = program_figures(packed)  # remembered for submit; shown as the CLI's
     reply = coord.call(
         "QuoteJob",
         coord.scheduler.QuoteJob,
@@ -450,8 +477,9 @@ def _quote_file(ctx: Context, path: Path) -> int:
             spec=packed.spec,
             num_samples=packed.num_samples,
             flops_per_sample=flops,
-            program_sha256=sha,
+            program_sha256=program_ref.sha256,
             state_bytes=state_bytes,
+            initial_state_sha256=state_ref.sha256,
         ),
     )
     if not reply.fits:
@@ -460,7 +488,7 @@ def _quote_file(ctx: Context, path: Path) -> int:
             f"no offer fits job {spec.name}: {reply.reason}",
             "`epochmesh offers` lists the nodes and their prices; `epochmesh queue` the jobs",
         )
-    d = program_quote_dict(packed.spec, packed.num_samples, flops, reply)
+    d = program_quote_dict(packed.spec, packed.num_samples, reply.flops_per_sample, reply, submit_s)
     if ctx.json:
         ctx.emit_json(d)
         return ExitCode.OK

@@ -6,24 +6,26 @@ Measured steps: the applied parts of the last RATE_ROUNDS rounds of the RECENT_J
 succeeded jobs and of the live ones, one point per node and local batch (the median compute
 seconds), with the node's reference benchmark and the program's FLOPs when known.
 
-What a quote learns: the FLOPs per sample of every program it is asked about, by program
-sha256 (scheduler state QUOTE_FLOPS_KEY, the newest MAX_PROGRAMS), so that a job run with
-that program calibrates the quotes of other programs. `epochmesh submit` sends a QuoteJob of
-the program it submits for this reason, so every submitted job's FLOPs are known.
+The program's FLOPs per sample are the coordinator's own count (`TrainingEngine.program_flops`:
+the program check of the uploaded program and initial state the request names, remembered per
+program in coordinator/market/program_flops.py, as every submitted job's are): the figure a
+client sends is not used, so a client cannot skew its own quote nor, through the calibration
+of jobs run with its program, anyone else's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 
 from coordinator.accounting.billing import per_credit
-from coordinator.core.errors import InvalidArgumentError
+from coordinator.core.errors import FailedPreconditionError, InvalidArgumentError
+from coordinator.core.ids import require_sha256
 from coordinator.core.principal import current_principal_id
 from coordinator.engine.api import TrainingEngine
+from coordinator.market.program_flops import known_flops
 from coordinator.market.quote_estimate import (
     QUICK_REFERENCE_BATCHES,
     Cluster,
@@ -34,6 +36,7 @@ from coordinator.market.quote_estimate import (
     Program,
     QuotedJob,
     bench_seconds,
+    default_overhead,
     estimate,
     job_history,
     step_model,
@@ -47,8 +50,6 @@ from epochmesh.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
 
-QUOTE_FLOPS_KEY = "quote_flops"
-MAX_PROGRAMS = 1000
 RECENT_JOBS = 10  # ended jobs whose rounds calibrate a quote
 RATE_ROUNDS = 20  # of a job: its last rounds' applied parts are its measured steps
 FAR_MS = 2**62  # a live job's nodes stay with it in the quote's scheduler pass
@@ -69,8 +70,10 @@ def _check(req: scheduler_pb2.QuoteJobRequest) -> None:
             raise InvalidArgumentError(f"{name} must be a finite number >= 0")
     if req.state_bytes < 0:
         raise InvalidArgumentError("state_bytes must not be negative")
-    if len(req.program_sha256) > 128:
-        raise InvalidArgumentError("program_sha256 is too long")
+    if req.program_sha256:
+        require_sha256(req.program_sha256, "program_sha256")
+    if req.initial_state_sha256:
+        require_sha256(req.initial_state_sha256, "initial_state_sha256")
     try:
         tier_of(spec.priority)
     except ValueError as e:
@@ -117,28 +120,6 @@ def _live(engine: TrainingEngine) -> tuple[Cluster, list[common_pb2.Job]]:
         jobs=jobs, job_rates=engine.job_rates(), holdings=holdings, weights=dict(weights)
     )
     return cluster, live_jobs
-
-
-async def _known_flops(store: Store) -> dict[str, float]:
-    raw = await store.get_scheduler_state(QUOTE_FLOPS_KEY)
-    if raw is None:
-        return {}
-    try:
-        data = json.loads(raw)
-        return {str(k): float(v) for k, v in data.items()}
-    except (ValueError, TypeError, AttributeError) as e:
-        log.warning("quote FLOPs unreadable (%s): starting afresh", e)
-        return {}
-
-
-async def _remember(store: Store, known: dict[str, float], sha: str, flops: float) -> None:
-    if not sha or flops <= 0 or known.get(sha) == flops:
-        return
-    known.pop(sha, None)
-    known[sha] = flops
-    while len(known) > MAX_PROGRAMS:
-        known.pop(next(iter(known)))
-    await store.put_scheduler_state(QUOTE_FLOPS_KEY, json.dumps(known).encode())
 
 
 def _steps(
@@ -201,12 +182,17 @@ async def _recorded(
                 len(rounds),
                 compute,
                 _bench(job, rounds, registry, known, steps),
+                max(0, job.initial_state.size),
+                statistics.median(
+                    sum(1 for p in r.parts if p.status == "applied") or 1 for r in rounds
+                ),
             )
         )
     for job in live:
         rounds = await store.list_rounds(job.job_id)
         measured += _steps(job, rounds[-RATE_ROUNDS:], registry, known)
-    return job_history(spans), measured
+    nodes = [quote_node(i) for i in registry.eligible_nodes()]
+    return job_history(spans, default_overhead(nodes)[1]), measured
 
 
 def _bench(
@@ -288,11 +274,22 @@ async def quote_job(
     platform fee (``fee_ppm``) on every part."""
     _check(req)
     spec = req.spec
-    known = await _known_flops(store)
-    await _remember(store, known, req.program_sha256, req.flops_per_sample)
+    flops = 0.0
+    if req.program_sha256 and req.initial_state_sha256:
+        flops = await engine.program_flops(
+            common_pb2.BlobRef(sha256=req.program_sha256),
+            common_pb2.BlobRef(sha256=req.initial_state_sha256),
+        )
+    known = await known_flops(store)
+    flops = flops or known.get(req.program_sha256, 0.0)
     infos = {i.node_id: i for i in registry.eligible_nodes()}
     cluster, live_jobs = _live(engine)
     history, measured = await _recorded(store, registry, known, live_jobs)
+    if flops <= 0 and not any(m.program == req.program_sha256 for m in measured if m.program):
+        raise FailedPreconditionError(
+            "the coordinator has not counted this program's FLOPs: upload the program and its "
+            "initial state and name both in the request (epochmesh quote JOB.toml does)"
+        )
     job = QuotedJob(
         tenant=current_principal_id() or "",
         priority=tier_of(spec.priority),
@@ -305,7 +302,7 @@ async def quote_job(
         max_price=max_price_of(spec),
         per_credit=per_credit(spec),
     )
-    program = Program(req.flops_per_sample, req.program_sha256, req.state_bytes)
+    program = Program(flops, req.program_sha256, req.state_bytes)
     est = estimate(
         now_ms,
         job,
@@ -316,4 +313,6 @@ async def quote_job(
         history,
         fee_ppm,
     )
-    return response(est, infos, history)
+    reply = response(est, infos, history)
+    reply.flops_per_sample = flops
+    return reply

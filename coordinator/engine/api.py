@@ -140,6 +140,13 @@ class TrainingEngine(Protocol):
     ) -> job_pb2.GetRoundsResponse: ...
 
     # -- SchedulerService ------------------------------------------------------------------------
+    async def program_flops(
+        self, program: common_pb2.BlobRef, initial_state: common_pb2.BlobRef
+    ) -> float:
+        """QuoteJob: the uploaded program's FLOPs per training sample as the coordinator's
+        program check counts them (remembered per program; 0.0: not countable)."""
+        ...
+
     async def get_allocation(
         self, req: scheduler_pb2.GetAllocationRequest, ctx: Ctx
     ) -> common_pb2.Allocation: ...
@@ -260,6 +267,11 @@ class NullEngine:
 
     async def submit_job(self, req: job_pb2.SubmitJobRequest, ctx: Ctx) -> common_pb2.Job:
         raise UnimplementedError(NOT_AVAILABLE)
+
+    async def program_flops(
+        self, program: common_pb2.BlobRef, initial_state: common_pb2.BlobRef
+    ) -> float:
+        return 0.0  # no program check without the engine
 
     async def watch_job(
         self, req: job_pb2.WatchJobRequest, ctx: Ctx

@@ -702,6 +702,12 @@ class Engine:
         self._start_runner(job)
         return job
 
+    async def program_flops(
+        self, program: common_pb2.BlobRef, initial_state: common_pb2.BlobRef
+    ) -> float:
+        owner = current_principal_id()
+        return await self.submit_checks.program_flops(program, initial_state, owner)
+
     async def _create_with_escrow(self, job: common_pb2.Job) -> common_pb2.Job:
         """Store the job and move its budget from its tenant's account into its escrow, in one
         transaction: refused (nothing stored) when the account holds too little."""

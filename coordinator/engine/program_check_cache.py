@@ -45,6 +45,7 @@ _CHECK_MODULES = (
     "epochmesh.program.op_allowlist",
     "epochmesh.program.inspection",
     "epochmesh.program.confine",
+    "epochmesh.program.flops",
 )
 
 
@@ -77,10 +78,11 @@ class CheckVerdict:
 
     verdict: Verdict
     reason: str
+    flops_per_sample: float = 0.0  # counted by the check (0.0: not countable)
 
     @classmethod
     def of(cls, inspection: Inspection) -> CheckVerdict:
-        return cls(inspection.verdict, inspection.reason)
+        return cls(inspection.verdict, inspection.reason, inspection.flops_per_sample)
 
     @property
     def ok(self) -> bool:

@@ -8,7 +8,9 @@ submission waits for it: the submission takes its turn for a check slot
 between tenants), and only then are the program's and the state's blob files opened and
 streamed into the child, 1 MiB at a time. Verdicts are remembered by content
 (coordinator/engine/program_check_cache.py): a program submitted again with the same state is not
-checked again, and concurrent submissions of it share one check.
+checked again, and concurrent submissions of it share one check. The check counts the program's
+FLOPs per training sample too, remembered by program (coordinator/market/program_flops.py)
+for quotes: a quote of an uploaded program runs the same check (`program_flops`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from coordinator.core.principal import current_principal
 from coordinator.engine.api import CoordinatorContext
 from coordinator.engine.program_check_cache import CheckVerdict, VerdictCache
 from coordinator.engine.submit_gate import SubmitGate
+from coordinator.market.program_flops import known_flops, remember_flops
 from coordinator.store.blobs import BlobCaller
 from coordinator.trust.job_cap import LiveJobCap
 from epochmesh.errors import CodecError, SpecError
@@ -137,7 +140,33 @@ class SubmitChecks:
             raise UnavailableError(f"cannot check the program now: {verdict.reason}")
         if not verdict.ok:
             raise InvalidArgumentError(f"program refused: {verdict.reason}")
+        await remember_flops(self.ctx.store, program, verdict.flops_per_sample)
         return outcome.checked
+
+    async def program_flops(
+        self, program: common_pb2.BlobRef, state: common_pb2.BlobRef, owner: str
+    ) -> float:
+        """The FLOPs per training sample of ``program`` (with ``state``), as this coordinator
+        counts them: remembered, else by the program check (both blobs uploaded and the
+        caller's to name; refused like a submission's). 0.0: not countable."""
+        require_sha256(program.sha256, "program sha256")
+        known = (await known_flops(self.ctx.store)).get(program.sha256)
+        if known is not None:
+            return known
+        await self.require_blob(program, "program")
+        await self.require_blob(state, "initial_state")
+        with self.gate.admit(owner):
+            outcome = await self.cache.verdict(
+                self.cache.key(program.sha256, state.sha256),
+                lambda: self._inspect(program.sha256, state.sha256, owner),
+            )
+        verdict: CheckVerdict = outcome.verdict
+        if verdict.verdict is Verdict.UNAVAILABLE:
+            raise UnavailableError(f"cannot check the program now: {verdict.reason}")
+        if not verdict.ok:
+            raise InvalidArgumentError(f"program refused: {verdict.reason}")
+        await remember_flops(self.ctx.store, program.sha256, verdict.flops_per_sample)
+        return verdict.flops_per_sample
 
     async def _inspect(self, program: str, state: str, owner: str) -> Inspection:
         """Check once a slot is ours, the blobs streamed from their files."""

@@ -35,12 +35,26 @@ checkpoint cost``. Rounds: each epoch ``ceil(samples / global_batch)``, the last
 remainder. Start: the program check at submission and the job benchmark on each node (the
 steps of its plan, JOB_PLAN or with --benchmark quick QUICK_JOB_PLAN, timed by the step model,
 plus loading the program; the nodes benchmark at once): the recorded jobs' median start less
-their own benchmark, else DEFAULT_START_S, plus this program's benchmark. Round overhead
-(hand-out, parameter pull, update push, verification, aggregation and record) is a fixed part
-plus a part in proportion to the round's compute (the rounds of a program of heavy steps
-spend more around them too), fitted on the jobs this coordinator recorded (`History`), else
-DEFAULT_ROUND_OVERHEAD_S and DEFAULT_OVERHEAD_PER_COMPUTE; the parameters' transfer (pull and
-push) over the slowest chosen node's measured bandwidth comes on top.
+their own benchmark, else DEFAULT_START_S, plus this program's benchmark.
+
+Round overhead: what a round spends outside its slowest part's compute (the hand-out, the
+parameters pulled, handed to the confined child and back, the update encoded and pushed, its
+commitments, verification, aggregation and the round's record). Profiled on recorded rounds
+(scripts/bench_quote.py: per round, compute against wall time), it is a fixed cost per round
+plus a cost per byte of the parameters, and does not follow the compute: 0.12-0.15 s a round
+for programs of 18-80 kB of parameters, 0.2 s for 0.5 MB, 0.29 s for 2.1 MB on a loaded
+2-core VM, whatever their steps' compute (10-100 ms); and it is paid per node (each node's
+update is pulled, handed over, pushed, checked and aggregated on its own; the same program's
+rounds on two nodes of that VM spent 0.4 s outside compute against 0.2 s on one). So
+``overhead = nodes x (fixed + per_byte x state_bytes)``, both parts fitted on the jobs this
+coordinator recorded (`job_history`, each job's overhead per node: a line over jobs whose
+parameters' sizes spread, else the fixed part under the per-byte cost below).
+Before any job is recorded, both come from what the chosen nodes measured
+(`default_overhead`): the fixed part is ROUND_FIXED_FLOPS reference FLOPs at the slowest
+node's measured FLOP/s (the round's work around a step is CPU work of the same machine, so it
+scales with its reference benchmark), the per-byte part ROUND_BYTE_PASSES passes of the
+parameters at its measured bandwidth to the coordinator (each pass a copy, an encoding or a
+transfer of them).
 
 Cost. Each round's part on node i earns ``price_i x b_i / rate_i / 3600`` micro-credits,
 rounded down (coordinator/accounting/billing.py), at the rate the node shows at that batch
@@ -72,12 +86,15 @@ QUOTED_JOB = "quote"  # the quoted job's id in the scheduler pass
 # zen transformer, a 4-layer MLP, a conv net and the spirals MLP; docs/benchmarks.md).
 DEFAULT_FIXED_FLOPS = 4.1e8  # a step's fixed cost, in reference FLOPs (about 10 ms there)
 DEFAULT_EFFICIENCY = 0.44
-# Without recorded jobs (the same runs): seconds a round spends outside compute, a fixed part
-# and a part in proportion to the round's compute (the agent's work around a step: parameters
-# in, gradients and their commitments out, on the same loaded cores), and from submission to
-# the first round (program check, claim, program load) besides the job benchmark's compute.
-DEFAULT_ROUND_OVERHEAD_S = 0.033
-DEFAULT_OVERHEAD_PER_COMPUTE = 4.0
+# Without recorded jobs (the same runs' recorded rounds, one node): a round's fixed cost outside
+# compute per node, in reference FLOPs of the slowest chosen node (about 0.16 s at the 4.5e10
+# FLOP/s its reference benchmark measured there), and how many passes over the parameters a
+# round makes at that node's measured bandwidth to the coordinator (0.06 s per MB at 190 MB/s
+# there); from submission to the first round (program check, claim, program load) besides the
+# job benchmark's compute.
+ROUND_FIXED_FLOPS = 7.2e9
+ROUND_BYTE_PASSES = 12.0
+FALLBACK_BANDWIDTH = 100e6  # bytes/s, for a node that measured none
 DEFAULT_START_S = 4.0
 # A checkpoint writes parameters and optimizer state (about 3x the parameters) to the blob
 # store: a fixed cost plus the bytes at a disk's speed.
@@ -266,10 +283,22 @@ def _rate(node: Node, program: Program, model: StepModel, batch: float) -> float
 class History:
     """Fixed costs measured from recorded jobs (None: none recorded)."""
 
-    round_overhead_s: float | None = None  # the fixed part
-    overhead_per_compute: float = DEFAULT_OVERHEAD_PER_COMPUTE
+    round_overhead_s: float | None = None  # the fixed part of a round's overhead
+    overhead_per_byte: float | None = None  # seconds per byte of the parameters (None: nodes')
     start_s: float | None = None
     jobs: int = 0
+
+
+def default_overhead(nodes: Sequence[Node]) -> tuple[float, float]:
+    """(fixed seconds, seconds per parameter byte) of a round on ``nodes`` before any job is
+    recorded: from the slowest node's measured FLOP/s and the lowest measured bandwidth."""
+    flops = min((n.flops for n in nodes if n.flops > 0), default=0.0)
+    fixed = ROUND_FIXED_FLOPS / flops if flops > 0 else 0.0
+    bandwidth = min(
+        (n.bandwidth for n in nodes if math.isfinite(n.bandwidth) and n.bandwidth > 0),
+        default=FALLBACK_BANDWIDTH,
+    )
+    return fixed, ROUND_BYTE_PASSES / bandwidth
 
 
 @dataclass(frozen=True)
@@ -425,10 +454,13 @@ def estimate(
     )
     mine = plan.jobs[QUOTED_JOB]
     overhead_source = "recorded" if history.round_overhead_s is not None else "default"
+    offered_nodes = [n for n in nodes if n.node_id in mine.nodes] or list(nodes)
+    fixed_default, per_byte_default = default_overhead(offered_nodes)
     base_overhead = (
-        history.round_overhead_s
-        if history.round_overhead_s is not None
-        else DEFAULT_ROUND_OVERHEAD_S
+        history.round_overhead_s if history.round_overhead_s is not None else fixed_default
+    )
+    per_byte = (
+        history.overhead_per_byte if history.overhead_per_byte is not None else per_byte_default
     )
     checkpoint_s = CHECKPOINT_FIXED_S + 3 * program.state_bytes / DISK_BYTES_PER_S
     if not mine.nodes:
@@ -451,11 +483,7 @@ def estimate(
         )
     chosen = {n: by_id[n] for n in mine.nodes}
     caps = {n: (by_id[n].max_batch or job.global_batch) for n in chosen}
-    bandwidth = min(
-        (by_id[n].bandwidth for n in chosen if by_id[n].bandwidth > 0), default=math.inf
-    )
-    overhead = base_overhead + 2 * program.state_bytes / bandwidth
-    per_compute = history.overhead_per_compute
+    overhead = len(chosen) * (base_overhead + per_byte * program.state_bytes)
     epoch_s = 0.0
     epoch_cost = epoch_fee = 0
     rounds = 0
@@ -475,7 +503,7 @@ def estimate(
         ]
         epoch_cost += count * sum(c.submitter_total for c in charges)
         epoch_fee += count * sum(c.fee for c in charges)
-        epoch_s += count * (compute * (1 + per_compute) + overhead)
+        epoch_s += count * (compute + overhead)
         rounds += count
     if not full_batches:  # an epoch smaller than one global batch
         full_batches, full_rates = _split(job.num_samples, chosen, models, program, caps)
@@ -501,7 +529,7 @@ def estimate(
         checkpoints=checkpoints,
         start_s=start_s,
         round_compute_s=full_compute,
-        round_overhead_s=overhead + per_compute * full_compute,
+        round_overhead_s=overhead,
         checkpoint_s=checkpoint_s,
         epoch_seconds=epoch_s,
         total_seconds=total_s,
@@ -514,35 +542,39 @@ def estimate(
 
 
 def job_history(
-    jobs: Sequence[tuple[int, int, int, int, float, float]],
+    jobs: Sequence[tuple[int, int, int, int, float, float, int, float]],
+    per_byte_default: float = 0.0,
 ) -> History:
     """Fixed costs from recorded jobs, each ``(created_ms, first round's start ms, last
     round's finish ms, rounds, summed slowest-part compute seconds, its job benchmark's
-    predicted seconds (0: unknown))``. A job's round overhead is (wall time of its rounds -
-    their compute) / rounds; over jobs whose compute per round spreads, ``overhead = fixed +
-    per_compute x compute`` is fitted (`relative_line`), else the per-compute part is the
-    default and the fixed part the median of the rest. The start: the median of each job's
-    time from submission to its first round (program check, claims, loading) less its
-    benchmark."""
+    predicted seconds (0: unknown), its parameters' bytes, its nodes per round)``. A job's
+    round overhead per node is (wall time of its rounds - their compute) / rounds / nodes;
+    over jobs whose parameters' sizes spread,
+    ``overhead = fixed + per_byte x bytes`` is fitted (`relative_line`), else the per-byte
+    part is ``per_byte_default`` (None in the result: the nodes' own) and the fixed part the
+    median of the rest. The start: the median of each job's time from submission to its first
+    round (program check, claims, loading) less its benchmark."""
     points = []
     starts = []
-    for created, first, last, rounds, compute, bench in jobs:
+    for created, first, last, rounds, compute, bench, state_bytes, nodes in jobs:
         if rounds <= 0 or last <= first or first < created:
             continue
         per_round = compute / rounds
-        points.append((per_round, max(0.0, (last - first) / 1000 / rounds - per_round)))
+        overhead = max(0.0, (last - first) / 1000 / rounds - per_round) / max(1.0, nodes)
+        points.append((float(max(0, state_bytes)), overhead))
         starts.append(max(0.0, (first - created) / 1000 - max(0.0, bench)))
     if not points:
         return History()
-    line = relative_line([(c, o) for c, o in points if c > 0 and o > 0])
-    if line is not None and line[1] >= 0:
-        fixed, per_compute = line
+    line = relative_line([(b, o) for b, o in points if b > 0 and o > 0])
+    per_byte: float | None
+    if line is not None and line[1] >= 0 and line[0] > 0:
+        fixed, per_byte = line
     else:
-        per_compute = DEFAULT_OVERHEAD_PER_COMPUTE
-        fixed = statistics.median(max(0.0, o - per_compute * c) for c, o in points)
+        per_byte = None
+        fixed = statistics.median(max(0.0, o - per_byte_default * b) for b, o in points)
     return History(
         round_overhead_s=fixed,
-        overhead_per_compute=per_compute,
+        overhead_per_byte=per_byte,
         start_s=statistics.median(starts),
         jobs=len(points),
     )

@@ -741,7 +741,7 @@ class TrainableProgram:
         device: torch.device,
     ) -> None:
         self._module = module
-        self._shapes = ShapeCheck(module)
+        self._shapes = self.shapes = ShapeCheck(module)  # shapes: zeros of its inputs (FLOPs)
         self.device = device
         self.num_user_inputs = num_user_inputs
         live = module.state_dict(keep_vars=True)

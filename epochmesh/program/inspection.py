@@ -57,6 +57,7 @@ MAX_ANSWER_BYTES = 256 << 10
 MAX_HEADER_BYTES = 64 << 10
 STDERR_TAIL_BYTES = 4 << 10
 MAX_REASON_CHARS = 300
+MAX_FLOPS_PER_SAMPLE = 1e18  # a FLOP count above this is not believed
 REAP_TIMEOUT_S = 5.0  # after an exit or a kill: how long the pipes may take to close
 READY = b"ready"
 _FEED_CHUNK = 1 << 20  # a file part goes to a child in pieces of at most this
@@ -131,6 +132,8 @@ class Inspection:
     param_names: tuple[str, ...] = ()  # when accepted (empty for very many parameters)
     losses: tuple[float, ...] = ()  # of the trial batches, in their order
     batch_size: int = 0  # the trial batch that failed (BATCH_FAILED)
+    # FLOPs of a training step per sample, counted when asked (0.0: not asked, or not countable)
+    flops_per_sample: float = 0.0
     seconds: float = 0.0
 
     @property
@@ -269,7 +272,17 @@ def _accepted(answer: Mapping[str, Any], seconds: float) -> Inspection:
     losses: tuple[float, ...] = ()
     if isinstance(raw, list) and all(type(v) in (int, float) for v in raw):
         losses = tuple(float(v) for v in raw)
-    return Inspection(Verdict.ACCEPTED, param_names=names, losses=losses, seconds=seconds)
+    flops = answer.get("flops")
+    counted = float(flops) if isinstance(flops, int | float) and type(flops) is not bool else 0.0
+    if not (math.isfinite(counted) and 0.0 <= counted <= MAX_FLOPS_PER_SAMPLE):
+        counted = 0.0
+    return Inspection(
+        Verdict.ACCEPTED,
+        param_names=names,
+        losses=losses,
+        seconds=seconds,
+        flops_per_sample=counted,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -648,10 +661,18 @@ def _argv() -> list[str]:
 
 
 def _inspection_request(
-    program: Payload, state: Payload, limits: InspectionLimits, trial: TrialBatch | None
+    program: Payload,
+    state: Payload,
+    limits: InspectionLimits,
+    trial: TrialBatch | None,
+    count_flops: bool = False,
 ) -> tuple[list[Payload], int]:
     blobs: list[Payload] = [program, state]
-    header: dict[str, Any] = {"cpu_seconds": limits.cpu_seconds, "sizes": []}
+    header: dict[str, Any] = {
+        "cpu_seconds": limits.cpu_seconds,
+        "sizes": [],
+        "count_flops": count_flops,
+    }
     if trial is not None:
         from epochmesh.wire.tensors import to_safetensors
 
@@ -744,7 +765,7 @@ async def inspect_program_async(
 async def _run_inspection(
     child: AsyncChild, program: Payload, state: Payload, limits: InspectionLimits
 ) -> Inspection:
-    parts, budget = _inspection_request(program, state, limits, None)
+    parts, budget = _inspection_request(program, state, limits, None, count_flops=True)
     ended = await child.run(parts, limits.timeout_s)
     result = judge(ended, limits, budget)
     _log_result(result, ended)
@@ -858,7 +879,20 @@ def _inspect(
                 return {"ok": False, "kind": "batch", "batch": size, "error": text[:500]}
             losses.append(loss)
     params = prog.param_names if sum(len(p) + 4 for p in prog.param_names) < 128 << 10 else []
-    return {"ok": True, "params": params, "losses": losses}
+    flops = _count_flops(prog) if header.get("count_flops") is True else 0.0
+    return {"ok": True, "params": params, "losses": losses, "flops": flops}
+
+
+def _count_flops(prog: Any) -> float:
+    """The loaded program's FLOPs per sample on zeros of its declared shapes (0.0 when they
+    cannot be counted: a quote then has no figure for it; the program is not refused)."""
+    from epochmesh.program.flops import declared_flops_per_sample
+
+    try:
+        return declared_flops_per_sample(prog)
+    except Exception as e:  # a count is advice: nothing it raises refuses the program
+        log.warning("FLOPs not counted: %s", one_line(f"{type(e).__name__}: {e}"))
+        return 0.0
 
 
 def _test_fault(channel: IO[bytes]) -> None:
@@ -891,6 +925,7 @@ def main() -> int:
         "torch._export.serde.serialize",
         "torch.export.pt2_archive",
         "epochmesh.program.archive",
+        "epochmesh.program.flops",
         "ctypes",
     ):
         importlib.import_module(name)

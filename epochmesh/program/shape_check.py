@@ -107,6 +107,7 @@ class ShapeCheck:
         self._module = module
         self._inputs = [n for n in module.graph.nodes if n.op == "placeholder"]
         self._checked: set[tuple[Any, ...]] = set()
+        self._ranges: dict[Any, tuple[int, int]] = {}  # the declared symbols' (lo, hi)
 
     # -- entry points -----------------------------------------------------------------------
 
@@ -116,10 +117,19 @@ class ShapeCheck:
         """Propagate from the declared input shapes, each symbol of `ranges` ({symbol: (lo,
         hi)}, the archive's range constraints) set to each of `batch_sizes` clamped into its
         range; the declared value of every node must equal the propagated one."""
+        self._ranges = dict(ranges)
         for size in sorted(set(batch_sizes)):
             values = {s: min(max(size, lo), hi) for s, (lo, hi) in ranges.items()}
             args = [_declared_input(n, values) for n in self._inputs]
             self._propagate(args, declared=values)
+
+    def zero_inputs(self, size: int, device: torch.device) -> list[torch.Tensor]:
+        """Zero tensors of the declared input shapes, each symbol of the ranges `check_declared`
+        was given (the batch size) set to `size` clamped into its range (ProgramError if a size
+        depends on an unknown symbol)."""
+        values = {s: min(max(size, lo), hi) for s, (lo, hi) in self._ranges.items()}
+        specs = [_declared_input(n, values) for n in self._inputs]
+        return [torch.zeros(a.shape, dtype=a.dtype, device=device) for a in specs]
 
     def check_inputs(self, args: Sequence[torch.Tensor]) -> None:
         """Propagate from these inputs (once per distinct signature); ProgramError if a node

@@ -209,18 +209,20 @@ class SetTenantWeightResponse(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class QuoteJobRequest(_message.Message):
-    __slots__ = ("spec", "num_samples", "flops_per_sample", "program_sha256", "state_bytes")
+    __slots__ = ("spec", "num_samples", "flops_per_sample", "program_sha256", "state_bytes", "initial_state_sha256")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FLOPS_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_SHA256_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_STATE_SHA256_FIELD_NUMBER: _ClassVar[int]
     spec: _common_pb2.JobSpec
     num_samples: int
     flops_per_sample: float
     program_sha256: str
     state_bytes: int
-    def __init__(self, spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., num_samples: _Optional[int] = ..., flops_per_sample: _Optional[float] = ..., program_sha256: _Optional[str] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+    initial_state_sha256: str
+    def __init__(self, spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., num_samples: _Optional[int] = ..., flops_per_sample: _Optional[float] = ..., program_sha256: _Optional[str] = ..., state_bytes: _Optional[int] = ..., initial_state_sha256: _Optional[str] = ...) -> None: ...
 
 class QuoteNode(_message.Message):
     __slots__ = ("node_id", "name", "price_micro_per_hour", "samples_per_second", "rate_source", "reference_samples_per_second", "local_batch", "chosen")
@@ -243,7 +245,7 @@ class QuoteNode(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., price_micro_per_hour: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rate_source: _Optional[str] = ..., reference_samples_per_second: _Optional[float] = ..., local_batch: _Optional[int] = ..., chosen: _Optional[bool] = ...) -> None: ...
 
 class QuoteJobResponse(_message.Message):
-    __slots__ = ("nodes", "fits", "reason", "rounds", "checkpoints", "start_seconds", "round_compute_seconds", "round_overhead_seconds", "checkpoint_seconds", "epoch_seconds", "total_seconds", "epoch_cost_micro", "total_cost_micro", "fee_micro", "overhead_source", "recorded_jobs", "reference_flops_per_sample")
+    __slots__ = ("nodes", "fits", "reason", "rounds", "checkpoints", "start_seconds", "round_compute_seconds", "round_overhead_seconds", "checkpoint_seconds", "epoch_seconds", "total_seconds", "epoch_cost_micro", "total_cost_micro", "fee_micro", "overhead_source", "recorded_jobs", "reference_flops_per_sample", "flops_per_sample")
     NODES_FIELD_NUMBER: _ClassVar[int]
     FITS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +263,7 @@ class QuoteJobResponse(_message.Message):
     OVERHEAD_SOURCE_FIELD_NUMBER: _ClassVar[int]
     RECORDED_JOBS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FLOPS_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[QuoteNode]
     fits: bool
     reason: str
@@ -278,4 +281,5 @@ class QuoteJobResponse(_message.Message):
     overhead_source: str
     recorded_jobs: int
     reference_flops_per_sample: float
-    def __init__(self, nodes: _Optional[_Iterable[_Union[QuoteNode, _Mapping]]] = ..., fits: _Optional[bool] = ..., reason: _Optional[str] = ..., rounds: _Optional[int] = ..., checkpoints: _Optional[int] = ..., start_seconds: _Optional[float] = ..., round_compute_seconds: _Optional[float] = ..., round_overhead_seconds: _Optional[float] = ..., checkpoint_seconds: _Optional[float] = ..., epoch_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., epoch_cost_micro: _Optional[int] = ..., total_cost_micro: _Optional[int] = ..., fee_micro: _Optional[int] = ..., overhead_source: _Optional[str] = ..., recorded_jobs: _Optional[int] = ..., reference_flops_per_sample: _Optional[float] = ...) -> None: ...
+    flops_per_sample: float
+    def __init__(self, nodes: _Optional[_Iterable[_Union[QuoteNode, _Mapping]]] = ..., fits: _Optional[bool] = ..., reason: _Optional[str] = ..., rounds: _Optional[int] = ..., checkpoints: _Optional[int] = ..., start_seconds: _Optional[float] = ..., round_compute_seconds: _Optional[float] = ..., round_overhead_seconds: _Optional[float] = ..., checkpoint_seconds: _Optional[float] = ..., epoch_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., epoch_cost_micro: _Optional[int] = ..., total_cost_micro: _Optional[int] = ..., fee_micro: _Optional[int] = ..., overhead_source: _Optional[str] = ..., recorded_jobs: _Optional[int] = ..., reference_flops_per_sample: _Optional[float] = ..., flops_per_sample: _Optional[float] = ...) -> None: ...

@@ -10,12 +10,15 @@ import pytest
 from coordinator.engine.engine import Engine
 from epochmesh import identity as idm
 from epochmesh.money import MICRO
-from epochmesh.quote import REFERENCE_FLOPS_PER_SAMPLE
-from epochmesh.v1 import agent_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from epochmesh.packaging import PackedJob
+from epochmesh.v1 import agent_pb2, common_pb2, job_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.fake_agent import FakeAgent
+from tests.integration.test_quote_flops import packed, upload
 from tests.procs import async_wait_until, in_process_coordinator
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
+
+__all__ = ["packed"]  # the fixture
 
 FEE_PPM = 100_000  # 10 %
 
@@ -24,7 +27,7 @@ async def _never_trains(agent: FakeAgent, task: agent_pb2.Task) -> None:
     return None
 
 
-async def _quote(data: Path, fee_ppm: int) -> scheduler_pb2.QuoteJobResponse:
+async def _quote(data: Path, fee_ppm: int, packed: PackedJob) -> scheduler_pb2.QuoteJobResponse:
     async with in_process_coordinator(
         data, engine_factory=Engine, heartbeat_interval_s=0.2, platform_fee_ppm=fee_ppm
     ) as coord:
@@ -57,23 +60,24 @@ async def _quote(data: Path, fee_ppm: int) -> scheduler_pb2.QuoteJobResponse:
                     name="q", epochs=2, global_batch=32, min_nodes=1, max_nodes=1
                 )
                 spec.budget_micro = 10 * MICRO
+                jobs = job_pb2_grpc.JobServiceStub(channel)
                 reply: scheduler_pb2.QuoteJobResponse = await stub.QuoteJob(
                     scheduler_pb2.QuoteJobRequest(
                         spec=spec,
                         num_samples=1000,
-                        flops_per_sample=REFERENCE_FLOPS_PER_SAMPLE * 50,
-                        program_sha256="ab" * 32,
+                        program_sha256=(await upload(jobs, packed.program)).sha256,
+                        initial_state_sha256=(await upload(jobs, packed.initial_state)).sha256,
                     ),
-                    timeout=10,
+                    timeout=60,
                 )
                 return reply
         finally:
             await agent.stop()
 
 
-async def test_the_platform_fee_is_on_the_quote(tmp_path: Path) -> None:
-    plain = await _quote(tmp_path / "plain", 0)
-    with_fee = await _quote(tmp_path / "fee", FEE_PPM)
+async def test_the_platform_fee_is_on_the_quote(tmp_path: Path, packed: PackedJob) -> None:
+    plain = await _quote(tmp_path / "plain", 0, packed)
+    with_fee = await _quote(tmp_path / "fee", FEE_PPM, packed)
     assert plain.fits and with_fee.fits
     assert plain.fee_micro == 0 and plain.total_cost_micro > 0
     assert with_fee.fee_micro > 0

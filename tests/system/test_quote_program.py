@@ -1,6 +1,6 @@
 """``epochmesh quote JOB.toml`` predicts a job's own program: the real console scripts against
 a real coordinator and two priced agents. A job submitted without a quote calibrates the
-quotes of other programs (submit sends its program's FLOPs). The quote's node set is the one
+quotes of other programs (the coordinator counts its FLOPs in its program check). The quote's node set is the one
 the job then trains on, its time and cost are positive and finite, its rates come from the
 program's FLOPs; once the job ran, the next quote of the same program is calibrated by it
 (rate source, recorded overheads). No speed is asserted (scripts/bench_quote.py compares
@@ -109,6 +109,9 @@ def test_the_quoted_nodes_are_the_jobs_and_the_quote_is_sane(
     for key in ("total_seconds", "epoch_seconds", "start_seconds", "round_overhead_seconds"):
         value = q[key]
         assert isinstance(value, float) and 0 < value < math.inf, key
+    # The CLI's own part of a submit (measured on this machine) comes on top of the job's.
+    assert isinstance(q["submit_seconds"], float) and q["submit_seconds"] > 0
+    assert q["total_seconds"] == q["job_seconds"] + q["submit_seconds"]
     assert isinstance(q["total_cost_micro"], int) and q["total_cost_micro"] > 0
     assert q["overhead_source"] == "recorded" and q["budget_covers"] is True
 

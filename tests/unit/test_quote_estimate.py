@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from coordinator.accounting.billing import earned_micro
@@ -15,9 +17,9 @@ from coordinator.market.quote_estimate import (
     CALIBRATED,
     CALIBRATED_ANY,
     DEFAULT,
-    DEFAULT_OVERHEAD_PER_COMPUTE,
-    DEFAULT_ROUND_OVERHEAD_S,
     DEFAULT_STEP,
+    ROUND_BYTE_PASSES,
+    ROUND_FIXED_FLOPS,
     SAME_PROGRAM,
     Cluster,
     History,
@@ -27,6 +29,7 @@ from coordinator.market.quote_estimate import (
     QuotedJob,
     StepModel,
     bench_seconds,
+    default_overhead,
     estimate,
     fit_step_model,
     job_history,
@@ -168,7 +171,7 @@ def test_rounds_time_and_cost_follow_the_spec_and_the_billing_rule() -> None:
         Node("a", "cpu", reference_rate=1000.0, price=3_000_000),
         Node("b", "cpu", reference_rate=3000.0, price=1_000_000),
     ]
-    prog = Program(flops_per_sample=REF, sha256="x", state_bytes=0)
+    prog = Program(flops_per_sample=REF, sha256="x", state_bytes=10**6)
     # eff 0.1, no fixed cost: a node does a tenth of its reference samples/s at any batch.
     steps = [measured("cpu", "x", REF, b, 0.0, 0.1, ref=1000.0) for b in (16, 64)]
     est = estimate(0, job(), prog, nodes, Cluster(), steps)
@@ -180,9 +183,13 @@ def test_rounds_time_and_cost_follow_the_spec_and_the_billing_rule() -> None:
     assert est.rounds == 16 * 3 and est.checkpoints == 4
     full = max(16 / 100.0, 48 / 300.0)
     last = max(10 / 100.0, 30 / 300.0)
-    k = DEFAULT_OVERHEAD_PER_COMPUTE  # a round's overhead grows with its compute
-    epoch = 15 * (full * (1 + k) + DEFAULT_ROUND_OVERHEAD_S)
-    epoch += last * (1 + k) + DEFAULT_ROUND_OVERHEAD_S
+    # Nothing recorded: a round's overhead from the slowest node's speed (a: 1000 samples/s)
+    # and, nodes without a measured bandwidth, the fallback's, per byte of the parameters.
+    fixed, per_byte = default_overhead(nodes)
+    assert fixed == pytest.approx(ROUND_FIXED_FLOPS / (1000.0 * REF))
+    overhead = 2 * (fixed + per_byte * 10**6)  # paid per node
+    assert est.round_overhead_s == pytest.approx(overhead) and est.overhead_source == "default"
+    epoch = 15 * (full + overhead) + last + overhead
     assert est.epoch_seconds == pytest.approx(epoch)
     assert est.total_seconds == pytest.approx(
         est.start_s + 3 * epoch + est.checkpoints * est.checkpoint_s
@@ -210,32 +217,107 @@ def test_a_fixed_step_cost_makes_more_nodes_cost_more_per_sample() -> None:
 
 
 def test_recorded_jobs_replace_the_default_fixed_costs() -> None:
-    # created 0, first round at 5 s, last round ends at 25 s, 100 rounds of 0.1 s compute:
-    # 0.1 s overhead a round. One job: the default per-compute part, the fixed part the rest
-    # (never below 0).
-    k = DEFAULT_OVERHEAD_PER_COMPUTE
-    history = job_history([(0, 5000, 25_000, 100, 10.0, 2.0), (0, 0, 0, 0, 0.0, 0.0)])
-    assert history.jobs == 1 and history.overhead_per_compute == k
-    assert history.round_overhead_s == pytest.approx(max(0.0, 0.1 - k * 0.1))
+    # created 0, first round at 5 s, last round ends at 25 s, 100 rounds of 0.1 s compute,
+    # 1 MB of parameters: 0.1 s overhead a round. One job: the per-byte part is the default
+    # given (None in the history: the nodes' own), the fixed part the rest (never below 0).
+    per_byte = 2e-8
+    history = job_history(
+        [(0, 5000, 25_000, 100, 10.0, 2.0, 10**6, 1), (0, 0, 0, 0, 0.0, 0.0, 0, 1)], per_byte
+    )
+    assert history.jobs == 1 and history.overhead_per_byte is None
+    assert history.round_overhead_s == pytest.approx(0.1 - per_byte * 10**6)
     # Its job benchmark took 2 s of its 5 s start: the fixed start is 3 s.
     assert history.start_s == 3.0
-    one = job_history([(0, 1000, 2000, 10, 0.01, 0.0)])  # 0.099 s a round over 0.001 compute
-    assert one.round_overhead_s == pytest.approx(0.1 - 0.001 - k * 0.001)
+    one = job_history([(0, 1000, 2000, 10, 0.01, 0.0, 10**8, 1)], per_byte)  # 0.099 s a round
+    assert one.round_overhead_s == 0.0  # its bytes' part alone is more: never below 0
     assert job_history([]) == History()
-    # Jobs of light and heavy rounds: both parts fitted (here 0.05 s + 2 x compute; a round
-    # takes compute x 3 + 0.05 s).
+    # Jobs of small and large parameters: both parts fitted (here 0.05 s + 1e-7 s per byte),
+    # whatever their compute.
     jobs = [
-        (0, 1000, 1000 + round(100 * (c * 3 + 0.05) * 1000), 100, 100 * c, 0.0) for c in (0.01, 0.1)
+        (0, 1000, 1000 + round(100 * (c + n * (0.05 + 1e-7 * b)) * 1000), 100, 100 * c, 0.0, b, n)
+        for c, b, n in ((0.1, 10**4, 1), (0.01, 10**6, 2))
     ]
-    fitted = job_history(jobs)
-    assert fitted.round_overhead_s == pytest.approx(0.05, rel=1e-3)
-    assert fitted.overhead_per_compute == pytest.approx(2.0, rel=1e-3)
+    fitted = job_history(jobs, per_byte)  # per node: a job of two nodes pays it twice
+    assert fitted.round_overhead_s == pytest.approx(0.05, rel=1e-2)
+    assert fitted.overhead_per_byte == pytest.approx(1e-7, rel=1e-2)
     nodes = [Node("a", "cpu", 1000.0)]
-    history = History(round_overhead_s=0.1, overhead_per_compute=0.0, start_s=3.0, jobs=1)
-    est = estimate(0, job(), Program(REF), nodes, Cluster(), [], history)
+    history = History(round_overhead_s=0.1, overhead_per_byte=0.0, start_s=3.0, jobs=1)
+    est = estimate(0, job(), Program(REF, state_bytes=10**6), nodes, Cluster(), [], history)
     bench = bench_seconds(nodes[0], DEFAULT_STEP, REF)
     assert est.overhead_source == "recorded" and est.start_s == pytest.approx(3.0 + bench)
     assert est.round_overhead_s == pytest.approx(0.1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fixed=st.floats(0.0, 1.0),
+    per_byte=st.floats(0.0, 1e-6),
+    sizes=st.lists(st.integers(1, 10**8), min_size=2, max_size=6, unique=True),
+    computes=st.lists(st.floats(0.0, 2.0), min_size=6, max_size=6),
+)
+def test_the_overhead_fit_recovers_its_parts_from_jobs_of_spread_sizes(
+    fixed: float, per_byte: float, sizes: list[int], computes: list[float]
+) -> None:
+    """Jobs whose overhead is exactly fixed + per_byte x bytes give back both parts (when the
+    sizes spread), or, sizes too close, the fixed part under the given per-byte cost; never a
+    negative part, and the compute does not enter."""
+    jobs = []
+    for b, c in zip(sizes, computes, strict=False):
+        rounds = 50
+        wall_ms = round(rounds * (c + fixed + per_byte * b) * 1000) + 1
+        jobs.append((0, 1000, 1000 + wall_ms, rounds, rounds * c, 0.0, b, 1))
+    h = job_history(jobs, per_byte)
+    assert h.jobs == len(jobs) and h.round_overhead_s is not None
+    assert h.round_overhead_s >= 0 and (h.overhead_per_byte or 0.0) >= 0
+    slope = h.overhead_per_byte if h.overhead_per_byte is not None else per_byte
+    for b, c in zip(sizes, computes, strict=False):
+        want = fixed + per_byte * b
+        got = h.round_overhead_s + slope * b
+        assert got == pytest.approx(want, rel=0.05, abs=2e-3), (b, c)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rate=st.floats(1.0, 1e7),
+    slower=st.floats(1.0, 100.0),
+    bandwidth=st.floats(1e3, 1e11),
+    state=st.integers(0, 10**9),
+)
+def test_the_default_overhead_follows_the_slowest_nodes_measurements(
+    rate: float, slower: float, bandwidth: float, state: int
+) -> None:
+    fast = Node("f", "cpu", rate, bandwidth=bandwidth * 2)
+    slow = Node("s", "cpu", rate / slower, bandwidth=bandwidth)
+    fixed, per_byte = default_overhead([fast, slow])
+    assert fixed == pytest.approx(ROUND_FIXED_FLOPS / slow.flops)
+    assert per_byte == pytest.approx(ROUND_BYTE_PASSES / bandwidth)
+    # Faster nodes and a wider link never make a round's overhead longer.
+    f2, b2 = default_overhead([Node("x", "cpu", rate * 2, bandwidth=bandwidth * 2)])
+    assert f2 + b2 * state <= fixed + per_byte * state * (1 + 1e-12)
+    assert default_overhead([Node("z", "cpu", 0.0)])[0] == 0.0  # no benchmark: no figure
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    state=st.integers(0, 10**8),
+    more=st.integers(1, 10**8),
+    rate=st.floats(10.0, 1e6),
+)
+def test_a_quote_is_longer_for_more_parameters_and_adds_up(
+    state: int, more: int, rate: float
+) -> None:
+    nodes = [Node("a", "cpu", rate, price=10**6, bandwidth=1e8)]
+    small = estimate(0, job(), Program(REF, "x", state), nodes, Cluster())
+    big = estimate(0, job(), Program(REF, "x", state + more), nodes, Cluster())
+    assert big.round_overhead_s > small.round_overhead_s
+    assert big.total_seconds > small.total_seconds
+    assert big.total_cost == small.total_cost  # billing counts compute only
+    for est in (small, big):
+        rounds = est.rounds // 3
+        assert est.total_seconds == pytest.approx(
+            est.start_s + 3 * est.epoch_seconds + est.checkpoints * est.checkpoint_s
+        )
+        assert est.epoch_seconds >= rounds * est.round_overhead_s * (1 - 1e-9)
 
 
 def test_the_node_set_is_the_schedulers() -> None:
