@@ -9,6 +9,10 @@ Resolution order (the first that is set wins):
    ``XDG_CONFIG_HOME`` is unset or empty);
 4. ``127.0.0.1:7070``.
 
+Each may name several coordinators, ``HOST:PORT,HOST:PORT`` (an active one and its standbys on
+one database): the CLI then asks each one's health and talks to the one that serves
+(`epochmesh.coordinators`).
+
 Credentials: ``epochmesh login --token T`` stores ``ca.pem``, ``cert.pem`` and ``key.pem``
 (0600) in ``$XDG_CONFIG_HOME/epochmesh/credentials/`` and the coordinator's address in the
 config file; every later command uses them (`load_credentials`).
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.rpc import CliError, ExitCode
+from epochmesh.coordinators import AddressError, parse_addresses
 from epochmesh.fsutil import write_private
 from epochmesh.identity import Identity, IdentityError
 
@@ -33,8 +38,18 @@ CONFIG_KEYS = ("coordinator",)
 
 @dataclass(frozen=True)
 class ResolvedAddress:
-    address: str
+    address: str  # the coordinator to talk to: the first address until the active one is known
     source: str  # "--coordinator", "EPOCHMESH_COORDINATOR", the config file's path, or "default"
+    addresses: tuple[str, ...] = ()  # every address given (one or more)
+
+    @property
+    def every(self) -> tuple[str, ...]:
+        return self.addresses or (self.address,)
+
+    @property
+    def listed(self) -> str:
+        """The addresses as given, for messages and the config file."""
+        return ",".join(self.every)
 
 
 def config_path(env: Mapping[str, str] | None = None) -> Path:
@@ -64,7 +79,8 @@ def load_credentials(env: Mapping[str, str] | None = None) -> Identity | None:
 
 
 def save_login(identity: Identity, address: str, env: Mapping[str, str] | None = None) -> Path:
-    """Store credentials (0600) and remember ``address`` in the config file."""
+    """Store credentials (0600) and remember ``address`` (one or a comma-separated list) in the
+    config file."""
     directory = credentials_dir(env)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     identity.save(directory)
@@ -99,27 +115,31 @@ def load_config(path: Path) -> dict[str, object]:
     return data
 
 
-def validate_address(address: str, source: str) -> str:
-    """Checks HOST:PORT (IPv6 as [::1]:PORT); returns it stripped."""
-    address = address.strip()
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+def validate_addresses(text: str, source: str) -> tuple[str, ...]:
+    """Checks ``HOST:PORT[,HOST:PORT...]``; returns the addresses in order."""
+    try:
+        return parse_addresses(text)
+    except AddressError as err:
         raise CliError(
             ExitCode.USAGE,
-            f"bad coordinator address {address!r} (from {source})",
-            "write it as HOST:PORT, e.g. 127.0.0.1:7070",
-        )
-    return address
+            f"{err} (from {source})",
+            "write it as HOST:PORT, e.g. 127.0.0.1:7070, or several as HOST:PORT,HOST:PORT",
+        ) from None
+
+
+def _resolved(text: str, source: str) -> ResolvedAddress:
+    addresses = validate_addresses(text, source)
+    return ResolvedAddress(addresses[0], source, addresses)
 
 
 def resolve_coordinator(flag: str | None, env: Mapping[str, str] | None = None) -> ResolvedAddress:
     """Applies the resolution order above and validates the winner."""
     env = os.environ if env is None else env
     if flag:
-        return ResolvedAddress(validate_address(flag, "--coordinator"), "--coordinator")
+        return _resolved(flag, "--coordinator")
     from_env = env.get(ENV_COORDINATOR, "").strip()
     if from_env:
-        return ResolvedAddress(validate_address(from_env, ENV_COORDINATOR), ENV_COORDINATOR)
+        return _resolved(from_env, ENV_COORDINATOR)
     path = config_path(env)
     config = load_config(path)
     value = config.get("coordinator")
@@ -130,5 +150,5 @@ def resolve_coordinator(flag: str | None, env: Mapping[str, str] | None = None) 
                 f"config file {path}: coordinator must be a string",
                 f'write e.g. coordinator = "{DEFAULT_COORDINATOR}"',
             )
-        return ResolvedAddress(validate_address(value, str(path)), str(path))
+        return _resolved(value, str(path))
     return ResolvedAddress(DEFAULT_COORDINATOR, "default")

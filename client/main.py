@@ -60,7 +60,8 @@ EPILOG = f"""\
 the coordinator's address comes from, in order: --coordinator HOST:PORT, the
 {ENV_COORDINATOR} environment variable, `coordinator = "HOST:PORT"` in
 $XDG_CONFIG_HOME/epochmesh/config.toml (~/.config/epochmesh/config.toml),
-else {DEFAULT_COORDINATOR}.
+else {DEFAULT_COORDINATOR}. Several coordinators sharing one database (an active one and
+standbys) are given as HOST:PORT,HOST:PORT: the CLI talks to the one whose health serves.
 
 credentials: `epochmesh login --token TOKEN` enrolls (TLS, a key made here) and
 stores the certificate under $XDG_CONFIG_HOME/epochmesh/credentials; every
@@ -146,8 +147,8 @@ def add_shared_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
         "--coordinator",
         metavar="HOST:PORT",
         default=default(None),
-        help=f"coordinator address (default: ${ENV_COORDINATOR}, config file, "
-        f"{DEFAULT_COORDINATOR})",
+        help=f"coordinator address, or several as HOST:PORT,HOST:PORT (an active coordinator "
+        f"and its standbys) (default: ${ENV_COORDINATOR}, config file, {DEFAULT_COORDINATOR})",
     )
     parser.add_argument(
         "--debug",

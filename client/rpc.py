@@ -23,7 +23,7 @@ import enum
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -236,6 +236,32 @@ def _wait_for_ready(channel: grpc.Channel, timeout: float) -> grpc.ChannelConnec
                 changed.wait(timeout=max(0.01, min(limit, deadline) - now))
     finally:
         channel.unsubscribe(on_change)
+
+
+def find_active(
+    addresses: Sequence[str], source: str, identity: Identity | None, timeout: float
+) -> str:
+    """The address of the serving coordinator among several (an active one and its standbys):
+    each one's health is asked at once; CliError(UNREACHABLE) naming every address's answer
+    when none serves."""
+    from epochmesh.coordinators import find_active_sync
+
+    def open_channel(address: str) -> grpc.Channel:
+        if identity is None:
+            return sync_channel(address)
+        return secure_sync_channel(address, identity)
+
+    active, probes = find_active_sync(addresses, open_channel, timeout)
+    if active is not None:
+        return active
+    from_where = f" (addresses from {source})" if source else ""
+    raise CliError(
+        ExitCode.UNREACHABLE,
+        f"no active coordinator among {', '.join(addresses)}{from_where}: "
+        + "; ".join(p.describe() for p in probes),
+        "a standby takes over within seconds when the active one is gone: try again, or check "
+        "that at least one coordinator runs",
+    )
 
 
 class Coordinator:

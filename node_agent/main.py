@@ -48,7 +48,7 @@ def _join_threads(timeout: float) -> bool:
 
 
 def _enroll_unreachable(
-    config: AgentConfig, why: str, schedule: RetrySchedule, report: UnreachableReport
+    address: str, why: str, schedule: RetrySchedule, report: UnreachableReport
 ) -> None:
     """An enrollment attempt found no coordinator: say so (a warning the first time and every
     few minutes, else a debug line) and wait for the next attempt, 1 s doubling to 60 s."""
@@ -59,7 +59,7 @@ def _enroll_unreachable(
         log.warning(
             "coordinator %s unreachable (Enroll: %s): retrying in %.1f s, then at growing "
             "intervals up to %.0f s; said again every %.0f min while it lasts",
-            config.coordinator,
+            address,
             why,
             delay,
             schedule.cap,
@@ -69,7 +69,7 @@ def _enroll_unreachable(
         log.warning(
             "coordinator %s still unreachable after %d attempts over %.0f s (Enroll: %s); "
             "next attempt in %.1f s",
-            config.coordinator,
+            address,
             report.failures,
             report.down_for(now),
             why,
@@ -102,11 +102,14 @@ def prepare_identity(config: AgentConfig) -> int:
     schedule = RetrySchedule()
     report = UnreachableReport()
     retry_s = 5.0
+    # Several addresses (an active coordinator and standbys): each attempt asks the next one.
+    addresses = config.coordinators or (config.coordinator,)
+    attempt = -1
     while True:
+        attempt += 1
+        address = addresses[attempt % len(addresses)]
         try:
-            identity = ensure_identity(
-                config.data_dir, config.coordinator, config.token, config.name
-            )
+            identity = ensure_identity(config.data_dir, address, config.token, config.name)
         except IdentityError as exc:
             log.error("%s", exc)
             return 2
@@ -114,7 +117,7 @@ def prepare_identity(config: AgentConfig) -> int:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                _enroll_unreachable(config, f"{code.name}: {details}", schedule, report)
+                _enroll_unreachable(address, f"{code.name}: {details}", schedule, report)
                 continue
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the coordinator's rate limit
                 log.warning("enrollment deferred: %s; retrying in %.0f s", details, retry_s)
@@ -124,12 +127,12 @@ def prepare_identity(config: AgentConfig) -> int:
             log.error("enrollment refused: %s", details)
             return 2
         except ConnectionError as exc:
-            _enroll_unreachable(config, str(exc), schedule, report)
+            _enroll_unreachable(address, str(exc), schedule, report)
             continue
         if report.succeeded():
-            log.info("coordinator %s reachable again", config.coordinator)
+            log.info("coordinator %s reachable again", address)
         log.info("node %s: TLS with a certificate from the coordinator's CA", identity.principal.id)
-        CertificateRenewer(config.data_dir, config.coordinator).start()
+        CertificateRenewer(config.data_dir, addresses).start()
         return 0
 
 
@@ -145,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     from node_agent.training.tamper import HONEST
 
     log.info(
-        "epochmesh-agent starting: coordinator %s, data dir %s", config.coordinator, config.data_dir
+        "epochmesh-agent starting: coordinator %s, data dir %s",
+        ",".join(config.coordinators or (config.coordinator,)),
+        config.data_dir,
     )
     try:  # tests only (fault injection, node_agent.testing.cheat): not an option, never in --help
         cheat = cheat_from_environment()

@@ -15,26 +15,36 @@ from epochmesh.v1 import scheduler_pb2
 
 
 def cmd_login(ctx: Context) -> int:
-    address = ctx.address.address
     if getattr(ctx.args, "insecure", False):
         raise CliError(ExitCode.USAGE, "login makes no sense with --insecure")
-    try:
-        identity = enroll_with_token(address, ctx.args.token, name=ctx.args.name or "")
-    except IdentityError as err:
-        raise CliError(
-            ExitCode.AUTH,
-            f"login refused: {err}",
-            "ask the operator for a fresh token: epochmesh-coordinator token create",
-        ) from None
-    except ConnectionError as err:
-        raise CliError(
-            ExitCode.UNREACHABLE,
-            f"cannot reach the coordinator at {address}: {err}",
-            "check the address: --coordinator HOST:PORT or EPOCHMESH_COORDINATOR",
-        ) from None
-    except grpc.RpcError as err:
-        raise error_from_rpc(err, "login", address) from None
-    directory = save_login(identity, address)
+    # Several addresses (an active coordinator and its standbys): enroll with the first that
+    # is reachable and not a standby (a standby answers UNAVAILABLE); all are remembered.
+    addresses = ctx.address.every
+    for i, address in enumerate(addresses):
+        last = i == len(addresses) - 1
+        try:
+            identity = enroll_with_token(address, ctx.args.token, name=ctx.args.name or "")
+        except IdentityError as err:
+            raise CliError(
+                ExitCode.AUTH,
+                f"login refused: {err}",
+                "ask the operator for a fresh token: epochmesh-coordinator token create",
+            ) from None
+        except ConnectionError as err:
+            if not last:
+                continue
+            raise CliError(
+                ExitCode.UNREACHABLE,
+                f"cannot reach the coordinator at {address}: {err}"
+                + ("" if len(addresses) == 1 else f" (nor any of {ctx.address.listed})"),
+                "check the address: --coordinator HOST:PORT or EPOCHMESH_COORDINATOR",
+            ) from None
+        except grpc.RpcError as err:
+            if not last and err.code() == grpc.StatusCode.UNAVAILABLE:
+                continue
+            raise error_from_rpc(err, "login", address) from None
+        break
+    directory = save_login(identity, ctx.address.listed)
     principal = identity.principal
     if ctx.json:
         ctx.emit_json(
@@ -83,6 +93,8 @@ def cmd_dashboard(ctx: Context) -> int:
     identity = load_credentials()
     if identity is None:
         raise CliError(ExitCode.AUTH, "not logged in", "run `epochmesh login --token TOKEN` first")
+    if len(ctx.address.every) > 1 and not ctx.args.url:
+        ctx.coordinator  # noqa: B018 - finds the active coordinator among several addresses
     base = dashboard_url(ctx.address.address, ctx.args.url or "")
     code = make_login_code(identity)
     url = f"{base}/login#code={code}"

@@ -6,13 +6,20 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from client.commands.output import closest
 from client.config import ResolvedAddress, load_credentials
 from client.render import Style, render_table, table_width, terminal_width
-from client.rpc import CONNECT_TIMEOUT_S, CliError, Coordinator, ExitCode, speaks_tls
+from client.rpc import (
+    CONNECT_TIMEOUT_S,
+    CliError,
+    Coordinator,
+    ExitCode,
+    find_active,
+    speaks_tls,
+)
 from epochmesh.job_ref import match_jobs
 from epochmesh.v1 import common_pb2, job_pb2, market_pb2, scheduler_pb2
 
@@ -68,13 +75,19 @@ class Context:
     @property
     def coordinator(self) -> Coordinator:
         """The coordinator, connected on first use (unreachable -> CliError exit 4; not
-        logged in -> exit 7). TLS with the stored credentials unless ``--insecure``."""
+        logged in -> exit 7). TLS with the stored credentials unless ``--insecure``. Given
+        several addresses, the one whose health is SERVING (the active coordinator)."""
         if self._coordinator is None:
             identity = None
             if not getattr(self.args, "insecure", False):
                 identity = load_credentials()
                 if identity is None:
                     raise not_logged_in(self.address.address, self.address.source)
+            if len(self.address.every) > 1:
+                active = find_active(
+                    self.address.every, self.address.source, identity, CONNECT_TIMEOUT_S
+                )
+                self.address = replace(self.address, address=active)
             self._coordinator = Coordinator(
                 self.address.address, source=self.address.source, identity=identity
             )

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epochmesh.coordinators import AddressError, parse_addresses
 from epochmesh.money import parse_credits
 
 BENCHMARK_MODES = ("full", "quick", "off")
@@ -22,10 +23,12 @@ _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 class AgentConfig:
     """Everything the agent needs to know at start; built by `parse_args`."""
 
-    coordinator: str
+    coordinator: str  # the first of `coordinators`
     data_dir: Path
     device: str = "auto"
     name: str = field(default_factory=socket.gethostname)
+    # Every --coordinator address (an active coordinator and its standbys); () = (coordinator,).
+    coordinators: tuple[str, ...] = ()
     slowdown: float = 1.0
     # The donor's asking price in micro-credits per node-hour (--price); 0: donated.
     price_micro_per_hour: int = 0
@@ -180,6 +183,13 @@ def _listen_address(text: str) -> str:
     return text.strip()
 
 
+def _coordinator_addresses(text: str) -> tuple[str, ...]:
+    try:
+        return parse_addresses(text)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: write HOST:PORT or HOST:PORT,HOST:PORT") from None
+
+
 def _metrics_address(text: str) -> str:
     if not text.strip():
         return ""
@@ -225,7 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="epochmesh node agent: registers this machine's device with a coordinator, "
         "benchmarks it and trains the rounds it is given.",
     )
-    parser.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    parser.add_argument(
+        "--coordinator",
+        required=True,
+        type=_coordinator_addresses,
+        metavar="HOST:PORT",
+        help="the coordinator's address, or several as HOST:PORT,HOST:PORT (an active "
+        "coordinator and its standbys on one database: the agent talks to the one that serves "
+        "and follows a takeover)",
+    )
     parser.add_argument(
         "--data-dir",
         required=True,
@@ -364,7 +382,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     if args.no_peer and (args.peer_listen is not None or args.peer_advertise):
         parser.error("--no-peer runs no PeerService: drop --peer-listen/--peer-advertise")
     return AgentConfig(
-        coordinator=args.coordinator,
+        coordinator=args.coordinator[0],
+        coordinators=args.coordinator,
         data_dir=args.data_dir.expanduser().resolve(),
         device=args.device,
         name=args.name or socket.gethostname(),

@@ -22,6 +22,7 @@ import os
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -141,15 +142,25 @@ def _describe(exc: BaseException) -> str:
 
 class CertificateRenewer:
     """A daemon thread that renews DATA_DIR's certificate when it is due (`renew_now`),
-    retrying a failure every ``retry_s`` (less when the expiry is near) until it expires."""
+    retrying a failure every ``retry_s`` (less when the expiry is near) until it expires. With
+    several coordinator addresses (an active one and standbys) a failed attempt moves to the
+    next address."""
 
-    def __init__(self, data_dir: Path, coordinator: str, retry_s: float = 60.0) -> None:
+    def __init__(
+        self, data_dir: Path, coordinator: str | Sequence[str], retry_s: float = 60.0
+    ) -> None:
         self.data_dir = data_dir
-        self.coordinator = coordinator
+        self.coordinators = (coordinator,) if isinstance(coordinator, str) else tuple(coordinator)
+        self._next = 0
         self.retry_s = retry_s
         self.renewals = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cert-renewer", daemon=True)
+
+    @property
+    def coordinator(self) -> str:
+        """The address the next renewal asks."""
+        return self.coordinators[self._next]
 
     def start(self) -> CertificateRenewer:
         self._thread.start()
@@ -181,6 +192,7 @@ class CertificateRenewer:
                 renew_now(self.data_dir, self.coordinator)
                 self.renewals += 1
             except (grpc.RpcError, IdentityError, OSError, ssl.SSLError) as exc:
+                self._next = (self._next + 1) % len(self.coordinators)
                 retry = max(1.0, min(self.retry_s, (expires - now) / 4))
                 log.warning(
                     "could not renew the certificate in %s (%s); retrying in %.0f s",

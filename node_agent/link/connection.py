@@ -19,12 +19,17 @@ Rules:
   once, and gRPC's own reconnect backoff is capped at 1 s, so an agent notices a restarted
   coordinator within about a second. Leave and the final draining heartbeat do not wait: an
   agent told to stop exits promptly even when the coordinator is gone.
+- Several addresses (``--coordinator a:7070,b:7070``: an active coordinator and standbys on one
+  database): the agent talks to one; a failed call makes it ask every address's health
+  (epochmesh.coordinators) and move to the one that serves. A round in flight at a takeover
+  fails and is retried like a round after a coordinator restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import statistics
 import time
@@ -35,6 +40,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from epochmesh.coordinators import find_active_async
 from epochmesh.grpc_util import CHANNEL_OPTIONS
 from epochmesh.identity import (
     Identity,
@@ -68,8 +74,9 @@ TRANSIENT_CODES = frozenset(
         grpc.StatusCode.INTERNAL,
     }
 )
-# Statuses that mean the lease is gone: register again.
-LEASE_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
+# Statuses that may mean the lease is gone (a heartbeat tells): register again. NOT_FOUND: the
+# coordinator does not know the node (one that never saw it, after a move between addresses).
+LEASE_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND})
 HEARTBEAT_LEASE_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND})
 
 # gRPC reconnects by itself, with its own backoff (default: up to 120 s). Calls wait for the
@@ -85,6 +92,11 @@ REGISTER_TIMEOUT_S = 5.0
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 # A call that keeps hitting a lost lease after this many renewals gives up.
 MAX_RENEWALS_PER_CALL = 3
+# With several coordinator addresses: how often, at most, failed calls make the agent ask every
+# address's health to find the serving (active) coordinator.
+SEARCH_EVERY_S = 1.0
+# How long a channel left behind by such a move keeps its calls in flight before it is closed.
+MOVED_CHANNEL_GRACE_S = 120.0
 
 
 class Backoff:
@@ -193,7 +205,7 @@ class CoordinatorConnection:
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         data_dir: Path,
         make_register_request: Callable[[], agent_pb2.RegisterRequest],
         *,
@@ -206,7 +218,11 @@ class CoordinatorConnection:
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         insecure: bool = False,
     ) -> None:
-        self.address = address
+        # Several addresses: an active coordinator and its standbys. The agent talks to one
+        # (`address`) and, when calls to it fail, asks every address's health and moves to the
+        # one that serves (`_follow_active`).
+        self.addresses = (address,) if isinstance(address, str) else tuple(address)
+        self.address = self.addresses[0]
         self.data_dir = data_dir
         # --insecure: plaintext to the coordinator, and to peers, without a certificate.
         self.insecure = insecure
@@ -220,8 +236,11 @@ class CoordinatorConnection:
         self.refused = ""  # why the coordinator refuses this agent's certificate, once it does
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
-        self._channel = open_channel(address, transport_identity(data_dir, insecure), interceptors)
+        self._identity = transport_identity(data_dir, insecure)
+        self._interceptors = tuple(interceptors)
+        self._channel = open_channel(self.address, self._identity, self._interceptors)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._last_search = -math.inf
         self.node_id = load_node_id(data_dir)
         self.lease_id = ""
         self.lease_ttl_s = 0.0
@@ -272,6 +291,33 @@ class CoordinatorConnection:
             if self._on_refused is not None:
                 self._on_refused(self.refused)
         return Refused(self.refused)
+
+    async def _follow_active(self) -> None:
+        """After a failed call with several addresses: ask each one's health (at most once per
+        `SEARCH_EVERY_S`) and move the channel to the serving one if it is another."""
+        now = time.monotonic()
+        if len(self.addresses) < 2 or now - self._last_search < SEARCH_EVERY_S:
+            return
+        self._last_search = now
+        active, probes = await find_active_async(
+            self.addresses, lambda a: open_channel(a, self._identity)
+        )
+        if active is None:
+            log.debug("no serving coordinator: %s", "; ".join(p.describe() for p in probes))
+            return
+        if active == self.address:
+            return
+        log.warning("coordinator moved: %s serves now (was %s)", active, self.address)
+        old = self._channel
+        self.address = active
+        self._channel = open_channel(active, self._identity, self._interceptors)
+        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        # Calls in flight on the old channel end by themselves (their deadlines; a standby or a
+        # dead address fails them) and are retried here; closing it without a grace would
+        # cancel them, which their callers would take for their own cancellation.
+        task = asyncio.create_task(old.close(grace=MOVED_CHANNEL_GRACE_S))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -368,6 +414,7 @@ class CoordinatorConnection:
                 if is_transient(exc):
                     delay = schedule.next_delay()
                     self._note_failure("Register", exc, delay)
+                    await self._follow_active()
                     await self._wait_for_coordinator(delay)
                     continue
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -438,12 +485,12 @@ class CoordinatorConnection:
         raised. `deadline` (time.monotonic()) bounds the retries: past it, Expired is raised.
         Raises Stopped when the agent stops; other statuses raise grpc.aio.AioRpcError.
         """
-        rpc = getattr(self._stub, method)
         backoff = self.new_backoff()
         renewals = 0
         while True:
             if self._stop.is_set():
                 raise Stopped()
+            rpc = getattr(self._stub, method)  # the channel may have moved to another address
             lease = self.lease_id
             attempt_timeout = timeout
             if deadline is not None:
@@ -469,6 +516,7 @@ class CoordinatorConnection:
                 self._note_failure(method, exc, delay)
                 if deadline is not None and time.monotonic() + delay > deadline:
                     raise Expired(f"{method}: {describe(exc)}") from exc
+                await self._follow_active()
                 await self._sleep_or_stop(delay)
                 continue
             self._note_success()
@@ -539,6 +587,7 @@ class CoordinatorConnection:
             delay = min(backoff.next_delay(), max(self.heartbeat_interval_s, 0.2))
             if is_transient(exc):
                 self._note_failure("Heartbeat", exc, delay)
+                await self._follow_active()
             else:
                 log.error("heartbeat refused: %s", describe(exc))
             return delay

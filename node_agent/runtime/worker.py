@@ -287,7 +287,7 @@ class Agent:
             log.info("--no-peer: no PeerService; ring jobs go through the coordinator")
         self.cache = BlobCache(config.cache_dir, max_bytes=config.cache_max_bytes)
         self.connection = CoordinatorConnection(
-            config.coordinator,
+            config.coordinators or config.coordinator,
             config.data_dir,
             self._register_request,
             stop=self._stop,
