@@ -89,6 +89,7 @@ def quote_node(info: common_pb2.NodeInfo) -> Node:
         price=max(0, info.price_micro_per_hour),
         max_batch=max(0, b.max_batch_size),
         bandwidth=b.bandwidth_bytes_per_second,
+        rtt_s=b.rtt_ms / 1000 if math.isfinite(b.rtt_ms) and b.rtt_ms > 0 else 0.0,
         quick_bench=tuple(sorted(p.batch_size for p in b.points)) == QUICK_REFERENCE_BATCHES,
     )
 

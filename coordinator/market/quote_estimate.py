@@ -35,7 +35,8 @@ checkpoint cost``. Rounds: each epoch ``ceil(samples / global_batch)``, the last
 remainder. Start: the program check at submission and the job benchmark on each node (the
 steps of its plan, JOB_PLAN or with --benchmark quick QUICK_JOB_PLAN, timed by the step model,
 plus loading the program; the nodes benchmark at once): the recorded jobs' median start less
-their own benchmark, else DEFAULT_START_S, plus this program's benchmark.
+their own benchmark, else START_RTTS round trips of the slowest chosen node's measured RTT
+to the coordinator (DEFAULT_START_S without one), plus this program's benchmark.
 
 Round overhead: what a round spends outside its slowest part's compute (the hand-out, the
 parameters pulled, handed to the confined child and back, the update encoded and pushed, its
@@ -50,11 +51,14 @@ rounds on two nodes of that VM spent 0.4 s outside compute against 0.2 s on one)
 coordinator recorded (`job_history`, each job's overhead per node: a line over jobs whose
 parameters' sizes spread, else the fixed part under the per-byte cost below).
 Before any job is recorded, both come from what the chosen nodes measured
-(`default_overhead`): the fixed part is ROUND_FIXED_FLOPS reference FLOPs at the slowest
-node's measured FLOP/s (the round's work around a step is CPU work of the same machine, so it
-scales with its reference benchmark), the per-byte part ROUND_BYTE_PASSES passes of the
-parameters at its measured bandwidth to the coordinator (each pass a copy, an encoding or a
-transfer of them).
+(`default_overhead`): the fixed part is ROUND_RTTS round trips at the slowest measured RTT to
+the coordinator (a round is a chain of hand-overs between the coordinator, the agent and its
+confined child, each waiting for a turn on a CPU: on a loaded machine the RTT and the round's
+overhead grow together, 0.8 ms and 0.16 s at load 5, 2.7 ms and 0.83 s at load 18, while the
+reference FLOP/s hardly moves; ROUND_FIXED_FLOPS reference FLOPs at the slowest node's FLOP/s
+where no RTT was measured), the per-byte part ROUND_BYTE_PASSES passes of the parameters at
+the lowest measured bandwidth to the coordinator (each pass a copy, an encoding or a transfer
+of them).
 
 Cost. Each round's part on node i earns ``price_i x b_i / rate_i / 3600`` micro-credits,
 rounded down (coordinator/accounting/billing.py), at the rate the node shows at that batch
@@ -93,6 +97,8 @@ DEFAULT_EFFICIENCY = 0.44
 # there); from submission to the first round (program check, claim, program load) besides the
 # job benchmark's compute.
 ROUND_FIXED_FLOPS = 7.2e9
+ROUND_RTTS = 250.0  # a round's fixed cost, in round trips to the coordinator
+START_RTTS = 5000.0  # submission to the first round besides the benchmark (4 s at 0.8 ms)
 ROUND_BYTE_PASSES = 12.0
 FALLBACK_BANDWIDTH = 100e6  # bytes/s, for a node that measured none
 DEFAULT_START_S = 4.0
@@ -132,6 +138,7 @@ class Node:
     price: int = 0  # micro-credits per node-hour
     max_batch: int = 0  # largest batch that fits (0: unknown)
     bandwidth: float = 0.0  # bytes/s to the coordinator (0: unknown)
+    rtt_s: float = 0.0  # round trip to the coordinator, seconds (0: unknown)
     quick_bench: bool = False  # it runs the short job benchmark
 
     @property
@@ -289,11 +296,19 @@ class History:
     jobs: int = 0
 
 
+def slowest_rtt(nodes: Sequence[Node]) -> float:
+    """The largest measured RTT of ``nodes`` in seconds (0.0: none measured)."""
+    return max((n.rtt_s for n in nodes if math.isfinite(n.rtt_s) and n.rtt_s > 0), default=0.0)
+
+
 def default_overhead(nodes: Sequence[Node]) -> tuple[float, float]:
     """(fixed seconds, seconds per parameter byte) of a round on ``nodes`` before any job is
     recorded: from the slowest node's measured FLOP/s and the lowest measured bandwidth."""
     flops = min((n.flops for n in nodes if n.flops > 0), default=0.0)
     fixed = ROUND_FIXED_FLOPS / flops if flops > 0 else 0.0
+    rtt = slowest_rtt(nodes)
+    if rtt > 0:
+        fixed = ROUND_RTTS * rtt
     bandwidth = min(
         (n.bandwidth for n in nodes if math.isfinite(n.bandwidth) and n.bandwidth > 0),
         default=FALLBACK_BANDWIDTH,
@@ -510,7 +525,9 @@ def estimate(
     total_rounds = rounds * job.epochs
     checkpoints = total_rounds // job.checkpoint_every if job.checkpoint_every > 0 else 0
     bench = max(bench_seconds(chosen[n], models[n], _flops(program, models[n])) for n in chosen)
-    fixed_start = history.start_s if history.start_s is not None else DEFAULT_START_S
+    rtt = slowest_rtt(list(chosen.values()))
+    default_start = START_RTTS * rtt if rtt > 0 else DEFAULT_START_S
+    fixed_start = history.start_s if history.start_s is not None else default_start
     start_s = fixed_start + bench
     total_s = start_s + epoch_s * job.epochs + checkpoints * checkpoint_s
     return Estimate(

@@ -20,7 +20,9 @@ from coordinator.market.quote_estimate import (
     DEFAULT_STEP,
     ROUND_BYTE_PASSES,
     ROUND_FIXED_FLOPS,
+    ROUND_RTTS,
     SAME_PROGRAM,
+    START_RTTS,
     Cluster,
     History,
     Measured,
@@ -295,6 +297,27 @@ def test_the_default_overhead_follows_the_slowest_nodes_measurements(
     f2, b2 = default_overhead([Node("x", "cpu", rate * 2, bandwidth=bandwidth * 2)])
     assert f2 + b2 * state <= fixed + per_byte * state * (1 + 1e-12)
     assert default_overhead([Node("z", "cpu", 0.0)])[0] == 0.0  # no benchmark: no figure
+
+
+@settings(max_examples=60, deadline=None)
+@given(rtt=st.floats(1e-5, 1.0), other=st.floats(1e-5, 1.0), rate=st.floats(1.0, 1e7))
+def test_a_measured_rtt_sets_the_default_round_and_start_costs(
+    rtt: float, other: float, rate: float
+) -> None:
+    """A round and the start are chains of hand-overs: before any record, their fixed parts
+    are round trips at the slowest measured RTT (whatever the nodes' FLOP/s)."""
+    nodes = [Node("a", "cpu", rate, rtt_s=rtt), Node("b", "cpu", rate * 2, rtt_s=other)]
+    fixed, _ = default_overhead(nodes)
+    assert fixed == pytest.approx(ROUND_RTTS * max(rtt, other))
+    one = [Node("a", "cpu", rate, price=0, rtt_s=rtt)]
+    est = estimate(0, job(max_nodes=1), Program(REF, "x"), one, Cluster())
+    bench = bench_seconds(one[0], DEFAULT_STEP, REF)
+    assert est.start_s == pytest.approx(START_RTTS * rtt + bench)
+    assert est.round_overhead_s == pytest.approx(ROUND_RTTS * rtt)  # no parameters
+    slower = estimate(
+        0, job(max_nodes=1), Program(REF, "x"), [Node("a", "cpu", rate, rtt_s=rtt * 2)], Cluster()
+    )
+    assert slower.total_seconds > est.total_seconds
 
 
 @settings(max_examples=40, deadline=None)
