@@ -4,6 +4,10 @@ tensors, same processes, same run. Prints one JSON line of figures.
     scripts/bench_allreduce.py --peers 4 --mb 64            # plaintext, as gloo
     scripts/bench_allreduce.py --peers 4 --mb 64 --tls      # mutual TLS, as agents run it
 
+With `--tls` the bulk socket runs as enrolled agents run it: a mutual-TLS handshake with node
+certificates, then AES-256-GCM records (`node_agent.ring.bulk_conn`); gloo has no encryption,
+so the ratio is against plaintext gloo.
+
 Our ring runs as agents run it: chunks over each PeerServer's bulk socket (`node_agent.ring.bulk`,
 set up per attempt through the OpenBulk RPC), or with `--transport grpc` over PushChunks (the
 fallback for peers without a bulk socket). `ours_streams` counts the attempts' streams by path.
@@ -331,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
 
     started = time.perf_counter()
+    load_at_start = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     addr_queue = ctx.Queue()
     result_queue = ctx.Queue()
@@ -412,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_abs_diff_vs_gloo": max(r["max_diff"] for r in results),
         **_floor_figures(per_rep, bus, ours_bw, gloo_bw, args.floor),
         "cores": os.cpu_count(),
+        "load_avg_1m_start": round(load_at_start, 2),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
