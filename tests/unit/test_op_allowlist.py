@@ -693,9 +693,9 @@ def test_shape_expressions_beyond_the_batch_arithmetic_are_refused_fast(
     mlp: tuple[bytes, bytes], expression: str, needle: str
 ) -> None:
     program = with_shape_expression(mlp[0], expression)
-    t0 = time.monotonic()
+    t0 = time.process_time()  # CPU time: the cost, not the host's load
     message = refusal(program)
-    assert time.monotonic() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
     assert message.startswith(f"unsupported symbolic expression {expression[:80]!r}"), message
     assert needle in message, message
     with pytest.raises(ProgramError):
