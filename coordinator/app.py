@@ -21,9 +21,13 @@ On PostgreSQL several coordinators may share one database (coordinator/ha/): eac
 once, serving health NOT_SERVING and answering every other call UNAVAILABLE with the active
 one's address (`ServingGate`) while it waits for the lease; the one holding the lease loads
 the state and serves, as a restart does, and its store refuses every write once the lease is
-lost (fencing epoch). Losing the lease, it steps down (`stepped_down` is set: health
-NOT_SERVING, calls refused; the caller stops it, engine included). They share one CA, kept in
-the database (coordinator/trust/shared_ca.py).
+lost (fencing epoch). Losing the lease (its connection ended, the database gone), it steps
+down in the same process: health NOT_SERVING, calls refused, and what serving started (engine,
+registry, collector, blob store, event log, HTTP port) stopped, `stepped_down` set; then it
+stands by for the lease like any standby and serves again once it holds it. They share one CA,
+kept in the database (coordinator/trust/shared_ca.py), and may share one blob directory
+(``--blob-dir``, marked as the database's: coordinator/ha/blob_dir.py), in which only the
+active one collects garbage.
 
 Every RPC handler is wrapped (coordinator/api/handlers.py `service_handlers`): a request that
 does not parse is answered INVALID_ARGUMENT, a `CoordinatorError` becomes its status code, any
@@ -63,6 +67,7 @@ from coordinator.api.scheduler_service import SchedulerService
 from coordinator.core.config import CoordinatorConfig, parse_listen
 from coordinator.core.stream_caps import StreamCaps, fetch_caps
 from coordinator.engine.api import CoordinatorContext, EngineFactory, NullEngine, TrainingEngine
+from coordinator.ha.blob_dir import claim_blob_dir
 from coordinator.ha.gate import ServingGate
 from coordinator.ha.lease import LeaseRow, PostgresLease
 from coordinator.market.credit_ledger import CreditLedger
@@ -80,7 +85,7 @@ from coordinator.store.gc import (
     retention_policy,
 )
 from coordinator.store.opening import POSTGRES_SCHEMES, open_store
-from coordinator.store.postgres import PostgresStore
+from coordinator.store.postgres import PostgresStore, redact_url
 from coordinator.trust.auth import Authorizer
 from coordinator.trust.shared_ca import ensure_shared_ca
 from coordinator.trust.tokens import (
@@ -145,11 +150,14 @@ class Coordinator:
         self._engine_factory = engine_factory
         self.address = ""
         self.shutdown = asyncio.Event()
-        # Set when the lease on a shared database is lost: stop the coordinator.
+        # Set while a coordinator that lost the lease on a shared database stands by again.
         self.stepped_down = asyncio.Event()
         self.gate = ServingGate()
         self.lease: PostgresLease | None = None
         self._cleanup = contextlib.AsyncExitStack()
+        # What `_serve` started: closed when stepping down, and before `_cleanup` at the end.
+        self._serving = contextlib.AsyncExitStack()
+        self._lease_keeper: asyncio.Task[None] | None = None
         self._started = False
         self._stopped = False
         self.store: Store
@@ -192,6 +200,7 @@ class Coordinator:
         try:
             await self._start()
         except BaseException:
+            await self._serving.aclose()
             await self._cleanup.aclose()
             raise
 
@@ -211,12 +220,17 @@ class Coordinator:
             ca = await ensure_shared_ca(self.store, cfg.data_dir)
         if ca is not None:
             self.ca = ensure_server_certificate(cfg.data_dir, ca, cfg.advertise)
+        database = redact_url(cfg.store) if shared else str(cfg.db_path)
+        await claim_blob_dir(self.store, cfg.blob_dir, database)
         if cfg.http_listen:
             self.metrics = CoordinatorMetrics()
         await self._listen()
         if shared:
+            self._make_lease()
             await self._acquire_lease()
         await self._serve()
+        if self.lease is not None:
+            self._lease_keeper = asyncio.create_task(self._keep_lease(), name="lease-keeper")
 
     async def _listen(self) -> None:
         """The gRPC server, its port open, every call but health refused (`ServingGate`)."""
@@ -257,19 +271,22 @@ class Coordinator:
         write_atomically(cfg.addr_file, self.address + "\n")
         self._cleanup.callback(cfg.addr_file.unlink, missing_ok=True)
 
-    async def _acquire_lease(self) -> None:
-        """Stand by until this coordinator holds the database's lease; then fence the store
-        with it and watch it."""
+    def _make_lease(self) -> None:
         cfg = self.config
-        assert isinstance(self.store, PostgresStore)
-        lease = self.lease = PostgresLease(
+        self.lease = PostgresLease(
             cfg.store,
             f"{socket.gethostname()}/{os.getpid()}",
             cfg.advertise_address or self.address,
             poll_s=cfg.lease_poll_s,
             timeout_s=cfg.lease_timeout_s,
         )
-        self._cleanup.push_async_callback(lease.close)
+        self._cleanup.push_async_callback(self.lease.close)
+
+    async def _acquire_lease(self) -> None:
+        """Stand by until this coordinator holds the database's lease; then fence the store
+        with it."""
+        lease = self.lease
+        assert lease is not None and isinstance(self.store, PostgresStore)
         log.info("waiting for the coordinator lease (standby until it is free) on %s", self.address)
 
         def standby(row: LeaseRow) -> None:
@@ -277,26 +294,56 @@ class Coordinator:
 
         await lease.acquire(standby)
         self.store.fence(lease.epoch, lease.held)
-        watcher = asyncio.create_task(self._watch_lease(lease), name="lease-watch")
-        self._cleanup.callback(watcher.cancel)
 
-    async def _watch_lease(self, lease: PostgresLease) -> None:
-        reason = await lease.watch()
-        if self._stopped:
-            return
+    async def _keep_lease(self) -> None:
+        """While the coordinator runs: watch the lease; lost, step down, stand by for it
+        again and serve again once it is back."""
+        lease = self.lease
+        assert lease is not None
+        while not self._stopped:
+            reason = await lease.watch()
+            if self._stopped:
+                return
+            await self._step_down(reason)
+            while not self._stopped:
+                await self._acquire_lease()
+                if self._stopped:
+                    return
+                try:
+                    await self._serve()
+                except Exception as exc:  # noqa: BLE001 - e.g. the database gone again
+                    await self._step_down(f"serving again failed ({exc})")
+                    continue
+                self.stepped_down.clear()
+                break
+
+    async def _step_down(self, reason: str) -> None:
+        """Stop serving at once (the store refuses writes already: fencing) and stop what
+        serving started; the caller then stands by for the lease."""
         log.error("stepping down: %s; the store writes nothing more", reason)
+        self.stepped_down.set()
         self.gate.close()
         for name in ("", *self._served):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.stepped_down.set()
+        self.shutdown.set()  # long polls and watchers end
+        if self.lease is not None:
+            await self.lease.close()  # a lock held on a live connection goes too
+        serving, self._serving = self._serving, contextlib.AsyncExitStack()
+        try:
+            await serving.aclose()
+        except Exception:
+            log.exception("stopping what this coordinator served failed")
+        self.shutdown = asyncio.Event()
+        log.info("standing by for the coordinator lease again on %s", self.address)
 
     async def _serve(self) -> None:
         """Load the state from the store and open the gate: what a start does, on a
         standby's takeover too."""
         cfg = self.config
+        serving = self._serving
         self.events = EventLog(self.store)
         await self.events.start()
-        self._cleanup.callback(self.events.close)
+        serving.callback(self.events.close)
         self.blobs = BlobStore(
             cfg.blob_dir,
             self.store,
@@ -305,7 +352,7 @@ class Coordinator:
             limits=UploadLimits.from_config(cfg),
         )
         await self.blobs.start()
-        self._cleanup.push_async_callback(self.blobs.stop)
+        serving.push_async_callback(self.blobs.stop)
         self.registry = NodeRegistry(
             self.store,
             self.events,
@@ -360,18 +407,19 @@ class Coordinator:
             )
 
         self.registry.start()
-        self._cleanup.push_async_callback(self.registry.stop)
+        serving.push_async_callback(self.registry.stop)
         await self.engine.start()
-        self._cleanup.push_async_callback(self.engine.stop)
+        serving.push_async_callback(self.engine.stop)
         self.gc = GarbageCollector(
             self.store,
             self.blobs,
             retention_policy(cfg),
             interval_s=cfg.gc_interval_s,
             rollback_floor=engine_rollback_floor(self.engine),
+            may_collect=self._may_collect,
         )
         self.gc.start()
-        self._cleanup.push_async_callback(self.gc.stop)
+        serving.push_async_callback(self.gc.stop)
         if self.metrics is not None:
             self._start_http(self.metrics)
         gate.open()
@@ -391,6 +439,11 @@ class Coordinator:
             cfg.data_dir,
             len(self.registry),
         )
+
+    def _may_collect(self) -> bool:
+        """Whether the garbage collector may delete: always alone, only with the lease held
+        on a shared database (a shared blob directory included)."""
+        return self.lease is None or self.lease.held()
 
     def _start_http(self, metrics: CoordinatorMetrics) -> None:
         """The metrics and dashboard port, in threads of its own (coordinator/observability/http_server.py)."""
@@ -431,9 +484,9 @@ class Coordinator:
             return
         self.http = http
         self.http_address = http.address
-        self._cleanup.push_async_callback(asyncio.to_thread, http.stop)
+        self._serving.push_async_callback(asyncio.to_thread, http.stop)
         write_atomically(cfg.http_addr_file, http.address + "\n")
-        self._cleanup.callback(cfg.http_addr_file.unlink, missing_ok=True)
+        self._serving.callback(cfg.http_addr_file.unlink, missing_ok=True)
         log.info(
             "metrics and dashboard on http://%s/ (%s)",
             http.address,
@@ -456,12 +509,17 @@ class Coordinator:
         if not self._started or self._stopped:
             return
         self._stopped = True
+        keeper, self._lease_keeper = self._lease_keeper, None
+        if keeper is not None:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
         grace = self.config.shutdown_grace_s if grace is None else grace
         log.info("coordinator stopping (grace %.1fs)", grace)
         steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [
             ("health", self.health.enter_graceful_shutdown),
         ]
-        if not self.stepped_down.is_set():  # the store is fenced once the lease is lost
+        if self.gate.active:  # the store is fenced once the lease is lost
             steps.append(
                 ("event", lambda: self.events.append("coordinator.stopping", message="stopping"))
             )
@@ -473,6 +531,7 @@ class Coordinator:
         self.shutdown.set()
         self.events.close()
         await self._server.stop(grace)
+        await self._serving.aclose()
         await self._cleanup.aclose()
         log.info("coordinator stopped")
 

@@ -25,8 +25,9 @@ without authentication (logged as a warning).
 
 On PostgreSQL, coordinators sharing the database elect one active through a lease
 (coordinator/ha/); the others stand by. ``--advertise HOST:PORT`` is the address the active
-one tells standbys' callers to use (default: the listen address); serve exits with status 3
-when it loses the lease.
+one tells standbys' callers to use (default: the listen address). One that loses the lease
+stops serving at once and stands by again, in the same process, until it gets the lease back.
+``--blob-dir DIR`` puts the blobs where every coordinator on the database reaches them.
 """
 
 from __future__ import annotations
@@ -104,9 +105,6 @@ def _inline_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be 0..{MAX_CHUNK_BYTES}, got {text}")
     return value
 
-
-# serve's exit status when the coordinator lost the lease on a shared database and stepped down.
-EXIT_LEASE_LOST = 3
 
 # The default of --store, so that `serve` and `token create` find the same database.
 STORE_ENV = "EPOCHMESH_STORE"
@@ -265,6 +263,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "server certificate (repeatable); HOST:PORT also names the address a standby sends "
         "callers to while this coordinator is the active one on a shared PostgreSQL database "
         "(default: the listen address)",
+    )
+    parser.add_argument(
+        "--blob-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the content-addressed blobs (programs, data sets, checkpoints) are kept "
+        "(default DATA_DIR/blobs); coordinators sharing a PostgreSQL database give the same "
+        "shared directory, and one holding another database's blobs is refused",
     )
     parser.add_argument(
         "--lease-timeout",
@@ -463,6 +470,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         advertise=tuple(advertised_host(a) for a in args.advertise),
         advertise_address=next((a for a in args.advertise if advertised_host(a) != a), ""),
         lease_timeout_s=args.lease_timeout,
+        blob_root=getattr(args, "blob_dir", None),
         inline_params_max_bytes=args.inline_params_max_bytes,
         program_check_timeout_s=args.program_check_timeout,
         program_check_memory_bytes=args.program_check_memory,
@@ -509,14 +517,9 @@ async def serve(config: CoordinatorConfig, engine_factory: EngineFactory | None 
         return 0
     signalled.cancel()
     starting.result()
-    stepped_down = asyncio.create_task(coordinator.stepped_down.wait())
     try:
-        await asyncio.wait(
-            (stepped_down, asyncio.create_task(stop.wait())), return_when=asyncio.FIRST_COMPLETED
-        )
-        if stepped_down.done():
-            log.error("lost the coordinator lease: stopped; start it again to serve as a standby")
-            return EXIT_LEASE_LOST
+        # Losing the lease, the coordinator stands by again on its own (coordinator/app.py).
+        await stop.wait()
         log.info("signal received: shutting down")
     finally:
         await coordinator.stop()

@@ -52,6 +52,9 @@ class CoordinatorConfig:
     advertise_address: str = ""
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     lease_poll_s: float = 1.0
+    # The content-addressed blob store (coordinator/store/blobs.py); None: DATA_DIR/blobs.
+    # Coordinators sharing a database may share one (a shared filesystem), `blob_dir` below.
+    blob_root: Path | None = None
     # Parameter-server rounds: parameters up to this many bytes (encoded) travel inline with
     # every task instead of through a PullParameters call; 0: always PullParameters.
     inline_params_max_bytes: int = MAX_CHUNK_BYTES
@@ -179,7 +182,7 @@ class CoordinatorConfig:
 
     @property
     def blob_dir(self) -> Path:
-        return self.data_dir / "blobs"
+        return self.blob_root if self.blob_root is not None else self.data_dir / "blobs"
 
     @property
     def addr_file(self) -> Path:

@@ -59,7 +59,8 @@ class LeaseRow:
 class PostgresLease:
     """``await lease.acquire(on_standby)`` waits until this coordinator is the active one and
     returns the new epoch; then ``await lease.watch()`` returns when the lease is lost (the
-    reason). `held` is what the store's fence asks before every write transaction."""
+    reason). `held` is what the store's fence asks before every write transaction. Lost, the
+    lease may be acquired again (after `close`), with a new epoch."""
 
     def __init__(
         self,
@@ -135,8 +136,11 @@ class PostgresLease:
             await self._hang_up()
             raise StoreError("the database has no coordinator_lease row: schema too old")
         self.epoch = int(epoch)
+        # A new tenure: the last one's loss (if any) is behind, and its connection's end,
+        # heard late, must not end this one.
+        lost = self._lost = asyncio.Event()
         self._held = True
-        self._conn.add_termination_listener(lambda _conn: self._lose())
+        self._conn.add_termination_listener(lambda _conn: self._lose(lost))
         log.info("acquired the coordinator lease (epoch %d) as %s", self.epoch, self.address)
         return True
 
@@ -175,10 +179,11 @@ class PostgresLease:
                 await asyncio.wait_for(self._lost.wait(), timeout=interval)
         return "the lease's database connection ended"
 
-    def _lose(self) -> None:
-        if self._held and not self._lost.is_set():
+    def _lose(self, lost: asyncio.Event | None = None) -> None:
+        lost = lost or self._lost
+        if lost is self._lost and self._held and not lost.is_set():
             log.error("lost the coordinator lease (epoch %d)", self.epoch)
-        self._lost.set()
+        lost.set()
 
     async def _hang_up(self) -> None:
         conn, self._conn = self._conn, None
@@ -189,6 +194,6 @@ class PostgresLease:
                 conn.terminate()
 
     async def close(self) -> None:
-        """Release the lease (a standby may take over at once)."""
+        """Release the lease (a standby may take over at once); `acquire` may take it again."""
         self._held = False
         await self._hang_up()

@@ -5,7 +5,10 @@ and match their sha256, the file is fsynced and renamed into place, and the stor
 Uploads in progress live under DATA_DIR/blobs/partial/<uploader>/<sha> (with <sha>.size
 holding the announced size; <uploader> is a hash of the uploader's identity), so that two
 uploaders of the same blob never touch each other's bytes, and can be resumed from the bytes
-held. A hash mismatch at the end of an upload discards the partial and is answered DATA_LOSS
+held: everything an upload's resumption needs is in the directory, so coordinators sharing one
+(``serve --blob-dir``, coordinator/ha/blob_dir.py) resume each other's uploads; a partial file
+being written is locked (flock), and the same upload through another coordinator meanwhile is
+answered ABORTED. A hash mismatch at the end of an upload discards the partial and is answered DATA_LOSS
 (the bytes were corrupted somewhere: start again from offset 0). A partial upload not written
 to for `UploadLimits.partial_ttl_s` is deleted (swept at start and periodically).
 
@@ -27,6 +30,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -630,8 +634,14 @@ class Upload:
         partial, meta = self._path, self._meta
         if offset == 0:
             partial.parent.mkdir(mode=0o700, exist_ok=True)
-            meta.write_text(str(self.size))
-            self._file = open(partial, "wb")
+            f = self._locked(os.open(partial, os.O_RDWR | os.O_CREAT, 0o600))
+            try:
+                f.truncate(0)
+                meta.write_text(str(self.size))
+            except BaseException:
+                f.close()
+                raise
+            self._file = f
             return
         held, size = self._blobs._partial_state(self._key, self.sha256)
         if size != self.size or held != offset:
@@ -643,7 +653,12 @@ class Upload:
                 f"cannot resume blob {self.sha256} at offset {offset}: {detail}; "
                 f"resume at offset {held if size == self.size else 0}"
             )
-        f = open(partial, "r+b")
+        try:
+            f = self._locked(os.open(partial, os.O_RDWR))
+        except FileNotFoundError:
+            raise FailedPreconditionError(
+                f"partial upload of {self.sha256} changed while resuming: start again"
+            ) from None
         try:
             while block := f.read(_READ_BLOCK):
                 self._hash.update(block)
@@ -656,6 +671,20 @@ class Upload:
             raise
         self._file = f
         self.received = offset
+
+    def _locked(self, fd: int) -> BinaryIO:
+        """The partial file, locked against the same upload through another coordinator
+        sharing the blob directory (the lock goes with the file's close or the process)."""
+        f = os.fdopen(fd, "r+b")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise AbortedError(
+                f"an upload of blob {self.sha256} is in progress through another coordinator: "
+                "retry later"
+            ) from None
+        return f
 
     async def write(self, offset: int, data: bytes) -> None:
         if offset != self.received:

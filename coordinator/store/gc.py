@@ -12,6 +12,11 @@ A pass (at start, then every ``interval_s``) does, in this order:
    blob stored again meanwhile, is left alone);
 4. deletes events past the retention period in batches (never those of jobs not ended).
 
+Coordinators sharing a database and a blob directory (coordinator/ha/) collect only while
+active: ``may_collect`` (the lease held) is asked before a pass and again before any file is
+deleted, so a coordinator that lost the lease deletes nothing (its store writes are fenced
+besides); a standby runs no collector at all.
+
 Kill -9 at any point leaves the store consistent: a checkpoint row and the record of a blob it
 names are never removed in different orders (the record goes only in a transaction that saw
 no reference to it), and a file whose record is gone but which is still on disk is recorded
@@ -118,6 +123,7 @@ class GarbageCollector:
         interval_s: float,
         rollback_floor: RollbackFloor = lambda job_id: None,
         clock: Callable[[], int] = now_ms,
+        may_collect: Callable[[], bool] = lambda: True,
     ) -> None:
         if not interval_s > 0:
             raise ValueError("the collection interval must be positive")
@@ -127,6 +133,7 @@ class GarbageCollector:
         self.interval_s = interval_s
         self._rollback_floor = rollback_floor
         self._clock = clock
+        self._may_collect = may_collect
         # sha256 -> when a dropped checkpoint released it (lost with the process: such blobs
         # then wait for the ordinary grace period).
         self._released: dict[str, int] = {}
@@ -164,6 +171,9 @@ class GarbageCollector:
     async def run_once(self) -> GcReport:
         async with self._lock:
             report = GcReport()
+            if not self._may_collect():
+                log.info("garbage collection skipped: this coordinator is not the active one")
+                return report
             await self._drop_checkpoints(report)
             _kill_point("after_drop")
             await self._sweep_blobs(report)
@@ -240,6 +250,9 @@ class GarbageCollector:
         for d in decisions:
             self._released.pop(d.blob.sha256, None)
             log.debug("blob %s (%d bytes) collected: %s", d.blob.sha256, d.blob.size, d.reason)
+        if not self._may_collect():
+            log.warning("garbage collection deletes no file: this coordinator lost the lease")
+            return
         deleted = await asyncio.to_thread(self._delete_files, inodes)
         report.blobs_deleted = len(decisions)
         report.bytes_freed = sum(d.blob.size for d in decisions if d.blob.sha256 in deleted)

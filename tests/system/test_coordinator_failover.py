@@ -1,10 +1,12 @@
 # ruff: noqa: F811
-"""Two coordinator processes on one PostgreSQL database (tests/pg.py): the second stands by
-(health NOT_SERVING, every other call UNAVAILABLE naming the active one in the
-``epochmesh-active`` trailing metadata); kill -9 of the active makes it active, and a job
-running at the kill completes with every sample applied exactly once and no charge made
-twice, the agent enrolled through the first accepted by the second. And fencing: the active
-whose lease connection is ended steps down (exit status 3) while the standby takes over."""
+"""Two coordinator processes on one PostgreSQL database (tests/pg.py) and one blob directory
+(``serve --blob-dir``): the second stands by (health NOT_SERVING, every other call UNAVAILABLE
+naming the active one in the ``epochmesh-active`` trailing metadata); kill -9 of the active
+makes it active, the agent (given both addresses) follows, and after the first is started
+again (a standby now) and the second killed, the first takes the job back: it completes with
+every sample applied exactly once and every charge made once, by the billing rule. And
+stepping down: an active whose lease connection is ended stops serving, stands by, takes the
+lease back and finishes the job it had accepted, in the same process."""
 
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import logging
 import os
 import subprocess
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import grpc
 import pytest
 
+from coordinator.accounting.billing import earned_micro
 from epochmesh.identity import coordinator_channel_options, identity_credentials
 from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
 from tests.pg import PgServer, pg_server, pg_url  # noqa: F401 (fixtures)
@@ -28,24 +31,67 @@ from tests.procs import (
     free_port,
     health_status,
     identity_for,
+    start_coordinator,
+    token_for,
     wait_until,
 )
 from tests.system.test_agent import AgentProc
 from tests.system.test_fault_tolerance import (
     HEARTBEAT_S,
+    Cluster,
     applied,
     check_exactly_once,
-    events_of,
     job_doc,
+    part_indices,
 )
-from tests.system.test_postgres_store import PgCluster
 from tests.unit.test_ha_lease import terminate_lease_holder_sql
 
 JS = common_pb2.JobState
 JOB_SERVICE = "epochmesh.v1.JobService"
 
 
-def start_standby(data_dir: Path, address: str, url: str) -> subprocess.Popen[bytes]:
+def serve_args(address: str, url: str, blob_dir: Path) -> list[str]:
+    return [
+        "--listen",
+        address,
+        "--store",
+        url,
+        "--blob-dir",
+        str(blob_dir),
+        "--heartbeat-interval",
+        str(HEARTBEAT_S),
+        "--http-listen",
+        "",
+    ]
+
+
+class SharedCluster(Cluster):
+    """The fault-tolerance tests' cluster, its coordinator on the PostgreSQL database ``url``
+    with its blobs in ``root/blobs``."""
+
+    def __init__(self, root: Path, url: str) -> None:
+        self.root = root
+        self.address = f"127.0.0.1:{free_port()}"
+        self.coord = start_coordinator(
+            root / "coord", *serve_args(self.address, url, root / "blobs")
+        )
+        self.agents = {}
+        self.slowdowns = {}
+        self._channel = None
+        self._stub = None
+
+    def point_at(self, address: str) -> None:
+        """The test's own calls go to ``address`` from now on."""
+        if self._channel is not None:
+            self._channel.close()
+        self.address = address
+        self._channel = None
+        self._stub = None
+
+
+def start_standby(
+    data_dir: Path, address: str, url: str, blob_dir: Path
+) -> subprocess.Popen[bytes]:
     """A coordinator on ``url`` at ``address``; returns once it listens (health answers)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     log = open(data_dir / "coordinator-stderr.log", "ab")  # noqa: SIM115 - the child's
@@ -54,14 +100,7 @@ def start_standby(data_dir: Path, address: str, url: str) -> subprocess.Popen[by
             str(console_script("epochmesh-coordinator")),
             "--data-dir",
             str(data_dir),
-            "--listen",
-            address,
-            "--store",
-            url,
-            "--heartbeat-interval",
-            str(HEARTBEAT_S),
-            "--http-listen",
-            "",
+            *serve_args(address, url, blob_dir),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -102,13 +141,30 @@ def check_standby(address: str, active: str) -> None:
     assert dict(err.trailing_metadata() or ())["epochmesh-active"] == active
 
 
-def charges_made_twice(pg_server: PgServer, database: str, job_id: str) -> list[str]:
+def charges_by_the_rule(pg_server: PgServer, database: str, cluster: Cluster, job_id: str) -> None:
+    """Every donor's pay for the job is the billing rule applied to its applied parts (rolled
+    back rounds included: a re-run is the platform's), and nothing is paid twice."""
     rows = pg_server.sql(
         "SELECT reason, round, node_id, from_account, to_account FROM ledger_entries "
         f"WHERE job_id = '{job_id}' AND round >= 0",
         database,
     ).splitlines()
-    return [row for row, n in Counter(rows).items() if n > 1]
+    assert [row for row, n in Counter(rows).items() if n > 1] == []
+    paid: dict[tuple[int, str], int] = defaultdict(int)
+    for row in pg_server.sql(
+        "SELECT round, node_id, amount FROM ledger_entries "
+        f"WHERE job_id = '{job_id}' AND to_account LIKE 'donor:%'",
+        database,
+    ).splitlines():
+        rnd, node, amount = row.split("|")
+        paid[(int(rnd), node)] += int(amount)
+    expected: dict[tuple[int, str], int] = {}
+    for r in cluster.rounds(job_id, rolled_back=True):
+        for p in applied(r):
+            earned = earned_micro(p.price_micro_per_hour, len(part_indices(p)), p.billed_rate)
+            if earned:
+                expected[(r.round, p.node_id)] = expected.get((r.round, p.node_id), 0) + earned
+    assert dict(paid) == expected
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -117,25 +173,46 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=30)
 
 
-@pytest.mark.timeout(420)
-def test_the_standby_takes_over_a_running_job_after_a_kill9(
+def wait_serving(address: str, what: str) -> float:
+    """Until ``address`` serves; how long that took."""
+    began = time.monotonic()
+    wait_until(lambda: health_status(address) == "SERVING", timeout=60, interval=0.1, message=what)
+    return time.monotonic() - began
+
+
+def applied_count(cluster: Cluster, job_id: str) -> int:
+    return sum(1 for r in cluster.rounds(job_id) if applied(r))
+
+
+@pytest.mark.timeout(480)
+def test_the_standby_takes_over_a_running_job_after_a_kill9_and_back_again(
     tmp_path: Path, pg_server: PgServer, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("EPOCHMESH_STORE", pg_url)
     database = pg_url.rsplit("/", 1)[1]
-    cluster = PgCluster(tmp_path, pg_url)
+    blobs = tmp_path / "blobs"
+    cluster = SharedCluster(tmp_path, pg_url)
     first = cluster.address
     second = f"127.0.0.1:{free_port()}"
-    # Blobs live in DATA_DIR/blobs: the two data dirs share one (as a shared filesystem would).
-    (tmp_path / "coord2").mkdir()
-    (tmp_path / "coord2" / "blobs").symlink_to(tmp_path / "coord" / "blobs")
-    standby = start_standby(tmp_path / "coord2", second, pg_url)
+    standby = start_standby(tmp_path / "coord2", second, pg_url, blobs)
     try:
         check_standby(second, first)
         assert (tmp_path / "coord2" / "ca.pem").read_bytes() == (
             tmp_path / "coord" / "ca.pem"
         ).read_bytes()
-        cluster.start_agent("a", 2.0)
+        assert not (tmp_path / "coord" / "blobs").exists()
+        token = token_for(first, "node")
+        assert token
+        cluster.agents["a"] = AgentProc(
+            f"{first},{second}",
+            tmp_path / "agent-a",
+            "--name",
+            "a",
+            "--slowdown",
+            "2",
+            "--token",
+            token,
+        )
         cluster.wait_ready(["a"], timeout=90)
         n, epochs, every = 192, 3, 4
         job_id = cluster.submit(
@@ -148,70 +225,78 @@ def test_the_standby_takes_over_a_running_job_after_a_kill9(
             what="rounds past the first checkpoint",
         )
         cluster.coord.kill9()
-        killed = time.monotonic()
-        wait_until(
-            lambda: health_status(second) == "SERVING",
-            timeout=60,
-            interval=0.1,
-            message="the standby never became active",
-        )
-        took = time.monotonic() - killed
+        took = wait_serving(second, "the standby never became active")
         logging.getLogger(__name__).info("takeover after kill -9: %.1fs", took)
+        cluster.point_at(second)
+        # The agent follows to the second; the job goes on there.
+        done = applied_count(cluster, job_id)
+        cluster.wait_rounds(
+            job_id,
+            lambda rs: sum(1 for r in rs if applied(r)) >= done + 2,
+            timeout=120,
+            what="rounds on the second coordinator",
+        )
+        assert cluster.job(job_id).state == JS.JOB_STATE_RUNNING
 
-        # The agent enrolled through the first coordinator, now pointed at the second.
-        cluster.agents["a"].kill9()
-        agent = AgentProc(second, tmp_path / "agent-a", "--name", "a", "--slowdown", "2")
-        cluster.agents["a"] = agent
-        cluster.address = second
-        cluster._stub = None
-        cluster._channel = None
-        cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=180)
-        assert "--token" not in " ".join(agent.proc.args)  # type: ignore[arg-type]
-        rounds = cluster.rounds(job_id)
-        check_exactly_once(rounds, n, epochs)
-        numbers = [r.round for r in rounds]
-        assert numbers == sorted(set(numbers))
-        assert len(events_of(cluster.events(job_id), "job.restored")) == 1
-        assert charges_made_twice(pg_server, database, job_id) == []
-        epoch = pg_server.sql("SELECT epoch FROM coordinator_lease", database).strip()
-        assert epoch == "2"
+        # The first comes back as a standby; the second is killed; the first takes over.
+        restarted = start_standby(tmp_path / "coord", first, pg_url, blobs)
+        try:
+            check_standby(first, second)
+            stop(standby)
+            wait_serving(first, "the restarted coordinator never became active")
+            cluster.point_at(first)
+            cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=240)
+            rounds = cluster.rounds(job_id)
+            check_exactly_once(rounds, n, epochs)
+            numbers = [r.round for r in rounds]
+            assert numbers == sorted(set(numbers))
+            charges_by_the_rule(pg_server, database, cluster, job_id)
+            epoch = pg_server.sql("SELECT epoch FROM coordinator_lease", database).strip()
+            assert epoch == "3"
+            agent_log = cluster.agents["a"].log_text()
+            assert second in agent_log and first in agent_log
+        finally:
+            stop(restarted)
     finally:
         cluster.stop()
         stop(standby)
 
 
 @pytest.mark.timeout(300)
-def test_an_active_whose_lease_connection_dies_steps_down_and_writes_nothing_more(
+def test_an_active_whose_lease_connection_dies_stands_by_and_serves_again(
     tmp_path: Path, pg_server: PgServer, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("EPOCHMESH_STORE", pg_url)
     database = pg_url.rsplit("/", 1)[1]
-    cluster = PgCluster(tmp_path, pg_url)
-    first = cluster.address
-    second = f"127.0.0.1:{free_port()}"
-    standby = start_standby(tmp_path / "coord2", second, pg_url)
+    cluster = SharedCluster(tmp_path, pg_url)
+    address = cluster.address
     try:
-        check_standby(second, first)
-        pg_server.sql(terminate_lease_holder_sql(database))
-        proc = cluster.coord.proc
-        assert proc is not None
-        assert proc.wait(timeout=120) == 3, cluster.coord.log_tail()
-        log = cluster.coord.log_tail(20000)
-        assert "stepping down" in log and "lost the coordinator lease" in log
-        wait_until(
-            lambda: health_status(second) == "SERVING",
-            timeout=60,
-            interval=0.1,
-            message="the standby never became active",
+        cluster.start_agent("a", 2.0)
+        cluster.wait_ready(["a"], timeout=90)
+        n, epochs = 96, 2
+        job_id = cluster.submit(tmp_path / "job", job_doc("steps-down", epochs=epochs), n)
+        cluster.wait_rounds(
+            job_id, lambda rs: any(applied(r) for r in rs), timeout=120, what="a first round"
         )
-        # One start per epoch; the first coordinator is gone, its store fenced before it went.
+        pg_server.sql(terminate_lease_holder_sql(database))
+        wait_until(
+            lambda: health_status(address) == "NOT_SERVING",
+            timeout=60,
+            interval=0.05,
+            message="the active never stepped down",
+        )
+        wait_serving(address, "the coordinator never took the lease back")
+        assert cluster.coord.running()
+        cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=180)
+        check_exactly_once(cluster.rounds(job_id), n, epochs)
+        charges_by_the_rule(pg_server, database, cluster, job_id)
+        log = cluster.coord.log_tail(50000)
+        assert "stepping down" in log and "standing by for the coordinator lease again" in log
+        lease = pg_server.sql("SELECT epoch, address FROM coordinator_lease", database)
+        assert lease.strip().split("|") == ["2", address]
         started = pg_server.sql(
             "SELECT count(*) FROM events WHERE kind = 'coordinator.started'", database
         )
         assert started.strip() == "2"
-        lease = pg_server.sql("SELECT epoch, address FROM coordinator_lease", database)
-        assert lease.strip().split("|") == ["2", second]
-        assert health_status(first) is None
     finally:
         cluster.stop()
-        stop(standby)
