@@ -300,3 +300,35 @@ def test_an_active_whose_lease_connection_dies_stands_by_and_serves_again(
         assert started.strip() == "2"
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_blob_dir_of_another_database_is_refused_at_start(
+    tmp_path: Path, pg_server: PgServer, pg_url: str
+) -> None:
+    blobs = tmp_path / "blobs"
+    coord = start_coordinator(
+        tmp_path / "a", *serve_args(f"127.0.0.1:{free_port()}", pg_url, blobs)
+    )
+    coord.terminate()
+    other = pg_server.create_database()
+    try:
+        done = subprocess.run(
+            [
+                str(console_script("epochmesh-coordinator")),
+                "--data-dir",
+                str(tmp_path / "b"),
+                *serve_args("127.0.0.1:0", pg_server.url(other), blobs),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
+    finally:
+        pg_server.drop_database(other)
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line or "Traceback" in line]
+    assert len(errors) == 1, done.stderr
+    assert f"blob dir {blobs} holds the blobs of another database" in errors[0]
+    assert pg_url.rsplit("/", 1)[1] in errors[0] and "--blob-dir" in errors[0]
