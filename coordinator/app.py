@@ -312,7 +312,9 @@ class Coordinator:
                 try:
                     await self._serve()
                 except Exception as exc:  # noqa: BLE001 - e.g. the database gone again
+                    log.exception("serving again after taking the lease back failed")
                     await self._step_down(f"serving again failed ({exc})")
+                    await asyncio.sleep(lease.poll_s)
                     continue
                 self.stepped_down.clear()
                 break
@@ -331,7 +333,7 @@ class Coordinator:
         serving, self._serving = self._serving, contextlib.AsyncExitStack()
         try:
             await serving.aclose()
-        except Exception:
+        except Exception:  # the next takeover starts afresh all the same
             log.exception("stopping what this coordinator served failed")
         self.shutdown = asyncio.Event()
         log.info("standing by for the coordinator lease again on %s", self.address)

@@ -16,6 +16,15 @@ Prints one JSON line with the medians, every sample, and the heartbeat interval 
 
     .venv/bin/python scripts/bench_recovery.py [--heartbeat-interval 2.0] [--agent-kills 5]
                                                [--coordinator-restarts 3] [--agents 3]
+
+With ``--standby``: a PostgreSQL server of its own (tests/pg.py), two coordinators on one
+database and one blob dir (the second a standby), agents given both addresses and a job; `kill
+-9` of the active, then one JSON line: ``takeover_s`` (the kill to the next applied round, on
+the standby now active), ``serving_s`` (the kill to the standby's health SERVING),
+``lost_samples`` and ``duplicated_samples`` (over every epoch of the finished job: samples no
+applied part covered, and applications beyond the first):
+
+    .venv/bin/python scripts/bench_recovery.py --standby [--agents 2] [--samples 384]
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests/ for --standby
 
 from chaos import JS, NS, FaultCluster, applied, wait_for, write_job  # noqa: E402
 
@@ -91,10 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", type=Path, help="keep logs and data in DIR")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="measure a standby coordinator's takeover on PostgreSQL instead (see above)",
+    )
+    p.add_argument("--epochs", type=int, default=2, help="--standby: the job's epochs")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s bench: %(message)s", stream=sys.stderr
     )
+    if args.standby:
+        return standby_takeover(args)
     slowdowns = args.slowdowns or [4.0 + 2 * i for i in range(args.agents)]
     root = args.keep or Path(tempfile.mkdtemp(prefix="epochmesh-recovery-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -217,6 +235,113 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         cluster.stop()
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            log.info("logs and data kept in %s", root)
+
+
+def coverage(rounds: list[common_pb2.RoundRecord], n: int, epochs: int) -> tuple[int, int]:
+    """(samples lost, applications beyond the first) over the job's epochs."""
+    counts = [[0] * n for _ in range(epochs)]
+    for r in rounds:
+        for part in applied(r):
+            for rng in part.ranges:
+                for i in range(rng.start, rng.stop):
+                    counts[r.epoch][i] += 1
+    lost = sum(1 for epoch in counts for c in epoch if c == 0)
+    duplicated = sum(c - 1 for epoch in counts for c in epoch if c > 1)
+    return lost, duplicated
+
+
+def standby_takeover(args: argparse.Namespace) -> int:
+    """``--standby``: see the module docstring."""
+    import os
+
+    from tests.pg import PgServer, find_bin_dir
+    from tests.procs import free_port, token_for
+    from tests.system.test_agent import AgentProc
+    from tests.system.test_coordinator_failover import (
+        SharedCluster,
+        start_standby,
+        stop,
+        wait_serving,
+    )
+    from tests.system.test_fault_tolerance import job_doc
+
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        log.error("--standby needs PostgreSQL's programs (initdb, pg_ctl, postgres, psql)")
+        return 2
+    slowdowns = args.slowdowns or [2.0 + i for i in range(args.agents)]
+    root = args.keep or Path(tempfile.mkdtemp(prefix="epochmesh-standby-"))
+    root.mkdir(parents=True, exist_ok=True)
+    server = PgServer(bin_dir).start()
+    cluster: SharedCluster | None = None
+    standby = None
+    try:
+        url = server.url(server.create_database())
+        os.environ["EPOCHMESH_STORE"] = url  # the helpers' `token create`
+        cluster = SharedCluster(root, url)
+        first, second = cluster.address, f"127.0.0.1:{free_port()}"
+        standby = start_standby(root / "coord2", second, url, root / "blobs")
+        names = [f"a{i}" for i in range(args.agents)]
+        for name, slowdown in zip(names, slowdowns, strict=False):
+            token = token_for(first, "node")
+            assert token
+            cluster.agents[name] = AgentProc(
+                f"{first},{second}",
+                root / f"agent-{name}",
+                "--name",
+                name,
+                "--slowdown",
+                f"{slowdown:g}",
+                "--token",
+                token,
+            )
+        cluster.wait_ready(names, timeout=180)
+        n, epochs, every = args.samples, args.epochs, args.checkpoint_every
+        doc = job_doc("standby", epochs=epochs, checkpoint_every=every)
+        job_id = cluster.submit(root / "job", doc, n)
+        cluster.wait_rounds(
+            job_id,
+            lambda rs: sum(1 for r in rs if applied(r)) >= every + 2,
+            timeout=240,
+            what="rounds past the first checkpoint",
+        )
+        killed_ms = int(time.time() * 1000)
+        cluster.coord.kill9()
+        serving_s = wait_serving(second, "the standby never became active")
+        cluster.point_at(second)
+        after = cluster.wait_rounds(
+            job_id,
+            lambda rs: [r for r in rs if r.finished_ms > killed_ms and applied(r)],
+            timeout=240,
+            what="a round after the takeover",
+        )
+        takeover_s = (min(r.finished_ms for r in after) - killed_ms) / 1000
+        cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=600)
+        lost, duplicated = coverage(cluster.rounds(job_id), n, epochs)
+        result: dict[str, Any] = {
+            "takeover_s": round(takeover_s, 3),
+            "serving_s": round(serving_s, 3),
+            "lost_samples": lost,
+            "duplicated_samples": duplicated,
+            "agents": args.agents,
+            "samples": n,
+            "epochs": epochs,
+            "checkpoint_every": every,
+            "heartbeat_interval_s": 0.5,
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+        }
+        print(json.dumps(result), flush=True)
+        return 0
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        if standby is not None:
+            stop(standby)
+        server.stop()
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
         else:
