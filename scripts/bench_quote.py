@@ -2,6 +2,10 @@
 
     .venv/bin/python scripts/bench_quote.py [--agents 1,2] [--models zen,mlp,conv,spirals]
                                             [--repeats 2] [--price 3] [--work DIR]
+    .venv/bin/python scripts/bench_quote.py --merge RUN.json [RUN.json ...]
+
+``--merge`` reads the JSON lines of earlier runs (repeats run apart, e.g. side by side) and
+prints their results again with one summary over all of them.
 
 For each repeat, then each agent count (interleaved: 1, 2, 1, 2 agents, so that a change of
 the shared machine's load falls on both counts alike): a fresh local cluster (scripts/local_cluster.py: TLS,
@@ -162,6 +166,7 @@ def run_job(cluster: LocalCluster, path: Path) -> dict[str, Any]:
         return job if job["state"] in ENDED else None
 
     job = wait_for(ended, 1800, f"job {job_id}'s end", interval=2.0)
+    assert job is not None  # wait_for raises when it times out
     load_after = os.getloadavg()[0]
     actual_s = (int(job["updated_ms"]) - start_ms) / 1000
     job_s = (int(job["updated_ms"]) - int(job.get("created_ms", 0))) / 1000
@@ -285,8 +290,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="fresh clusters per agent count")
     ap.add_argument("--price", default="3", help="each agent's price, credits per node-hour")
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: temp)")
+    ap.add_argument("--merge", nargs="+", type=Path, help="summarise these runs' JSON lines")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.merge:
+        merged = []
+        for i, run in enumerate(args.merge):
+            for r in json.loads(run.read_text())["results"]:
+                merged.append({**r, "repeat": f"{i}.{r['repeat']}"})
+        report(merged, "merged: " + " ".join(str(m) for m in args.merge))
+        return
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_quote-"))
     results = []
     runs = [(int(a), k) for k in range(args.repeats) for a in args.agents.split(",")]
@@ -317,6 +330,11 @@ def main() -> None:
                 }
                 log.info("%s", result)
                 results.append(result)
+    report(results, " ".join(["scripts/bench_quote.py", *sys.argv[1:]]))
+
+
+def report(results: list[dict[str, Any]], command: str) -> None:
+    """Log the summary and print the JSON line."""
     ratios = [r["seconds_ratio"] for r in results if r["seconds_ratio"]]
     costs = [r["cost_ratio"] for r in results if r["cost_ratio"]]
     rows = summary(results)
@@ -337,7 +355,7 @@ def main() -> None:
             {
                 "bench": "quote",
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-                "command": " ".join(["scripts/bench_quote.py", *sys.argv[1:]]),
+                "command": command,
                 "summary": rows,
                 "medians_within_2x": all(
                     r[k] is not None and 0.5 <= r[k] <= 2
