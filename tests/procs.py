@@ -55,6 +55,13 @@ if TYPE_CHECKING:
 
 ADDR_FILE = "coordinator.addr"
 STDERR_LOG = "coordinator-stderr.log"
+# Coordinator arguments for tests in which no agent dies, hangs or is cut off: the default
+# heartbeat (2 s; tasks come through NextTask, not heartbeats), so that a loaded host delaying
+# an agent's heartbeat by a second or two neither makes its part of a round "silent" (1.5
+# intervals) nor lapses its lease (6 s), which would fail the part or cancel its benchmark
+# and make it register again: work redone, or a job failed by the race of a node going
+# OFFLINE while it is being given the job.
+STEADY_LEASES = ("--heartbeat-interval", "2", "--lease-ttl", "6")
 
 
 def free_port() -> int:
@@ -382,11 +389,13 @@ def start_coordinator(
     data_dir: Path | str,
     *extra_args: str,
     env: dict[str, str] | None = None,
-    timeout: float = 30.0,
+    timeout: float = 90.0,
 ) -> CoordinatorProc:
     """Launch ``epochmesh-coordinator`` on 127.0.0.1 with an ephemeral port and wait until it
-    serves. Its stdout+stderr go to ``DATA_DIR/coordinator-stderr.log``. Use it as a context
-    manager (or call ``kill9``/``terminate``) so that it does not outlive the test."""
+    serves (within ``timeout``: generous, as a start that takes 2 s on an idle machine has been
+    seen to take over 30 s on a loaded one; it returns as soon as it serves). Its stdout+stderr
+    go to ``DATA_DIR/coordinator-stderr.log``. Use it as a context manager (or call
+    ``kill9``/``terminate``) so that it does not outlive the test."""
     return CoordinatorProc(Path(data_dir), extra_args, env, timeout).start()
 
 

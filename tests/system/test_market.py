@@ -27,7 +27,7 @@ from coordinator.accounting.billing import earned_micro
 from epochmesh.money import MICRO, parse_credits
 from epochmesh.v1 import common_pb2, job_pb2
 from tests.fixtures import write_job
-from tests.procs import CoordinatorProc, free_port, start_coordinator, wait_until
+from tests.procs import STEADY_LEASES, CoordinatorProc, free_port, start_coordinator, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
 from tests.system.test_cli_support import Cli
 from tests.system.test_cluster_scheduling import Jobs
@@ -57,8 +57,7 @@ def market(tmp_path: Path) -> Iterator[tuple[CoordinatorProc, dict[str, AgentPro
         tmp_path / "coord",
         "--listen",
         address,
-        "--heartbeat-interval",
-        "0.5",
+        *STEADY_LEASES,
         "--platform-fee",
         "1",
     )
@@ -77,7 +76,7 @@ def market(tmp_path: Path) -> Iterator[tuple[CoordinatorProc, dict[str, AgentPro
             )
         wait_until(
             lambda: sum(n.benchmark.samples_per_second > 0 for n in list_nodes(address)) == 3,
-            timeout=90,
+            timeout=180,
             interval=0.2,
             message="three agents ready",
         )

@@ -19,42 +19,36 @@ from epochmesh.v1 import common_pb2
 from node_agent.sandbox.host import TEST_FAULT_FILE
 from tests.fixtures import write_mlp_job
 from tests.fixtures.hostile import NAN_LOSS, write_model
-from tests.procs import start_coordinator, wait_until
+from tests.procs import STEADY_LEASES, start_coordinator, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
-from tests.system.test_training import applied_parts, cli, indices, load_rounds, submit
+from tests.system.test_training import (
+    applied_parts,
+    cli,
+    indices,
+    load_rounds,
+    submit,
+    wait_job_state,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[str]:
-    with start_coordinator(tmp_path / "coord", "--heartbeat-interval", "0.5") as coord:
+    with start_coordinator(tmp_path / "coord", *STEADY_LEASES) as coord:
         yield coord.address
 
 
 def wait_benchmarked(address: str, count: int) -> None:
     wait_until(
         lambda: len([n for n in list_nodes(address) if n.benchmark.samples_per_second]) == count,
-        timeout=90,
+        timeout=180,
         message="agents did not register and benchmark",
     )
 
 
-def job_status(address: str, job_id: str) -> dict:
-    out = cli(address, "status", job_id, "--output", "json")
-    assert out.returncode in (0, 5), out.stderr
-    return json.loads(out.stdout)
-
-
 def wait_state(address: str, job_id: str, state: str, timeout: float = 180) -> dict:
-    def done() -> dict | None:
-        job = job_status(address, job_id)
-        terminal = ("succeeded", "failed", "cancelled")
-        if job["state"] in terminal and job["state"] != state:
-            raise AssertionError(f"job ended {job['state']}, not {state}: {job}")
-        return job if job["state"] == state else None
-
-    return wait_until(done, timeout=timeout, interval=0.5, message=f"job never {state}")
+    return wait_job_state(address, job_id, state, timeout)
 
 
 def check_no_strikes(address: str) -> None:

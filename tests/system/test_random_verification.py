@@ -22,7 +22,7 @@ import pytest
 
 from epochmesh.v1 import common_pb2
 from tests.fixtures import write_job
-from tests.procs import CoordinatorProc, free_port, start_coordinator, wait_until
+from tests.procs import STEADY_LEASES, CoordinatorProc, free_port, start_coordinator, wait_until
 from tests.random_models import RANDOM_CONV_MODEL
 from tests.system.test_agent import AgentProc, list_nodes
 from tests.system.test_cli_support import Cli
@@ -49,15 +49,36 @@ CHEAT_FROM = 3
 HONEST = {"h1": 1, "h2": 2, "h3": 2, "h4": 1}  # name -> slowdown
 
 
+def _coordinator(root: Path) -> CoordinatorProc:
+    address = f"127.0.0.1:{free_port()}"
+    return start_coordinator(root / "coord", "--listen", address, *STEADY_LEASES)
+
+
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[CoordinatorProc]:
-    address = f"127.0.0.1:{free_port()}"
-    coord = start_coordinator(
-        tmp_path / "coord", "--listen", address, "--heartbeat-interval", "0.5"
-    )
+    coord = _coordinator(tmp_path)
     try:
         yield coord
     finally:
+        coord.kill9()
+
+
+@pytest.fixture(scope="module")
+def honest_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One coordinator and the four honest agents (with a PeerService, for the ring job) for
+    the honest tests, one job after another: a later job finds the nodes no longer new, so
+    fewer of its parts are checked, but checks still run and must all pass. (The cheater's
+    test, with a cluster of its own, comes first in the file: this one then lives only while
+    the honest tests run.)"""
+    root = tmp_path_factory.mktemp("random-honest")
+    coord = _coordinator(root)
+    agents: dict[str, AgentProc] = {}
+    try:
+        agents = start(coord.address, root, ring=True)
+        yield coord.address
+    finally:
+        for a in agents.values():
+            a.kill9()
         coord.kill9()
 
 
@@ -112,44 +133,20 @@ def start(address: str, tmp_path: Path, ring: bool, cheat: str = "") -> dict[str
         agents["cheat"] = agent(
             address, tmp_path, "cheat", 1, ring, EPOCHMESH_TEST_CHEAT=f"{cheat}:{CHEAT_FROM}"
         )
-    wait_until(
-        lambda: sum(n.benchmark.samples_per_second > 0 for n in list_nodes(address)) == len(agents),
-        timeout=120,
-        interval=0.2,
-        message="agents ready",
-    )
-    return agents
-
-
-@pytest.mark.parametrize("mode", ["ps", "ps_local_sgd", "ring"])
-def test_honest_nodes_with_a_random_program_pass_their_checks(
-    coordinator: CoordinatorProc, tmp_path: Path, mode: str
-) -> None:
-    address = coordinator.address
-    agents = start(address, tmp_path, mode.startswith("ring"))
     try:
-        jobs, job_id = run(address, tmp_path, random_job(mode, f"random-{mode}"))
-        live = jobs.rounds(job_id)
-        check_exactly_once(live, N, EPOCHS)
-        events = jobs.events(job_id)
-        assert not events_of(events, "node.quarantined"), [e.message for e in events]
-        assert not events_of(events, "job.nondeterministic"), [e.message for e in events]
-        summary = dict(events_of(events, "job.verification")[-1].attrs)
-        recomputed = sum(int(summary[f"recomputed_{s}"]) for s in ("new", "building", "trusted"))
-        assert recomputed > 0 and int(summary["passed"]) > 0, summary
-        assert int(summary["failed"]) == 0, summary
-        assert int(summary.get("nondeterministic", "0")) == 0, summary
-        nodes = {n.name: n for n in list_nodes(address)}
-        worked = {p.node_id for r in live for p in applied(r)}
-        assert len(worked) >= 3, worked
-        for name in HONEST:
-            node = nodes[name]
-            assert node.state != NS.NODE_STATE_QUARANTINED and node.strikes == 0, node
-            assert node.reputation.failed_total == 0, node
-        assert any(nodes[n].reputation.verified_total > 0 for n in HONEST), nodes
-    finally:
+        wait_until(
+            lambda: (
+                sum(n.benchmark.samples_per_second > 0 for n in list_nodes(address)) == len(agents)
+            ),
+            timeout=180,
+            interval=0.2,
+            message="agents ready",
+        )
+    except BaseException:
         for a in agents.values():
             a.kill9()
+        raise
+    return agents
 
 
 def test_a_cheater_with_a_random_program_is_still_caught(
@@ -175,3 +172,29 @@ def test_a_cheater_with_a_random_program_is_still_caught(
     finally:
         for a in agents.values():
             a.kill9()
+
+
+@pytest.mark.parametrize("mode", ["ps", "ps_local_sgd", "ring"])
+def test_honest_nodes_with_a_random_program_pass_their_checks(
+    honest_cluster: str, tmp_path: Path, mode: str
+) -> None:
+    address = honest_cluster
+    jobs, job_id = run(address, tmp_path, random_job(mode, f"random-{mode}"))
+    live = jobs.rounds(job_id)
+    check_exactly_once(live, N, EPOCHS)
+    events = jobs.events(job_id)
+    assert not events_of(events, "node.quarantined"), [e.message for e in events]
+    assert not events_of(events, "job.nondeterministic"), [e.message for e in events]
+    summary = dict(events_of(events, "job.verification")[-1].attrs)
+    recomputed = sum(int(summary[f"recomputed_{s}"]) for s in ("new", "building", "trusted"))
+    assert recomputed > 0 and int(summary["passed"]) > 0, summary
+    assert int(summary["failed"]) == 0, summary
+    assert int(summary.get("nondeterministic", "0")) == 0, summary
+    nodes = {n.name: n for n in list_nodes(address)}
+    worked = {p.node_id for r in live for p in applied(r)}
+    assert len(worked) >= 3, worked
+    for name in HONEST:
+        node = nodes[name]
+        assert node.state != NS.NODE_STATE_QUARANTINED and node.strikes == 0, node
+        assert node.reputation.failed_total == 0, node
+    assert any(nodes[n].reputation.verified_total > 0 for n in HONEST), nodes

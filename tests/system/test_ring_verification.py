@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import CoordinatorProc, free_port, start_coordinator, wait_until
+from tests.procs import STEADY_LEASES, CoordinatorProc, free_port, start_coordinator, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
 from tests.system.test_fault_tolerance import (
     events_of,
@@ -52,9 +52,7 @@ HONEST = {"r1": 1, "r2": 2, "r3": 2}  # name -> slowdown
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[CoordinatorProc]:
     address = f"127.0.0.1:{free_port()}"
-    coord = start_coordinator(
-        tmp_path / "coord", "--listen", address, "--heartbeat-interval", "0.5"
-    )
+    coord = start_coordinator(tmp_path / "coord", "--listen", address, *STEADY_LEASES)
     try:
         yield coord
     finally:

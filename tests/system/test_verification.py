@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from epochmesh.v1 import common_pb2
 from tests.fixtures import write_job
-from tests.procs import CoordinatorProc, free_port, start_coordinator, wait_until
+from tests.procs import STEADY_LEASES, CoordinatorProc, free_port, start_coordinator, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
 from tests.system.test_cli_support import Cli
 from tests.system.test_cluster_scheduling import Jobs
@@ -52,9 +52,7 @@ PRICE = "10"  # credits per hour, every agent
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[CoordinatorProc]:
     address = f"127.0.0.1:{free_port()}"
-    coord = start_coordinator(
-        tmp_path / "coord", "--listen", address, "--heartbeat-interval", "0.5"
-    )
+    coord = start_coordinator(tmp_path / "coord", "--listen", address, *STEADY_LEASES)
     try:
         yield coord
     finally:
@@ -81,7 +79,7 @@ def start_agents(address: str, tmp_path: Path, cheat: str) -> dict[str, AgentPro
     )
     wait_until(
         lambda: sum(n.benchmark.samples_per_second > 0 for n in list_nodes(address)) == 5,
-        timeout=90,
+        timeout=180,
         interval=0.2,
         message="five agents ready",
     )
