@@ -25,7 +25,14 @@ from safetensors.torch import load_file
 
 from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
 from tests.fixtures import write_job
-from tests.procs import CoordinatorProc, free_port, start_coordinator, sync_channel_for, wait_until
+from tests.procs import (
+    STEADY_LEASES,
+    CoordinatorProc,
+    free_port,
+    start_coordinator,
+    sync_channel_for,
+    wait_until,
+)
 from tests.system.test_agent import AgentProc, list_nodes
 from tests.system.test_cli_support import Cli
 from tests.system.test_fault_tolerance import (
@@ -45,6 +52,9 @@ pytestmark = pytest.mark.timeout(480)
 
 SEED = 5
 HOLD_S = 2.0  # the coordinator's --scheduler-hold: B gets its half within a few rounds
+SLOWDOWN = 10  # the two-tenant scenario's agents, at their start
+DERIVED_SLOWDOWNS = (4, 4, 8, 8)  # speeds 1, 1, 1/2, 1/2
+WAIT_SLOWDOWNS = tuple(3 * s for s in DERIVED_SLOWDOWNS)  # the same speeds, 3 times slower
 
 
 class Jobs:
@@ -79,11 +89,11 @@ class Jobs:
 def _cluster_of(
     tmp_path: Path, slowdowns: tuple[int, ...], *coordinator_args: str
 ) -> Iterator[tuple[CoordinatorProc, list[AgentProc]]]:
-    """A coordinator (heartbeats every 0.5 s, plus ``coordinator_args``) and one agent per
+    """A coordinator (STEADY_LEASES, plus ``coordinator_args``) and one agent per
     slowdown, named n0, n1, ...; yields once every agent has its benchmark, kills all after."""
     address = f"127.0.0.1:{free_port()}"
     coord = start_coordinator(
-        tmp_path / "coord", "--listen", address, "--heartbeat-interval", "0.5", *coordinator_args
+        tmp_path / "coord", "--listen", address, *STEADY_LEASES, *coordinator_args
     )
     agents: list[AgentProc] = []
     try:
@@ -98,7 +108,7 @@ def _cluster_of(
                 sum(n.benchmark.samples_per_second > 0 for n in list_nodes(address))
                 == len(slowdowns)
             ),
-            timeout=90,
+            timeout=180,
             interval=0.2,
             message=f"{len(slowdowns)} agents ready",
         )
@@ -112,7 +122,7 @@ def _cluster_of(
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[CoordinatorProc, list[AgentProc]]]:
     # slowed down (rounds of ~0.1 s), so that the jobs outlast the submissions
-    yield from _cluster_of(tmp_path, (10, 10, 10, 10), "--scheduler-hold", str(HOLD_S))
+    yield from _cluster_of(tmp_path, (SLOWDOWN,) * 4, "--scheduler-hold", str(HOLD_S))
 
 
 def submit(tenant: Cli, directory: Path, doc: dict[str, Any], n: int) -> str:
@@ -144,8 +154,10 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
     tenant_b = Cli(address, tmp_path / "tenant-b", role="submitter")
     jobs = Jobs(address)
     # A outlasts B's submission and join and the urgent job's submission: 2-4 of its epochs
-    # went by before the urgent preemption in runs on this host, idle or loaded.
-    sizes = {"a": (576, 20), "b": (576, 12), "urgent": (240, 1)}
+    # went by before the urgent preemption in runs on this host, idle or loaded, at slowdown
+    # 10; from A's start on the four nodes the agents run twice as slow (sleeps: half the
+    # rounds, and their CPU, for the same wait), so half of them: 10 epochs (and B 6).
+    sizes = {"a": (576, 10), "b": (576, 6), "urgent": (240, 1)}
 
     def doc(name: str, **cluster_keys: Any) -> dict[str, Any]:
         n_epochs = sizes[name][1]
@@ -154,10 +166,11 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
     job_a = submit(tenant_a, tmp_path / "a", doc("a"), sizes["a"][0])
     wait_until(
         lambda: nodes_in_last_round(jobs.rounds(job_a)) == 4,
-        timeout=90,
+        timeout=180,  # the job benchmark of a cold sandbox, on a loaded host
         interval=0.1,
         message="tenant A's job on the four nodes",
     )
+    set_slowdown(agents, 2 * SLOWDOWN)
     job_b = submit(tenant_b, tmp_path / "b", doc("b"), sizes["b"][0])
     owners = {jobs.job(job_a).owner, jobs.job(job_b).owner}
     assert len(owners) == 2 and "" not in owners, owners
@@ -219,7 +232,7 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
 def derived_holds(tmp_path: Path) -> Iterator[tuple[CoordinatorProc, list[AgentProc]]]:
     """A coordinator that derives its holds (no --scheduler-hold) and four agents at speeds
     1, 1, 1/2, 1/2 (slowed down so that rounds take ~0.1 s and a job outlasts a submission)."""
-    yield from _cluster_of(tmp_path, (4, 4, 8, 8))
+    yield from _cluster_of(tmp_path, DERIVED_SLOWDOWNS)
 
 
 def test_a_new_tenant_runs_within_a_minute_while_the_first_tenants_long_job_runs(
@@ -234,7 +247,10 @@ def test_a_new_tenant_runs_within_a_minute_while_the_first_tenants_long_job_runs
     tenant_a = Cli(address, tmp_path / "tenant-a", role="submitter")
     tenant_b = Cli(address, tmp_path / "tenant-b", role="submitter")
     jobs = Jobs(address)
-    sizes = {"a": (576, 60), "b": (576, 25)}
+    # A outlasts B's submission and its wait for its share (up to a minute) because its rounds
+    # are slowed down further meanwhile (sleeps: few rounds, little CPU, however long the wait
+    # is), not by its length: after that A and B run at full speed, and B need only run.
+    sizes = {"a": (576, 30), "b": (576, 4)}
 
     def doc(name: str) -> dict[str, Any]:
         return job_doc(name, epochs=sizes[name][1], seed=SEED, checkpoint_every=4)
@@ -242,10 +258,12 @@ def test_a_new_tenant_runs_within_a_minute_while_the_first_tenants_long_job_runs
     job_a = submit(tenant_a, tmp_path / "a", doc("a"), sizes["a"][0])
     wait_until(
         lambda: nodes_in_last_round(jobs.rounds(job_a)) == 4,
-        timeout=90,
+        timeout=180,  # the job benchmark of a cold sandbox, on a loaded host
         interval=0.1,
         message="tenant A's job on the four nodes",
     )
+    for agent, factor in zip(agents, WAIT_SLOWDOWNS, strict=True):
+        set_slowdown([agent], factor)
     job_b = submit(tenant_b, tmp_path / "b", doc("b"), sizes["b"][0])
     submitted = time.monotonic()
     owners = {jobs.job(job_a).owner, jobs.job(job_b).owner}

@@ -390,8 +390,10 @@ def test_agent_kill9_pauses_the_job_a_new_agent_joins_and_it_rejoins_with_its_ca
     cluster: Cluster, tmp_path: Path
 ) -> None:
     # Long enough that the restarted b (process start, program load, job benchmark: 5-15 s on a
-    # loaded host) still finds rounds to train: rounds take 40-100 ms here.
-    n, epochs = 1152, 10
+    # loaded host) still finds rounds to train: rounds take 40-100 ms here, and while b
+    # restarts the others' rounds are slowed down ten times (sleeps: few rounds, little CPU,
+    # however long the restart takes).
+    n, epochs = 1152, 6
     job_id = cluster.submit(
         tmp_path / "job",
         job_doc("kill-agent", epochs=epochs, min_nodes=3, max_nodes=4),
@@ -450,17 +452,25 @@ def test_agent_kill9_pauses_the_job_a_new_agent_joins_and_it_rejoins_with_its_ca
 
     # b comes back on the same data dir: the same node, benchmarked again (the job's blobs come
     # from its cache), and it trains again.
-    restart_ms = int(time.time() * 1000)
-    cluster.start_agent("b", cluster.slowdowns["b"])
-    assert cluster.node_id("b") == b_id
-    cluster.wait_rounds(
-        job_id,
-        lambda rs: any(
-            r.finished_ms > restart_ms and any(p.node_id == b_id for p in applied(r)) for r in rs
-        ),
-        timeout=60,
-        what="b trains again after its restart",
-    )
+    others = ("a", "c", "d")
+    for name in others:
+        set_slowdown(cluster, name, 10 * cluster.slowdowns[name])
+    try:
+        restart_ms = int(time.time() * 1000)
+        cluster.start_agent("b", cluster.slowdowns["b"])
+        assert cluster.node_id("b") == b_id
+        cluster.wait_rounds(
+            job_id,
+            lambda rs: any(
+                r.finished_ms > restart_ms and any(p.node_id == b_id for p in applied(r))
+                for r in rs
+            ),
+            timeout=60,
+            what="b trains again after its restart",
+        )
+    finally:
+        for name in others:
+            set_slowdown(cluster, name, cluster.slowdowns[name])
     events = cluster.events(job_id)
     assert any(
         e.node_id == b_id and e.time_ms > restart_ms for e in events_of(events, "node.benchmark")
@@ -525,7 +535,9 @@ def test_a_straggler_loses_share_and_hung_or_cut_off_agents_are_dropped_then_rej
 
 
 def straggler_then_partition(cluster: Cluster, relay: Relay, tmp_path: Path) -> None:
-    n, epochs = 1536, 5  # long enough for a and e to re-join and train again (rounds ~30 ms)
+    # Long enough for a and e to re-join and train again (rounds ~30 ms; while they re-join,
+    # ten times slower: sleeps, few rounds, however long e's reconnection backoff takes).
+    n, epochs = 1536, 4
     job_id = cluster.submit(
         # min_nodes 3: while a and e are gone the job waits for them (PAUSED), so they re-join
         # before it ends
@@ -611,17 +623,24 @@ def straggler_then_partition(cluster: Cluster, relay: Relay, tmp_path: Path) -> 
                 assert took <= 2 * HEARTBEAT_S + 1.0
         offline_round = max(r.round for r in rounds)
     finally:
+        for name in ("b", "c"):
+            set_slowdown(cluster, name, 10 * cluster.slowdowns[name])
         cluster.agents["a"].send(signal.SIGCONT)
         relay.restore()
-    for name, node in (("a", a_id), ("e", e_id)):
-        cluster.wait_rounds(
-            job_id,
-            lambda rs, node=node: any(
-                r.round > offline_round and any(p.node_id == node for p in applied(r)) for r in rs
-            ),
-            timeout=60,
-            what=f"{name} trains again",
-        )
+    try:
+        for name, node in (("a", a_id), ("e", e_id)):
+            cluster.wait_rounds(
+                job_id,
+                lambda rs, node=node: any(
+                    r.round > offline_round and any(p.node_id == node for p in applied(r))
+                    for r in rs
+                ),
+                timeout=60,
+                what=f"{name} trains again",
+            )
+    finally:
+        for name in ("b", "c"):
+            set_slowdown(cluster, name, cluster.slowdowns[name])
     assert cluster.node_id("e") == e_id and cluster.agents["e"].running()
 
     cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=90)
