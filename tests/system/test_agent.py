@@ -99,7 +99,7 @@ class AgentProc:
         except (FileNotFoundError, ValueError, KeyError):
             return ""
 
-    def wait_node_id(self, timeout: float = 30.0) -> str:
+    def wait_node_id(self, timeout: float = 120.0) -> str:
         return str(
             wait_until(
                 self._node_id_or_crash, timeout=timeout, message=f"agent never registered\n{self}"
