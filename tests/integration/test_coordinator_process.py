@@ -183,7 +183,7 @@ def test_kill9_and_restart_keeps_nodes_jobs_blobs_events(tmp_path: Path) -> None
         assert proc.terminate() == 0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_sigterm_goes_not_serving_first_and_exits_cleanly(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     with (
@@ -208,10 +208,12 @@ def test_sigterm_goes_not_serving_first_and_exits_cleanly(tmp_path: Path) -> Non
         statuses.append(next(watch).status)
         assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING
         watch.cancel()
-        # The in-flight long poll is answered (not cut off) once shutdown begins.
-        assert poll.result(timeout=10).kind == agent_pb2.TASK_KIND_NONE
-        assert proc.proc.wait(timeout=20) == 0
-        assert time.monotonic() - t0 < 10
+        # The in-flight long poll is answered (not cut off) once shutdown begins, and the
+        # coordinator exits without waiting it out: both before the poll's own 25 s wait
+        # would have ended (a bound a loaded host's slower exit stays well within).
+        assert poll.result(timeout=25).kind == agent_pb2.TASK_KIND_NONE
+        assert proc.proc.wait(timeout=25) == 0
+        assert time.monotonic() - t0 < 24
         c.close()
     assert not (data_dir / "coordinator.addr").exists()
     assert "coordinator stopped" in proc.log_tail()
