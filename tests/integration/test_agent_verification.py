@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from epochmesh.dataset import ShardedDataset
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.program.archive import TrainableProgram
 from epochmesh.sketch import combine, relative_distance, sketch
@@ -108,7 +109,9 @@ class StandIn(agent_pb2_grpc.AgentServiceServicer):
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
-    return build_job(load_spec(write_mlp_job(tmp_path_factory.mktemp("mlp"), N)))
+    return build_job(
+        load_spec(write_mlp_job(tmp_path_factory.mktemp("mlp"), N)), cache=ExportCache.default()
+    )
 
 
 @dataclass

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from coordinator.engine.engine import Engine
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import build_job
 from epochmesh.sketch import sketch
 from epochmesh.spec import load_spec
@@ -76,7 +77,7 @@ async def test_start_digests_and_start_states_from_a_hostile_node(tmp_path: Path
             "cluster": {"min_nodes": 2, "max_nodes": 2, "checkpoint_every": 2},
         },
     )
-    packed = build_job(load_spec(job_toml))
+    packed = build_job(load_spec(job_toml), cache=ExportCache.default())
     seen: list[str] = []
     uploads: dict[str, object] = {}
 

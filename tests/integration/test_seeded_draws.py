@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from epochmesh.dataset import ShardedDataset
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import PackedJob, build_job
 from epochmesh.spec import load_spec
 from epochmesh.verification import chunk_bounds
@@ -38,7 +39,7 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
     path = write_job(
         tmp_path_factory.mktemp("random"), RANDOM_MLP_MODEL, make_classification(N), doc
     )
-    return build_job(load_spec(path))
+    return build_job(load_spec(path), cache=ExportCache.default())
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from coordinator.engine.engine import Engine
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2
@@ -83,7 +84,7 @@ async def test_commitments_sketches_and_reports_from_a_hostile_node(
             "cluster": {"min_nodes": 2, "max_nodes": 2, "checkpoint_every": 2},
         },
     )
-    packed = build_job(load_spec(job_toml))
+    packed = build_job(load_spec(job_toml), cache=ExportCache.default())
     seen: list[str] = []
 
     async def hostile(agent: FakeAgent, task: agent_pb2.Task) -> None:

@@ -22,6 +22,7 @@ import torch
 from coordinator.engine.engine import Engine
 from coordinator.engine.verification_store import STATE_KEY
 from coordinator.store.sqlite import SqliteStore
+from epochmesh.export_cache import ExportCache
 from epochmesh.packaging import build_job
 from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2
@@ -58,7 +59,7 @@ async def test_unverified_rounds_from_before_a_restart_are_undone_when_their_nod
             "cluster": {"min_nodes": 1, "max_nodes": 3, "checkpoint_every": 1},
         },
     )
-    packed = build_job(load_spec(job_toml))
+    packed = build_job(load_spec(job_toml), cache=ExportCache.default())
     cheating = asyncio.Event()
 
     async def bad(agent: FakeAgent, task: agent_pb2.Task) -> None:
