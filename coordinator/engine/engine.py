@@ -208,11 +208,21 @@ class Engine:
         mine = plan.jobs.get(job_id)
         if mine is None:
             return []
-        given = [n for n in mine.nodes if n not in refused and self.claims.get(n) in (None, job_id)]
-        for n in given:
+        planned = [
+            n for n in mine.nodes if n not in refused and self.claims.get(n) in (None, job_id)
+        ]
+        given = []
+        for n in planned:
+            if self.claims.get(n) not in (None, job_id):
+                continue  # claimed by another job while this loop awaited
             if self.claims.get(n) != job_id:
+                try:  # the node may have gone offline (or been quarantined) since the pass
+                    await self.ctx.registry.set_busy(n, job_id)
+                except FailedPreconditionError as exc:
+                    log.info("job %s: skipping node %s: %s", job_id, n, exc)
+                    continue
                 self._claim(n, job_id)
-                await self.ctx.registry.set_busy(n, job_id)
+            given.append(n)
         await self._flush_scheduler_events()
         return given
 
