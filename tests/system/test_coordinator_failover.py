@@ -135,7 +135,14 @@ def refusal_of(address: str, via: str) -> grpc.RpcError:
 def check_standby(address: str, active: str) -> None:
     assert health_status(address) == "NOT_SERVING"
     assert health_status(address, JOB_SERVICE) == "NOT_SERVING"
-    err = refusal_of(address, active)
+    # Until its first look at the lease row a standby knows no active one to name.
+    err = wait_until(
+        lambda: (e := refusal_of(address, active)).details().endswith(active) and e,
+        timeout=30,
+        interval=0.2,
+        message=f"the standby at {address} never named {active}",
+    )
+    assert isinstance(err, grpc.RpcError)
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert err.details() == f"standby coordinator; the active coordinator is at {active}"
     assert dict(err.trailing_metadata() or ())["epochmesh-active"] == active
