@@ -270,6 +270,13 @@ class PostgresStore(Store):
                 self._txn_conn = conn
                 try:
                     yield
+                except asyncpg.InternalClientError as exc:
+                    # asyncpg's protocol confused by a connection the server ended mid-way:
+                    # reported as the lost connection it is.
+                    await self._rollback(conn)
+                    raise asyncpg.InterfaceError(
+                        f"the database connection broke in a transaction ({exc})"
+                    ) from exc
                 except BaseException:
                     await self._rollback(conn)
                     raise
