@@ -85,15 +85,14 @@ def _failed(address: str, err: grpc.RpcError) -> Probe:
 
 
 def probe_sync(address: str, channel: grpc.Channel, timeout: float = PROBE_TIMEOUT_S) -> Probe:
-    """Asks the overall health ("") of the coordinator behind ``channel``."""
+    """Asks the overall health ("") of the coordinator behind ``channel`` (without waiting for a
+    connection: an address nothing listens on answers at once)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     stub = health_pb2_grpc.HealthStub(channel)
     try:
-        reply = stub.Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=timeout, wait_for_ready=True
-        )
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
     except grpc.RpcError as err:
         return _failed(address, err)
     return _verdict(address, reply.status)
@@ -125,9 +124,7 @@ async def probe_async(
 
     stub = health_pb2_grpc.HealthStub(channel)
     try:
-        reply = await stub.Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=timeout, wait_for_ready=True
-        )
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
     except grpc.RpcError as err:
         return _failed(address, err)
     return _verdict(address, reply.status)
@@ -147,6 +144,18 @@ async def find_active_async(
         finally:
             await channel.close(grace=None)
 
-    probes = list(await asyncio.gather(*(one(a) for a in addresses)))
-    active = next((p.address for p in probes if p.health is Health.SERVING), None)
-    return active, probes
+    # The first serving answer ends the search: a dead address must not hold it up.
+    pending = {asyncio.ensure_future(one(a)) for a in addresses}
+    probes: list[Probe] = []
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            probes.extend(task.result() for task in done)
+            serving = [p for p in probes if p.health is Health.SERVING]
+            if serving:
+                order = {a: i for i, a in enumerate(addresses)}
+                return min(serving, key=lambda p: order[p.address]).address, probes
+    finally:
+        for task in pending:
+            task.cancel()
+    return None, probes

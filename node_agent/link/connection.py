@@ -28,6 +28,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -187,6 +188,10 @@ def open_channel(
     )
 
 
+class _Moved(Exception):
+    """A call's channel moved to another coordinator before it answered."""
+
+
 @dataclass
 class HeartbeatHooks:
     """How the heartbeat task talks to the rest of the agent."""
@@ -241,6 +246,7 @@ class CoordinatorConnection:
         self._channel = open_channel(self.address, self._identity, self._interceptors)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._last_search = -math.inf
+        self._moved = asyncio.Event()  # set (and replaced) when the channel moves
         self.node_id = load_node_id(data_dir)
         self.lease_id = ""
         self.lease_ttl_s = 0.0
@@ -309,6 +315,8 @@ class CoordinatorConnection:
             return
         log.warning("coordinator moved: %s serves now (was %s)", active, self.address)
         old = self._channel
+        self._moved.set()
+        self._moved = asyncio.Event()
         self.address = active
         self._channel = open_channel(active, self._identity, self._interceptors)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)  # type: ignore[no-untyped-call]
@@ -499,7 +507,11 @@ class CoordinatorConnection:
                     raise Expired(f"{method}: deadline passed")
                 attempt_timeout = min(timeout, max(left, 0.05))
             try:
-                response = await rpc(make_request(), timeout=attempt_timeout, wait_for_ready=True)
+                response = await self._attempt(
+                    rpc(make_request(), timeout=attempt_timeout, wait_for_ready=True)
+                )
+            except _Moved:
+                continue  # the channel moved to the serving coordinator: ask it at once
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in lease_codes and renewals < MAX_RENEWALS_PER_CALL:
                     valid = await self._lease_is_valid(lease)
@@ -521,6 +533,27 @@ class CoordinatorConnection:
                 continue
             self._note_success()
             return response
+
+    async def _attempt(self, call: Any) -> Any:
+        """Awaits one unary call; raises _Moved (the call cancelled) when the channel moves to
+        another coordinator first, so that a call waiting on a dead or standby address does
+        not hold its caller until its deadline."""
+        moved = self._moved
+        attempt = asyncio.ensure_future(call)
+        mover = asyncio.ensure_future(moved.wait())
+        try:
+            await asyncio.wait({attempt, mover}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            attempt.cancel()
+            raise
+        finally:
+            mover.cancel()
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await attempt
+            raise _Moved()
+        return attempt.result()
 
     async def _lease_is_valid(self, lease_id: str) -> bool | None:
         """Whether `lease_id` is still alive (one Heartbeat); None when that cannot be told."""
