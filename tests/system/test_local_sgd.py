@@ -46,7 +46,7 @@ from tests.system.test_training import (
     indices,
     load_rounds,
     submit,
-    wait_job_succeeded,
+    wait_succeeded,
 )
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ def run_job(address: str, directory: Path, name: str, **train: Any) -> tuple[lis
     """Submit, wait for success; (round records, downloaded parameters)."""
     started = time.monotonic()
     job_id = submit(address, job_toml(directory / "job", name, **train))
-    wait_job_succeeded(address, job_id, timeout=150)
+    wait_succeeded(address, job_id, timeout=150)
     rounds = load_rounds(address, job_id)
     log.info(
         "job %s: %d rounds in %.1fs; round seconds %s",
@@ -341,7 +341,7 @@ def test_long_local_sgd_rounds_are_time_boxed_and_exactly_once(
         "cluster": {"min_nodes": len(SLOWDOWNS), "max_nodes": len(SLOWDOWNS)},
     }
     job_id = submit(address, write_mlp_job(tmp_path / "job", BOXED_N, overrides=overrides))
-    wait_job_succeeded(address, job_id, timeout=180)
+    wait_succeeded(address, job_id, timeout=180)
     rounds = load_rounds(address, job_id)
     seen = [i for rnd in rounds for p in applied_parts(rnd) for i in indices(p)]
     assert sorted(seen) == list(range(BOXED_N)), "the epoch is not covered exactly once"
