@@ -23,7 +23,9 @@ ACTIVE_METADATA_KEY = "epochmesh-active"
 
 def standby_details(active_address: str) -> str:
     if not active_address:
-        return "standby coordinator; no active coordinator is known yet"
+        # A coordinator starting (loading its state) answers this too, as does a standby that
+        # has not read the lease yet.
+        return "coordinator not serving yet: starting, or a standby with no active one known"
     return f"standby coordinator; the active coordinator is at {active_address}"
 
 
