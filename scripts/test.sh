@@ -39,8 +39,9 @@ fi
 site_dir=$(mktemp -d)
 .venv/bin/mkdocs build --strict --site-dir "$site_dir"
 rm -rf "$site_dir"
-# Two pytest-xdist workers by default (EPOCHMESH_TEST_WORKERS=N for another count, 0 for one
-# process): the system tests wait on conditions, not on speed, so they hold on a loaded host;
-# the workers share one export cache and run torch on one thread each (tests/conftest.py).
+# One pytest process by default; EPOCHMESH_TEST_WORKERS=2 runs two pytest-xdist workers (a
+# fresh clone: 30:54 against ~43 min; the workers share one export cache and run torch on one
+# thread each, tests/conftest.py). Two workers are not the default yet: in one of two runs
+# a test that waited a fixed time for a ring job to end timed out under the doubled load.
 # The 25 slowest tests are listed at the end: where the suite's time goes.
-exec .venv/bin/python -m pytest -q --durations=25 -n "${EPOCHMESH_TEST_WORKERS:-2}" "$@"
+exec .venv/bin/python -m pytest -q --durations=25 -n "${EPOCHMESH_TEST_WORKERS:-0}" "$@"

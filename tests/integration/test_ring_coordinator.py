@@ -49,7 +49,7 @@ from tests.integration.fake_agent import (
 )
 from tests.procs import async_wait_until, in_process_coordinator
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(240)
 
 NUM_SAMPLES = 96
 GLOBAL_BATCH = 16
@@ -326,7 +326,7 @@ async def run_job(
             done = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED)
             return j if j.state in done else None
 
-        final = await async_wait_until(finished, timeout=40, message="job did not end")
+        final = await async_wait_until(finished, timeout=180, message="job did not end")
         rounds = list((await jobs.GetRounds(job_pb2.GetRoundsRequest(job_id=job.job_id))).rounds)
         events = [
             e

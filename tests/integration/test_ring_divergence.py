@@ -25,7 +25,7 @@ from tests.integration.test_ring_coordinator import (
 )
 from tests.procs import async_wait_until, in_process_coordinator
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(240)
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
