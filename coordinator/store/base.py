@@ -23,6 +23,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from coordinator.accounting.credit_book import Entry
+from coordinator.core.ids import new_job_id
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2
 
@@ -83,6 +84,22 @@ def event_matches(
     if job_id and event.job_id != job_id:
         return False
     return kind_matches(event.kind, kinds)
+
+
+def new_job_record(job: common_pb2.Job, owner: str) -> common_pb2.Job:
+    """The job `Store.create_job` persists: a copy of ``job`` owned by ``owner``, with a new
+    id where it has none and its creation and update times set (now) where unset."""
+    stored = common_pb2.Job()
+    stored.CopyFrom(job)
+    if not stored.job_id:
+        stored.job_id = new_job_id()
+    stored.owner = owner
+    now = now_ms()
+    if stored.created_ms == 0:
+        stored.created_ms = now
+    if stored.updated_ms == 0:
+        stored.updated_ms = now
+    return stored
 
 
 def new_event(

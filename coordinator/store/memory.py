@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from coordinator.accounting.credit_book import Entry
 from coordinator.core.errors import AlreadyExistsError, NotFoundError, StoreError
-from coordinator.core.ids import new_job_id
 from coordinator.store.base import (
     BlobRecord,
     BlobStats,
@@ -41,6 +40,7 @@ from coordinator.store.base import (
     TokenRecord,
     kind_matches,
     new_event,
+    new_job_record,
 )
 from coordinator.store.migrations import LATEST_SCHEMA_VERSION
 from epochmesh.timeutil import now_ms
@@ -434,16 +434,7 @@ class MemoryStore(Store):
     # -- jobs -----------------------------------------------------------------------------------
 
     async def create_job(self, job: common_pb2.Job, owner: str) -> common_pb2.Job:
-        stored = common_pb2.Job()
-        stored.CopyFrom(job)
-        if not stored.job_id:
-            stored.job_id = new_job_id()
-        stored.owner = owner
-        now = now_ms()
-        if stored.created_ms == 0:
-            stored.created_ms = now
-        if stored.updated_ms == 0:
-            stored.updated_ms = now
+        stored = new_job_record(job, owner)
         row = _Job(owner, int(stored.state), stored.created_ms, stored.SerializeToString())
         async with self._write() as t:
             if stored.job_id in t.jobs:

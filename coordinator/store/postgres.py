@@ -46,7 +46,6 @@ import asyncpg
 
 from coordinator.accounting.credit_book import Entry
 from coordinator.core.errors import AlreadyExistsError, NotFoundError, StoreError
-from coordinator.core.ids import new_job_id
 from coordinator.store.base import (
     BlobRecord,
     BlobStats,
@@ -56,6 +55,7 @@ from coordinator.store.base import (
     Store,
     TokenRecord,
     new_event,
+    new_job_record,
 )
 from coordinator.store.migrations import LATEST_SCHEMA_VERSION
 from coordinator.store.postgres_schema import migrate
@@ -601,16 +601,7 @@ class PostgresStore(Store):
     # -- jobs -----------------------------------------------------------------------------------
 
     async def create_job(self, job: common_pb2.Job, owner: str) -> common_pb2.Job:
-        stored = common_pb2.Job()
-        stored.CopyFrom(job)
-        if not stored.job_id:
-            stored.job_id = new_job_id()
-        stored.owner = owner
-        now = now_ms()
-        if stored.created_ms == 0:
-            stored.created_ms = now
-        if stored.updated_ms == 0:
-            stored.updated_ms = now
+        stored = new_job_record(job, owner)
         async with self._write() as db:
             inserted = await db.fetchval(
                 "INSERT INTO jobs (job_id, owner, state, created_ms, data)"

@@ -26,7 +26,6 @@ import aiosqlite
 
 from coordinator.accounting.credit_book import Entry
 from coordinator.core.errors import AlreadyExistsError, NotFoundError, StoreError
-from coordinator.core.ids import new_job_id
 from coordinator.store.base import (
     BlobRecord,
     BlobStats,
@@ -36,6 +35,7 @@ from coordinator.store.base import (
     Store,
     TokenRecord,
     new_event,
+    new_job_record,
 )
 from coordinator.store.migrations import LATEST_SCHEMA_VERSION, migrate
 from coordinator.store.permissions import create_private_file
@@ -489,16 +489,7 @@ class SqliteStore(Store):
     # -- jobs -----------------------------------------------------------------------------------
 
     async def create_job(self, job: common_pb2.Job, owner: str) -> common_pb2.Job:
-        stored = common_pb2.Job()
-        stored.CopyFrom(job)
-        if not stored.job_id:
-            stored.job_id = new_job_id()
-        stored.owner = owner
-        now = now_ms()
-        if stored.created_ms == 0:
-            stored.created_ms = now
-        if stored.updated_ms == 0:
-            stored.updated_ms = now
+        stored = new_job_record(job, owner)
         async with self._write() as db:
             try:
                 await db.execute(
