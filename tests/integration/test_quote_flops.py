@@ -1,11 +1,10 @@
+# ruff: noqa: F811
 """QuoteJob rates nodes by the program's FLOPs as the coordinator's own program check counts
 them, never by the figure the client sends: a real in-process coordinator (its engine and its
 confined program check), the program and initial state uploaded over gRPC."""
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -14,48 +13,24 @@ import pytest
 from coordinator.engine.engine import Engine
 from coordinator.market.program_flops import known_flops
 from epochmesh import identity as idm
-from epochmesh.export_cache import ExportCache
-from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.money import MICRO
-from epochmesh.packaging import PackedJob, build_job
+from epochmesh.packaging import PackedJob
 from epochmesh.program.archive import TrainableProgram
 from epochmesh.program.flops import declared_flops_per_sample, training_flops_per_sample
-from epochmesh.spec import load_spec
 from epochmesh.v1 import (
     agent_pb2,
     common_pb2,
-    job_pb2,
     job_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
 from epochmesh.wire.tensors import from_safetensors
-from tests.fixtures import write_mlp_job
 from tests.integration.fake_agent import FakeAgent
+from tests.integration.test_program_check import packed, upload  # noqa: F401 (fixture)
 from tests.procs import async_wait_until, in_process_coordinator
 
+# The module's packed MLP and the upload helper are test_program_check's.
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> PackedJob:
-    job = write_mlp_job(tmp_path_factory.mktemp("mlp"), num_samples=64)
-    return build_job(load_spec(job), verify=False, cache=ExportCache.default())
-
-
-async def upload(jobs: job_pb2_grpc.JobServiceStub, data: bytes) -> common_pb2.BlobRef:
-    digest = hashlib.sha256(data).hexdigest()
-
-    async def messages() -> AsyncIterator[job_pb2.UploadBlobRequest]:
-        yield job_pb2.UploadBlobRequest(
-            header=job_pb2.UploadBlobHeader(sha256=digest, size=len(data), offset=0)
-        )
-        for o in range(0, len(data), MAX_CHUNK_BYTES):
-            chunk = common_pb2.DataChunk(offset=o, data=data[o : o + MAX_CHUNK_BYTES])
-            yield job_pb2.UploadBlobRequest(chunk=chunk)
-
-    resp = await jobs.UploadBlob(messages(), timeout=30)
-    return resp.blob
 
 
 async def _never_trains(agent: FakeAgent, task: agent_pb2.Task) -> None:
