@@ -178,9 +178,21 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
     def preemptions() -> int:
         return sum(e.kind == "job.preempted" for j in (job_a, job_b) for e in jobs.events(j))
 
-    # The urgent job is packaged and submitted at once (seconds of export and checks), while
-    # B takes its half; once it is in, its preemption of A and B is under way when the
-    # coordinator is killed.
+    # B takes its half (a node at A's next round boundary after the hold, the second once its
+    # job benchmark there is in) while A keeps the other half; only then is the urgent job
+    # packaged and submitted (seconds of export and checks), the agents slowed down further
+    # meanwhile so that neither A nor B ends before its preemption. Once the urgent job is in,
+    # its preemption of A and B is under way when the coordinator is killed.
+    wait_until(
+        lambda: (
+            nodes_in_last_round(jobs.rounds(job_b)) == 2
+            and nodes_in_last_round(jobs.rounds(job_a)) == 2
+        ),
+        timeout=120,
+        interval=0.1,
+        message="A and B on two nodes each",
+    )
+    set_slowdown(agents, 4 * SLOWDOWN)
     before = preemptions()
     urgent = submit(
         tenant_b, tmp_path / "urgent", doc("urgent", min_nodes=3, max_nodes=3, priority="high"), 240
