@@ -36,6 +36,7 @@ from enum import StrEnum
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from epochmesh.program.confine import Confinement, confine_self, data_bytes, runtime_read_paths
+from epochmesh.program.workdirs import inspection_workdir
 
 if TYPE_CHECKING:
     import torch
@@ -542,7 +543,7 @@ class AsyncChild:
     @classmethod
     async def start(cls, argv: Sequence[str], env: Mapping[str, str] | None) -> AsyncChild:
         """Start a child in a fresh temporary working directory."""
-        cwd = tempfile.TemporaryDirectory(prefix="epochmesh-inspect-")
+        cwd = inspection_workdir()
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -706,7 +707,7 @@ class PendingInspection:
     `run` hands it the program. One `run` per object; close it when done."""
 
     def __init__(self) -> None:
-        self._cwd = tempfile.TemporaryDirectory(prefix="epochmesh-inspect-")
+        self._cwd = inspection_workdir()
         self._child = ChildProcess(_argv(), env=child_env(), cwd=self._cwd.name)
 
     def run(

@@ -11,9 +11,11 @@ Agents get ``--token`` the same way.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -48,6 +50,12 @@ def cli_env(config_home: Path, coordinator: str | None = None, **extra: str) -> 
 
 
 _LOGGED_IN_HOMES: dict[str, Path] = {}
+
+
+@atexit.register
+def _remove_logged_in_homes() -> None:
+    for home in _LOGGED_IN_HOMES.values():
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def logged_in_env(address: str, role: str = "operator") -> dict[str, str]:
