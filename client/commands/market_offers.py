@@ -451,7 +451,7 @@ def program_quote_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _quote_file(ctx: Context, path: Path) -> int:
-    from client.commands.submit import load_checked, pack, program_figures
+    from client.commands.submit import load_checked, pack
     from client.upload import Uploader
 
     spec, samples = load_job(path)  # exit 2 before the coordinator is asked
@@ -469,16 +469,14 @@ def _quote_file(ctx: Context, path: Path) -> int:
     # start-up, export-cache load, packing and upload (its program check then answered from
     # the check the quote ran).
     submit_s = elapsed_since_process_start()
-    flops, _, state_bytes = program_figures(packed)  # remembered for submit; shown as the CLI's
     reply = coord.call(
         "QuoteJob",
         coord.scheduler.QuoteJob,
         scheduler_pb2.QuoteJobRequest(
             spec=packed.spec,
             num_samples=packed.num_samples,
-            flops_per_sample=flops,
             program_sha256=program_ref.sha256,
-            state_bytes=state_bytes,
+            state_bytes=len(packed.initial_state),
             initial_state_sha256=state_ref.sha256,
         ),
     )

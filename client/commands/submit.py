@@ -13,21 +13,14 @@ Steps, each failing with a one-line message and a stable exit code:
    stderr (blobs the coordinator already holds are skipped);
 5. SubmitJob; print the job id (or the job as JSON) on stdout; with ``--watch``, follow it.
 
-After SubmitJob, the program's FLOPs per training sample go to the coordinator in a QuoteJob
-of the same job, so that the job's measured speed calibrates later quotes; the answer is not
-shown, and a failure of it is logged, never the submission's. The figure is remembered per
-program sha256 in the export cache's folder (``flops/``), so a submit after ``epochmesh quote``
-(or of a program submitted before) sends it at no cost; otherwise it is counted as the quote
-counts it, on a few samples (loading the exported program once: seconds for a large one).
+The coordinator counts the program's FLOPs per training sample in its own program check (the
+figure its quotes use); nothing of the kind is sent from here.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
-import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,11 +31,9 @@ from client.commands.watch import watch_job
 from client.render import ProgressLine, fmt_bytes, fmt_duration
 from client.rpc import CliError, ExitCode
 from client.upload import Uploader
-from epochmesh.v1 import common_pb2, job_pb2, scheduler_pb2
+from epochmesh.v1 import common_pb2, job_pb2
 
 log = logging.getLogger(__name__)
-
-FLOP_SAMPLES = 4  # samples the program's FLOPs are counted on
 
 
 def _spec_error(err: Exception, path: Path) -> CliError:
@@ -90,83 +81,6 @@ def pack(loaded: Any, path: Path, ctx: Context) -> Any:
             f"in {fmt_duration(time.monotonic() - t0)}{reused}"
         )
     return packed
-
-
-def _memo(sha: str) -> Path:
-    from epochmesh.export_cache import default_root
-
-    return default_root() / "flops" / sha
-
-
-def _remembered(sha: str) -> float | None:
-    try:
-        value = float(_memo(sha).read_text())
-    except (OSError, ValueError):
-        return None
-    return value if math.isfinite(value) and value > 0 else None
-
-
-def _remember(sha: str, flops: float) -> None:
-    path = _memo(sha)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(repr(flops))
-        tmp.replace(path)
-    except OSError as err:
-        log.debug("the program's FLOPs were not remembered: %s", err)
-
-
-def program_figures(packed: Any) -> tuple[float, str, int]:
-    """(FLOPs of a training step per sample, the program's sha256, the parameters' bytes) of
-    a packed job: remembered for its program, else counted on the first few samples of its
-    dataset (and remembered)."""
-    from safetensors.torch import load
-
-    from epochmesh.program.flops import training_flops_per_sample
-
-    sha = hashlib.sha256(packed.program).hexdigest()
-    known = _remembered(sha)
-    if known is not None:
-        return known, sha, len(packed.initial_state)
-    data = load(packed.shards[0][2]) if packed.shards else {}
-    spec = packed.spec
-    n = min(FLOP_SAMPLES, packed.num_samples)
-    try:
-        flops = training_flops_per_sample(
-            packed.program,
-            packed.initial_state,
-            [data[k][:n] for k in spec.inputs],
-            [data[k][:n] for k in spec.targets],
-        )
-    except (KeyError, ValueError, RuntimeError) as err:
-        raise CliError(
-            ExitCode.USAGE, f"cannot count the program's FLOPs: {err}", "check model.py"
-        ) from None
-    if flops > 0:
-        _remember(sha, flops)
-    return flops, sha, len(packed.initial_state)
-
-
-def send_flops(ctx: Context, packed: Any) -> None:
-    """Tell the coordinator the program's FLOPs per sample (a QuoteJob whose answer is
-    dropped): best effort, a failure is logged."""
-    try:
-        flops, sha, state_bytes = program_figures(packed)
-        coord = ctx.coordinator
-        coord.call(
-            "QuoteJob",
-            coord.scheduler.QuoteJob,
-            scheduler_pb2.QuoteJobRequest(
-                spec=packed.spec,
-                num_samples=packed.num_samples,
-                flops_per_sample=flops,
-                program_sha256=sha,
-                state_bytes=state_bytes,
-            ),
-        )
-    except Exception as err:  # noqa: BLE001 - the job is submitted whatever this does
-        log.debug("the program's FLOPs were not sent: %s", err)
 
 
 def cmd_submit(ctx: Context) -> int:
@@ -223,7 +137,6 @@ def cmd_submit(ctx: Context) -> int:
         spec_toml=packed.spec_toml,
     )
     job = coord.call("SubmitJob", coord.jobs.SubmitJob, request)
-    send_flops(ctx, packed)
     if ctx.json:
         if ctx.args.watch:
             ctx.emit_json_line(to_dict(job))
