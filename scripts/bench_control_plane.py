@@ -2,6 +2,7 @@
 """Control-plane benchmark: one coordinator process, N simulated agents heartbeating.
 
     .venv/bin/python scripts/bench_control_plane.py [--agents 2000] [--interval 5] [--duration 30]
+        [--store postgresql | --store postgresql://USER@HOST:PORT/DB] [--profile FILE]
 
 Starts `epochmesh-coordinator` on a fresh data dir and port, then client processes (asyncio,
 grpc.aio) that register the agents (each agent on its own connection by default); like real
@@ -10,7 +11,15 @@ phase. Once all are registered, --duration seconds are measured. Prints one JSON
 
   agents, heartbeats, heartbeats_per_s, p50_ms, p99_ms, max_ms, errors,
   coordinator_cpu_s_per_1000_heartbeats (user+system CPU of the coordinator process during the
-  measured window, per 1000 heartbeats), duration_s, register_s, client_processes
+  measured window, per 1000 heartbeats), duration_s, register_s, client_processes, store
+  ("sqlite" or "postgresql")
+
+The store is SQLite in the data dir by default. ``--store postgresql`` (the word alone) starts a
+throwaway PostgreSQL server of the bench's own (tests/pg.py: durability off, as in the tests)
+and a fresh database on it; ``--store postgresql://...`` uses that database as it is.
+``--profile FILE`` records the coordinator with py-spy (when it is installed: it is no
+dependency of the project) during the measured window and writes its flame-graph input
+(collapsed stacks) to FILE.
 
 Latency is the agent's view: from issuing Heartbeat to the response. The load generator runs on
 the same machine and competes with the coordinator for CPU; its CPU per 1000 heartbeats is
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -41,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -57,6 +68,10 @@ from epochmesh.identity import (
 from epochmesh.v1 import agent_pb2, agent_pb2_grpc
 
 # -- client worker (a subprocess of the bench) ------------------------------------------------
+
+
+def _progress(message: str) -> None:
+    print(f"bench_control_plane: {message}", file=sys.stderr, flush=True)
 
 
 async def run_worker(args: argparse.Namespace) -> None:
@@ -76,15 +91,18 @@ async def run_worker(args: argparse.Namespace) -> None:
     leases: list[tuple[str, str]] = [("", "")] * n
     sem = asyncio.Semaphore(64)
 
-    async def register(i: int) -> None:
+    async def register(i: int, node_id: str = "") -> None:
         async with sem:
-            req = agent_pb2.RegisterRequest(name=f"{args.prefix}-{i}", agent_version="bench")
+            req = agent_pb2.RegisterRequest(
+                name=f"{args.prefix}-{i}", agent_version="bench", node_id=node_id
+            )
             req.devices.add(kind="cpu", index=0, cores=1)
             resp = await stubs[i % n_channels].Register(req, timeout=60)
             leases[i] = (resp.node_id, resp.lease_id)
 
     latencies: list[float] = []
     errors = 0
+    register_failures = 0
     rng = random.Random(args.seed)
     # Measurement window (wall clock), set by the driver once every agent is registered.
     window = [float("inf"), float("inf")]
@@ -93,8 +111,18 @@ async def run_worker(args: argparse.Namespace) -> None:
     async def agent_loop(i: int) -> None:
         """Like a real agent: heartbeat every interval from registration on, at its own
         phase; only heartbeats sent inside the window are measured."""
-        nonlocal errors
-        await register(i)
+        nonlocal errors, register_failures
+        for attempt in range(5):
+            try:
+                await register(i)
+                break
+            except grpc.aio.AioRpcError as exc:
+                _progress(f"{args.prefix}-{i}: Register failed ({exc.code().name}), again")
+                await asyncio.sleep(1.0 + attempt)
+        else:
+            register_failures += 1
+            leases[i] = ("", "failed")
+            return
         node_id, lease_id = leases[i]
         stub = stubs[i % n_channels]
         req = agent_pb2.HeartbeatRequest(node_id=node_id, lease_id=lease_id)
@@ -115,16 +143,30 @@ async def run_worker(args: argparse.Namespace) -> None:
                 await stub.Heartbeat(req, timeout=10)
                 if measured:
                     latencies.append((time.perf_counter() - sent) * 1000.0)
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as exc:
                 if measured:
                     errors += 1
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # The lease lapsed (the coordinator fell behind): like a real agent,
+                    # register again, as the same node.
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await register(i, node_id)
+                        req = agent_pb2.HeartbeatRequest(
+                            node_id=leases[i][0], lease_id=leases[i][1]
+                        )
             next_at += args.interval
 
     t0 = time.monotonic()
     agents = [asyncio.create_task(agent_loop(i)) for i in range(n)]
-    while not all(lease[0] for lease in leases):
+    reported = t0
+    while (done := sum(1 for lease in leases if lease[0] or lease[1])) < n:
+        if time.monotonic() - reported >= 10:
+            reported = time.monotonic()
+            _progress(f"{args.prefix}: {done}/{n} registered after {reported - t0:.0f} s")
         await asyncio.sleep(0.05)
     register_s = time.monotonic() - t0
+    if register_failures:
+        _progress(f"{args.prefix}: {register_failures} agents never registered")
     print(json.dumps({"ready": True, "register_s": register_s}), flush=True)
 
     line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -138,6 +180,25 @@ async def run_worker(args: argparse.Namespace) -> None:
 
 
 # -- the bench driver -------------------------------------------------------------------------
+
+
+def _start_postgres() -> tuple[Any, str]:
+    """A throwaway PostgreSQL server (tests/pg.py) and the URL of a fresh database on it."""
+    sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests/
+    from tests.pg import PgServer, find_bin_dir
+
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        raise SystemExit(
+            "bench_control_plane: --store postgresql needs PostgreSQL's programs "
+            "(initdb, pg_ctl, postgres, psql)"
+        )
+    server = PgServer(bin_dir).start()
+    try:
+        return server, server.url(server.create_database())
+    except BaseException:
+        server.stop()
+        raise
 
 
 def _cpu_s(procs: list[psutil.Process]) -> float:
@@ -200,11 +261,26 @@ def wait_for_coordinator(
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, object]:
+    pg_server = None
+    store_url = args.store
+    if store_url == "postgresql":
+        _progress("starting a PostgreSQL server")
+        pg_server, store_url = _start_postgres()
+    try:
+        return _run_bench(args, store_url)
+    finally:
+        if pg_server is not None:
+            pg_server.stop()
+
+
+def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
     own_dir = args.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="bench-cp-")) if own_dir else Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     coordinator_bin = Path(sys.executable).parent / "epochmesh-coordinator"
     log = open(data_dir / "coordinator-stderr.log", "ab")
+    # `serve` and `token create` find the same database through the environment.
+    env = {**os.environ, "EPOCHMESH_STORE": store_url}
     coord = subprocess.Popen(
         [
             str(coordinator_bin),
@@ -217,11 +293,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             "--log-level",
             "WARNING",
             *(["--insecure"] if args.insecure else []),
+            *args.coordinator_arg,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env=env,
     )
     workers: list[subprocess.Popen[str]] = []
+    profiler: subprocess.Popen[bytes] | None = None
     try:
         ca_file = None if args.insecure else data_dir / "ca.pem"
         address = wait_for_coordinator(coord, data_dir / "coordinator.addr", 60, ca_file)
@@ -242,6 +321,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
                 check=True,
                 capture_output=True,
                 text=True,
+                env=env,
             ).stdout.strip()
             identity_dir = str(data_dir / "bench-identity")
             enroll_with_token(address, token, name="bench").save(Path(identity_dir))
@@ -271,6 +351,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             workers.append(
                 subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             )
+        _progress(f"registering {args.agents} agents in {args.clients} client processes")
         register_s = 0.0
         for worker in workers:
             assert worker.stdout is not None
@@ -285,6 +366,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             assert worker.stdin is not None
             worker.stdin.write(f"{start} {end}\n")
             worker.stdin.flush()
+        _progress(f"registered in {register_s:.1f} s; measuring {args.duration:g} s")
+        if args.profile:
+            profiler = _start_profiler(coord.pid, args.profile, args.duration)
         time.sleep(max(0.0, start - time.time()))
         cpu_start, clients_start, busy_start = cpu.cpu_times(), _cpu_s(clients), _busy_s()
         steal_start = _steal_s()
@@ -305,6 +389,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
         client_s = clients_end - clients_start
         # Busy CPU of the rest of the machine (other users' work) in the window, in cores.
         foreign = max(0.0, (busy_end - busy_start) - cpu_s - client_s) / args.duration
+        if profiler is not None:
+            profiler.wait(timeout=60)
         count = len(latencies)
         return {
             "agents": args.agents,
@@ -328,8 +414,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
             "interval_s": args.interval,
             "register_s": round(register_s, 2),
             "client_processes": args.clients,
+            "store": "postgresql" if store_url else "sqlite",
         }
     finally:
+        if profiler is not None and profiler.poll() is None:
+            profiler.kill()
+            profiler.wait()
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
@@ -344,6 +434,33 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
         log.close()
         if own_dir and not args.keep:
             shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _start_profiler(pid: int, out: str, duration: float) -> subprocess.Popen[bytes] | None:
+    """py-spy recording ``pid`` for ``duration`` seconds into ``out`` (collapsed stacks)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        _progress("--profile: py-spy is not installed; no profile")
+        return None
+    return subprocess.Popen(
+        [
+            spy,
+            "record",
+            "--format",
+            "raw",
+            "--rate",
+            "100",
+            "--nonblocking",
+            "--duration",
+            str(max(1, int(duration))),
+            "--pid",
+            str(pid),
+            "--output",
+            out,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main() -> int:
@@ -362,6 +479,24 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary data dir")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--insecure", action="store_true", help="plaintext instead of TLS")
+    parser.add_argument(
+        "--store",
+        default="",
+        metavar="URL",
+        help="postgresql (a throwaway server of the bench's own) or a postgresql:// URL "
+        "(default: SQLite in the data dir)",
+    )
+    parser.add_argument(
+        "--profile", default="", metavar="FILE", help="py-spy the coordinator into FILE"
+    )
+    parser.add_argument(
+        "--coordinator-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for epochmesh-coordinator serve (repeat for more), e.g. "
+        "--coordinator-arg=--http-listen= (no metrics, so no gRPC metrics interceptor)",
+    )
     parser.add_argument("--identity-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
@@ -372,7 +507,11 @@ def main() -> int:
         return 0
     if args.agents <= 0 or args.clients <= 0 or args.duration <= 0 or args.interval <= 0:
         parser.error("agents, clients, duration and interval must be positive")
+    if args.store and args.store != "postgresql" and not args.store.startswith("postgresql://"):
+        parser.error("--store must be postgresql or a postgresql://USER@HOST:PORT/DB URL")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # Killed (timeout, Ctrl-C): stop the coordinator, the clients and the database server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(json.dumps(run_bench(args)), flush=True)
     return 0
 

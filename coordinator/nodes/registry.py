@@ -645,7 +645,8 @@ class NodeRegistry:
     async def sweep(self) -> builtins.list[str]:
         """Mark every node whose lease lapsed OFFLINE; returns their ids."""
         now = self._clock()
-        lapsed = [n for n in self._nodes.values() if n.info.state != OFFLINE and now > n.expires]
+        # The float first: reading a protobuf field costs more, and few leases lapse at once.
+        lapsed = [n for n in self._nodes.values() if now > n.expires and n.info.state != OFFLINE]
         for node in lapsed:
             if node.info.state != OFFLINE and self._clock() > node.expires:
                 await self._expire(node)

@@ -102,6 +102,10 @@ class GrpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             registry=registry,
         )
         self._unknown = self.calls.labels("unknown", "UNIMPLEMENTED")
+        # method -> (the handler it wrapped, the wrapped handler): the services' handlers are
+        # made once, so each method is wrapped once and a call costs a lookup, not new
+        # closures and label lookups.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -112,7 +116,13 @@ class GrpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             self._unknown.inc()
             return None
-        return self._wrap(handler_call_details.method, handler)
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
     def _counting(self, method: str) -> tuple[Callable[[int], None], Callable[[int], None]]:
         received, sent = self.received.labels(method), self.sent.labels(method)
@@ -147,12 +157,17 @@ class GrpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         latency = self.latency.labels(method)
         calls = self.calls
+        by_code: dict[str, Any] = {}  # status code -> this method's counter for it
 
         def done(
             context: grpc.aio.ServicerContext, start: float, exc: BaseException | None
         ) -> None:
             latency.observe(time.perf_counter() - start)
-            calls.labels(method, _code_of(context, exc)).inc()
+            code = _code_of(context, exc)
+            counter = by_code.get(code)
+            if counter is None:
+                counter = by_code[code] = calls.labels(method, code)
+            counter.inc()
 
         kwargs = {
             "request_deserializer": request_deserializer,
