@@ -1,30 +1,39 @@
 # ruff: noqa: F811
 """Two coordinator processes on one PostgreSQL database (tests/pg.py) and one blob directory
 (``serve --blob-dir``): the second stands by (health NOT_SERVING, every other call UNAVAILABLE
-naming the active one in the ``epochmesh-active`` trailing metadata); kill -9 of the active
-makes it active, the agent (given both addresses) follows, and after the first is started
-again (a standby now) and the second killed, the first takes the job back: it completes with
-every sample applied exactly once and every charge made once, by the billing rule. And
-stepping down: an active whose lease connection is ended stops serving, stands by, takes the
-lease back and finishes the job it had accepted, in the same process."""
+naming the active one in the ``epochmesh-active`` trailing metadata). Three agents asking
+different prices, given both addresses, train a job with a budget: kill -9 of the active in the
+middle of an epoch makes the standby active and the agents follow it; the first, started again,
+stands by; kill -9 of the second in the middle of an epoch gives the job back to the first,
+which finishes it. Every epoch covers every sample exactly once, the downloaded result is the
+plain PyTorch replay of the recorded rounds (<= 1e-5), and the job's statement is the billing
+rule applied to each applied part of every recorded round, rolled back ones too: each part paid
+once, the submitter paying each sample of an epoch once, the platform the re-runs. And stepping
+down: an active whose lease connection is ended stops serving, stands by, takes the lease back
+and finishes the job it had accepted, in the same process."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from coordinator.accounting.billing import earned_micro
 from epochmesh.identity import coordinator_channel_options, identity_credentials
+from epochmesh.money import parse_credits
 from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
+from tests.fixtures import write_job
 from tests.pg import PgServer, pg_server, pg_url  # noqa: F401 (fixtures)
 from tests.procs import (
+    STEADY_LEASES,
     _remember,
     _Trust,
     console_script,
@@ -36,21 +45,35 @@ from tests.procs import (
     wait_until,
 )
 from tests.system.test_agent import AgentProc
+from tests.system.test_cli_support import Cli
+from tests.system.test_cluster_scheduling import set_slowdown
 from tests.system.test_fault_tolerance import (
     HEARTBEAT_S,
+    JOB_SEED,
+    MODEL,
     Cluster,
     applied,
     check_exactly_once,
+    check_replay,
     job_doc,
+    make_dataset,
     part_indices,
 )
 from tests.unit.test_ha_lease import terminate_lease_holder_sql
 
+log = logging.getLogger(__name__)
 JS = common_pb2.JobState
 JOB_SERVICE = "epochmesh.v1.JobService"
+READ_TIMEOUT_S = 30.0
 
 
-def serve_args(address: str, url: str, blob_dir: Path) -> list[str]:
+# Node leases of the fault-tolerance tests (a heartbeat every 0.5 s): a lapse is seen fast.
+QUICK_LEASES = ("--heartbeat-interval", str(HEARTBEAT_S))
+
+
+def serve_args(
+    address: str, url: str, blob_dir: Path, leases: tuple[str, ...] = QUICK_LEASES
+) -> list[str]:
     return [
         "--listen",
         address,
@@ -58,8 +81,7 @@ def serve_args(address: str, url: str, blob_dir: Path) -> list[str]:
         url,
         "--blob-dir",
         str(blob_dir),
-        "--heartbeat-interval",
-        str(HEARTBEAT_S),
+        *leases,
         "--http-listen",
         "",
     ]
@@ -67,18 +89,30 @@ def serve_args(address: str, url: str, blob_dir: Path) -> list[str]:
 
 class SharedCluster(Cluster):
     """The fault-tolerance tests' cluster, its coordinator on the PostgreSQL database ``url``
-    with its blobs in ``root/blobs``."""
+    with its blobs in ``root/blobs`` (``leases``: its node lease options). Its reads wait
+    longer for an answer than the fault-tolerance tests' (a coordinator restoring a job on a
+    busy host)."""
 
-    def __init__(self, root: Path, url: str) -> None:
+    def __init__(self, root: Path, url: str, leases: tuple[str, ...] = QUICK_LEASES) -> None:
         self.root = root
         self.address = f"127.0.0.1:{free_port()}"
         self.coord = start_coordinator(
-            root / "coord", *serve_args(self.address, url, root / "blobs")
+            root / "coord", *serve_args(self.address, url, root / "blobs", leases)
         )
         self.agents = {}
         self.slowdowns = {}
         self._channel = None
         self._stub = None
+
+    def job(self, job_id: str) -> common_pb2.Job:
+        return self._jobs().GetJob(
+            job_pb2.GetJobRequest(job_id=job_id), timeout=READ_TIMEOUT_S, wait_for_ready=True
+        )
+
+    def rounds(self, job_id: str, rolled_back: bool = False) -> list[common_pb2.RoundRecord]:
+        req = job_pb2.GetRoundsRequest(job_id=job_id, include_rolled_back=rolled_back)
+        reply = self._jobs().GetRounds(req, timeout=READ_TIMEOUT_S, wait_for_ready=True)
+        return list(reply.rounds)
 
     def point_at(self, address: str) -> None:
         """The test's own calls go to ``address`` from now on."""
@@ -90,7 +124,7 @@ class SharedCluster(Cluster):
 
 
 def start_standby(
-    data_dir: Path, address: str, url: str, blob_dir: Path
+    data_dir: Path, address: str, url: str, blob_dir: Path, leases: tuple[str, ...] = QUICK_LEASES
 ) -> subprocess.Popen[bytes]:
     """A coordinator on ``url`` at ``address``; returns once it listens (health answers)."""
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +134,7 @@ def start_standby(
             str(console_script("epochmesh-coordinator")),
             "--data-dir",
             str(data_dir),
-            *serve_args(address, url, blob_dir),
+            *serve_args(address, url, blob_dir, leases),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -187,86 +221,260 @@ def wait_serving(address: str, what: str) -> float:
     return time.monotonic() - began
 
 
-def applied_count(cluster: Cluster, job_id: str) -> int:
-    return sum(1 for r in cluster.rounds(job_id) if applied(r))
+# The takeover test's cluster and job: three agents asking different prices (every applied part
+# is charged), slowed so that the job outlasts two takeovers.
+PRICES = {"a": "40", "b": "100", "c": "200"}  # credits per node-hour
+SLOWDOWNS = {"a": 2.0, "b": 3.0, "c": 4.0}
+HELD_BACK = 10.0  # the agents' slowdowns times this while the first coordinator restarts
+N, EPOCHS, EVERY, BATCH = 240, 4, 4, 24  # 10 rounds an epoch, a checkpoint every 4 rounds
 
 
-@pytest.mark.timeout(480)
+def epoch_coverage(rounds: list[common_pb2.RoundRecord], epoch: int) -> int:
+    """Samples the applied parts of ``rounds`` cover in ``epoch``."""
+    return sum(len(part_indices(p)) for r in rounds if r.epoch == epoch for p in applied(r))
+
+
+def wait_mid_epoch(
+    cluster: Cluster,
+    job_id: str,
+    since_ms: int,
+    nodes: set[str],
+    what: str,
+    mid_epoch: bool = True,
+    min_applied: int = 0,
+) -> None:
+    """Until rounds finished after ``since_ms`` have applied parts of every one of ``nodes``
+    (the agents follow the active coordinator), ``min_applied`` rounds or more are applied and,
+    with ``mid_epoch``, the current epoch, not the last one, has two rounds applied and three
+    or more left: a kill now lands mid-epoch, with the job far from done."""
+
+    def ready(rounds: list[common_pb2.RoundRecord]) -> bool:
+        done = [r for r in rounds if applied(r)]
+        trained = {p.node_id for r in done if r.finished_ms > since_ms for p in applied(r)}
+        if trained != nodes or len(done) < min_applied or not mid_epoch:
+            return trained == nodes and len(done) >= min_applied
+        epoch = done[-1].epoch
+        assert epoch < EPOCHS - 1, f"{what}: the job reached its last epoch first"
+        in_epoch = [r for r in done if r.epoch == epoch]
+        return len(in_epoch) >= 2 and epoch_coverage(in_epoch, epoch) <= N - 3 * BATCH
+
+    cluster.wait_rounds(job_id, ready, timeout=300, what=what)
+
+
+def check_killed_mid_epoch(
+    rounds: list[common_pb2.RoundRecord], after_ms: int, killed_ms: int
+) -> list[common_pb2.RoundRecord]:
+    """The kill at ``killed_ms`` came mid-epoch: the rounds live then (``rounds`` lists rolled
+    back ones too; those finished before ``after_ms``, the previous kill, were undone by its
+    takeover) end in an epoch with two or more rounds applied that they cover only in part.
+    The rounds the killed coordinator recorded (finished after ``after_ms``)."""
+    live = [
+        r
+        for r in rounds
+        if r.finished_ms <= killed_ms
+        and applied(r)
+        and not (r.rolled_back and r.finished_ms <= after_ms)
+    ]
+    recorded = [r for r in live if r.finished_ms > after_ms]
+    assert recorded, "the killed coordinator recorded no round"
+    epoch = recorded[-1].epoch
+    covered = epoch_coverage(live, epoch)
+    assert sum(r.epoch == epoch for r in live) >= 2 and 0 < covered < N, (epoch, covered)
+    return recorded
+
+
+def set_slowdowns(cluster: Cluster, factor: float) -> None:
+    """Every agent's own slowdown times ``factor``, at run time."""
+    for name, slowdown in SLOWDOWNS.items():
+        set_slowdown([cluster.agents[name]], slowdown * factor)
+
+
+def check_statement(
+    entries: list[dict[str, Any]],
+    rounds: list[common_pb2.RoundRecord],
+    job_id: str,
+    names: dict[str, str],
+) -> tuple[int, int]:
+    """The job's statement lines against the billing rule, recomputed from every recorded
+    round, rolled back ones too (the donor did that work; its re-run is the platform's): each
+    applied part (round, node) earns its donor earned_micro(price, samples, rate), paid once;
+    the job's escrow pays for the samples of the epoch the submitter had not paid for yet, the
+    platform for the others; no line names anything else, and no line is there twice. The
+    donors' total and the platform's."""
+    escrow, held = f"escrow:{job_id}", f"held:{job_id}"
+    lines = Counter(
+        tuple(v for k, v in sorted(e.items()) if k not in ("id", "time_ms")) for e in entries
+    )
+    assert [line for line, k in lines.items() if k > 1] == []
+    paid: dict[tuple[int, str], int] = defaultdict(int)  # to the donor
+    by_submitter: dict[tuple[int, str], int] = defaultdict(int)  # into the part's pay
+    by_platform: dict[tuple[int, str], int] = defaultdict(int)
+    for e in entries:
+        key, amount = (e["round"], e["node"]), e["amount_micro"]
+        assert e["job"] == job_id and amount > 0, e
+        if e["from"].startswith("tenant:") and e["to"] == escrow:
+            continue  # the budget
+        if e["from"] == escrow and e["to"].startswith("tenant:"):
+            assert e["reason"] == "refund", e
+            continue
+        if e["to"].startswith("donor:"):
+            paid[key] += amount
+            if e["from"] == held:
+                continue
+        assert e["to"] in (held,) or e["to"].startswith("donor:"), e
+        if e["from"] == escrow:
+            by_submitter[key] += amount
+        else:
+            assert e["from"] == "platform", e
+            by_platform[key] += amount
+    earned: dict[tuple[int, str], int] = {}
+    submitter: dict[tuple[int, str], int] = {}
+    paid_for: dict[int, set[int]] = defaultdict(set)  # epoch -> samples the submitter paid
+    for r in sorted(rounds, key=lambda r: r.round):
+        for p in applied(r):
+            assert p.price_micro_per_hour == parse_credits(PRICES[names[p.node_id]]), p
+            samples = part_indices(p)
+            new = [i for i in samples if i not in paid_for[r.epoch]]
+            paid_for[r.epoch].update(samples)
+            key = (r.round, p.node_id)
+            earned[key] = earned_micro(p.price_micro_per_hour, len(samples), p.billed_rate)
+            submitter[key] = earned_micro(p.price_micro_per_hour, len(new), p.billed_rate)
+    rerun = {k: earned[k] - submitter[k] for k in earned}
+    assert sum(earned.values()) > 0
+    assert dict(paid) == {k: v for k, v in earned.items() if v}  # a zero makes no line
+    assert dict(by_submitter) == {k: v for k, v in submitter.items() if v}
+    assert dict(by_platform) == {k: v for k, v in rerun.items() if v}
+    return sum(earned.values()), sum(rerun.values())
+
+
+@pytest.mark.timeout(720)
 def test_the_standby_takes_over_a_running_job_after_a_kill9_and_back_again(
     tmp_path: Path, pg_server: PgServer, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("EPOCHMESH_STORE", pg_url)
     database = pg_url.rsplit("/", 1)[1]
     blobs = tmp_path / "blobs"
-    cluster = SharedCluster(tmp_path, pg_url)
+    cluster = SharedCluster(tmp_path, pg_url, STEADY_LEASES)
     first = cluster.address
     second = f"127.0.0.1:{free_port()}"
-    standby = start_standby(tmp_path / "coord2", second, pg_url, blobs)
+    standby = start_standby(tmp_path / "coord2", second, pg_url, blobs, STEADY_LEASES)
+    restarted: subprocess.Popen[bytes] | None = None
     try:
         check_standby(second, first)
         assert (tmp_path / "coord2" / "ca.pem").read_bytes() == (
             tmp_path / "coord" / "ca.pem"
         ).read_bytes()
         assert not (tmp_path / "coord" / "blobs").exists()
-        token = token_for(first, "node")
-        assert token
-        cluster.agents["a"] = AgentProc(
-            f"{first},{second}",
-            tmp_path / "agent-a",
-            "--name",
-            "a",
-            "--slowdown",
-            "2",
-            "--token",
-            token,
-        )
-        cluster.wait_ready(["a"], timeout=90)
-        n, epochs, every = 192, 3, 4
-        job_id = cluster.submit(
-            tmp_path / "job", job_doc("failover", epochs=epochs, checkpoint_every=every), n
-        )
-        cluster.wait_rounds(
-            job_id,
-            lambda rs: sum(1 for r in rs if applied(r)) >= every + 2,
-            timeout=120,
-            what="rounds past the first checkpoint",
+        for name, price in PRICES.items():
+            token = token_for(first, "node")
+            assert token
+            cluster.agents[name] = AgentProc(
+                f"{first},{second}",
+                tmp_path / f"agent-{name}",
+                "--name",
+                name,
+                "--price",
+                price,
+                "--slowdown",
+                f"{SLOWDOWNS[name]:g}",
+                "--token",
+                token,
+            )
+        cluster.wait_ready(list(PRICES), timeout=240)
+        names = {cluster.node_id(name): name for name in PRICES}
+        nodes = set(names)
+
+        # A submitter with credits; a job with a budget (so that it may use priced nodes).
+        op = Cli(first, tmp_path / "op")
+        alice = Cli(first, tmp_path / "alice", role="submitter")
+        whoami = alice.run("whoami", "--output", "json")
+        assert whoami.code == 0, whoami.stderr
+        assert op.run("credits", "grant", f"tenant:{whoami.json()['principal']}", "100").code == 0
+        doc: dict[str, Any] = job_doc("failover", epochs=EPOCHS, checkpoint_every=EVERY)
+        doc["train"]["global_batch"] = BATCH
+        doc["market"] = {"budget": "50"}
+        job_toml = write_job(tmp_path / "job", MODEL, make_dataset(N), doc)
+        out = alice.run("submit", str(job_toml), "--output", "json", timeout=180)
+        assert out.code == 0, out.stderr
+        job_id = str(json.loads(out.stdout)["job_id"])
+
+        # kill -9 of the first mid-epoch, past a checkpoint: the second takes over.
+        wait_mid_epoch(
+            cluster, job_id, 0, nodes, "rounds of every agent mid-epoch", min_applied=EVERY + 2
         )
         cluster.coord.kill9()
+        killed1 = int(time.time() * 1000)
         took = wait_serving(second, "the standby never became active")
-        logging.getLogger(__name__).info("takeover after kill -9: %.1fs", took)
+        log.info("takeover after kill -9: %.1fs", took)
         cluster.point_at(second)
-        # The agent follows to the second; the job goes on there.
-        done = applied_count(cluster, job_id)
-        cluster.wait_rounds(
-            job_id,
-            lambda rs: sum(1 for r in rs if applied(r)) >= done + 2,
-            timeout=120,
-            what="rounds on the second coordinator",
-        )
+        # The agents follow to the second; the job goes on there, to the middle of an epoch.
+        wait_mid_epoch(cluster, job_id, killed1, nodes, "every agent's rounds on the second")
         assert cluster.job(job_id).state == JS.JOB_STATE_RUNNING
 
-        # The first comes back as a standby; the second is killed; the first takes over.
-        restarted = start_standby(tmp_path / "coord", first, pg_url, blobs)
-        try:
-            check_standby(first, second)
-            stop(standby)
-            wait_serving(first, "the restarted coordinator never became active")
-            cluster.point_at(first)
-            cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=240)
-            rounds = cluster.rounds(job_id)
-            check_exactly_once(rounds, n, epochs)
-            numbers = [r.round for r in rounds]
-            assert numbers == sorted(set(numbers))
-            charges_by_the_rule(pg_server, database, cluster, job_id)
-            epoch = pg_server.sql("SELECT epoch FROM coordinator_lease", database).strip()
-            assert epoch == "3"
-            agent_log = cluster.agents["a"].log_text()
-            assert second in agent_log and first in agent_log
-        finally:
-            stop(restarted)
+        # The first comes back as a standby (the agents held back meanwhile, so that the job
+        # is still running when the second is killed); the second is killed mid-epoch.
+        set_slowdowns(cluster, HELD_BACK)
+        restarted = start_standby(tmp_path / "coord", first, pg_url, blobs, STEADY_LEASES)
+        check_standby(first, second)
+        set_slowdowns(cluster, 1.0)
+        wait_mid_epoch(
+            cluster, job_id, int(time.time() * 1000), nodes, "every agent's rounds at speed again"
+        )
+        stop(standby)
+        killed2 = int(time.time() * 1000)
+        took = wait_serving(first, "the restarted coordinator never became active")
+        log.info("takeover back after kill -9: %.1fs", took)
+        cluster.point_at(first)
+        wait_mid_epoch(
+            cluster, job_id, killed2, nodes, "every agent's rounds on the first again", False
+        )
+        cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=300)
+
+        # Every epoch covers every sample exactly once; the result is the replay of the rounds.
+        everything = cluster.rounds(job_id, rolled_back=True)
+        numbers = [r.round for r in everything]
+        assert numbers == sorted(set(numbers))  # a round number names one round only
+        by_first = check_killed_mid_epoch(everything, 0, killed1)
+        by_second = check_killed_mid_epoch(everything, killed1, killed2)
+        rolled = [r for r in everything if r.rolled_back]
+        rounds = cluster.rounds(job_id)
+        check_exactly_once(rounds, N, EPOCHS)
+        diff = check_replay(cluster, job_id, tmp_path, rounds, N, JOB_SEED)
+
+        # The job's charges: the billing rule applied to each applied part, each charged once.
+        statement = alice.run("statement", "--job", job_id, "--output", "json")
+        assert statement.code == 0, statement.stderr
+        earned, reruns = check_statement(statement.json()["entries"], everything, job_id, names)
+        charges_by_the_rule(pg_server, database, cluster, job_id)
+        balances = op.run("balance", "--all", "--output", "json")
+        assert balances.code == 0, balances.stderr
+        by_account = {b["account"]: b["balance_micro"] for b in balances.json()["balances"]}
+        assert sum(by_account.values()) == 0
+        assert by_account.get(f"escrow:{job_id}", 0) == 0
+        assert by_account.get(f"held:{job_id}", 0) == 0
+        done = cluster.job(job_id)
+        assert done.spent_micro == earned - reruns
+
+        epoch = pg_server.sql("SELECT epoch FROM coordinator_lease", database).strip()
+        assert epoch == "3"
+        for agent in cluster.agents.values():
+            assert second in agent.log_text() and first in agent.log_text()
+        log.info(
+            "%d rounds (%d by the first, %d by the second before their kills; %d rolled back), "
+            "replay diff %.1e, donors earned %d micro-credits, re-runs %d",
+            len(everything),
+            len(by_first),
+            len(by_second),
+            len(rolled),
+            diff,
+            earned,
+            reruns,
+        )
     finally:
         cluster.stop()
         stop(standby)
+        if restarted is not None:
+            stop(restarted)
 
 
 @pytest.mark.timeout(300)
