@@ -9,7 +9,10 @@ grpc.aio) that register the agents (each agent on its own connection by default)
 agents, each heartbeats every --interval seconds from its registration on, at its own random
 phase. Once all are registered, --duration seconds are measured. Prints one JSON line:
 
-  agents, heartbeats, heartbeats_per_s, p50_ms, p99_ms, max_ms, errors,
+  agents, heartbeats, heartbeats_per_s, p50_ms, p99_ms, max_ms, errors, error_codes (errors
+  by status code: FAILED_PRECONDITION is a lease that lapsed; such an agent registers again
+  as the same node, like a real one), registered (agents registered when the window began:
+  after --register-timeout the bench measures anyway),
   coordinator_cpu_s_per_1000_heartbeats (user+system CPU of the coordinator process during the
   measured window, per 1000 heartbeats), duration_s, register_s, client_processes, store
   ("sqlite" or "postgresql")
@@ -103,6 +106,7 @@ async def run_worker(args: argparse.Namespace) -> None:
     latencies: list[float] = []
     errors = 0
     register_failures = 0
+    codes: dict[str, int] = {}  # status code -> errors in the window
     rng = random.Random(args.seed)
     # Measurement window (wall clock), set by the driver once every agent is registered.
     window = [float("inf"), float("inf")]
@@ -146,6 +150,7 @@ async def run_worker(args: argparse.Namespace) -> None:
             except grpc.aio.AioRpcError as exc:
                 if measured:
                     errors += 1
+                    codes[exc.code().name] = codes.get(exc.code().name, 0) + 1
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # The lease lapsed (the coordinator fell behind): like a real agent,
                     # register again, as the same node.
@@ -159,7 +164,11 @@ async def run_worker(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     agents = [asyncio.create_task(agent_loop(i)) for i in range(n)]
     reported = t0
+    deadline = t0 + args.register_timeout
     while (done := sum(1 for lease in leases if lease[0] or lease[1])) < n:
+        if time.monotonic() > deadline:
+            _progress(f"{args.prefix}: only {done}/{n} registered in {args.register_timeout:g} s")
+            break
         if time.monotonic() - reported >= 10:
             reported = time.monotonic()
             _progress(f"{args.prefix}: {done}/{n} registered after {reported - t0:.0f} s")
@@ -167,16 +176,24 @@ async def run_worker(args: argparse.Namespace) -> None:
     register_s = time.monotonic() - t0
     if register_failures:
         _progress(f"{args.prefix}: {register_failures} agents never registered")
-    print(json.dumps({"ready": True, "register_s": register_s}), flush=True)
+    registered = sum(1 for lease in leases if lease[0])
+    print(
+        json.dumps({"ready": True, "register_s": register_s, "registered": registered}),
+        flush=True,
+    )
 
     line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     window[0], window[1] = map(float, line.split())
     await asyncio.sleep(max(0.0, window[1] - time.time()))
     stop.set()
-    await asyncio.gather(*agents)
+    # Heartbeats in flight end within their timeout; agents still registering are stopped.
+    _, pending = await asyncio.wait(agents, timeout=15)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*agents, return_exceptions=True)
     for ch in channels:
         await ch.close()
-    print(json.dumps({"latencies": latencies, "errors": errors}), flush=True)
+    print(json.dumps({"latencies": latencies, "errors": errors, "codes": codes}), flush=True)
 
 
 # -- the bench driver -------------------------------------------------------------------------
@@ -345,6 +362,8 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
                 f"bench{w}",
                 "--seed",
                 str(args.seed + w),
+                "--register-timeout",
+                str(args.register_timeout),
                 "--identity-dir",
                 identity_dir,
             ]
@@ -353,10 +372,12 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
             )
         _progress(f"registering {args.agents} agents in {args.clients} client processes")
         register_s = 0.0
+        registered = 0
         for worker in workers:
             assert worker.stdout is not None
             ready = json.loads(worker.stdout.readline())
             register_s = max(register_s, float(ready["register_s"]))
+            registered += int(ready["registered"])
 
         cpu = psutil.Process(coord.pid)
         clients = [psutil.Process(w.pid) for w in workers]
@@ -379,11 +400,14 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
 
         latencies: list[float] = []
         errors = 0
+        codes: dict[str, int] = {}
         for worker in workers:
             assert worker.stdout is not None
             result = json.loads(worker.stdout.readline())
             latencies.extend(result["latencies"])
             errors += int(result["errors"])
+            for code, count in result["codes"].items():
+                codes[code] = codes.get(code, 0) + int(count)
             worker.wait(timeout=60)
         cpu_s = (cpu_end.user - cpu_start.user) + (cpu_end.system - cpu_start.system)
         client_s = clients_end - clients_start
@@ -400,6 +424,7 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
             "p99_ms": round(percentile(latencies, 99), 2),
             "max_ms": round(max(latencies, default=float("nan")), 2),
             "errors": errors,
+            "error_codes": codes,
             "coordinator_cpu_s_per_1000_heartbeats": round(cpu_s / count * 1000, 3)
             if count
             else None,
@@ -413,6 +438,7 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
             "duration_s": args.duration,
             "interval_s": args.interval,
             "register_s": round(register_s, 2),
+            "registered": registered,
             "client_processes": args.clients,
             "store": "postgresql" if store_url else "sqlite",
         }
@@ -478,6 +504,12 @@ def main() -> int:
     parser.add_argument("--data-dir", default=None, help="coordinator data dir (default: temp)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary data dir")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--register-timeout",
+        type=float,
+        default=300.0,
+        help="measure anyway after this many seconds of registering (s)",
+    )
     parser.add_argument("--insecure", action="store_true", help="plaintext instead of TLS")
     parser.add_argument(
         "--store",
