@@ -43,7 +43,7 @@ import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import torch
@@ -143,6 +143,9 @@ class Agent:
         self.cache: BlobCache
         self.connection: CoordinatorConnection
         self._early_poll: asyncio.Task[tuple[agent_pb2.Task, float] | None] | None = None
+        # One waiter on the drain event for every `_until_drain` (two per round: a task and a
+        # cancellation less each time than a waiter of their own).
+        self._drain_waiter: asyncio.Task[Literal[True]] | None = None
 
     # -- control --------------------------------------------------------------------------------
 
@@ -219,11 +222,9 @@ class Agent:
     async def _until_drain(self, aw: Awaitable[T]) -> T | None:
         """Await `aw`, unless a drain starts first (then it is cancelled and None returned)."""
         task = asyncio.ensure_future(aw)
-        drain = asyncio.ensure_future(self._drain.wait())
-        try:
-            await asyncio.wait({task, drain}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drain.cancel()
+        if self._drain_waiter is None:
+            self._drain_waiter = asyncio.ensure_future(self._drain.wait())
+        await asyncio.wait({task, self._drain_waiter}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
         task.cancel()
@@ -235,6 +236,7 @@ class Agent:
 
     async def run(self) -> int:
         self._drain = asyncio.Event()
+        self._drain_waiter = None
         self._hurry = asyncio.Event()
         self._stop = asyncio.Event()
         self._wake_heartbeat = asyncio.Event()
@@ -350,6 +352,8 @@ class Agent:
         await self._stop_peer_server()
         self.executor.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.programs.close_all)
+        if self._drain_waiter is not None:
+            self._drain_waiter.cancel()
         log.info("agent stopped")
 
     def _register_request(self) -> agent_pb2.RegisterRequest:

@@ -115,7 +115,9 @@ class ParameterServerRounds:
                     break
             rs.changed.clear()
             try:
-                await asyncio.wait_for(rs.changed.wait(), timeout=min(left, next_check - now))
+                # A timeout scope, not wait_for: no task to create and wake per update.
+                async with asyncio.timeout(min(left, next_check - now)):
+                    await rs.changed.wait()
             except TimeoutError:
                 continue  # the deadline or a silence check is due: the loop looks again
         rs.closed = True
