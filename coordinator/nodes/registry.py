@@ -647,9 +647,24 @@ class NodeRegistry:
         now = self._clock()
         # The float first: reading a protobuf field costs more, and few leases lapse at once.
         lapsed = [n for n in self._nodes.values() if now > n.expires and n.info.state != OFFLINE]
-        for node in lapsed:
-            if node.info.state != OFFLINE and self._clock() > node.expires:
-                await self._expire(node)
+        if not lapsed:
+            return []
+        # One transaction for every lease that lapsed (a coordinator that fell behind may find
+        # thousands at once: one commit each would put it further behind), then the listeners.
+        # The listeners hear of every node marked OFFLINE here, even when the store failed:
+        # the registry in memory is what hands out work.
+        expired: builtins.list[_Node] = []
+        try:
+            async with self._store.transaction():
+                for node in lapsed:
+                    if node.info.state != OFFLINE and self._clock() > node.expires:
+                        expired.append(node)
+                        await self._mark_expired(node)
+        finally:
+            for node in expired:
+                info = node.info
+                log.info("node %s (%s) is OFFLINE: lease expired", info.node_id, info.name)
+                await self._notify_offline(info.node_id)
         return [n.info.node_id for n in lapsed]
 
     async def _log_price(self, node: _Node, now: float) -> None:
@@ -718,6 +733,13 @@ class NodeRegistry:
                 log.exception("heartbeat flush failed")
 
     async def _expire(self, node: _Node) -> None:
+        await self._mark_expired(node)
+        info = node.info
+        log.info("node %s (%s) is OFFLINE: lease expired", info.node_id, info.name)
+        await self._notify_offline(info.node_id)
+
+    async def _mark_expired(self, node: _Node) -> None:
+        """OFFLINE, stored with its ``node.offline`` event; the listeners are the caller's."""
         info = node.info
         info.state = OFFLINE
         info.current_job_id = ""
@@ -728,8 +750,6 @@ class NodeRegistry:
             f"lease expired (last heartbeat {info.last_heartbeat_ms} ms)",
             {"reason": "lease expired"},
         )
-        log.info("node %s (%s) is OFFLINE: lease expired", info.node_id, info.name)
-        await self._notify_offline(info.node_id)
 
     # -- helpers --------------------------------------------------------------------------------
 
