@@ -44,9 +44,8 @@ from tests.procs import (
     token_for,
     wait_until,
 )
-from tests.system.test_agent import AgentProc
+from tests.system.test_agent import AgentProc, list_nodes
 from tests.system.test_cli_support import Cli
-from tests.system.test_cluster_scheduling import set_slowdown
 from tests.system.test_fault_tolerance import (
     HEARTBEAT_S,
     JOB_SEED,
@@ -105,9 +104,10 @@ class SharedCluster(Cluster):
         self._stub = None
 
     def job(self, job_id: str) -> common_pb2.Job:
-        return self._jobs().GetJob(
+        job: common_pb2.Job = self._jobs().GetJob(
             job_pb2.GetJobRequest(job_id=job_id), timeout=READ_TIMEOUT_S, wait_for_ready=True
         )
+        return job
 
     def rounds(self, job_id: str, rolled_back: bool = False) -> list[common_pb2.RoundRecord]:
         req = job_pb2.GetRoundsRequest(job_id=job_id, include_rolled_back=rolled_back)
@@ -222,11 +222,11 @@ def wait_serving(address: str, what: str) -> float:
 
 
 # The takeover test's cluster and job: three agents asking different prices (every applied part
-# is charged), slowed so that the job outlasts two takeovers.
+# is charged), slowed so that the job outlasts two takeovers, and cordoned while the first
+# coordinator restarts (the job waits meanwhile, however long that takes).
 PRICES = {"a": "40", "b": "100", "c": "200"}  # credits per node-hour
-SLOWDOWNS = {"a": 2.0, "b": 3.0, "c": 4.0}
-HELD_BACK = 10.0  # the agents' slowdowns times this while the first coordinator restarts
-N, EPOCHS, EVERY, BATCH = 240, 4, 4, 24  # 10 rounds an epoch, a checkpoint every 4 rounds
+SLOWDOWNS = {"a": 20.0, "b": 30.0, "c": 40.0}  # rounds of a few tenths of a second
+N, EPOCHS, EVERY, BATCH = 240, 5, 4, 24  # 10 rounds an epoch, a checkpoint every 4 rounds
 
 
 def epoch_coverage(rounds: list[common_pb2.RoundRecord], epoch: int) -> int:
@@ -238,27 +238,41 @@ def wait_mid_epoch(
     cluster: Cluster,
     job_id: str,
     since_ms: int,
-    nodes: set[str],
     what: str,
-    mid_epoch: bool = True,
     min_applied: int = 0,
+    mid_epoch: bool = True,
 ) -> None:
-    """Until rounds finished after ``since_ms`` have applied parts of every one of ``nodes``
-    (the agents follow the active coordinator), ``min_applied`` rounds or more are applied and,
-    with ``mid_epoch``, the current epoch, not the last one, has two rounds applied and three
-    or more left: a kill now lands mid-epoch, with the job far from done."""
+    """Until a round finished after ``since_ms`` is applied (the job goes on), ``min_applied``
+    rounds or more are, and (``mid_epoch``) the current epoch, not the last one, has two
+    rounds applied and three or more left: a kill now lands mid-epoch, with the job far from
+    done."""
 
-    def ready(rounds: list[common_pb2.RoundRecord]) -> bool:
-        done = [r for r in rounds if applied(r)]
-        trained = {p.node_id for r in done if r.finished_ms > since_ms for p in applied(r)}
-        if trained != nodes or len(done) < min_applied or not mid_epoch:
-            return trained == nodes and len(done) >= min_applied
+    def ready() -> bool:
+        state = cluster.job(job_id).state
+        ended = (JS.JOB_STATE_SUCCEEDED, JS.JOB_STATE_FAILED, JS.JOB_STATE_CANCELLED)
+        assert state not in ended, f"{what}: the job is {JS.Name(state)} first"
+        done = [r for r in cluster.rounds(job_id) if applied(r)]
+        if len(done) < max(1, min_applied) or done[-1].finished_ms <= since_ms:
+            return False
+        if not mid_epoch:
+            return True
         epoch = done[-1].epoch
         assert epoch < EPOCHS - 1, f"{what}: the job reached its last epoch first"
         in_epoch = [r for r in done if r.epoch == epoch]
         return len(in_epoch) >= 2 and epoch_coverage(in_epoch, epoch) <= N - 3 * BATCH
 
-    cluster.wait_rounds(job_id, ready, timeout=300, what=what)
+    wait_until(ready, timeout=300, interval=0.05, message=what)
+
+
+def wait_followed(cluster: Cluster, nodes: set[str], since_ms: int, what: str) -> None:
+    """Until the active coordinator (``cluster.address``) has heartbeats of every one of
+    ``nodes`` after ``since_ms``: the agents follow it."""
+
+    def followed() -> bool:
+        beats = {n.node_id: n.last_heartbeat_ms for n in list_nodes(cluster.address)}
+        return all(beats.get(node, 0) > since_ms for node in nodes)
+
+    wait_until(followed, timeout=120, interval=0.2, message=what)
 
 
 def check_killed_mid_epoch(
@@ -283,10 +297,14 @@ def check_killed_mid_epoch(
     return recorded
 
 
-def set_slowdowns(cluster: Cluster, factor: float) -> None:
-    """Every agent's own slowdown times ``factor``, at run time."""
-    for name, slowdown in SLOWDOWNS.items():
-        set_slowdown([cluster.agents[name]], slowdown * factor)
+def set_cordoned(op: Cli, address: str, cordoned: bool) -> None:
+    """Cordon (or uncordon) every agent's node on the active coordinator at ``address``: a job
+    of cordoned nodes only waits, its rounds and their estimates left as they were."""
+    action = "cordon" if cordoned else "uncordon"
+    runs = [op.popen("--coordinator", address, action, name) for name in PRICES]
+    for run in runs:  # at once: the job goes on with the nodes not cordoned yet
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
 
 
 def check_statement(
@@ -399,35 +417,29 @@ def test_the_standby_takes_over_a_running_job_after_a_kill9_and_back_again(
         job_id = str(json.loads(out.stdout)["job_id"])
 
         # kill -9 of the first mid-epoch, past a checkpoint: the second takes over.
-        wait_mid_epoch(
-            cluster, job_id, 0, nodes, "rounds of every agent mid-epoch", min_applied=EVERY + 2
-        )
+        wait_mid_epoch(cluster, job_id, 0, "rounds mid-epoch", min_applied=EVERY + 2)
         cluster.coord.kill9()
         killed1 = int(time.time() * 1000)
         took = wait_serving(second, "the standby never became active")
         log.info("takeover after kill -9: %.1fs", took)
         cluster.point_at(second)
-        # The agents follow to the second; the job goes on there, to the middle of an epoch.
-        wait_mid_epoch(cluster, job_id, killed1, nodes, "every agent's rounds on the second")
-        assert cluster.job(job_id).state == JS.JOB_STATE_RUNNING
-
-        # The first comes back as a standby (the agents held back meanwhile, so that the job
-        # is still running when the second is killed); the second is killed mid-epoch.
-        set_slowdowns(cluster, HELD_BACK)
+        # The job goes on on the second; the agents follow it.
+        wait_mid_epoch(cluster, job_id, killed1, "rounds on the second", mid_epoch=False)
+        # The first comes back as a standby (the nodes cordoned meanwhile, so that the job is
+        # still running when the second is killed); the second is killed mid-epoch.
+        set_cordoned(op, second, True)
+        wait_followed(cluster, nodes, killed1, "the agents never followed to the second")
         restarted = start_standby(tmp_path / "coord", first, pg_url, blobs, STEADY_LEASES)
         check_standby(first, second)
-        set_slowdowns(cluster, 1.0)
-        wait_mid_epoch(
-            cluster, job_id, int(time.time() * 1000), nodes, "every agent's rounds at speed again"
-        )
+        set_cordoned(op, second, False)
+        uncordoned = int(time.time() * 1000)
+        wait_mid_epoch(cluster, job_id, uncordoned, "rounds mid-epoch after the uncordon")
         stop(standby)
         killed2 = int(time.time() * 1000)
         took = wait_serving(first, "the restarted coordinator never became active")
         log.info("takeover back after kill -9: %.1fs", took)
         cluster.point_at(first)
-        wait_mid_epoch(
-            cluster, job_id, killed2, nodes, "every agent's rounds on the first again", False
-        )
+        wait_followed(cluster, nodes, killed2, "the agents never followed back to the first")
         cluster.wait_state(job_id, JS.JOB_STATE_SUCCEEDED, timeout=300)
 
         # Every epoch covers every sample exactly once; the result is the replay of the rounds.
@@ -439,6 +451,7 @@ def test_the_standby_takes_over_a_running_job_after_a_kill9_and_back_again(
         rolled = [r for r in everything if r.rolled_back]
         rounds = cluster.rounds(job_id)
         check_exactly_once(rounds, N, EPOCHS)
+        assert {p.node_id for r in rounds for p in applied(r)} == nodes
         diff = check_replay(cluster, job_id, tmp_path, rounds, N, JOB_SEED)
 
         # The job's charges: the billing rule applied to each applied part, each charged once.
