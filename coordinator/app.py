@@ -360,6 +360,7 @@ class Coordinator:
             self.events,
             heartbeat_interval_s=cfg.heartbeat_interval_s,
             lease_ttl_s=cfg.lease_ttl,
+            max_heartbeats_per_s=cfg.max_heartbeats_per_s,
             flush_interval_s=cfg.heartbeat_flush_interval_s,
         )
         await self.registry.load()

@@ -51,6 +51,7 @@ from coordinator.core.config import (
     DEFAULT_HTTP_LISTEN,
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_LISTEN,
+    DEFAULT_MAX_HEARTBEATS_PER_S,
     LEASE_TTL_HEARTBEATS,
     CoordinatorConfig,
 )
@@ -161,6 +162,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help=f"lease lifetime without a heartbeat (default {LEASE_TTL_HEARTBEATS:g} x interval)",
+    )
+    parser.add_argument(
+        "--max-heartbeats-per-second",
+        type=_non_negative_float,
+        default=DEFAULT_MAX_HEARTBEATS_PER_S,
+        metavar="N",
+        help=(
+            "past this many heartbeats a second across all agents, agents are told to "
+            "heartbeat less often and their leases last longer in proportion, so that a large "
+            f"fleet cannot overload the coordinator; 0: never (default {DEFAULT_MAX_HEARTBEATS_PER_S:g})"
+        ),
     )
     parser.add_argument(
         "--max-blob-bytes",
@@ -452,6 +464,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         listen=args.listen,
         heartbeat_interval_s=args.heartbeat_interval,
         lease_ttl_s=args.lease_ttl,
+        max_heartbeats_per_s=args.max_heartbeats_per_second,
         max_blob_bytes=args.max_blob_bytes,
         blob_quota_bytes=args.blob_quota_bytes,
         max_upload_streams=args.max_upload_streams,

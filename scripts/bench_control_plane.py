@@ -6,8 +6,12 @@
 
 Starts `epochmesh-coordinator` on a fresh data dir and port, then client processes (asyncio,
 grpc.aio) that register the agents (each agent on its own connection by default); like real
-agents, each heartbeats every --interval seconds from its registration on, at its own random
-phase. Once all are registered, --duration seconds are measured. Prints one JSON line:
+agents, each heartbeats from its registration on, at its own random phase, at the interval the
+coordinator gave in its last answer: --interval (the coordinator's --heartbeat-interval) until
+the fleet would heartbeat more often than the coordinator's --max-heartbeats-per-second, then
+stretched to stay within it (pass that flag with --coordinator-arg; --fixed-interval makes the
+agents ignore the answers: the load a fleet that did not follow would put on it). Once all are
+registered, --duration seconds are measured. Prints one JSON line:
 
   agents, heartbeats, heartbeats_per_s, p50_ms, p99_ms, max_ms, errors, error_codes (errors
   by status code: FAILED_PRECONDITION is a lease that lapsed; such an agent registers again
@@ -15,7 +19,8 @@ phase. Once all are registered, --duration seconds are measured. Prints one JSON
   after --register-timeout the bench measures anyway),
   coordinator_cpu_s_per_1000_heartbeats (user+system CPU of the coordinator process during the
   measured window, per 1000 heartbeats), duration_s, register_s, client_processes, store
-  ("sqlite" or "postgresql")
+  ("sqlite" or "postgresql"), interval_s, told_interval_s (the median interval the agents
+  heartbeat at by the end), fixed_interval
 
 The store is SQLite in the data dir by default. ``--store postgresql`` (the word alone) starts a
 throwaway PostgreSQL server of the bench's own (tests/pg.py: durability off, as in the tests)
@@ -49,6 +54,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,7 +98,15 @@ async def run_worker(args: argparse.Namespace) -> None:
         ]
     stubs = [agent_pb2_grpc.AgentServiceStub(ch) for ch in channels]
     leases: list[tuple[str, str]] = [("", "")] * n
+    # The interval each agent heartbeats at: the coordinator's answer to its last Register or
+    # Heartbeat, as a real agent does (the coordinator stretches it past its heartbeat rate
+    # limit), or --interval throughout with --fixed-interval.
+    intervals: list[float] = [args.interval] * n
     sem = asyncio.Semaphore(64)
+
+    def follow(i: int, told_ms: int) -> None:
+        if told_ms > 0 and not args.fixed_interval:
+            intervals[i] = told_ms / 1000.0
 
     async def register(i: int, node_id: str = "") -> None:
         async with sem:
@@ -102,6 +116,7 @@ async def run_worker(args: argparse.Namespace) -> None:
             req.devices.add(kind="cpu", index=0, cores=1)
             resp = await stubs[i % n_channels].Register(req, timeout=60)
             leases[i] = (resp.node_id, resp.lease_id)
+            follow(i, resp.heartbeat_interval_ms)
 
     latencies: list[float] = []
     errors = 0
@@ -130,7 +145,7 @@ async def run_worker(args: argparse.Namespace) -> None:
         node_id, lease_id = leases[i]
         stub = stubs[i % n_channels]
         req = agent_pb2.HeartbeatRequest(node_id=node_id, lease_id=lease_id)
-        next_at = time.time() + rng.uniform(0, args.interval)
+        next_at = time.time() + rng.uniform(0, intervals[i])
         while True:
             delay = next_at - time.time()
             if delay > 0:
@@ -144,7 +159,8 @@ async def run_worker(args: argparse.Namespace) -> None:
             measured = now >= window[0]
             sent = time.perf_counter()
             try:
-                await stub.Heartbeat(req, timeout=10)
+                answer = await stub.Heartbeat(req, timeout=10)
+                follow(i, answer.heartbeat_interval_ms)
                 if measured:
                     latencies.append((time.perf_counter() - sent) * 1000.0)
             except grpc.aio.AioRpcError as exc:
@@ -159,7 +175,7 @@ async def run_worker(args: argparse.Namespace) -> None:
                         req = agent_pb2.HeartbeatRequest(
                             node_id=leases[i][0], lease_id=leases[i][1]
                         )
-            next_at += args.interval
+            next_at += intervals[i]
 
     t0 = time.monotonic()
     agents = [asyncio.create_task(agent_loop(i)) for i in range(n)]
@@ -193,7 +209,11 @@ async def run_worker(args: argparse.Namespace) -> None:
     await asyncio.gather(*agents, return_exceptions=True)
     for ch in channels:
         await ch.close()
-    print(json.dumps({"latencies": latencies, "errors": errors, "codes": codes}), flush=True)
+    told = statistics.median(intervals) if intervals else args.interval
+    print(
+        json.dumps({"latencies": latencies, "errors": errors, "codes": codes, "told_s": told}),
+        flush=True,
+    )
 
 
 # -- the bench driver -------------------------------------------------------------------------
@@ -356,6 +376,7 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
                 str(count),
                 "--interval",
                 str(args.interval),
+                *(["--fixed-interval"] if args.fixed_interval else []),
                 "--connections",
                 str(args.connections),
                 "--prefix",
@@ -401,9 +422,11 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
         latencies: list[float] = []
         errors = 0
         codes: dict[str, int] = {}
+        told: list[float] = []
         for worker in workers:
             assert worker.stdout is not None
             result = json.loads(worker.stdout.readline())
+            told.append(float(result["told_s"]))
             latencies.extend(result["latencies"])
             errors += int(result["errors"])
             for code, count in result["codes"].items():
@@ -437,6 +460,9 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
             "load_avg_1m": round(load, 2),
             "duration_s": args.duration,
             "interval_s": args.interval,
+            # the interval the agents heartbeat at by the end (the coordinator's answer)
+            "told_interval_s": round(statistics.median(told), 2) if told else None,
+            "fixed_interval": args.fixed_interval,
             "register_s": round(register_s, 2),
             "registered": registered,
             "client_processes": args.clients,
@@ -492,7 +518,18 @@ def _start_profiler(pid: int, out: str, duration: float) -> subprocess.Popen[byt
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=2000)
-    parser.add_argument("--interval", type=float, default=5.0, help="heartbeat period (s)")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=5.0,
+        help="the coordinator's heartbeat interval (--heartbeat-interval), s",
+    )
+    parser.add_argument(
+        "--fixed-interval",
+        action="store_true",
+        help="agents heartbeat every --interval whatever the coordinator answers (by default "
+        "they follow the interval in its answers, as real agents do)",
+    )
     parser.add_argument("--duration", type=float, default=30.0, help="measured time (s)")
     parser.add_argument("--clients", type=int, default=1, help="load-generator processes")
     parser.add_argument(

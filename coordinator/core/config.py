@@ -21,6 +21,10 @@ DEFAULT_LEASE_TIMEOUT_S = 8.0
 
 # A lease survives this many missed heartbeats, minus one.
 LEASE_TTL_HEARTBEATS = 3.0
+# Past this many heartbeats a second across the fleet, the coordinator stretches the interval
+# (and the lease) it gives agents: about 0.45 of a core for the heartbeats themselves, TLS
+# included, on the machine the control-plane benchmark ran on (docs/benchmarks.md).
+DEFAULT_MAX_HEARTBEATS_PER_S = 500.0
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     # None: LEASE_TTL_HEARTBEATS x heartbeat_interval_s (see `lease_ttl`).
     lease_ttl_s: float | None = None
+    # Both stretched alike while the leased nodes would heartbeat more often than this a
+    # second in all (0: never stretched; coordinator/nodes/registry.py).
+    max_heartbeats_per_s: float = DEFAULT_MAX_HEARTBEATS_PER_S
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
     # Heartbeat times are kept in memory and written to the store in batches this often.
     heartbeat_flush_interval_s: float = 1.0
@@ -117,6 +124,8 @@ class CoordinatorConfig:
             raise ValueError("the platform fee must be within 0..100 %")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
+        if not self.max_heartbeats_per_s >= 0:
+            raise ValueError("the heartbeat rate limit must be >= 0 (0: none)")
         if self.lease_timeout_s <= 0 or self.lease_poll_s <= 0:
             raise ValueError("the lease timeout and poll interval must be positive")
         if self.advertise_address:

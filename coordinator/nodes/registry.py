@@ -134,13 +134,16 @@ class NodeRegistry:
         *,
         heartbeat_interval_s: float,
         lease_ttl_s: float,
+        max_heartbeats_per_s: float = 0.0,
         flush_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._events = events
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.lease_ttl_s = lease_ttl_s
+        self._base_interval_s = heartbeat_interval_s
+        self._base_ttl_s = lease_ttl_s
+        self._max_heartbeats_per_s = max_heartbeats_per_s
+        self._stretch = 1.0  # see `heartbeat_interval_s`
         self._flush_interval_s = flush_interval_s
         self._clock = clock
         self._nodes: dict[str, _Node] = {}
@@ -154,6 +157,34 @@ class NodeRegistry:
         self._offline_listeners: list[OfflineListener] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.heartbeats_total = 0
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """The interval every agent is told to heartbeat at: the configured one, stretched
+        while the leased nodes at that interval would send more than ``max_heartbeats_per_s``
+        heartbeats a second (0: never), so that the coordinator's heartbeat load stays bounded
+        however large the fleet (the lease TTL stretches with it). Agents take both from each
+        Register and Heartbeat answer; the stretch is recomputed at every lease sweep."""
+        return self._base_interval_s * self._stretch
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return self._base_ttl_s * self._stretch
+
+    def _restretch(self, leased: int) -> None:
+        cap = self._max_heartbeats_per_s
+        rate = leased / self._base_interval_s
+        stretch = max(1.0, rate / cap) if cap > 0 else 1.0
+        if abs(stretch - self._stretch) > 0.05 * self._stretch:
+            log.info(
+                "%d leased nodes: heartbeat interval %.1f s, lease %.1f s (at most %.0f "
+                "heartbeats a second)",
+                leased,
+                self._base_interval_s * stretch,
+                self._base_ttl_s * stretch,
+                cap,
+            )
+            self._stretch = stretch
 
     @property
     def lease_ttl_ms(self) -> int:
@@ -647,6 +678,9 @@ class NodeRegistry:
         now = self._clock()
         # The float first: reading a protobuf field costs more, and few leases lapse at once.
         lapsed = [n for n in self._nodes.values() if now > n.expires and n.info.state != OFFLINE]
+        self._restretch(
+            sum(1 for n in self._nodes.values() if now <= n.expires and n.info.state != OFFLINE)
+        )
         if not lapsed:
             return []
         # One transaction for every lease that lapsed (a coordinator that fell behind may find

@@ -591,3 +591,30 @@ async def test_engine_hooks(tmp_path: Path) -> None:
         ("offline", reg.node_id),
         ("stop", None),
     ]
+
+
+async def test_agents_are_told_to_heartbeat_less_often_past_the_heartbeat_rate(
+    tmp_path: Path,
+) -> None:
+    """At most 8 heartbeats a second at a 0.5 s interval: two agents (4 a second) hear 0.5 s
+    and a 30 s lease; six would send 12 a second, so the sweep stretches both by 1.5 and
+    Register and Heartbeat say so."""
+    async with in_process_coordinator(
+        tmp_path / "data", heartbeat_interval_s=HB_S, lease_ttl_s=TTL_S, max_heartbeats_per_s=8.0
+    ) as coord:
+        async with aio_channel_for(coord.address) as ch:
+            agent = agent_pb2_grpc.AgentServiceStub(ch)
+            first = [await register(agent, f"n{i}") for i in range(2)]
+            assert (first[0].heartbeat_interval_ms, first[0].lease_ttl_ms) == (500, 30_000)
+            more = [await register(agent, f"n{i}") for i in range(2, 6)]
+            hb = agent_pb2.HeartbeatRequest(node_id=more[0].node_id, lease_id=more[0].lease_id)
+
+            async def stretched() -> bool:
+                answer = await agent.Heartbeat(hb)
+                return bool(answer.heartbeat_interval_ms == 750)
+
+            await async_wait_until(stretched, timeout=30, message="a stretched interval")
+            answer = await agent.Heartbeat(hb)
+            assert answer.lease_ttl_ms == 45_000
+            later = await register(agent, "n6")
+            assert later.heartbeat_interval_ms > 500

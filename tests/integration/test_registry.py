@@ -354,3 +354,44 @@ async def test_online_since_and_part_counts_are_kept_in_memory_then_stored(
     assert (info_b.parts_applied, info_b.parts_failed) == (1, 1)  # over its whole history
     reg2.count_parts(applied=[], failed=[b.node_id])
     assert reg2.require(b.node_id).parts_failed == 2
+
+
+async def test_a_fleet_past_the_heartbeat_rate_is_told_to_heartbeat_less_often(
+    store: SqliteStore,
+) -> None:
+    """At most 2 heartbeats a second at a 2 s interval: up to 4 leased nodes heartbeat at 2 s;
+    10 are told 5 s with a lease 2.5 times as long (a node that stops is still found out, later);
+    when they are fewer again, the configured interval comes back."""
+    clock = Clock()
+    events = EventLog(store)
+    await events.start()
+    reg = NodeRegistry(
+        store,
+        events,
+        heartbeat_interval_s=2.0,
+        lease_ttl_s=TTL,
+        max_heartbeats_per_s=2.0,
+        clock=clock,
+    )
+    await reg.load()
+    regs = [await reg.register(name=f"n{i}") for i in range(4)]
+    await reg.sweep()
+    assert (reg.heartbeat_interval_ms, reg.lease_ttl_ms) == (2000, 6000)
+    regs += [await reg.register(name=f"n{i}") for i in range(4, 10)]
+    await reg.sweep()
+    assert (reg.heartbeat_interval_ms, reg.lease_ttl_ms) == (5000, 15000)
+    # a heartbeat now holds the lease 15 s: alive past the configured 6 s, gone after 15 s
+    await reg.heartbeat(regs[0].node_id, regs[0].lease_id)
+    for r in regs[1:]:
+        await reg.heartbeat(r.node_id, r.lease_id)
+    clock.t += TTL + 1
+    assert await reg.sweep() == []
+    for r in regs[1:4]:  # n0 stops; n1..n3 go on; n4..n9 leave
+        await reg.heartbeat(r.node_id, r.lease_id)
+    for r in regs[4:]:
+        await reg.leave(r.node_id, r.lease_id)
+    await reg.sweep()  # three leased nodes: the configured interval again
+    assert (reg.heartbeat_interval_ms, reg.lease_ttl_ms) == (2000, 6000)
+    clock.t += 15 - (TTL + 1) + 0.5
+    assert await reg.sweep() == [regs[0].node_id]
+    assert (reg.heartbeat_interval_ms, reg.lease_ttl_ms) == (2000, 6000)
