@@ -3,9 +3,9 @@
 (``serve --blob-dir``): the second stands by (health NOT_SERVING, every other call UNAVAILABLE
 naming the active one in the ``epochmesh-active`` trailing metadata). Three agents asking
 different prices, given both addresses, train a job with a budget: kill -9 of the active in the
-middle of an epoch makes the standby active and the agents follow it; the first, started again,
-stands by; kill -9 of the second in the middle of an epoch gives the job back to the first,
-which finishes it. Every epoch covers every sample exactly once, the downloaded result is the
+middle of an epoch makes the standby active and the agents follow it; the first, started again
+(the job waiting meanwhile, its nodes cordoned), stands by; kill -9 of the second in the middle
+of an epoch gives the job back to the first, which finishes it. Every epoch covers every sample exactly once, the downloaded result is the
 plain PyTorch replay of the recorded rounds (<= 1e-5), and the job's statement is the billing
 rule applied to each applied part of every recorded round, rolled back ones too: each part paid
 once, the submitter paying each sample of an epoch once, the platform the re-runs. And stepping
