@@ -21,6 +21,7 @@ any node if it has a budget, else only donated ones (no budget: it pays nothing)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -41,6 +42,7 @@ from coordinator.accounting.credit_book import (
     FEE_RETURNED,
     FORFEITED,
     Entry,
+    InsufficientCredits,
     escrow_account,
     forfeit_entries,
     fund_escrow,
@@ -60,6 +62,9 @@ from epochmesh.timeutil import now_ms
 from epochmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
+
+# Tries at settling an ended job whose ledger changed under the settlement (see settle_ended).
+SETTLE_ATTEMPTS = 3
 
 
 class BudgetExhausted(Exception):
@@ -107,6 +112,10 @@ class JobBilling:
         # What the round handed out last could still cost (until it is charged): kept in the
         # escrow when the job ends while it is in flight.
         self._reserved = 0
+        # Releases, forfeits and the end's settlement one at a time: the settlement reads the
+        # stored ledger and posts what is left, so a release posted between its read and its
+        # post would be paid twice (and refused: the held account short).
+        self._settling = asyncio.Lock()
 
     @property
     def job_id(self) -> str:
@@ -270,6 +279,10 @@ class JobBilling:
     async def release(self, node_id: str, up_to_round: int | None = None) -> int:
         """A check vouched for ``node_id``'s parts up to ``up_to_round`` (None: all of them):
         their held pay goes to its donor. The amount."""
+        async with self._settling:
+            return await self._release(node_id, up_to_round)
+
+    async def _release(self, node_id: str, up_to_round: int | None) -> int:
         holds = self._holds.get(node_id, [])
         due = [h for h in holds if up_to_round is None or h.round <= up_to_round]
         if not due:
@@ -301,6 +314,10 @@ class JobBilling:
         """A check found ``node_id``'s work bad and its parts were undone: its held pay is
         forfeited (back to the escrow, a re-run's to the platform, the fee returned) and the
         samples the submitter paid for with it are its to pay again. The amount forfeited."""
+        async with self._settling:
+            return await self._forfeit(node_id)
+
+    async def _forfeit(self, node_id: str) -> int:
         holds = self._holds.pop(node_id, [])  # before anything is awaited (see release)
         if not holds:
             return 0
@@ -327,14 +344,27 @@ class JobBilling:
         in the caller's store transaction if any (it calls ``credits.reload()`` should that
         fail). What a round in flight could still cost stays in the escrow (refunded when the
         runner ends, or by the start-up sweep). The entries posted."""
-        posted = await settle_ended_job(
-            store,
-            self.credits,
-            self.job,
-            self.donor_of,
-            frozenset(accused),
-            keep=self._pending + self._reserved,
-        )
+        async with self._settling:
+            return await self._settle_ended(store, frozenset(accused))
+
+    async def _settle_ended(self, store: Store, accused: frozenset[str]) -> list[Entry]:
+        for attempt in range(SETTLE_ATTEMPTS):
+            try:
+                posted = await settle_ended_job(
+                    store,
+                    self.credits,
+                    self.job,
+                    self.donor_of,
+                    accused,
+                    keep=self._pending + self._reserved,
+                )
+                break
+            except InsufficientCredits as e:
+                # A round's record written meanwhile changed the ledger the settlement was
+                # computed from (nothing was posted): computed again from the ledger as it is.
+                if attempt + 1 == SETTLE_ATTEMPTS:
+                    raise
+                log.info("job %s: settling again (%s)", self.job_id, e)
         held = held_account(self.job_id)
         settled = {(e.round, e.node_id) for e in posted if e.from_account == held}
         for node_id in list(self._holds):

@@ -265,3 +265,22 @@ async def test_a_release_and_a_forfeit_at_once_move_each_hold_once(
     assert ledger.balance(f"held:{JOB}") == 0 and billing.held() == 0
     assert await billing.release_all() == 0
     assert ledger.balance("donor:n1") == released
+
+
+async def test_a_release_while_the_job_ends_is_paid_once(
+    store: SqliteStore, ledger: CreditLedger
+) -> None:
+    """A check of round 2 passes while the job is cancelled: the end's settlement reads the
+    stored ledger and posts what is still held, so it must not run between the release's
+    read of its holds and its write (it would pay rounds 1-2 again, and be refused)."""
+    billing = JobBilling(job(), ledger)
+    billing.hold = True
+    for r in range(1, 5):
+        await charged(billing, ledger, r, part("n1", 10 * r, 10 * r + 10))
+    released, settled = await asyncio.gather(
+        billing.release("n1", 2), billing.settle_ended(store, ())
+    )
+    assert released == 200
+    assert ledger.balance("donor:n1") == 400 and ledger.balance(f"held:{JOB}") == 0
+    assert billing.held() == 0 and await billing.release_all() == 0
+    assert ledger.balance(f"escrow:{JOB}") == 0 and settled
