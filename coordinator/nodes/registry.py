@@ -676,11 +676,17 @@ class NodeRegistry:
     async def sweep(self) -> builtins.list[str]:
         """Mark every node whose lease lapsed OFFLINE; returns their ids."""
         now = self._clock()
-        # The float first: reading a protobuf field costs more, and few leases lapse at once.
-        lapsed = [n for n in self._nodes.values() if now > n.expires and n.info.state != OFFLINE]
-        self._restretch(
-            sum(1 for n in self._nodes.values() if now <= n.expires and n.info.state != OFFLINE)
-        )
+        # One pass: the lapsed leases, and the live ones the heartbeat rate limit counts.
+        lapsed: builtins.list[_Node] = []
+        leased = 0
+        for n in self._nodes.values():
+            if n.info.state == OFFLINE:
+                continue
+            if now > n.expires:
+                lapsed.append(n)
+            else:
+                leased += 1
+        self._restretch(leased)
         if not lapsed:
             return []
         # One transaction for every lease that lapsed (a coordinator that fell behind may find
