@@ -39,6 +39,10 @@ CONNECT_TIMEOUT_S = 3.0
 PROBE_TIMEOUT_S = 2.0
 # Deadline of one unary call once connected (streams have none: they last as long as the job).
 CALL_TIMEOUT_S = 30.0
+# Given several addresses, how long `Coordinator.follow` waits for one of them to serve after the
+# active one was lost (a standby takes over within seconds), and how often it asks.
+FOLLOW_TIMEOUT_S = 30.0
+FOLLOW_POLL_S = 0.5
 
 
 class ExitCode(enum.IntEnum):
@@ -270,7 +274,8 @@ class Coordinator:
     ``connect()`` waits at most ``connect_timeout`` seconds for the channel and raises
     ``CliError(UNREACHABLE)`` when it is not ready, so a wrong address answers within seconds.
     With ``identity`` the channel is TLS with that client certificate, else plaintext
-    (``--insecure``).
+    (``--insecure``). ``addresses``: every coordinator address given (an active one and its
+    standbys), which `follow` chooses from after a lost connection.
     """
 
     def __init__(
@@ -281,12 +286,22 @@ class Coordinator:
         connect_timeout: float = CONNECT_TIMEOUT_S,
         call_timeout: float = CALL_TIMEOUT_S,
         identity: Identity | None = None,
+        addresses: Sequence[str] = (),
+        follow_timeout: float = FOLLOW_TIMEOUT_S,
     ) -> None:
-        self.address = address
         self.source = source
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
         self.tls = identity is not None
+        self.addresses = tuple(addresses) or (address,)
+        self.follow_timeout = follow_timeout
+        self._identity = identity
+        self._open(address)
+
+    def _open(self, address: str) -> None:
+        """A new channel and stubs to ``address`` (not connected yet)."""
+        identity = self._identity
+        self.address = address
         self.channel: grpc.Channel = (
             sync_channel(address) if identity is None else secure_sync_channel(address, identity)
         )
@@ -294,6 +309,32 @@ class Coordinator:
         self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)  # type: ignore[no-untyped-call]
         self.market = market_pb2_grpc.MarketServiceStub(self.channel)  # type: ignore[no-untyped-call]
         self._connected = False
+
+    def follow(self) -> bool:
+        """After a lost connection, given several addresses: waits (``follow_timeout`` at most)
+        until one of them serves, and talks to that one from now on; True when it is another
+        address than before (calls are then made through a new channel). With one address,
+        False at once: a retry goes to the same address. CliError(UNREACHABLE), naming every
+        address's answer, when none serves in time."""
+        if len(self.addresses) < 2:
+            return False
+        deadline = time.monotonic() + self.follow_timeout
+        while True:
+            try:
+                active = find_active(
+                    self.addresses, self.source, self._identity, self.connect_timeout
+                )
+                break
+            except CliError:
+                if time.monotonic() + FOLLOW_POLL_S >= deadline:
+                    raise
+                time.sleep(FOLLOW_POLL_S)
+        if active == self.address:
+            return False
+        self.channel.close()
+        self._open(active)
+        self.connect()
+        return True
 
     def connect(self) -> Coordinator:
         if self._connected:

@@ -8,7 +8,10 @@ For every distinct blob (by sha256) the uploader first asks ``GetBlobStatus``:
   streamed: one header, then chunks of at most 1 MiB.
 
 A connection lost during an upload is retried (up to ``attempts`` times, with a short
-backoff), each time resuming from what the coordinator reports it holds.
+backoff), each time resuming from what the coordinator reports it holds. Given several
+coordinator addresses, the retry goes to the one serving then (`Coordinator.follow`): a standby
+that took over from a killed active one resumes the upload from the bytes in the blob directory
+they share.
 """
 
 from __future__ import annotations
@@ -135,6 +138,14 @@ class Uploader:
                     return attempt > 1
                 if attempt == 1:
                     self.stats.resumed_bytes += held
+                else:
+                    log.warning(
+                        "upload of %s resumes at byte %d of %d on %s",
+                        ref.sha256[:12],
+                        held,
+                        ref.size,
+                        coord.address,
+                    )
                 self._done = start_done + held
                 self._report()
 
@@ -178,6 +189,11 @@ class Uploader:
                 )
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 3.0)
+                lost = coord.address
+                if coord.follow():
+                    log.warning(
+                        "following the active coordinator at %s (was %s)", coord.address, lost
+                    )
         raise AssertionError("unreachable")  # pragma: no cover
 
     def upload_all(self, blobs: Sequence[bytes]) -> list[common_pb2.BlobRef]:

@@ -89,7 +89,10 @@ class Context:
                 )
                 self.address = replace(self.address, address=active)
             self._coordinator = Coordinator(
-                self.address.address, source=self.address.source, identity=identity
+                self.address.address,
+                source=self.address.source,
+                identity=identity,
+                addresses=self.address.every,
             )
         return self._coordinator.connect()
 
