@@ -51,18 +51,20 @@ _MASKS = (torch.bool, torch.uint8)
 
 def check(op: Any, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     """The dtype rules, dtype groups and argument contract of operator `name` (ProgramError)."""
+    a = _bind(op, args, kwargs)
+    _implemented_dtypes(name, a)
     rules = DTYPE_RULES.get(name)
     group = SAME_DTYPE.get(name)
     contract = ARG_CONTRACTS.get(name)
-    if rules is None and group is None and contract is None:
-        return
-    a = _bind(op, args, kwargs)
     for arg, kind in rules or ():
         value = a.get(arg)
         if value is not None:
             _KINDS[kind](value, arg)
     if group is not None and not _autocast():
         _same_dtype(a, group)
+    result = RESULT_OF.get(name)
+    if result is not None:
+        _result_type(a, result)
     if contract is not None:
         contract(a)
 
@@ -142,6 +144,10 @@ def _floating(d: torch.dtype) -> bool:
 
 _KINDS: dict[str, Callable[[Any, str], None]] = {
     "float": _kind(_floating, "floating-point tensors"),
+    "float32_or_64": _kind(
+        lambda d: d in (torch.float32, torch.float64), "float32 or float64 tensors"
+    ),
+    "complex": _kind(lambda d: d.is_complex, "complex tensors"),
     "float_or_complex": _kind(
         lambda d: d.is_floating_point or d.is_complex, "floating-point or complex tensors"
     ),
@@ -173,6 +179,77 @@ def _same_dtype(a: Bound, names: Sequence[str]) -> None:
     if len({d for _, d in seen}) > 1:
         listed = ", ".join(f"{n} {d}" for n, d in seen)
         raise ProgramError(f"the arguments must share one dtype, got {listed}")
+
+
+# -- dtypes the kernels implement -------------------------------------------------------------
+
+
+def _tensors(a: Bound) -> list[tuple[str, torch.Tensor]]:
+    """(argument name, tensor) for every tensor argument, lists' items named name[i]."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for n, v in a.items():
+        if isinstance(v, torch.Tensor):
+            out.append((n, v))
+        elif isinstance(v, (list, tuple)):
+            out.extend((f"{n}[{i}]", t) for i, t in enumerate(v) if isinstance(t, torch.Tensor))
+    return out
+
+
+def _implemented_dtypes(name: str, a: Bound) -> None:
+    """Every tensor argument has a dtype that the operator's kernels implement: one of
+    `DTYPES`, complex only where the operator is in `COMPLEX_OPS`, and none of the gaps that
+    `DEVICE_DTYPE_GAPS` lists for the device type the tensors are on."""
+    tensors = _tensors(a)
+    for arg, t in tensors:
+        if t.dtype not in DTYPES:
+            raise ProgramError(
+                f"{arg} is {t.dtype}; programs' tensors are floating-point (16 to 64 bits), "
+                "complex64/128, int8 to int64, uint8 or bool"
+            )
+        if t.dtype.is_complex and name not in COMPLEX_OPS:
+            raise ProgramError(f"{arg} is {t.dtype}; the operator has no complex kernels")
+    if not tensors:
+        return
+    device = tensors[0][1].device.type
+    gaps = DEVICE_DTYPE_GAPS.get(device, DEVICE_DTYPE_GAPS["cpu"]).get(name, ())
+    for arg, t in tensors:
+        if t.dtype in gaps:
+            raise ProgramError(
+                f"{arg} is {t.dtype}; the operator's {device} kernel does not implement it"
+            )
+    if name in _FFT and device == "cuda":
+        _cuda_half_fft(a)
+
+
+def _cuda_half_fft(a: Bound) -> None:
+    """cuFFT computes float16 transforms only of power-of-two sizes."""
+    x = _tensor(a["self"], "self")
+    if x.dtype != torch.float16:
+        return
+    for d in _ints(a["dim"], "dim"):
+        size = int(x.shape[d]) if 0 <= d < x.dim() else 0
+        if size < 1 or size & (size - 1):
+            raise ProgramError(
+                f"self is torch.float16 with size {size} along dim {d}; the cuda FFT of "
+                "float16 takes power-of-two sizes only"
+            )
+
+
+def _result_type(a: Bound, names: Sequence[str]) -> None:
+    """The operator produces the dtype of argument names[0]: the result type of all of them
+    must cast to it (complex arguments of an operator that produces a real tensor do not)."""
+    tensors = [(n, a[n]) for n in names if isinstance(a.get(n), torch.Tensor)]
+    if len(tensors) < 2:
+        return
+    out, result = tensors[0][1].dtype, tensors[0][1].dtype
+    for _, t in tensors[1:]:
+        result = torch.promote_types(result, t.dtype)
+    if not torch.can_cast(result, out):
+        worst = next((n for n, t in tensors if not torch.can_cast(t.dtype, out)), names[0])
+        raise ProgramError(
+            f"{worst} is {a[worst].dtype}; the operator produces {out} ({names[0]}'s dtype), "
+            f"which cannot hold the result type {result}"
+        )
 
 
 # -- argument contracts ----------------------------------------------------------------------
@@ -507,7 +584,9 @@ DTYPE_RULES: dict[str, tuple[tuple[str, str], ...]] = {
         "elu.default elu_.default selu.default glu.default log_sigmoid.default "
         "hardshrink.default adaptive_avg_pool2d.default _adaptive_avg_pool2d.default "
         "_adaptive_avg_pool3d.default adaptive_max_pool1d.default adaptive_max_pool2d.default "
-        "_pdist_forward.default huber_loss.default "
+        "avg_pool2d.default avg_pool3d.default max_pool1d.default max_pool2d.default "
+        "max_pool2d_with_indices.default max_pool3d.default max_pool3d_with_indices.default "
+        "im2col.default col2im.default _fft_r2c.default huber_loss.default "
         "soft_margin_loss.default binary_cross_entropy_with_logits.default",
         _SELF,
     ),
@@ -518,7 +597,12 @@ DTYPE_RULES: dict[str, tuple[tuple[str, str], ...]] = {
         "upsample_bilinear2d.vec grid_sampler_2d.default", ("input", "float"), ("grid", "float")
     ),
     **_rules("upsample_nearest2d.vec", ("input", "float_or_uint8")),
-    **_rules("cdist.default _cdist_forward.default", ("x1", "float"), ("x2", "float")),
+    # Distances: float32 and float64 kernels only, on every device.
+    **_rules("_pdist_forward.default", ("self", "float32_or_64")),
+    **_rules(
+        "cdist.default _cdist_forward.default", ("x1", "float32_or_64"), ("x2", "float32_or_64")
+    ),
+    **_rules("_fft_c2r.default", ("self", "complex")),
     **_rules(
         "batch_norm.default instance_norm.default",
         *((n, "float") for n in ("input", "weight", "bias", "running_mean", "running_var")),
@@ -532,9 +616,7 @@ DTYPE_RULES: dict[str, tuple[tuple[str, str], ...]] = {
     **_rules(
         "abs.default ceil.default floor.default round.default trunc.default relu.default "
         "relu_.default argmax.default argmin.default sub.Tensor sub.Scalar rsub.Scalar "
-        "avg_pool2d.default avg_pool3d.default max_pool1d.default max_pool2d.default "
-        "max_pool2d_with_indices.default max_pool3d.default max_pool3d_with_indices.default "
-        "reflection_pad1d.default reflection_pad2d.default reflection_pad3d.default",
+        "topk.default reflection_pad1d.default reflection_pad2d.default reflection_pad3d.default",
         ("self", "not_bool"),
         ("other", "not_bool"),
     ),
@@ -636,4 +718,86 @@ ARG_CONTRACTS: dict[str, Callable[[Bound], None]] = {
     "aten.add_.Tensor": _in_place,
     "aten.mul_.Tensor": _in_place,
     "aten.rand_like.default": _rand_like,
+}
+
+
+# The dtypes a program's tensors may have (the kernels of most operators implement no others:
+# float8, complex32, uint16/32/64, quantized and bit types).
+DTYPES = frozenset(
+    {
+        torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+        torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+        torch.bool,
+    }
+)  # fmt: skip
+
+# The operators that take complex tensors (their kernels implement complex on CPU and CUDA
+# alike: elementwise arithmetic and transcendental functions, sums and products, matrix
+# products, equality, selection, indexing and movement). Every other operator refuses a complex
+# argument: comparisons, clamps, rounding, activations, pools, norms, convolutions, losses,
+# random draws and sorting have no complex kernels.
+COMPLEX_OPS = frozenset(
+    f"aten.{n}"
+    for n in """
+    _fft_c2r.default _to_copy.default to.device to.dtype to.dtype_layout type_as.default
+    abs.default acos.default acosh.default asin.default asinh.default atan.default atanh.default
+    cos.default cosh.default sin.default sinh.default tan.default tanh.default exp.default
+    exp_.default expm1.default log.default log10.default log1p.default log2.default
+    neg.default reciprocal.default rsqrt.default sigmoid.default sqrt.default sqrt_.default
+    add.Scalar add.Tensor add_.Tensor sub.Scalar sub.Tensor rsub.Scalar mul.Scalar mul.Tensor
+    mul_.Tensor div.Scalar div.Tensor pow.Scalar pow.Tensor_Scalar pow.Tensor_Tensor
+    addcmul.default lerp.Scalar isfinite.default isinf.default isnan.default nan_to_num.default
+    eq.Scalar eq.Tensor ne.Scalar ne.Tensor logical_and.default logical_not.default
+    logical_or.default logical_xor.default any.default any.dim any.dims all.dim
+    sum.default sum.dim_IntList mean.default mean.dim prod.default prod.dim_int cumsum.default
+    cumprod.default std.dim std_mean.dim var.dim var_mean.dim var.correction
+    linalg_vector_norm.default logsumexp.default
+    addmm.default mm.default bmm.default baddbmm.default matmul.default linear.default
+    bilinear.default einsum.default outer.default
+    where.self where.ScalarOther masked_fill.Scalar masked_fill_.Scalar masked_scatter.default
+    gather.default scatter.src scatter.value scatter_add.default index.Tensor
+    index_put.default index_select.default index_add.default select_scatter.default
+    slice_scatter.default
+    alias.default clone.default contiguous.default copy.default detach.default detach_.default
+    lift_fresh_copy.default cat.default stack.default broadcast_tensors.default chunk.default
+    split.Tensor split_with_sizes.default tensor_split.sections unbind.int diagonal.default
+    expand.default expand_as.default flatten.using_ints unflatten.int flip.default
+    narrow.default permute.default repeat.default repeat_interleave.self_int reshape.default
+    reshape_as.default roll.default select.int slice.Tensor squeeze.default squeeze.dim
+    squeeze.dims t.default transpose.int tril.default triu.default unfold.default
+    unsqueeze.default view.default view_as.default diff.default pixel_shuffle.default
+    pixel_unshuffle.default constant_pad_nd.default pad.default
+    empty_like.default full_like.default ones_like.default zeros_like.default new_full.default
+    new_ones.default new_zeros.default fill.Scalar fill_.Scalar sym_size.int sym_numel.default
+    _assert_tensor_metadata.default
+    """.split()
+)
+
+_FFT = frozenset({"aten._fft_r2c.default", "aten._fft_c2r.default"})
+_HALVES = (torch.float16, torch.bfloat16)
+# Dtypes that the kernels of one device type do not implement although the operator admits
+# them ({device type: {operator: dtypes}}). A device type not listed is held to the "cpu" gaps.
+# CPU: measured (tests/unit/test_shape_fuzz_ops.py). CUDA (not measured here): its avg_pool3d
+# and margin-loss kernels implement float16 and bfloat16; cuFFT implements float16 (of
+# power-of-two sizes, checked apart) but not bfloat16.
+DEVICE_DTYPE_GAPS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
+    "cpu": {
+        f"aten.{n}": _HALVES
+        for n in (
+            "_fft_r2c.default avg_pool3d.default multi_margin_loss.default "
+            "multilabel_margin_loss.default"
+        ).split()
+    },
+    "cuda": {"aten._fft_r2c.default": (torch.bfloat16,)},
+}
+
+# Operators that produce the dtype of their first named argument from the others too: the
+# result type of the named arguments must cast to it.
+RESULT_OF: dict[str, tuple[str, ...]] = {
+    f"aten.{k}": v
+    for k, v in {
+        "huber_loss.default": ("self", "target"),
+        "soft_margin_loss.default": ("self", "target"),
+        "conv_transpose2d.input": ("input", "weight", "bias"),
+    }.items()
 }
