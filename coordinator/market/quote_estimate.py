@@ -53,12 +53,15 @@ parameters' sizes spread, else the fixed part under the per-byte cost below).
 Before any job is recorded, both come from what the chosen nodes measured
 (`default_overhead`): the fixed part is ROUND_RTTS round trips at the slowest measured RTT to
 the coordinator (a round is a chain of hand-overs between the coordinator, the agent and its
-confined child, each waiting for a turn on a CPU: on a loaded machine the RTT and the round's
-overhead grow together, 0.8 ms and 0.16 s at load 5, 2.7 ms and 0.83 s at load 18, while the
-reference FLOP/s hardly moves; ROUND_FIXED_FLOPS reference FLOPs at the slowest node's FLOP/s
-where no RTT was measured), the per-byte part ROUND_BYTE_PASSES passes of the parameters at
-the lowest measured bandwidth to the coordinator (each pass a copy, an encoding or a transfer
-of them).
+confined child, each waiting for a turn on a CPU, so the RTT and the round's overhead grow
+together with a machine's load, while the reference FLOP/s hardly moves; ROUND_FIXED_FLOPS
+reference FLOPs at the slowest node's FLOP/s where no RTT was measured), the per-byte part
+ROUND_BYTE_PASSES passes of the parameters at the lowest measured bandwidth to the coordinator
+(each pass a copy, an encoding or a transfer of them). Calibrated on a quiet machine, where a
+quote is meant to hold (the zen example on one and two agents: 0.07 s of overhead a round at an
+RTT of 0.7-0.8 ms, about 90 round trips); under load the rounds slow faster than the RTT (0.16 s
+at load 5, 0.83 s at load 18 against 0.8 and 2.7 ms), so a loaded machine's first quote is
+low until its first job is recorded.
 
 Cost. Each round's part on node i earns ``price_i x b_i / rate_i / 3600`` micro-credits,
 rounded down (coordinator/accounting/billing.py), at the rate the node shows at that batch
@@ -90,14 +93,14 @@ QUOTED_JOB = "quote"  # the quoted job's id in the scheduler pass
 # zen transformer, a 4-layer MLP, a conv net and the spirals MLP; docs/benchmarks.md).
 DEFAULT_FIXED_FLOPS = 4.1e8  # a step's fixed cost, in reference FLOPs (about 10 ms there)
 DEFAULT_EFFICIENCY = 0.44
-# Without recorded jobs (the same runs' recorded rounds, one node): a round's fixed cost outside
-# compute per node, in reference FLOPs of the slowest chosen node (about 0.16 s at the 4.5e10
-# FLOP/s its reference benchmark measured there), and how many passes over the parameters a
-# round makes at that node's measured bandwidth to the coordinator (0.06 s per MB at 190 MB/s
-# there); from submission to the first round (program check, claim, program load) besides the
-# job benchmark's compute.
-ROUND_FIXED_FLOPS = 7.2e9
-ROUND_RTTS = 250.0  # a round's fixed cost, in round trips to the coordinator
+# Without recorded jobs (scripts/bench_quote.py's zen rounds on the same VM, quiet): a round's
+# fixed cost outside compute per node, in reference FLOPs of the slowest chosen node (about
+# 0.05 s at the 4.5e10 FLOP/s its reference benchmark measured there) or in round trips to the
+# coordinator, and how many passes over the parameters a round makes at that node's measured
+# bandwidth to the coordinator (0.06 s per MB at 190 MB/s there); from submission to the first
+# round (program check, claim, program load) besides the job benchmark's compute.
+ROUND_FIXED_FLOPS = 2.3e9
+ROUND_RTTS = 80.0  # a round's fixed cost, in round trips to the coordinator
 START_RTTS = 5000.0  # submission to the first round besides the benchmark (4 s at 0.8 ms)
 ROUND_BYTE_PASSES = 12.0
 FALLBACK_BANDWIDTH = 100e6  # bytes/s, for a node that measured none

@@ -219,13 +219,20 @@ def _ring_job(coord: str, agents: list[AgentProc], directory: Path) -> None:
     log.info(f"ring smoke job done in {time.monotonic() - t0:.1f}s")
     records = load_rounds(coord, job_id)
     # A ring attempt that failed (a member's heartbeat late under load) is recorded with no
-    # applied part and retried: count the applied rounds.
+    # applied part and retried; one whose part was left out (a node cut off under load) applies
+    # the others' parts and its samples come back in a later round: count the applied rounds
+    # and require every sample exactly once, no round above the global batch.
     rounds = [r for r in records if applied_parts(r)]
-    assert len(rounds) == SMOKE_SAMPLES // SMOKE_BATCH
+    shape = [
+        (r["round"], [(p["node_id"], len(indices(p))) for p in applied_parts(r)]) for r in rounds
+    ]
+    assert len(rounds) >= SMOKE_SAMPLES // SMOKE_BATCH, shape
+    assert all(sum(n for _, n in parts) <= SMOKE_BATCH for _, parts in shape), shape
     covered = sorted(i for r in rounds for p in applied_parts(r) for i in indices(p))
-    assert covered == list(range(SMOKE_SAMPLES))  # exactly once
+    assert covered == list(range(SMOKE_SAMPLES)), shape  # exactly once
     ext_id = agents[2].node_id()
-    assert all(ext_id in {p["node_id"] for p in applied_parts(r)} for r in rounds)
+    with_ext = [r for r in rounds if ext_id in {p["node_id"] for p in applied_parts(r)}]
+    assert len(with_ext) >= SMOKE_SAMPLES // SMOKE_BATCH - 1, shape
 
     members = agents[:2]
     recorded = {r["round"] for r in records}
@@ -236,4 +243,4 @@ def _ring_job(coord: str, agents: list[AgentProc], directory: Path) -> None:
         assert all(g[2] == "gradient" for g in lines)
     # The --no-peer node got each later round's state from a member (it dials out).
     served = sum(a.log_text().count(f"to node {ext_id}") for a in members)
-    assert served >= len(rounds) - 1
+    assert served >= len(with_ext) - 1
