@@ -9,15 +9,26 @@ kwargs)` checks them here first, on the fake tensors, and raises a one-line Prog
 the argument (the shape check prefixes the node and the operator).
 
 What is checked:
-- dtypes that the operator's meaning requires on every device (`DTYPE_RULES`): indices are
-  integer tensors (int64 where the operator takes only int64), masks are bool, class targets
-  int64, bitwise operators take integer or bool tensors, operators whose math is floating point
-  (softmax, the smooth activations, adaptive pools, interpolation, norms, std/var, distances,
-  most losses) take floating-point tensors, and arithmetic that bool does not have (subtraction,
-  relu, rounding, pooling, reflection pads, argmax) refuses bool;
+- dtypes the kernels implement, for every operator (`DTYPES`, `COMPLEX_OPS`,
+  `DEVICE_DTYPE_GAPS`): no tensor of a dtype outside the standard set (float8, complex32,
+  uint16/32/64, quantized); complex tensors only for the operators whose kernels implement them
+  (FFT, elementwise arithmetic, sums, matrix products, indexing, movement), on every device; the
+  float16/bfloat16 gaps of the kernels of the tensors' device type (the fake tensors carry the
+  real device: CPU float16/bfloat16 FFT, avg_pool3d and margin losses; cuFFT's bfloat16, and
+  float16 of other than power-of-two sizes, on CUDA). A device type without a table of its own
+  is held to the CPU's;
+- dtypes that the operator's meaning or its kernels on every device require (`DTYPE_RULES`):
+  indices are integer tensors (int64 where the operator takes only int64), masks are bool, class
+  targets int64, bitwise operators take integer or bool tensors, operators whose math is
+  floating point (softmax, the smooth activations, pools, im2col/col2im, interpolation, norms,
+  std/var, distances, most losses, _fft_r2c) take floating-point tensors (distances float32 or
+  float64 only: no device implements half-precision distances), _fft_c2r complex ones, and
+  arithmetic that bool does not have (subtraction, relu, rounding, reflection pads, argmax,
+  topk) refuses bool;
 - arguments that must share one dtype (`SAME_DTYPE`: matrix products, scatter sources, index_put
   values, grid sampling), outside autocast regions (there the kernels' arguments are cast first),
-  and in-place results that the operator's own dtype must hold;
+  in-place results that the operator's own dtype must hold, and operators that produce one
+  argument's dtype from others (`RESULT_OF`: the result type of them must cast to it);
 - arguments (`ARG_CONTRACTS`): dims within the rank (softmax family, sort, logsumexp, the
   index/scatter/gather family), gather/scatter index ranks and sizes against self's and src's,
   index_add sources, index/index_put index counts and mask shapes and index_put values that
@@ -26,9 +37,9 @@ What is checked:
   the dimension), adaptive pools' output sizes, _pdist_forward's 2-D input, _fft_r2c/_fft_c2r
   dims normalised (0 <= dim < rank, distinct), masked_scatter sources that can fill the mask.
 
-Left to the kernels: a dtype an operator's math admits but one device's kernel does not
-implement (float16 pooling, FFT or distances on CPU, which CUDA implements: a program may run on
-either, so refusing them here would refuse programs that run on GPUs), and values that are
+Where the CUDA kernels were not measured, the rules refuse on every device what the CPU kernels
+do not implement (complex, integer and bool gaps), so a program the check accepts on one device
+type does not meet a kernel's own dtype refusal on another. Left to the kernels: values that are
 data (an index's values, a mask's count of true elements): the kernels check those as they run.
 """
 
@@ -210,7 +221,8 @@ def _implemented_dtypes(name: str, a: Bound) -> None:
             raise ProgramError(f"{arg} is {t.dtype}; the operator has no complex kernels")
     if not tensors:
         return
-    device = tensors[0][1].device.type
+    # The kernel runs on the device of its non-CPU tensors (CPU ones are 0-d scalars there).
+    device = next((t.device.type for _, t in tensors if t.device.type != "cpu"), "cpu")
     gaps = DEVICE_DTYPE_GAPS.get(device, DEVICE_DTYPE_GAPS["cpu"]).get(name, ())
     for arg, t in tensors:
         if t.dtype in gaps:

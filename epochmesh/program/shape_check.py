@@ -44,10 +44,12 @@ fuzzed by tests/unit/test_shape_fuzz_ops.py):
   strides and dilations, groups > 0;
 - grid_sampler_2d, _fft_r2c, _fft_c2r: enum-valued integers in range; _fft_c2r's last
   dimension size agrees with its input (the kernel reads last_dim_size // 2 + 1 elements).
-- every other allowed operator: `epochmesh.program.op_contracts` (index/scatter/gather family,
-  pads, adaptive pools, dims within the rank, FFT dims, and the dtypes an operator's meaning
-  requires), checked before the contracts above (tests/unit/test_shape_fuzz_ops.py fuzzes every
-  allowed operator).
+- every allowed operator: `epochmesh.program.op_contracts` (index/scatter/gather family,
+  pads, adaptive pools, dims within the rank, FFT dims, the dtypes an operator's meaning
+  requires, and the dtypes its kernels for the tensors' device type implement: no complex
+  tensors outside the operators with complex kernels, no CPU float16/bfloat16 gaps on CPU),
+  checked before the contracts above (tests/unit/test_shape_fuzz_ops.py fuzzes every allowed
+  operator and requires that no kernel refuses a case the check accepted).
 Index values (gather, scatter, index, index_put, index_select, embedding) are data: the CPU
 kernels check their ranges as they run.
 """

@@ -547,3 +547,47 @@ def test_mismatched_arguments_are_refused_or_valid() -> None:
     # Every argument error and every dtype a kernel does not implement is the check's to refuse.
     kernel_refused = [r for r in records if r["verdict"] == "kernel_refused"]
     assert not kernel_refused, kernel_refused
+
+
+def test_device_dtype_gaps_follow_the_tensors_device_type() -> None:
+    """The CPU's float16/bfloat16 gaps refuse on CPU tensors only; CUDA tensors (fake ones: no GPU
+    is needed) are held to cuFFT's: no bfloat16, float16 of power-of-two sizes only."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from epochmesh.errors import ProgramError
+    from epochmesh.program import op_contracts
+
+    aten = torch.ops.aten
+
+    def verdict(op: Any, *args: Any) -> str:
+        name = f"aten.{op._schema.name.split('::')[1]}.{op._overloadname}"
+        try:
+            op_contracts.check(op, name, args, {})
+        except ProgramError as e:
+            return str(e)
+        return "accepted"
+
+    with FakeTensorMode():
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.empty(1, 2, 4, 4, 4, dtype=dtype)
+            assert "cpu kernel does not implement" in verdict(aten.avg_pool3d.default, x, [2] * 3)
+            x = torch.empty(1, 2, 4, 4, 4, dtype=dtype, device="cuda")
+            assert verdict(aten.avg_pool3d.default, x, [2] * 3) == "accepted"
+            x = torch.empty(4, 8, dtype=dtype)
+            assert "cpu kernel" in verdict(aten._fft_r2c.default, x, [1], 0, True)
+        fft = aten._fft_r2c.default
+        x = torch.empty(4, 8, dtype=torch.bfloat16, device="cuda")
+        assert "cuda kernel does not implement" in verdict(fft, x, [1], 0, True)
+        x = torch.empty(4, 6, dtype=torch.float16, device="cuda")
+        assert "power-of-two" in verdict(fft, x, [1], 0, True)
+        x = torch.empty(4, 8, dtype=torch.float16, device="cuda")
+        assert verdict(fft, x, [1], 0, True) == "accepted"
+        # Device-independent: no half-precision distances, no complex pools, no integer pools.
+        for device in ("cpu", "cuda"):
+            x = torch.empty(4, 3, dtype=torch.float16, device=device)
+            assert "float32 or float64" in verdict(aten._pdist_forward.default, x, 2.0)
+            x = torch.empty(1, 2, 6, 6, dtype=torch.complex64, device=device)
+            assert "no complex kernels" in verdict(aten.max_pool2d.default, x, [2, 2])
+            x = torch.empty(1, 2, 6, 6, dtype=torch.int64, device=device)
+            assert "floating-point" in verdict(aten.max_pool2d.default, x, [2, 2])
