@@ -165,6 +165,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help=f"lease lifetime without a heartbeat (default {LEASE_TTL_HEARTBEATS:g} x interval)",
     )
     parser.add_argument(
+        "--report-stalls",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help=(
+            "log where the coordinator's event loop is when it runs nothing else for this many "
+            "milliseconds (a stall delays every call); 0: off (default)"
+        ),
+    )
+    parser.add_argument(
         "--max-heartbeats-per-second",
         type=_non_negative_float,
         default=DEFAULT_MAX_HEARTBEATS_PER_S,
@@ -466,6 +476,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         heartbeat_interval_s=args.heartbeat_interval,
         lease_ttl_s=args.lease_ttl,
         max_heartbeats_per_s=args.max_heartbeats_per_second,
+        report_stalls_ms=args.report_stalls,
         max_blob_bytes=args.max_blob_bytes,
         blob_quota_bytes=args.blob_quota_bytes,
         max_upload_streams=args.max_upload_streams,
@@ -537,11 +548,19 @@ async def serve(config: CoordinatorConfig, engine_factory: EngineFactory | None 
     # 150-330 ms each, every few seconds, stalling every call meanwhile).
     gc.collect()
     gc.freeze()
+    watch = None
+    if config.report_stalls_ms > 0:
+        from coordinator.observability.stall_watch import StallWatch
+
+        watch = StallWatch(config.report_stalls_ms / 1000)
+        watch.start()
     try:
         # Losing the lease, the coordinator stands by again on its own (coordinator/app.py).
         await stop.wait()
         log.info("signal received: shutting down")
     finally:
+        if watch is not None:
+            await watch.stop()
         await coordinator.stop()
     return 0
 

@@ -19,7 +19,7 @@ registered, --duration seconds are measured. Prints one JSON line:
   after --register-timeout the bench measures anyway),
   coordinator_cpu_s_per_1000_heartbeats (user+system CPU of the coordinator process during the
   measured window, per 1000 heartbeats), duration_s, register_s, client_processes, store
-  ("sqlite" or "postgresql"), interval_s, told_interval_s (the median interval the agents
+  ("sqlite" or "postgresql"), client_nice, coordinator_cores (--pin-coordinator), interval_s, told_interval_s (the median interval the agents
   heartbeat at by the end), fixed_interval
 
 The store is SQLite in the data dir by default. ``--store postgresql`` (the word alone) starts a
@@ -34,7 +34,14 @@ the same machine and competes with the coordinator for CPU; its CPU per 1000 hea
 reported too, and so is the busy CPU of everything else on the machine during the window
 (foreign_cores), and the CPU the hypervisor withheld from this virtual machine (steal_cores):
 tail latencies on a machine where other work takes cores are that work's, not the
-coordinator's; compare runs at similar foreign_cores.
+coordinator's; compare runs at similar foreign_cores. The load generators run niced
+(--client-nice, default 10; reported as client_nice): on a shared machine the kernel would
+otherwise take the coordinator's thread off a core for tens of milliseconds in favour of the
+generators' (a production coordinator has its machine to itself); they still get every cycle
+the coordinator leaves (it uses well under one of two cores at 500 heartbeats a second).
+``--pin-coordinator`` goes further: the coordinator alone on the first core, the load
+generators, the bench and its PostgreSQL server on the others (reported as coordinator_cores),
+the nearest this machine comes to a load generator on another machine.
 
 TLS is on, as in production: the bench enrolls one operator identity with a real join token
 (`epochmesh-coordinator token create`) and every simulated agent calls with it (an operator may
@@ -304,7 +311,20 @@ def wait_for_coordinator(
     raise RuntimeError("coordinator did not start in time")
 
 
+def _pinned_cores(args: argparse.Namespace) -> tuple[set[int], set[int]] | None:
+    """With --pin-coordinator: (the coordinator's cores, everything else's), else None."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not args.pin_coordinator or len(cores) < 2:
+        return None
+    return {cores[0]}, set(cores[1:])
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, object]:
+    pinned = _pinned_cores(args)
+    if pinned is not None:
+        # The bench, its PostgreSQL server and its load generators (children inherit it) on the
+        # other cores; the coordinator alone on its own (set in its child before exec).
+        os.sched_setaffinity(0, pinned[1])
     pg_server = None
     store_url = args.store
     if store_url == "postgresql":
@@ -321,6 +341,7 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
     own_dir = args.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="bench-cp-")) if own_dir else Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
+    pinned = _pinned_cores(args)
     coordinator_bin = Path(sys.executable).parent / "epochmesh-coordinator"
     log = open(data_dir / "coordinator-stderr.log", "ab")
     # `serve` and `token create` find the same database through the environment.
@@ -342,6 +363,7 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
+        preexec_fn=(lambda: os.sched_setaffinity(0, pinned[0])) if pinned else None,
     )
     workers: list[subprocess.Popen[str]] = []
     profiler: subprocess.Popen[bytes] | None = None
@@ -396,7 +418,13 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
                 identity_dir,
             ]
             workers.append(
-                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    preexec_fn=(lambda: os.nice(args.client_nice)) if args.client_nice else None,
+                )
             )
         _progress(f"registering {args.agents} agents in {args.clients} client processes")
         register_s = 0.0
@@ -473,6 +501,8 @@ def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
             "register_s": round(register_s, 2),
             "registered": registered,
             "client_processes": args.clients,
+            "client_nice": args.client_nice,
+            "coordinator_cores": sorted(pinned[0]) if pinned else None,
             "store": "postgresql" if store_url else "sqlite",
         }
     finally:
@@ -539,6 +569,24 @@ def main() -> int:
     )
     parser.add_argument("--duration", type=float, default=30.0, help="measured time (s)")
     parser.add_argument("--clients", type=int, default=1, help="load-generator processes")
+    parser.add_argument(
+        "--pin-coordinator",
+        action="store_true",
+        help=(
+            "run the coordinator alone on the first core and the load generators, the bench "
+            "and its PostgreSQL server on the others (as if the generators ran elsewhere)"
+        ),
+    )
+    parser.add_argument(
+        "--client-nice",
+        type=int,
+        default=10,
+        metavar="N",
+        help=(
+            "the load generators' niceness (0: the coordinator's): they run on the coordinator's "
+            "cores, and the kernel's scheduler otherwise preempts the coordinator for them"
+        ),
+    )
     parser.add_argument(
         "--connections",
         type=int,

@@ -39,6 +39,8 @@ class CoordinatorConfig:
     # Both stretched alike while the leased nodes would heartbeat more often than this a
     # second in all (0: never stretched; coordinator/nodes/registry.py).
     max_heartbeats_per_s: float = DEFAULT_MAX_HEARTBEATS_PER_S
+    # Log the event loop's stack when it runs nothing for this long (0: off).
+    report_stalls_ms: float = 0.0
     max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
     # Heartbeat times are kept in memory and written to the store in batches this often.
     heartbeat_flush_interval_s: float = 1.0
@@ -124,6 +126,8 @@ class CoordinatorConfig:
             raise ValueError("the platform fee must be within 0..100 %")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
+        if not self.report_stalls_ms >= 0:
+            raise ValueError("report_stalls_ms must be >= 0")
         if not self.max_heartbeats_per_s >= 0:
             raise ValueError("the heartbeat rate limit must be >= 0 (0: none)")
         if self.lease_timeout_s <= 0 or self.lease_poll_s <= 0:

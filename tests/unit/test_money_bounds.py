@@ -129,3 +129,19 @@ def test_a_token_bucket_bounds_a_key_and_counts_its_drops() -> None:
     assert buckets.pending() == []
     with pytest.raises(ValueError):
         BucketLimit(burst=0, per_second=1.0)
+
+
+def test_idle_buckets_are_forgotten_least_recently_used_first() -> None:
+    buckets = TokenBuckets(BucketLimit(burst=2, per_second=1.0))  # full again after 2 s
+    for i, key in enumerate(("a", "b", "c")):
+        assert buckets.take(key, now=float(i))
+    assert buckets.take("a", now=3.0)  # used again: now the most recent
+    for _ in range(3):
+        buckets.take("d", now=3.0)  # its third take is a drop, not yet reported
+    buckets.forget_idle(now=4.5)  # b (1.0) and c (2.0) idle past 2 s; a and d recent
+    assert sorted(buckets._tokens) == ["a", "d"]
+    buckets.forget_idle(now=10.0)  # d's drop is pending: its bucket stays until reported
+    assert sorted(buckets._tokens) == ["d"]
+    assert buckets.take_dropped("d") == 1
+    buckets.forget_idle(now=10.0)
+    assert buckets._tokens == {}
