@@ -331,17 +331,18 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
         _progress("starting a PostgreSQL server")
         pg_server, store_url = _start_postgres()
     try:
-        return _run_bench(args, store_url)
+        return _run_bench(args, store_url, pinned)
     finally:
         if pg_server is not None:
             pg_server.stop()
 
 
-def _run_bench(args: argparse.Namespace, store_url: str) -> dict[str, object]:
+def _run_bench(
+    args: argparse.Namespace, store_url: str, pinned: tuple[set[int], set[int]] | None
+) -> dict[str, object]:
     own_dir = args.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="bench-cp-")) if own_dir else Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    pinned = _pinned_cores(args)
     coordinator_bin = Path(sys.executable).parent / "epochmesh-coordinator"
     log = open(data_dir / "coordinator-stderr.log", "ab")
     # `serve` and `token create` find the same database through the environment.
