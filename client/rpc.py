@@ -20,6 +20,7 @@ anything else                             1 internal / unexpected
 from __future__ import annotations
 
 import enum
+import logging
 import ssl
 import threading
 import time
@@ -33,6 +34,8 @@ from epochmesh.grpc_util import sync_channel
 from epochmesh.identity import Identity, fetch_server_certificate, secure_sync_channel
 from epochmesh.v1 import job_pb2_grpc, market_pb2_grpc, scheduler_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 # How long the CLI waits for the channel to connect before it calls the coordinator unreachable.
 CONNECT_TIMEOUT_S = 3.0
 # How long the TLS probe after a failed connection may take (a mismatch answers at once).
@@ -43,6 +46,8 @@ CALL_TIMEOUT_S = 30.0
 # active one was lost (a standby takes over within seconds), and how often it asks.
 FOLLOW_TIMEOUT_S = 30.0
 FOLLOW_POLL_S = 0.5
+# RPCs that only read: asked again on the active coordinator after a takeover.
+READ_PREFIXES = ("Get", "List", "Quote", "Watch")
 
 
 class ExitCode(enum.IntEnum):
@@ -361,12 +366,45 @@ class Coordinator:
         return self
 
     def call(self, what: str, method: Callable[..., T], request: Any) -> T:
-        """Calls a unary method with the call deadline; failures become CliError."""
+        """Calls a unary method with the call deadline; failures become CliError. Given
+        several addresses, a read (Get..., List..., Quote...) that finds its coordinator gone
+        follows the active one (`follow`) and is asked there once more; a change is not
+        repeated (it may have been applied before the connection went)."""
         self.connect()
         try:
             return method(request, timeout=self.call_timeout)
         except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or len(self.addresses) < 2:
+                raise error_from_rpc(err, what, self.address) from None
+            lost = self.address
+            where = self._locate(method)
+            if not self.follow():
+                raise error_from_rpc(err, what, self.address) from None
+            log.warning("following the active coordinator at %s (was %s)", self.address, lost)
+            if where is None or not where[1].startswith(READ_PREFIXES):
+                raise CliError(
+                    ExitCode.UNREACHABLE,
+                    f"the coordinator at {lost} went away during {what}; "
+                    f"{self.address} is active now",
+                    "check whether it took effect there (e.g. `epochmesh jobs`), then run the "
+                    "command again if it did not",
+                ) from None
+        again: Callable[..., T] = getattr(self._stubs()[where[0]], where[1])
+        try:
+            return again(request, timeout=self.call_timeout)
+        except grpc.RpcError as err:
             raise error_from_rpc(err, what, self.address) from None
+
+    def _stubs(self) -> tuple[Any, ...]:
+        return (self.jobs, self.scheduler, self.market)
+
+    def _locate(self, method: object) -> tuple[int, str] | None:
+        """(which of `_stubs`, RPC name) holding ``method`` on this channel."""
+        for i, stub in enumerate(self._stubs()):
+            for name, value in vars(stub).items():
+                if value is method:
+                    return i, name
+        return None
 
     def stream(
         self, what: str, method: Callable[..., ServerStream[T]], request: Any

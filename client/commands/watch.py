@@ -7,12 +7,14 @@ change), so that a log of it stays readable. With ``--output json`` every update
 line on stdout and nothing is drawn.
 
 Exit code: 0 when the job succeeded, 5 when it failed or was cancelled, 130 on Ctrl-C. A lost
-connection is retried for ``--reconnect`` seconds, resuming after the last round seen.
+connection is retried for ``--reconnect`` seconds, resuming after the last round seen; given
+several coordinator addresses, on the one that serves by then (a standby that took over).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -42,6 +44,8 @@ from client.render import (
 )
 from client.rpc import CliError, ExitCode, error_from_rpc
 from epochmesh.v1 import common_pb2, job_pb2
+
+log = logging.getLogger(__name__)
 
 SPARK_WIDTH = 48
 
@@ -301,7 +305,18 @@ def watch_job(ctx: Context, job_id: str, *, reconnect_s: float = 60.0) -> int:
                 if now - lost_since > reconnect_s:
                     raise error_from_rpc(err, "WatchJob", coord.address) from None
                 view.message(f"lost the coordinator ({err.code().name}); reconnecting...")
-                time.sleep(1.0)
+                lost = coord.address
+                try:
+                    # Given several addresses: the one that serves now (a standby took over).
+                    if coord.follow():
+                        log.warning(
+                            "following the active coordinator at %s (was %s)", coord.address, lost
+                        )
+                        continue
+                except CliError:
+                    pass  # none serves yet: try again until --reconnect runs out
+                if coord.address == lost:
+                    time.sleep(1.0)
                 continue
             finally:
                 call.cancel()
