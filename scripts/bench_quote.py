@@ -14,7 +14,12 @@ to the operator; then for each model, in order: ``epochmesh quote JOB.toml --out
 submit (the program comes from the export cache the quote filled), wait until the job ends,
 and compare. ``zen`` is examples/zen; ``spirals`` examples/spirals; ``mlp`` a 4-layer MLP and
 ``conv`` a small conv net on random data, written here. The later models of a cluster are
-quoted with the earlier jobs recorded (calibration); the first with the defaults.
+quoted with the earlier jobs recorded (calibration); the first with the defaults. Each agent
+runs on a core of its own where there are enough (``pinned_agents``; ``--no-pin-agents`` lets
+them share): agents that share cores slow each other's steps in every round, which their
+reference benchmarks, run one at a time, do not see (on 2 cores, two unpinned agents' MLP steps
+took 2.2x as long per sample as one agent's), while a quote is for nodes on machines of their
+own.
 
 Actual seconds: from the submit command's start to the job's last update (ended); actual
 cost: the job's spent micro-credits. ``ratio`` fields are quoted / actual (1.0 is exact);
@@ -290,6 +295,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="fresh clusters per agent count")
     ap.add_argument("--price", default="3", help="each agent's price, credits per node-hour")
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: temp)")
+    ap.add_argument(
+        "--no-pin-agents",
+        dest="pin_agents",
+        action="store_false",
+        help="let the agents share every core (by default, when there are enough, each agent "
+        "runs on a core of its own, as each would on its own machine)",
+    )
     ap.add_argument("--merge", nargs="+", type=Path, help="summarise these runs' JSON lines")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -307,8 +319,12 @@ def main() -> None:
         where = work / f"cluster-{agents}-{repeat}"
         with LocalCluster(where) as cluster:
             cluster.start_coordinator()
+            cores = sorted(os.sched_getaffinity(0))
+            pin = args.pin_agents and agents <= len(cores)
             for i in range(agents):
-                cluster.start_agent(f"a{i}", "--price", args.price)
+                # Pinned, each agent has a core of its own, as each would have its machine.
+                cpus = {cores[i]} if pin else None
+                cluster.start_agent(f"a{i}", "--price", args.price, cpus=cpus)
             cluster.login()
             me = json.loads(cluster.cli("whoami", "--output", "json"))["principal"]
             cluster.cli("credits", "grant", me, "1000")
@@ -326,6 +342,7 @@ def main() -> None:
                     "agents": agents,
                     "repeat": repeat,
                     "model": model,
+                    "pinned_agents": pin,
                     **run_job(cluster, path),
                 }
                 log.info("%s", result)

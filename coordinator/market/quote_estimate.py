@@ -61,7 +61,8 @@ ROUND_BYTE_PASSES passes of the parameters at the lowest measured bandwidth to t
 quote is meant to hold (the zen example on one and two agents: 0.07 s of overhead a round at an
 RTT of 0.7-0.8 ms, about 90 round trips); under load the rounds slow faster than the RTT (0.16 s
 at load 5, 0.83 s at load 18 against 0.8 and 2.7 ms), so a loaded machine's first quote is
-low until its first job is recorded.
+low until its first job is recorded. That default is one node's; each further node adds
+DEFAULT_NODE_SHARE of it (the nodes' hand-outs and updates overlap, on one coordinator).
 
 Cost. Each round's part on node i earns ``price_i x b_i / rate_i / 3600`` micro-credits,
 rounded down (coordinator/accounting/billing.py), at the rate the node shows at that batch
@@ -101,6 +102,9 @@ DEFAULT_EFFICIENCY = 0.44
 # round (program check, claim, program load) besides the job benchmark's compute.
 ROUND_FIXED_FLOPS = 2.3e9
 ROUND_RTTS = 80.0  # a round's fixed cost, in round trips to the coordinator
+# Each node past the first adds this share of one node's default overhead (the same runs: 0.07 s
+# a round on one agent, 0.08-0.10 s on two).
+DEFAULT_NODE_SHARE = 0.3
 START_RTTS = 5000.0  # submission to the first round besides the benchmark (4 s at 0.8 ms)
 ROUND_BYTE_PASSES = 12.0
 FALLBACK_BANDWIDTH = 100e6  # bytes/s, for a node that measured none
@@ -501,7 +505,15 @@ def estimate(
         )
     chosen = {n: by_id[n] for n in mine.nodes}
     caps = {n: (by_id[n].max_batch or job.global_batch) for n in chosen}
-    overhead = len(chosen) * (base_overhead + per_byte * program.state_bytes)
+    # Recorded overheads are per node (fitted on the nodes' rounds as they ran); the default's
+    # fixed part is one node's, and further nodes add DEFAULT_NODE_SHARE of it each (their
+    # hand-outs and updates overlap but pass through the one coordinator).
+    nodes_factor = (
+        float(len(chosen))
+        if history.round_overhead_s is not None
+        else 1.0 + DEFAULT_NODE_SHARE * (len(chosen) - 1)
+    )
+    overhead = nodes_factor * (base_overhead + per_byte * program.state_bytes)
     epoch_s = 0.0
     epoch_cost = epoch_fee = 0
     rounds = 0

@@ -17,6 +17,7 @@ from coordinator.market.quote_estimate import (
     CALIBRATED,
     CALIBRATED_ANY,
     DEFAULT,
+    DEFAULT_NODE_SHARE,
     DEFAULT_STEP,
     ROUND_BYTE_PASSES,
     ROUND_FIXED_FLOPS,
@@ -189,7 +190,8 @@ def test_rounds_time_and_cost_follow_the_spec_and_the_billing_rule() -> None:
     # and, nodes without a measured bandwidth, the fallback's, per byte of the parameters.
     fixed, per_byte = default_overhead(nodes)
     assert fixed == pytest.approx(ROUND_FIXED_FLOPS / (1000.0 * REF))
-    overhead = 2 * (fixed + per_byte * 10**6)  # paid per node
+    # One node's, and DEFAULT_NODE_SHARE of it for the second node.
+    overhead = (1 + DEFAULT_NODE_SHARE) * (fixed + per_byte * 10**6)
     assert est.round_overhead_s == pytest.approx(overhead) and est.overhead_source == "default"
     epoch = 15 * (full + overhead) + last + overhead
     assert est.epoch_seconds == pytest.approx(epoch)
