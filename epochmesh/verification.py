@@ -25,6 +25,9 @@ from epochmesh.optim import PARAM_PREFIX
 # Chunks per verified part. A check recomputes one of them (coordinator/verification/reputation.py:
 # CHECK_FRACTION = 0.08 of them, at least one): 1/12 = 8.3 % of the part's compute.
 VERIFY_CHUNKS = 12
+# Chunks a part is cut into: twice VERIFY_CHUNKS, each check drawing two checkers at once
+# (coordinator/engine/verifier.py), so every part of a round runs this many passes at most.
+PART_CHUNKS = 2 * VERIFY_CHUNKS
 # A chunk holds at least this many samples (a part of fewer than 2 x 12 samples has fewer
 # chunks): a pass of the program has a fixed cost (~1.5 ms for the tests' MLP on this host's
 # CPU), and one-sample chunks made a slow node's small part cost it twice its compute, which

@@ -107,8 +107,8 @@ from coordinator.verification.snapshot_check import ring_start_problem, snapshot
 from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
+    PART_CHUNKS,
     SKETCH_BUCKETS,
-    VERIFY_CHUNKS,
     commitment_problem,
     consistency_tolerance,
     local_sgd_commitment_problem,
@@ -146,7 +146,7 @@ class Verifier:
         self.ring = spec.aggregation == "ring"
         self.local_sgd = spec.sync == "local_sgd"
         # Twice the chunks, each checked by two checkers at once (`_start_checks`).
-        self.verify_chunks = 2 * VERIFY_CHUNKS
+        self.verify_chunks = PART_CHUNKS
         self.rng = rng or random.SystemRandom()
         self._pending: dict[str, PendingCheck] = {}  # by TRAIN task id
         self._by_check_task: dict[str, str] = {}  # CHECK task id -> TRAIN task id

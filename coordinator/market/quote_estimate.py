@@ -4,7 +4,13 @@ the cluster scheduler would give it, and prices the run by the billing rule.
 
 Speed: a step model. One training step of ``b`` samples on a node takes
 
-    seconds(b) = (fixed + b x flops_per_sample / efficiency) / node_flops
+    seconds(b) = (passes(b) x fixed + b x flops_per_sample / efficiency) / node_flops
+
+``passes(b)`` (`part_passes`): a round's part is computed in its verification chunks (up to
+PART_CHUNKS = 24, of at least two samples each), each a pass of the program that pays the fixed
+cost; for a small program that is most of a part's compute (a 4-layer MLP: ~1.7 ms a pass, 40 ms
+for a part of 50 or of 128 samples alike), so measured parts are fitted per pass. The job
+benchmark's steps are single passes.
 
 ``node_flops`` is the node's reference benchmark samples/s times REFERENCE_FLOPS_PER_SAMPLE
 (its measured FLOP/s); the program's FLOPs per training sample are counted where it is
@@ -87,13 +93,16 @@ from coordinator.scheduling.cluster_scheduler import (
     schedule,
 )
 from epochmesh.quote import REFERENCE_FLOPS_PER_SAMPLE
+from epochmesh.verification import PART_CHUNKS, chunk_count
 
 QUOTED_JOB = "quote"  # the quoted job's id in the scheduler pass
-# Without measured jobs: the step model fitted on this machine's runs of scripts/bench_quote.py
-# (a 2-core x86-64 VM without GPU, loaded; 1-2 agents with --benchmark quick on loopback; the
-# zen transformer, a 4-layer MLP, a conv net and the spirals MLP; docs/benchmarks.md).
-DEFAULT_FIXED_FLOPS = 4.1e8  # a step's fixed cost, in reference FLOPs (about 10 ms there)
-DEFAULT_EFFICIENCY = 0.44
+# Without measured jobs: the step model fitted per pass on this machine's quiet runs of
+# scripts/bench_quote.py (a 2-core x86-64 VM without GPU; 1-2 agents with --benchmark quick on
+# loopback; the zen transformer, a 4-layer MLP, a conv net and the spirals MLP, 24 recorded
+# parts; docs/benchmarks.md): a pass's fixed cost, in reference FLOPs (0.6-3.4 ms a pass there,
+# by program), and the share of the reference FLOP/s the programs' FLOPs ran at.
+DEFAULT_FIXED_FLOPS = 3.1e7
+DEFAULT_EFFICIENCY = 0.46
 # Without recorded jobs (scripts/bench_quote.py's zen rounds on the same VM, quiet): a round's
 # fixed cost outside compute per node, in reference FLOPs of the slowest chosen node (about
 # 0.05 s at the 4.5e10 FLOP/s its reference benchmark measured there) or in round trips to the
@@ -170,17 +179,27 @@ class Measured:
 
 @dataclass(frozen=True)
 class StepModel:
-    """``seconds(b) = (fixed_flops + b x flops_per_sample / efficiency) / node FLOP/s``."""
+    """``seconds(b) = (passes x fixed_flops + b x flops_per_sample / efficiency) / node FLOP/s``."""
 
     fixed_flops: float
     efficiency: float
     source: str
     points: int = 0  # measured steps it was fitted on
 
-    def seconds(self, node_flops: float, batch: float, flops_per_sample: float) -> float:
+    def seconds(
+        self,
+        node_flops: float,
+        batch: float,
+        flops_per_sample: float,
+        passes: int | None = None,
+    ) -> float:
+        """A step of ``batch`` samples run in ``passes`` passes of the program (default:
+        `part_passes`, a part of a round cut into its verification chunks), each paying the
+        fixed cost."""
         if node_flops <= 0:
             return math.inf
-        return (self.fixed_flops + batch * flops_per_sample / self.efficiency) / node_flops
+        n = part_passes(batch) if passes is None else passes
+        return (n * self.fixed_flops + batch * flops_per_sample / self.efficiency) / node_flops
 
     def rate(self, node_flops: float, batch: float, flops_per_sample: float) -> float:
         """Samples/s at ``batch`` (0.0 when it cannot be predicted)."""
@@ -236,8 +255,17 @@ def relative_line(pts: Sequence[tuple[float, float]]) -> tuple[float, float] | N
     return (a, k) if math.isfinite(a) and math.isfinite(k) else None
 
 
+def part_passes(batch: float) -> int:
+    """Passes of the program a round's part of ``batch`` samples runs: one per verification
+    chunk (epochmesh/verification.py: up to PART_CHUNKS, of at least MIN_CHUNK_SAMPLES each)."""
+    return max(1, chunk_count(int(round(batch)), PART_CHUNKS))
+
+
 def _point(m: Measured, flops: float) -> tuple[float, float]:
-    return m.batch * flops, m.seconds * m.reference_rate * REFERENCE_FLOPS_PER_SAMPLE
+    """A measured part as the step model's point per pass (its FLOPs and its seconds x node
+    FLOP/s over its passes: ``fixed + x / efficiency`` holds per pass)."""
+    n = part_passes(m.batch)
+    return m.batch * flops / n, m.seconds * m.reference_rate * REFERENCE_FLOPS_PER_SAMPLE / n
 
 
 def step_model(kind: str, program: Program, measured: Sequence[Measured]) -> StepModel:
@@ -399,7 +427,7 @@ def bench_seconds(node: Node, model: StepModel, flops_per_sample: float) -> floa
     untimed, timed, most = QUICK_JOB_BENCH if node.quick_bench else JOB_BENCH
     total = 0.0
     for b in JOB_BENCH_BATCHES:
-        step = model.seconds(node.flops, b, flops_per_sample)
+        step = model.seconds(node.flops, b, flops_per_sample, passes=1)  # not chunked
         total += untimed * step + min(timed * step, most + step)
     return total
 

@@ -36,6 +36,7 @@ from coordinator.market.quote_estimate import (
     estimate,
     fit_step_model,
     job_history,
+    part_passes,
     predicted_rate,
     step_model,
 )
@@ -76,18 +77,21 @@ def test_the_reference_models_flops_are_counted_as_a_programs_are() -> None:
 def measured(
     kind: str, program: str, flops: float, batch: int, fixed: float, eff: float, ref: float = 100.0
 ) -> Measured:
-    """A step of ``batch`` samples as a device of (fixed, eff) and reference rate ``ref``
-    takes it."""
-    seconds = (fixed + batch * flops / eff) / (ref * REF)
+    """A round's part of ``batch`` samples as a device of (fixed, eff) and reference rate
+    ``ref`` takes it: its verification chunks' passes each pay the fixed cost."""
+    seconds = (part_passes(batch) * fixed + batch * flops / eff) / (ref * REF)
     return Measured(kind, program, flops, batch, seconds, ref)
 
 
 def test_a_step_is_a_fixed_cost_plus_the_programs_flops_at_an_efficiency() -> None:
     node = Node("n1", "cpu:2", reference_rate=100_000.0)
     model = StepModel(fixed_flops=REF * 50, efficiency=0.5, source=DEFAULT)
-    # At batch 100 of a 10-reference-FLOP program: (50 + 100 x 10 / 0.5) reference samples.
-    assert model.seconds(node.flops, 100, REF * 10) == pytest.approx(2050 / 100_000)
-    assert model.rate(node.flops, 100, REF * 10) == pytest.approx(100 / (2050 / 100_000))
+    # At batch 100 of a 10-reference-FLOP program, a part of 24 chunks: (24 x 50 + 100 x 10 /
+    # 0.5) reference samples; one pass (the job benchmark's steps): (50 + 2000).
+    assert part_passes(100) == 24 and part_passes(10) == 5 and part_passes(1) == 1
+    assert model.seconds(node.flops, 100, REF * 10) == pytest.approx(3200 / 100_000)
+    assert model.seconds(node.flops, 100, REF * 10, passes=1) == pytest.approx(2050 / 100_000)
+    assert model.rate(node.flops, 100, REF * 10) == pytest.approx(100 / (3200 / 100_000))
     # A small batch is slower per sample: the fixed cost weighs more.
     assert model.rate(node.flops, 10, REF * 10) < model.rate(node.flops, 100, REF * 10)
     rate, source = predicted_rate(node, Program(REF * 10), [], batch=100)
@@ -111,7 +115,7 @@ def test_the_fit_recovers_fixed_cost_and_efficiency_across_programs() -> None:
     # So a third program is predicted as the device runs it, small or big.
     node = Node("n", "cpu", 100.0)
     for flops in (REF * 0.01, REF * 10, REF * 1000):
-        truth = 64 / ((fixed + 64 * flops / eff) / node.flops)
+        truth = 64 / ((part_passes(64) * fixed + 64 * flops / eff) / node.flops)
         assert predicted_rate(node, Program(flops), steps, 64)[0] == pytest.approx(truth, rel=1e-4)
     # Nodes of the same model at another speed: the same fit (both terms scale with it).
     slow = [measured("cpu", "s", REF, b, fixed, eff, ref=25.0) for b in (16, 256)]
@@ -121,7 +125,10 @@ def test_the_fit_recovers_fixed_cost_and_efficiency_across_programs() -> None:
 
 def test_points_of_one_size_fit_the_efficiency_under_the_prior_fixed_cost() -> None:
     one = [measured("cpu", "p", REF * 1000, 64, REF * 100, 0.5)]
-    model = fit_step_model([(64 * REF * 1000, one[0].seconds * 100 * REF)], CALIBRATED)
+    passes = part_passes(64)  # fitted per pass, as step_model does
+    model = fit_step_model(
+        [(64 * REF * 1000 / passes, one[0].seconds * 100 * REF / passes)], CALIBRATED
+    )
     assert model is not None
     # The default fixed cost is kept (it is under half the step) and the slope fits the rest.
     assert model.fixed_flops == DEFAULT_STEP.fixed_flops
@@ -143,7 +150,8 @@ def test_calibration_prefers_the_same_program_then_the_device_model() -> None:
     other = [measured("cpu:2", "q", REF * 200, b, fixed, 0.2) for b in (16, 64)]
     elsewhere = [measured("gpu", "r", REF * 100, b, fixed, 0.5) for b in (16, 64)]
     # The same program, its FLOPs not recorded with its steps.
-    same = [measured("cpu:2", "p", REF * 4, b, REF * 30, 0.4) for b in (16, 64)]
+    # (Batches whose FLOPs per pass spread: parts under 48 samples run one pass per 2 samples.)
+    same = [measured("cpu:2", "p", REF * 4, b, REF * 30, 0.4) for b in (16, 256)]
     same = [Measured(m.kind, m.program, 0.0, m.batch, m.seconds, 100.0) for m in same]
     assert step_model("cpu:2", prog, other + elsewhere).source == CALIBRATED
     assert step_model("cpu:2", prog, other + elsewhere).efficiency == pytest.approx(0.2, rel=0.01)
@@ -154,7 +162,7 @@ def test_calibration_prefers_the_same_program_then_the_device_model() -> None:
     assert step_model("cpu:2", prog, []) == DEFAULT_STEP
     # The same program measured predicts its speed again, its FLOPs known or not.
     node = Node("n", "cpu:2", 100.0)
-    truth = 32 / ((REF * 30 + 32 * REF * 4 / 0.4) / node.flops)
+    truth = 32 / ((part_passes(32) * REF * 30 + 32 * REF * 4 / 0.4) / node.flops)
     assert predicted_rate(node, prog, same, 32)[0] == pytest.approx(truth)
     assert predicted_rate(node, Program(0.0, "p"), same, 32) == (pytest.approx(truth), SAME_PROGRAM)
 
@@ -176,7 +184,7 @@ def test_rounds_time_and_cost_follow_the_spec_and_the_billing_rule() -> None:
     ]
     prog = Program(flops_per_sample=REF, sha256="x", state_bytes=10**6)
     # eff 0.1, no fixed cost: a node does a tenth of its reference samples/s at any batch.
-    steps = [measured("cpu", "x", REF, b, 0.0, 0.1, ref=1000.0) for b in (16, 64)]
+    steps = [measured("cpu", "x", REF, b, 0.0, 0.1, ref=1000.0) for b in (16, 256)]
     est = estimate(0, job(), prog, nodes, Cluster(), steps)
     assert est.fits and [n.node_id for n in est.nodes] == ["a", "b"]
     rates = {n.node_id: n.rate for n in est.nodes}
