@@ -19,12 +19,9 @@ from epochmesh.identity import Identity
 from epochmesh.v1 import common_pb2, job_pb2
 from tests.fixtures import write_mlp_job
 from tests.pg import PgServer, pg_server, pg_url  # noqa: F401 (fixtures)
-from tests.procs import STEADY_LEASES, CoordinatorProc, free_port, start_coordinator
 from tests.system.test_cli_support import Cli, LineReader
 from tests.system.test_coordinator_failover import (
-    check_standby,
-    serve_args,
-    start_standby,
+    start_active_and_standby,
     stop,
     wait_serving,
 )
@@ -38,16 +35,10 @@ def test_watch_and_reads_follow_the_standby_that_takes_over(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("EPOCHMESH_STORE", pg_url)  # for `token create` on the coordinators
-    blobs = tmp_path / "blobs"
-    first: CoordinatorProc = start_coordinator(
-        tmp_path / "a", *serve_args(f"127.0.0.1:{free_port()}", pg_url, blobs, STEADY_LEASES)
-    )
-    second = f"127.0.0.1:{free_port()}"
-    standby = start_standby(tmp_path / "b", second, pg_url, blobs, STEADY_LEASES)
+    first, second, standby = start_active_and_standby(tmp_path, pg_url)
     both = f"{first.address},{second}"
     watch: subprocess.Popen[str] | None = None
     try:
-        check_standby(second, first.address)
         alice = Cli(first.address, tmp_path / "alice", role="submitter")
         toml = write_mlp_job(
             tmp_path / "job",

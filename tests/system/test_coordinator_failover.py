@@ -34,6 +34,7 @@ from tests.fixtures import write_job
 from tests.pg import PgServer, pg_server, pg_url  # noqa: F401 (fixtures)
 from tests.procs import (
     STEADY_LEASES,
+    CoordinatorProc,
     _remember,
     _Trust,
     console_script,
@@ -212,6 +213,27 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def start_active_and_standby(
+    tmp_path: Path, url: str
+) -> tuple[CoordinatorProc, str, subprocess.Popen[bytes]]:
+    """An active coordinator (data dir tmp_path/a) and a standby (tmp_path/b) on ``url``,
+    sharing the blob dir tmp_path/blobs, the standby checked to name the active one: (the
+    active one, the standby's address, the standby's process)."""
+    blobs = tmp_path / "blobs"
+    first = start_coordinator(
+        tmp_path / "a", *serve_args(f"127.0.0.1:{free_port()}", url, blobs, STEADY_LEASES)
+    )
+    second = f"127.0.0.1:{free_port()}"
+    standby = start_standby(tmp_path / "b", second, url, blobs, STEADY_LEASES)
+    try:
+        check_standby(second, first.address)
+    except BaseException:
+        first.kill9()
+        stop(standby)
+        raise
+    return first, second, standby
 
 
 def wait_serving(address: str, what: str) -> float:

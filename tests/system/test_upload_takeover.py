@@ -28,18 +28,12 @@ from epochmesh.v1 import common_pb2, job_pb2, job_pb2_grpc
 from tests.fixtures import write_job
 from tests.pg import PgServer, pg_server, pg_url  # noqa: F401 (fixtures)
 from tests.procs import (
-    STEADY_LEASES,
-    CoordinatorProc,
-    free_port,
-    start_coordinator,
     sync_channel_for,
     wait_until,
 )
 from tests.system.test_cli_support import Cli
 from tests.system.test_coordinator_failover import (
-    check_standby,
-    serve_args,
-    start_standby,
+    start_active_and_standby,
     stop,
     wait_serving,
 )
@@ -117,14 +111,9 @@ def test_an_upload_cut_by_a_kill9_resumes_on_the_standby_that_takes_over(
 ) -> None:
     monkeypatch.setenv("EPOCHMESH_STORE", pg_url)  # for `token create` on the coordinators
     blobs = tmp_path / "blobs"
-    first: CoordinatorProc = start_coordinator(
-        tmp_path / "a", *serve_args(f"127.0.0.1:{free_port()}", pg_url, blobs, STEADY_LEASES)
-    )
-    second = f"127.0.0.1:{free_port()}"
-    standby = start_standby(tmp_path / "b", second, pg_url, blobs, STEADY_LEASES)
+    first, second, standby = start_active_and_standby(tmp_path, pg_url)
     cli: subprocess.Popen[str] | None = None
     try:
-        check_standby(second, first.address)
         link = WanLink("127.0.0.1:0", first.address, BANDWIDTH_BPS, rtt_ms=0.0, handshake=False)
         relay_to.append(WanThread(link).start())
         relayed = link.address
