@@ -19,8 +19,8 @@ registered, --duration seconds are measured. Prints one JSON line:
   after --register-timeout the bench measures anyway),
   coordinator_cpu_s_per_1000_heartbeats (user+system CPU of the coordinator process during the
   measured window, per 1000 heartbeats), duration_s, register_s, client_processes, store
-  ("sqlite" or "postgresql"), client_nice, coordinator_cores (--pin-coordinator), interval_s, told_interval_s (the median interval the agents
-  heartbeat at by the end), fixed_interval
+  ("sqlite" or "postgresql"), client_nice, coordinator_cores (--pin-coordinator), interval_s,
+  told_interval_s (the median interval the agents heartbeat at by the end), fixed_interval
 
 The store is SQLite in the data dir by default. ``--store postgresql`` (the word alone) starts a
 throwaway PostgreSQL server of the bench's own (tests/pg.py: durability off, as in the tests)

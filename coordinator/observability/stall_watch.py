@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +31,10 @@ MIN_REPORT_GAP_S = 1.0
 class StallWatch:
     """Watches one running loop from a daemon thread; see the module docstring."""
 
-    def __init__(
-        self,
-        threshold_s: float,
-        observe: Callable[[float], None] | None = None,
-    ) -> None:
+    def __init__(self, threshold_s: float) -> None:
         if threshold_s <= 0:
             raise ValueError("threshold_s must be > 0")
         self.threshold_s = threshold_s
-        self._observe = observe
         self._last_tick = time.monotonic()
         self._loop_thread = 0
         self._stop = threading.Event()
@@ -74,8 +68,6 @@ class StallWatch:
             if gap >= self.threshold_s:
                 self.stalls += 1
                 log.warning("event loop stalled for %.0f ms", gap * 1000)
-            if self._observe is not None and gap > 0:
-                self._observe(gap)
 
     def _watch(self) -> None:
         reported_tick = -1.0
