@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 # this much more than the steps the box is sized for; a node faster than its estimate runs more
 # steps in the box, a slower one fewer, and nobody waits for the others (see `plan`).
 TIME_BOX_EXTRA_STEPS = 0.25
+# Local SGD: of the splits whose planned round takes at most this fraction longer than the
+# fastest split's, the planner takes the one closest to equal local batches (see
+# `RoundPlanner._balanced`).
+BALANCE_TOLERANCE = 0.1
+# What a node's larger batch would cost is judged on its step model with the fixed fraction
+# capped here, not at MAX_FIXED_FRACTION: that cap guards the fastest split against amplified
+# noise, but it also makes a node measured at a small batch look slow per sample.
+BALANCE_FIXED_FRACTION = 0.95
 
 
 class RoundPlanner:
@@ -218,7 +226,8 @@ class RoundPlanner:
     ) -> tuple[dict[str, int], set[str], dict[str, float]]:
         """Local SGD: b_i from each node's per-step time ``a_i + b * c_i`` (see
         coordinator/rounds/throughput.py), so that every node's H inner steps take the same time
-        (min_time rounding: the slowest finisher sets the round's pace).
+        (min_time rounding: the slowest finisher sets the round's pace), then moved towards
+        equal local batches while that costs the round little (:meth:`_balanced`).
 
         Best-effort nodes: those whose equal-time share is below one sample AND whose round
         (per-round communication + H steps of their b_i) would take more than MIN_SLACK times
@@ -238,10 +247,18 @@ class RoundPlanner:
         limit = MIN_SLACK * max(full) if full else math.inf
         slow = {n for n in nodes if fluid[n] < 1 and round_s(n) > limit}
         slow = slow if len(slow) < len(nodes) else set()
+        awaited = [n for n in nodes if n not in slow] or nodes
+        costs = self.estimator.step_models(
+            nodes, batch=batch / max(1, len(nodes)), cap=BALANCE_FIXED_FRACTION
+        )
+
+        def balance_round_s(n: str, b: int) -> float:
+            return self.estimator.comm_estimate(n) + h * costs[n].step_seconds(b)
+
+        batches = self._balanced(batches, awaited, caps, balance_round_s)
         # Rounds whose compute is shorter than their communication are not boxed: waiting for
         # a slower node costs little there, and a box of a few milliseconds (a small model) is
         # at the mercy of timer and scheduling noise (measured: first rounds of one step).
-        awaited = [n for n in nodes if n not in slow] or nodes
         compute = max(h * models[n].step_seconds(batches[n]) for n in awaited)
         if compute < max(self.estimator.comm_estimate(n) for n in awaited):
             return batches, slow, {}
@@ -252,6 +269,55 @@ class RoundPlanner:
         end = max(round_s(n) for n in awaited)
         boxes = {n: max(end - self.estimator.comm_estimate(n), 1e-3) for n in nodes}
         return batches, slow, boxes
+
+    def _balanced(
+        self,
+        batches: dict[str, int],
+        awaited: list[str],
+        caps: dict[str, int],
+        round_s: Callable[[str, int], float],
+    ) -> dict[str, int]:
+        """``batches`` moved towards equal local batches among the ``awaited`` nodes as far as
+        the planned round (``round_s(node, b)``: the node's communication and H steps of b
+        samples, on its step model with the fixed fraction capped at BALANCE_FIXED_FRACTION)
+        stays within BALANCE_TOLERANCE of the fastest split's.
+
+        Why: the fastest split equalises the nodes' planned ends, which is all that matters
+        for sync rounds (the aggregate gradient is exact for any split), but in local SGD a
+        node's inner steps on a few samples each are noisy steps, and where the round's time
+        hardly depends on the split (a small model, whose steps cost the same for 1 or 30
+        samples, behind links whose transfers dominate) the timing noise alone moved identical
+        nodes to b_i 30 and 1 and the job trained worse. A node's planned round is affine in
+        its b_i, so the blend weight towards the equal split is found per node in closed
+        form."""
+        if len(awaited) < 2:
+            return batches
+        total = sum(batches[n] for n in awaited)
+        room = {n: caps[n] for n in awaited}
+        equal = quotas(total, dict.fromkeys(awaited, 1.0), room)
+        limit = (1.0 + BALANCE_TOLERANCE) * max(round_s(n, batches[n]) for n in awaited)
+        weight = 1.0
+        for n in awaited:
+            grow = equal[n] - batches[n]
+            if grow <= 0:
+                continue
+            per_sample = round_s(n, batches[n] + 1) - round_s(n, batches[n])
+            if per_sample > 0:
+                weight = min(weight, (limit - round_s(n, batches[n])) / (per_sample * grow))
+        if weight <= 0:
+            return batches
+        blend = {n: (1.0 - weight) * batches[n] + weight * equal[n] for n in awaited}
+        out = dict(batches)
+        out.update(split_batch(total, blend, room))
+        if out != batches:
+            log.debug(
+                "job %s: local batches %s balanced to %s (weight %.2f)",
+                self.job_id,
+                {n: batches[n] for n in awaited},
+                {n: out[n] for n in awaited},
+                weight,
+            )
+        return out
 
     def plan(
         self, round_id: int, nodes: list[str], ledger: EpochLedger
@@ -379,7 +445,12 @@ class RoundPlanner:
             if p.status != "applied" or p.node_id not in self.estimator:
                 continue
             comm = p.communicate_s()
-            if p.compute_s > 0 and math.isfinite(p.compute_s):
+            if self.inner_steps > 1 and 2 * p.samples < p.local_batch * max(1, p.inner_steps):
+                # An epoch's last scraps (a sample or two in a step planned for b_i): such a
+                # step costs what a full one does, so its samples/s would rate the node far
+                # too slow, and the next round planned it a local batch of one.
+                self.estimator.observe(p.node_id, 0, 0.0, comm)
+            elif p.compute_s > 0 and math.isfinite(p.compute_s):
                 self.estimator.observe(p.node_id, p.samples, p.compute_s, comm)
                 if self.inner_steps > 1:
                     self.estimator.observe_steps(p.node_id, p.samples, p.inner_steps, p.compute_s)

@@ -347,10 +347,11 @@ class ThroughputEstimator:
         ``split_batch(..., fixed_s=...)`` together with :meth:`planning_rates`."""
         return {n: self.comm_estimate(n) for n in (self._nodes if nodes is None else nodes)}
 
-    def fixed_fraction(self, node: str, batch: float) -> float:
+    def fixed_fraction(self, node: str, batch: float, cap: float = MAX_FIXED_FRACTION) -> float:
         """The share ``a / (a + c * batch)`` of a step of ``batch`` samples that does not
         depend on the batch size: from the node's recent rounds when their batch sizes differ
-        enough, else from its job benchmark, else 0 (see the module docstring)."""
+        enough, else from its job benchmark, else 0 (see the module docstring); at most
+        ``cap``."""
         st = self._get(node)
         n = len(st.steps)
         pts = [(x, y, STEP_DECAY ** (n - 1 - i)) for i, (x, y) in enumerate(st.steps)]
@@ -361,7 +362,7 @@ class ThroughputEstimator:
             return 0.0
         a = max(0.0, line[0])
         t = a + line[1] * batch
-        return min(MAX_FIXED_FRACTION, a / t) if t > 0 else 0.0
+        return min(cap, a / t) if t > 0 else 0.0
 
     def reference_batch(self, node: str) -> float:
         """The batch size the node's samples/s estimate refers to: the (recency-weighted) mean
@@ -374,10 +375,13 @@ class ThroughputEstimator:
         w = [STEP_DECAY ** (n - 1 - i) for i in range(n)]
         return sum(wi * x for wi, (x, _) in zip(w, st.steps, strict=True)) / sum(w)
 
-    def step_model(self, node: str, batch: float | None = None) -> StepModel:
+    def step_model(
+        self, node: str, batch: float | None = None, cap: float = MAX_FIXED_FRACTION
+    ) -> StepModel:
         """Per-step time of ``node`` for planning local SGD rounds: level from
         :meth:`planning_rate` at the reference batch (``batch`` when the node has none), shape
-        from :meth:`fixed_fraction` there. Without any batch to refer to: no fixed part."""
+        from :meth:`fixed_fraction` there (at most ``cap``). Without any batch to refer to: no
+        fixed part."""
         x = self.reference_batch(node) or float(batch or 0.0)
         rate = self.planning_rate(node)
         if x <= 0 or self._get(node).observations == 0:
@@ -386,14 +390,19 @@ class ThroughputEstimator:
             # 1 / (1 - phi). Plan by samples/s until the node's first round is in.
             return StepModel(0.0, 1.0 / rate)
         t = x / rate
-        phi = self.fixed_fraction(node, x)
+        phi = self.fixed_fraction(node, x, cap)
         return StepModel(phi * t, (1.0 - phi) * t / x)
 
     def step_models(
-        self, nodes: Iterable[str] | None = None, batch: float | None = None
+        self,
+        nodes: Iterable[str] | None = None,
+        batch: float | None = None,
+        cap: float = MAX_FIXED_FRACTION,
     ) -> dict[str, StepModel]:
         """:meth:`step_model` of ``nodes`` (default: all)."""
-        return {n: self.step_model(n, batch) for n in (self._nodes if nodes is None else nodes)}
+        return {
+            n: self.step_model(n, batch, cap) for n in (self._nodes if nodes is None else nodes)
+        }
 
     def comm_estimate(self, node: str) -> float:
         """Smoothed communication seconds per round of ``node``."""

@@ -183,6 +183,13 @@ def decide(
         )
     if more_possible:
         return Decision(Verdict.MORE, f"no quorum yet: one more checker is drawn; {tally}")
+    if len(voters) < quorum and not (support and oppose) and not split:
+        # Nobody contradicted anybody: there were too few donors to ask (a small cluster).
+        return Decision(
+            Verdict.UNDECIDED,
+            f"only {len(voters)} donor(s) besides the node's could check it and a verdict "
+            f"needs {quorum}, so nobody is blamed; {tally}",
+        )
     return Decision(
         Verdict.UNDECIDED,
         f"the checkers disagree among themselves and no checker of another donor is left to "

@@ -292,8 +292,14 @@ def test_local_sgd_int8_runs_inner_steps_exactly_once(
     # int8 pseudo-gradients on the wire.
     assert pushed_sizes(agents, "pseudo_gradient", "int8") == {INT8_BYTES}
     losses = round_losses(rounds)
-    assert epoch_losses(rounds)[-1] < 0.6 * losses[0], (epoch_losses(rounds), losses)
-    assert dataset_loss(trained) < 0.6 * dataset_loss(None)
+    # Each round's loss and parts (node, local batch, inner steps): what a failure needs.
+    table = [
+        (r["loss"], [(p["node_id"][-4:], p["local_batch"], p["inner_steps"]) for p in parts])
+        for r in rounds
+        if (parts := applied_parts(r))
+    ]
+    assert epoch_losses(rounds)[-1] < 0.6 * losses[0], (epoch_losses(rounds), table)
+    assert dataset_loss(trained) < 0.6 * dataset_loss(None), table
 
 
 @pytest.mark.timeout(240)

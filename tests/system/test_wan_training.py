@@ -214,9 +214,22 @@ def test_local_sgd_int8_over_wan_matches_sync_fp32(wan_cluster: WanCluster) -> N
 
     loss_sync = final_loss(wan_cluster, sync_id, "sync")
     loss_local = final_loss(wan_cluster, local_id, "local")
+    # Each local SGD round's loss and parts (node, local batch, inner steps): what a failure
+    # needs to be understood.
+    parts = [
+        (
+            r.get("loss"),
+            [
+                (p["node_id"][-4:], p["local_batch"], p["inner_steps"])
+                for p in r["parts"]
+                if p["status"] == "applied"
+            ],
+        )
+        for r in records
+    ]
     detail = (
         f"sync fp32: loss {loss_sync:.4f} ({t_sync:.1f}s); "
-        f"local SGD int8: loss {loss_local:.4f} ({t_local:.1f}s, {len(records)} rounds)"
+        f"local SGD int8: loss {loss_local:.4f} ({t_local:.1f}s, {len(records)} rounds: {parts})"
     )
     print(detail)  # noqa: T201 (shown with -s: the measured figures behind the tolerance)
     assert loss_sync < 0.3, detail

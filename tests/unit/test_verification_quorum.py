@@ -216,6 +216,25 @@ def test_nobody_is_struck_without_a_verdict() -> None:
             assert decision.struck == () and decision.quorum == ()
 
 
+def test_an_undecided_check_says_whether_donors_were_too_few_or_disagreed() -> None:
+    """A cluster of two donors: the one checker agrees, nobody contradicts anybody, and the
+    reason says that a verdict needed more donors (not that the checkers disagree)."""
+    alone = decide(
+        NODE_DONOR, [Recomputation("a", "d1", True)], set(), working=0, more_possible=False
+    )
+    assert alone.verdict is Verdict.UNDECIDED
+    assert alone.reason.startswith("only 1 donor(s) besides the node's could check it"), alone
+    split = decide(
+        NODE_DONOR,
+        [Recomputation("a", "d1", True), Recomputation("b", "d2", False)],
+        set(),
+        working=0,
+        more_possible=False,
+    )
+    assert split.verdict is Verdict.UNDECIDED
+    assert split.reason.startswith("the checkers disagree among themselves"), split
+
+
 def test_a_quorum_of_one_is_refused() -> None:
     with pytest.raises(ValueError, match="quorum"):
         decide(NODE_DONOR, [], set(), working=0, more_possible=False, quorum=0)
