@@ -213,8 +213,13 @@ async def test_two_members_that_keep_disagreeing_wait_for_a_third_who_decides(
     check_exactly_once(rounds)
     assert strikes[m2] >= 1 and strikes[m1] == strikes[m3] == 0, strikes
     disputed = [e for e in events if e.kind == "round.disputed"]
-    assert len(disputed) == 1 and disputed[0].attrs["disputed"] == ",".join(sorted((m1, m2)))
-    assert "no majority" in disputed[0].message and "nobody is struck" in disputed[0].message
+    assert disputed and disputed[0].attrs["disputed"] == ",".join(sorted((m1, m2)))
+    # On a busy host a later ring may form of the liar and m3 alone (m1 between tasks): that
+    # round is disputed too. Every dispute has the liar in it, never two honest members.
+    assert all(m2 in e.attrs["disputed"].split(",") for e in disputed), [
+        dict(e.attrs) for e in disputed
+    ]
+    assert all("no majority" in e.message and "nobody is struck" in e.message for e in disputed)
     assert not [e for e in events if e.kind == "job.diverged"]
     ejected = [e for e in events if e.kind == "round.diverged"]
     assert ejected and all(e.attrs["ejected"] == m2 for e in ejected)
