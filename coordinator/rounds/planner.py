@@ -19,7 +19,7 @@ from coordinator.rounds.claims import capped_benchmarks, confirmed_compute
 from coordinator.rounds.ledger import EpochLedger
 from coordinator.rounds.round_state import Part, RoundState
 from coordinator.rounds.sample_ranges import index_run_array
-from coordinator.rounds.throughput import MIN_SLACK, ThroughputEstimator
+from coordinator.rounds.throughput import MIN_SLACK, StepModel, ThroughputEstimator
 from epochmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -251,11 +251,7 @@ class RoundPlanner:
         costs = self.estimator.step_models(
             nodes, batch=batch / max(1, len(nodes)), cap=BALANCE_FIXED_FRACTION
         )
-
-        def balance_round_s(n: str, b: int) -> float:
-            return self.estimator.comm_estimate(n) + h * costs[n].step_seconds(b)
-
-        batches = self._balanced(batches, awaited, caps, balance_round_s)
+        batches = self._balanced(batches, awaited, caps, costs)
         # Rounds whose compute is shorter than their communication are not boxed: waiting for
         # a slower node costs little there, and a box of a few milliseconds (a small model) is
         # at the mercy of timer and scheduling noise (measured: first rounds of one step).
@@ -275,12 +271,12 @@ class RoundPlanner:
         batches: dict[str, int],
         awaited: list[str],
         caps: dict[str, int],
-        round_s: Callable[[str, int], float],
+        costs: dict[str, StepModel],
     ) -> dict[str, int]:
         """``batches`` moved towards equal local batches among the ``awaited`` nodes as far as
-        the planned round (``round_s(node, b)``: the node's communication and H steps of b
-        samples, on its step model with the fixed fraction capped at BALANCE_FIXED_FRACTION)
-        stays within BALANCE_TOLERANCE of the fastest split's.
+        the planned round (a node's communication and H steps of b_i samples on its step model
+        in ``costs``, whose fixed fraction is capped at BALANCE_FIXED_FRACTION) stays within
+        BALANCE_TOLERANCE of the fastest split's.
 
         Why: the fastest split equalises the nodes' planned ends, which is all that matters
         for sync rounds (the aggregate gradient is exact for any split), but in local SGD a
@@ -292,18 +288,21 @@ class RoundPlanner:
         form."""
         if len(awaited) < 2:
             return batches
+        h = self.inner_steps
+
+        def round_s(n: str) -> float:
+            return self.estimator.comm_estimate(n) + h * costs[n].step_seconds(batches[n])
+
         total = sum(batches[n] for n in awaited)
         room = {n: caps[n] for n in awaited}
         equal = quotas(total, dict.fromkeys(awaited, 1.0), room)
-        limit = (1.0 + BALANCE_TOLERANCE) * max(round_s(n, batches[n]) for n in awaited)
+        limit = (1.0 + BALANCE_TOLERANCE) * max(round_s(n) for n in awaited)
         weight = 1.0
         for n in awaited:
             grow = equal[n] - batches[n]
-            if grow <= 0:
-                continue
-            per_sample = round_s(n, batches[n] + 1) - round_s(n, batches[n])
-            if per_sample > 0:
-                weight = min(weight, (limit - round_s(n, batches[n])) / (per_sample * grow))
+            per_sample = h * costs[n].per_sample_s
+            if grow > 0 and per_sample > 0:
+                weight = min(weight, (limit - round_s(n)) / (per_sample * grow))
         if weight <= 0:
             return batches
         blend = {n: (1.0 - weight) * batches[n] + weight * equal[n] for n in awaited}
