@@ -275,7 +275,10 @@ def test_the_overhead_fit_recovers_its_parts_from_jobs_of_spread_sizes(
     negative part, and the compute does not enter."""
     jobs = []
     for b, c in zip(sizes, computes, strict=False):
-        rounds = 50
+        # Enough rounds that the record's whole milliseconds blur an overhead of microseconds a
+        # round by well under the tolerance (with 50 rounds a fixed part of 10 us a round read
+        # as 20 us, and the relative fit missed by 10 %).
+        rounds = 10_000
         wall_ms = round(rounds * (c + fixed + per_byte * b) * 1000) + 1
         jobs.append((0, 1000, 1000 + wall_ms, rounds, rounds * c, 0.0, b, 1))
     h = job_history(jobs, per_byte)
