@@ -345,6 +345,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "keeping one started (about 300 MB of memory) after the first submission",
     )
     parser.add_argument(
+        "--program-check-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the checks' verdicts are kept by the program's and initial state's content, "
+        "so that a program is not checked again after a restart (default "
+        "DATA_DIR/program-checks); coordinators may share one",
+    )
+    parser.add_argument(
         "--scheduler-hold",
         type=_non_negative_float,
         default=None,
@@ -501,6 +510,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         program_check_memory_bytes=args.program_check_memory,
         program_check_concurrency=args.program_check_concurrency,
         program_check_spare=args.program_check_spare,
+        program_check_cache_root=args.program_check_cache,
         scheduler_hold_s=args.scheduler_hold,
         platform_fee_ppm=args.platform_fee,
         http_listen=DEFAULT_HTTP_LISTEN if args.http_listen is None else args.http_listen.strip(),

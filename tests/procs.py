@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from epochmesh.export_cache import ENV_CACHE_DIR
 from epochmesh.grpc_util import CHANNEL_OPTIONS
 from epochmesh.identity import (
     ROLE_OPERATOR,
@@ -62,6 +63,28 @@ STDERR_LOG = "coordinator-stderr.log"
 # and make it register again: work redone, or a job failed by the race of a node going
 # OFFLINE while it is being given the job.
 STEADY_LEASES = ("--heartbeat-interval", "2", "--lease-ttl", "6")
+
+
+def shared_check_cache() -> Path | None:
+    """The program checks' verdicts shared by every coordinator of this test run (in the run's
+    export cache, tests/conftest.py), or None outside a pytest run. Each distinct program is
+    checked once per run instead of once per coordinator (2-3 CPU-seconds each): a test that
+    counts checks, or makes the check's child misbehave, gives its coordinator its own."""
+    root = os.environ.get(ENV_CACHE_DIR)
+    return Path(root) / "program-checks" if root else None
+
+
+def shared_check_args(extra_args: Sequence[str]) -> list[str]:
+    """The arguments that give a coordinator process the run's shared verdicts (unless
+    ``extra_args`` names its own) and no spare check child (started after a first check and
+    kept for the next one: a second torch import per coordinator that most tests never use)."""
+    args: list[str] = []
+    shared = shared_check_cache()
+    if shared is not None and "--program-check-cache" not in extra_args:
+        args += ["--program-check-cache", str(shared)]
+    if "--no-program-check-spare" not in extra_args:
+        args.append("--no-program-check-spare")
+    return args
 
 
 def free_port() -> int:
@@ -286,6 +309,7 @@ class CoordinatorProc:
             str(self.data_dir),
             "--listen",
             "127.0.0.1:0",
+            *shared_check_args(self.extra_args),
             *self.extra_args,
         ]
         with open(self.log_path, "ab") as log:
@@ -410,6 +434,9 @@ async def in_process_coordinator(
 
     overrides.setdefault("listen", "127.0.0.1:0")
     overrides.setdefault("shutdown_grace_s", 1.0)
+    overrides.setdefault("program_check_spare", False)
+    if "program_check_cache_root" not in overrides and shared_check_cache() is not None:
+        overrides["program_check_cache_root"] = shared_check_cache()
     config = CoordinatorConfig(data_dir=Path(data_dir), **overrides)
     coord = Coordinator(config, engine_factory=engine_factory)
     await coord.start()

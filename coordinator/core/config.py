@@ -74,6 +74,9 @@ class CoordinatorConfig:
     program_check_memory_bytes: int = DEFAULT_MEMORY_BASE_BYTES
     program_check_concurrency: int = DEFAULT_CONCURRENCY
     program_check_spare: bool = True
+    # Where the check's verdicts are kept by content (coordinator/engine/program_check_cache.py);
+    # None: DATA_DIR/program-checks. Coordinators may share one.
+    program_check_cache_root: Path | None = None
     # Cluster scheduler: a node a job just claimed stays with it this long against moves within
     # its priority tier (a higher tier may still take it). None: derived per job and node from
     # the job's round time and the node's job benchmark (coordinator/scheduling.hold_seconds).
@@ -192,6 +195,12 @@ class CoordinatorConfig:
     @property
     def db_path(self) -> Path:
         return self.data_dir / "coordinator.db"
+
+    @property
+    def program_check_cache(self) -> Path:
+        if self.program_check_cache_root is not None:
+            return self.program_check_cache_root
+        return self.data_dir / "program-checks"
 
     @property
     def blob_dir(self) -> Path:

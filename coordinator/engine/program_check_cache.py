@@ -12,9 +12,14 @@ out of memory or a child that did not start depend on the machine and the limits
 and are checked again next time.
 
 The cache lives in memory, bounded (`DEFAULT_MAX_ENTRIES` verdicts, least recently used first
-out; a few hundred bytes each). Not persisted: a verdict is one check to recompute after a
-restart, keys of another code version would be useless then anyway, and nothing in it is state
-the design requires to survive a crash.
+out; a few hundred bytes each), and, given a `directory`, in files there too
+(``DIRECTORY/VERSION[:32]/PROGRAM-STATE.json``, written atomically), so that a restarted
+coordinator, or another one given the same directory, takes the verdict instead of checking
+again. The version of a persisted verdict also digests the check's limits (`check_version`'s
+``limits``): a program accepted within a minute and 2 GiB is not taken as accepted by a
+coordinator that allows it less. A file that cannot be read or written is logged and ignored:
+the cache never fails a submission. Nothing in it is state the design requires to survive a
+crash (a lost verdict is one check to run again).
 
 Concurrent checks of one key are one check (`VerdictCache.verdict`): the first caller runs it,
 the others wait for its result, holding nothing of the program.
@@ -23,11 +28,16 @@ the others wait for its result, holding nothing of the program.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
+import os
+import re
 import sys
+import tempfile
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -49,9 +59,11 @@ _CHECK_MODULES = (
 )
 
 
-def check_version() -> str:
-    """A digest of what decides a verdict: the check's modules' source and torch's version."""
+def check_version(limits: str = "") -> str:
+    """A digest of what decides a verdict: the check's modules' source, torch's version and
+    ``limits`` (the time and memory the check's child may take, as text)."""
     h = hashlib.sha256(sys.implementation.cache_tag.encode())
+    h.update(b"limits " + limits.encode() + b"\0")
     try:
         h.update(b"torch " + importlib.metadata.version("torch").encode())
     except importlib.metadata.PackageNotFoundError:
@@ -97,12 +109,22 @@ class Outcome:
     checked: bool
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_VERDICT_FILE_BYTES = 4096
+
+
 class VerdictCache:
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, version: str | None = None) -> None:
+    def __init__(
+        self,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        version: str | None = None,
+        directory: Path | None = None,
+    ) -> None:
         if max_entries < 1:
             raise ValueError("the program check cache needs room for at least one verdict")
         self.max_entries = max_entries
         self.version = version if version is not None else check_version()
+        self.directory = directory
         self._entries: OrderedDict[CheckKey, CheckVerdict] = OrderedDict()
         self._flights: dict[CheckKey, asyncio.Future[CheckVerdict]] = {}
         self.checks = 0  # checks run (a check of a key counts once, however many waited on it)
@@ -118,15 +140,72 @@ class VerdictCache:
         found = self._entries.get(key)
         if found is not None:
             self._entries.move_to_end(key)
+            return found
+        found = self._read(key)
+        if found is not None:
+            self._remember(key, found)
         return found
 
     def put(self, key: CheckKey, verdict: CheckVerdict) -> None:
         if verdict.verdict not in CACHED_VERDICTS:
             return
+        self._remember(key, verdict)
+        self._write(key, verdict)
+
+    def _remember(self, key: CheckKey, verdict: CheckVerdict) -> None:
         self._entries[key] = verdict
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+
+    def _path(self, key: CheckKey) -> Path | None:
+        if self.directory is None:
+            return None
+        if not (_SHA256.fullmatch(key.program_sha256) and _SHA256.fullmatch(key.state_sha256)):
+            return None  # never a path from anything but two digests
+        name = f"{key.program_sha256}-{key.state_sha256}.json"
+        return self.directory / hashlib.sha256(key.version.encode()).hexdigest()[:32] / name
+
+    def _read(self, key: CheckKey) -> CheckVerdict | None:
+        path = self._path(key)
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                doc = json.loads(f.read(MAX_VERDICT_FILE_BYTES + 1)[:MAX_VERDICT_FILE_BYTES])
+            verdict = Verdict(doc["verdict"])
+            if verdict not in CACHED_VERDICTS or doc.get("version") != key.version:
+                raise ValueError(f"not a verdict of this check: {verdict}")
+            return CheckVerdict(verdict, str(doc["reason"]), float(doc["flops_per_sample"]))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("program check verdict %s ignored: %s", path, e)
+            return None
+
+    def _write(self, key: CheckKey, verdict: CheckVerdict) -> None:
+        path = self._path(key)
+        if path is None:
+            return
+        doc = {
+            "version": key.version,
+            "verdict": verdict.verdict.value,
+            "reason": verdict.reason,
+            "flops_per_sample": verdict.flops_per_sample,
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".verdict-")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(doc, f)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as e:
+            log.warning("program check verdict not kept in %s: %s", path.parent, e)
 
     async def verdict(self, key: CheckKey, check: Callable[[], Awaitable[Inspection]]) -> Outcome:
         """The verdict for ``key``: remembered, or that of a check of it in progress, or of

@@ -28,7 +28,7 @@ from coordinator.core.errors import (
 from coordinator.core.ids import require_sha256
 from coordinator.core.principal import current_principal
 from coordinator.engine.api import CoordinatorContext
-from coordinator.engine.program_check_cache import CheckVerdict, VerdictCache
+from coordinator.engine.program_check_cache import CheckVerdict, VerdictCache, check_version
 from coordinator.engine.submit_gate import SubmitGate
 from coordinator.market.program_flops import known_flops, remember_flops
 from coordinator.store.blobs import BlobCaller
@@ -47,7 +47,11 @@ class SubmitChecks:
         self.ctx = ctx
         self.inspector = inspector
         self.gate = SubmitGate(ctx.config.program_check_concurrency)
-        self.cache = VerdictCache()
+        config = ctx.config
+        limits = f"{config.program_check_timeout_s:g}s {config.program_check_memory_bytes}B"
+        self.cache = VerdictCache(
+            version=check_version(limits), directory=config.program_check_cache
+        )
         # Counted again when the job is stored, under the tenant's lock (JobService refuses a
         # tenant at its cap early, before the check; two submissions may both pass that).
         self.live_jobs = LiveJobCap(ctx.store, ctx.config.max_live_jobs)

@@ -17,7 +17,7 @@ from coordinator.app import Coordinator
 from coordinator.engine.engine import Engine
 from coordinator.store.blobs import BlobCaller
 from epochmesh.packaging import PackedJob
-from epochmesh.v1 import agent_pb2, common_pb2, job_pb2
+from epochmesh.v1 import agent_pb2, common_pb2, job_pb2, scheduler_pb2
 from tests.integration.blob_calls import MIB, Party, S, chunks, header, refused, sha, tiny_job
 from tests.integration.fake_agent import FakeAgent
 from tests.procs import async_wait_until, in_process_coordinator
@@ -148,6 +148,16 @@ async def test_a_node_fetches_only_the_blobs_of_its_job(
     await alice.put(other)
     reg = await rogue.agent.Register(agent_pb2.RegisterRequest(name="rogue"), timeout=10)
     assert reg.node_id == rogue.id
+
+    async def rogue_offline() -> bool:
+        info = await parties["operator"].sched.GetNode(
+            scheduler_pb2.GetNodeRequest(node_id=rogue.id), timeout=10
+        )
+        return int(info.state) == common_pb2.NODE_STATE_OFFLINE
+
+    # The rogue sends no heartbeat: once its lease has lapsed no job can take it (a job
+    # submitted before then may, and a node its job holds may fetch the job's blobs).
+    await async_wait_until(rogue_offline, timeout=30, message="the rogue node never went OFFLINE")
     job = await alice.submit(packed)
     program = sha(packed.program)
 

@@ -115,7 +115,12 @@ async def test_a_power_in_a_shape_expression_is_refused_fast_while_heartbeats_st
     tmp_path: Path, packed: PackedJob
 ) -> None:
     async with (
-        in_process_coordinator(tmp_path / "data", engine_factory=Engine) as coord,
+        in_process_coordinator(
+            tmp_path / "data",
+            engine_factory=Engine,
+            program_check_cache_root=tmp_path / "checks",
+            program_check_spare=True,
+        ) as coord,
         aio_channel_for(coord.address) as channel,
     ):
         jobs = job_pb2_grpc.JobServiceStub(channel)
@@ -147,6 +152,7 @@ async def test_a_hanging_program_is_refused_at_the_time_limit_while_heartbeats_s
         in_process_coordinator(
             tmp_path / "data",
             engine_factory=Engine,
+            program_check_cache_root=tmp_path / "checks",
             program_check_timeout_s=CHECK_TIMEOUT_S,
             program_check_spare=False,
         ) as coord,
@@ -170,7 +176,10 @@ async def test_a_program_that_crashes_its_inspection_is_refused(
     # No spare child: each check starts its own, with the environment of that moment.
     async with (
         in_process_coordinator(
-            tmp_path / "data", engine_factory=Engine, program_check_spare=False
+            tmp_path / "data",
+            engine_factory=Engine,
+            program_check_cache_root=tmp_path / "checks",
+            program_check_spare=False,
         ) as coord,
         aio_channel_for(coord.address) as channel,
     ):
@@ -193,7 +202,9 @@ async def test_a_sparse_program_is_refused_naming_its_operator(
     tmp_path: Path, packed: PackedJob
 ) -> None:
     async with (
-        in_process_coordinator(tmp_path / "data", engine_factory=Engine) as coord,
+        in_process_coordinator(
+            tmp_path / "data", engine_factory=Engine, program_check_cache_root=tmp_path / "checks"
+        ) as coord,
         aio_channel_for(coord.address) as channel,
     ):
         jobs = job_pb2_grpc.JobServiceStub(channel)
@@ -221,7 +232,9 @@ async def test_a_state_without_its_parameter_list_is_loaded_in_a_child_not_in_th
     init = read_initial_state(packed.initial_state)
     bare = to_safetensors(init.state)
     async with (
-        in_process_coordinator(tmp_path / "data", engine_factory=Engine) as coord,
+        in_process_coordinator(
+            tmp_path / "data", engine_factory=Engine, program_check_cache_root=tmp_path / "checks"
+        ) as coord,
         aio_channel_for(coord.address) as channel,
     ):
         jobs = job_pb2_grpc.JobServiceStub(channel)

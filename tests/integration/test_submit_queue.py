@@ -150,7 +150,10 @@ async def test_a_tenants_first_submission_is_not_queued_behind_anothers_many(
 ) -> None:
     async with (
         in_process_coordinator(
-            tmp_path / "c", engine_factory=Engine, program_check_concurrency=1
+            tmp_path / "c",
+            engine_factory=Engine,
+            program_check_cache_root=tmp_path / "checks",
+            program_check_concurrency=1,
         ) as coord,
         tenants(coord, packed, "alice", "bob") as (alice, bob),
     ):
@@ -191,7 +194,9 @@ async def test_a_program_submitted_again_is_not_checked_again(
     tmp_path: Path, packed: PackedJob
 ) -> None:
     async with (
-        in_process_coordinator(tmp_path / "c", engine_factory=Engine) as coord,
+        in_process_coordinator(
+            tmp_path / "c", engine_factory=Engine, program_check_cache_root=tmp_path / "checks"
+        ) as coord,
         tenants(coord, packed, "alice", "bob") as (alice, bob),
     ):
         checks = checks_of(coord)
@@ -243,7 +248,10 @@ async def test_a_tenants_submissions_in_progress_are_capped(
 ) -> None:
     async with (
         in_process_coordinator(
-            tmp_path / "c", engine_factory=Engine, program_check_concurrency=1
+            tmp_path / "c",
+            engine_factory=Engine,
+            program_check_cache_root=tmp_path / "checks",
+            program_check_concurrency=1,
         ) as coord,
         tenants(coord, packed, "alice", "bob") as (alice, bob),
     ):

@@ -156,8 +156,11 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
     # A outlasts B's submission and join and the urgent job's submission: 2-4 of its epochs
     # went by before the urgent preemption in runs on this host, idle or loaded, at slowdown
     # 10; from A's start on the four nodes the agents run twice as slow (sleeps: half the
-    # rounds, and their CPU, for the same wait), so half of them: 10 epochs (and B 6).
-    sizes = {"a": (576, 10), "b": (576, 6), "urgent": (240, 1)}
+    # rounds, and their CPU, for the same wait), so half of them: 10 epochs. B, on two nodes,
+    # must outlast the urgent job's submission (seconds of export and checks, several times
+    # longer on a host that runs another test beside this one): 10 epochs, and the agents
+    # 12 times slower still (sleeps) while it is submitted.
+    sizes = {"a": (576, 10), "b": (576, 10), "urgent": (240, 1)}
 
     def doc(name: str, **cluster_keys: Any) -> dict[str, Any]:
         n_epochs = sizes[name][1]
@@ -181,8 +184,9 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
     # B takes its half (a node at A's next round boundary after the hold, the second once its
     # job benchmark there is in) while A keeps the other half; only then is the urgent job
     # packaged and submitted (seconds of export and checks), the agents slowed down further
-    # meanwhile so that neither A nor B ends before its preemption. Once the urgent job is in,
-    # its preemption of A and B is under way when the coordinator is killed.
+    # meanwhile (sleeps, 12 times the compute) so that neither A nor B ends before its
+    # preemption on a busy host. Once the urgent job is in, its preemption of A and B is under
+    # way when the coordinator is killed.
     wait_until(
         lambda: (
             nodes_in_last_round(jobs.rounds(job_b)) == 2
@@ -192,7 +196,7 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
         interval=0.1,
         message="A and B on two nodes each",
     )
-    set_slowdown(agents, 4 * SLOWDOWN)
+    set_slowdown(agents, 12 * SLOWDOWN)
     before = preemptions()
     urgent = submit(
         tenant_b, tmp_path / "urgent", doc("urgent", min_nodes=3, max_nodes=3, priority="high"), 240

@@ -5,6 +5,8 @@ submissions of one program)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +192,75 @@ async def test_a_cancelled_check_leaves_its_waiters_to_check_again() -> None:
 def test_the_check_version_is_stable_and_names_the_code() -> None:
     assert check_version() == check_version()
     assert len(check_version()) == 64
+
+
+def _never_checked() -> object:
+    async def run() -> Inspection:
+        raise AssertionError("a kept verdict was checked again")
+
+    return run
+
+
+async def test_verdicts_kept_in_a_directory_outlive_the_cache_and_are_shared(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    program, state, other = "a" * 64, "b" * 64, "c" * 64
+
+    async def accepted() -> Inspection:
+        return Inspection(Verdict.ACCEPTED, "", flops_per_sample=12.5)
+
+    async def timed_out() -> Inspection:
+        return Inspection(Verdict.TIMED_OUT, "took too long")
+
+    first = VerdictCache(version="v1", directory=tmp_path)
+    assert (await first.verdict(first.key(program, state), accepted)).checked
+    assert (await first.verdict(first.key(other, state), timed_out)).checked
+    # A restarted coordinator (a new cache on the same directory) takes the program's verdict,
+    # counts included; the machine's (a timeout) is checked again.
+    second = VerdictCache(version="v1", directory=tmp_path)
+    out = await second.verdict(second.key(program, state), _never_checked())  # type: ignore[arg-type]
+    assert not out.checked
+    assert out.verdict == CheckVerdict(Verdict.ACCEPTED, "", flops_per_sample=12.5)
+    assert (await second.verdict(second.key(other, state), timed_out)).checked
+    [kept] = tmp_path.rglob(f"{program}-{state}.json")
+    # Another version (other code, other limits) does not.
+    third = VerdictCache(version="v2", directory=tmp_path)
+    assert (await third.verdict(third.key(program, state), accepted)).checked
+    # A damaged file is ignored with a warning, and the check runs again and rewrites it.
+    for damaged in (b"{not json", b'{"verdict": "timed_out", "reason": "", "version": "v1"}'):
+        kept.write_bytes(damaged)
+        fresh = VerdictCache(version="v1", directory=tmp_path)
+        with caplog.at_level(logging.WARNING):
+            assert (await fresh.verdict(fresh.key(program, state), accepted)).checked
+        assert "verdict" in caplog.text and "ignored" in caplog.text
+        caplog.clear()
+    again = VerdictCache(version="v1", directory=tmp_path)
+    out = await again.verdict(again.key(program, state), _never_checked())  # type: ignore[arg-type]
+    assert not out.checked and out.verdict.flops_per_sample == 12.5
+
+
+async def test_a_verdict_directory_that_cannot_be_written_fails_no_check(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    cache = VerdictCache(version="v1", directory=blocked)
+
+    async def refused() -> Inspection:
+        return Inspection(Verdict.REFUSED, "off the allow-list")
+
+    with caplog.at_level(logging.WARNING):
+        out = await cache.verdict(cache.key("a" * 64, "b" * 64), refused)
+    assert out.checked and out.verdict == CheckVerdict(Verdict.REFUSED, "off the allow-list")
+    assert "not kept" in caplog.text
+    # Still remembered in memory.
+    assert not (await cache.verdict(cache.key("a" * 64, "b" * 64), _never_checked())).checked  # type: ignore[arg-type]
+    # Keys that are not two digests never name a file.
+    odd = VerdictCache(version="v1", directory=tmp_path / "d")
+    await odd.verdict(odd.key("../../x", "b" * 64), refused)
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_check_version_digests_the_limits() -> None:
+    assert check_version("60s 2147483648B") != check_version("60s 1073741824B")
+    assert check_version("60s 2147483648B") == check_version("60s 2147483648B")
