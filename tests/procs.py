@@ -435,8 +435,9 @@ async def in_process_coordinator(
     overrides.setdefault("listen", "127.0.0.1:0")
     overrides.setdefault("shutdown_grace_s", 1.0)
     overrides.setdefault("program_check_spare", False)
-    if "program_check_cache_root" not in overrides and shared_check_cache() is not None:
-        overrides["program_check_cache_root"] = shared_check_cache()
+    shared = shared_check_cache()
+    if shared is not None:
+        overrides.setdefault("program_check_cache_root", shared)
     config = CoordinatorConfig(data_dir=Path(data_dir), **overrides)
     coord = Coordinator(config, engine_factory=engine_factory)
     await coord.start()

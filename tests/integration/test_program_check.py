@@ -10,6 +10,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -111,14 +112,19 @@ async def submit_while_beating(
     return details, elapsed, latencies
 
 
+def own_checks(tmp_path: Path) -> dict[str, Any]:
+    """An in-process coordinator's engine and its own verdict directory: these tests count on
+    their checks running, not on the run's shared verdicts (tests/procs.py)."""
+    return {"engine_factory": Engine, "program_check_cache_root": tmp_path / "checks"}
+
+
 async def test_a_power_in_a_shape_expression_is_refused_fast_while_heartbeats_stay_fast(
     tmp_path: Path, packed: PackedJob
 ) -> None:
     async with (
         in_process_coordinator(
             tmp_path / "data",
-            engine_factory=Engine,
-            program_check_cache_root=tmp_path / "checks",
+            **own_checks(tmp_path),
             program_check_spare=True,
         ) as coord,
         aio_channel_for(coord.address) as channel,
@@ -151,8 +157,7 @@ async def test_a_hanging_program_is_refused_at_the_time_limit_while_heartbeats_s
     async with (
         in_process_coordinator(
             tmp_path / "data",
-            engine_factory=Engine,
-            program_check_cache_root=tmp_path / "checks",
+            **own_checks(tmp_path),
             program_check_timeout_s=CHECK_TIMEOUT_S,
             program_check_spare=False,
         ) as coord,
@@ -177,8 +182,7 @@ async def test_a_program_that_crashes_its_inspection_is_refused(
     async with (
         in_process_coordinator(
             tmp_path / "data",
-            engine_factory=Engine,
-            program_check_cache_root=tmp_path / "checks",
+            **own_checks(tmp_path),
             program_check_spare=False,
         ) as coord,
         aio_channel_for(coord.address) as channel,
@@ -202,9 +206,7 @@ async def test_a_sparse_program_is_refused_naming_its_operator(
     tmp_path: Path, packed: PackedJob
 ) -> None:
     async with (
-        in_process_coordinator(
-            tmp_path / "data", engine_factory=Engine, program_check_cache_root=tmp_path / "checks"
-        ) as coord,
+        in_process_coordinator(tmp_path / "data", **own_checks(tmp_path)) as coord,
         aio_channel_for(coord.address) as channel,
     ):
         jobs = job_pb2_grpc.JobServiceStub(channel)
@@ -232,9 +234,7 @@ async def test_a_state_without_its_parameter_list_is_loaded_in_a_child_not_in_th
     init = read_initial_state(packed.initial_state)
     bare = to_safetensors(init.state)
     async with (
-        in_process_coordinator(
-            tmp_path / "data", engine_factory=Engine, program_check_cache_root=tmp_path / "checks"
-        ) as coord,
+        in_process_coordinator(tmp_path / "data", **own_checks(tmp_path)) as coord,
         aio_channel_for(coord.address) as channel,
     ):
         jobs = job_pb2_grpc.JobServiceStub(channel)
