@@ -69,6 +69,25 @@ KIND_CHECKPOINT = "checkpoint"
 KIND_SNAPSHOT = "snapshot"
 
 
+def queue_rank(task: agent_pb2.Task) -> int:
+    """Where a task goes in its node's queue (lower first): round tasks, checks, the rest."""
+    if task.kind == agent_pb2.TASK_KIND_TRAIN:
+        return 0
+    return 1 if task.kind == agent_pb2.TASK_KIND_CHECK else 2
+
+
+def insert_by_rank(
+    queue: deque[tuple[agent_pb2.Task, str]], task: agent_pb2.Task, job_id: str
+) -> None:
+    """Put ``task`` of ``job_id`` after every queued task of its rank or a lower one and
+    before those of a higher rank (`queue_rank`)."""
+    rank = queue_rank(task)
+    at = len(queue)
+    while at > 0 and queue_rank(queue[at - 1][0]) > rank:
+        at -= 1
+    queue.insert(at, (task, job_id))
+
+
 def job_codec(spec: common_pb2.JobSpec) -> str:
     """The wire codec of a job's updates (gradients or pseudo-gradients)."""
     return spec.compression or "none"
@@ -332,20 +351,13 @@ class Engine:
         if self.ctx.registry.is_alive(node_id):
             await self.ctx.registry.set_busy(node_id, None)
 
-    def enqueue(
-        self, node_id: str, task: agent_pb2.Task, job_id: str, *, front: bool = False
-    ) -> None:
-        """Queue a task for the node (``front``: a check, before its other tasks but after the
-        checks queued before it: the oldest check first)."""
+    def enqueue(self, node_id: str, task: agent_pb2.Task, job_id: str) -> None:
+        """Queue a task for the node, by kind (`queue_rank`), in order of arrival within a
+        kind: round tasks first (every node of a round waits for the slowest one), then
+        checks (a check's deadline is several rounds away: it runs in the node's wait for
+        the round to close), then the rest (benchmarks)."""
         self.task_owner[task.task_id] = (node_id, job_id)
-        queue = self.queues.setdefault(node_id, deque())
-        if front:
-            at = 0
-            while at < len(queue) and queue[at][0].kind == agent_pb2.TASK_KIND_CHECK:
-                at += 1
-            queue.insert(at, (task, job_id))
-        else:
-            queue.append((task, job_id))
+        insert_by_rank(self.queues.setdefault(node_id, deque()), task, job_id)
         self.queue_events.setdefault(node_id, asyncio.Event()).set()
 
     def round_finished(self, job_id: str, open_tasks: Collection[str]) -> None:

@@ -32,10 +32,9 @@ class RunnerHost(Protocol):
         """The job stops using the node (it is free for the scheduler's next pass)."""
         ...
 
-    def enqueue(
-        self, node_id: str, task: agent_pb2.Task, job_id: str, *, front: bool = False
-    ) -> None:
-        """Queue a task for the node's next NextTask."""
+    def enqueue(self, node_id: str, task: agent_pb2.Task, job_id: str) -> None:
+        """Queue a task for the node's next NextTask (round tasks before checks before the
+        rest)."""
         ...
 
     def round_finished(self, job_id: str, open_tasks: Collection[str]) -> None:

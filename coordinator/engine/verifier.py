@@ -622,7 +622,7 @@ class Verifier:
         pc.tried.add(node)
         self._by_check_task[task_id] = pc.task_id
         self.recomputed[pc.standing] += end - start
-        self.runner.host.enqueue(node, task, self.runner.job_id, front=True)
+        self.runner.host.enqueue(node, task, self.runner.job_id)
         return True
 
     def is_check_task(self, node_id: str, task_id: str) -> bool:

@@ -12,6 +12,10 @@ Start-up order (registration comes first so that a node shows up within a couple
    RTT and bandwidth probes, ReportBenchmark (job_id empty), also written to
    DATA_DIR/benchmark.json; the report is sent again after every later registration;
 4. the work loop: NextTask long-poll, run the task (node_agent.runtime.dispatch), repeat.
+   What a finished task still owes and nothing waits on (a check's report, a checked part's
+   sketches and start state: `TaskContext.beside`) is sent beside the next task, at most
+   `MAX_BESIDE` of them at once; the agent waits for them (up to `BESIDE_WAIT_S`) before
+   it leaves.
 
 An operator's drain (the coordinator reports the node DRAINING) or cordon does not stop the
 agent: it gets no new work, finishes its task, and stays up and idle until uncordoned.
@@ -40,7 +44,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Literal, TypeVar
@@ -96,6 +100,10 @@ T = TypeVar("T")
 LEAVE_REASON = "an operator asked this node to leave (drain --stop)"
 # After abandoning a task, how long to wait for its handler to notice before leaving anyway.
 ABANDON_WAIT_S = 5.0
+# Reports sent beside the next task (TaskContext.beside): at most this many at once (a new one
+# waits for a slot), and how long the agent waits for them when it leaves.
+MAX_BESIDE = 4
+BESIDE_WAIT_S = 15.0
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
@@ -143,6 +151,8 @@ class Agent:
         self.cache: BlobCache
         self.connection: CoordinatorConnection
         self._early_poll: asyncio.Task[tuple[agent_pb2.Task, float] | None] | None = None
+        # Reports of finished tasks sent beside the current one (TaskContext.beside).
+        self._besides: set[asyncio.Task[None]] = set()
         # One waiter on the drain event for every `_until_drain` (two per round: a task and a
         # cancellation less each time than a waiter of their own).
         self._drain_waiter: asyncio.Task[Literal[True]] | None = None
@@ -340,6 +350,7 @@ class Agent:
         self._hurry.set()
 
     async def _shutdown(self, heartbeats: asyncio.Task[None] | None) -> None:
+        await self._finish_besides()
         if self.connection.registered:
             await self.connection.send_draining(task_id="")
         self._stop.set()
@@ -594,6 +605,36 @@ class Agent:
         if self._early_poll is None and not self.draining and not self._leave_requested:
             self._early_poll = asyncio.create_task(self._poll(), name="next-task-poll")
 
+    async def _beside(self, work: Coroutine[Any, Any, None], what: str) -> None:
+        """Run ``work`` (a finished task's report) on its own while the agent goes on with its
+        next task; with `MAX_BESIDE` already out, wait for one of them first."""
+        while len(self._besides) >= MAX_BESIDE:
+            await asyncio.wait(set(self._besides), return_when=asyncio.FIRST_COMPLETED)
+        job = asyncio.create_task(self._guarded(work, what), name=what)
+        self._besides.add(job)
+        job.add_done_callback(self._besides.discard)
+
+    @staticmethod
+    async def _guarded(work: Coroutine[Any, Any, None], what: str) -> None:
+        try:
+            await work
+        except Stopped:
+            log.info("%s was not sent: the agent stops", what)
+        except Exception as exc:  # its task is over: nobody else would hear of it
+            log.warning("%s could not be sent: %s", what, describe(exc))
+
+    async def _finish_besides(self) -> None:
+        """Before the agent leaves: let the reports still out finish (up to BESIDE_WAIT_S),
+        then give up on the rest."""
+        if not self._besides:
+            return
+        _, late = await asyncio.wait(set(self._besides), timeout=BESIDE_WAIT_S)
+        for job in late:
+            log.warning("%s: not sent within %.0fs; giving up", job.get_name(), BESIDE_WAIT_S)
+            job.cancel()
+        if late:
+            await asyncio.wait(late)
+
     def _task_context(self, task: agent_pb2.Task, received_at: float) -> TaskContext:
         return TaskContext(
             task=task,
@@ -612,6 +653,7 @@ class Agent:
             jobs=self.jobs,
             ring_jobs=self.ring_jobs,
             tamper=self.tamper,
+            beside_next=self._beside,
         )
 
     async def _run_task(self, task: agent_pb2.Task, received_at: float) -> None:

@@ -13,6 +13,8 @@ chunk's mean loss and gradient with the job's micro_batch
 (`accumulated_loss_and_grads`, as the checked node computed each chunk) through the
 slowdown controller (a slowed agent is slow here too) and answers ReportCheck with the loss,
 the gradient's CountSketch (epochmesh.sketch, float64) and the device seconds it took. The
+answer is sent beside the agent's next task (`TaskContext.beside`): a round may wait for that
+task, while only the check's own deadline waits for the answer. The
 program's random draws are seeded as on the checked node (`checked_scope`: the task's job and
 round, the checked node's id `checked_node_id`, the chunk's samples), so that its dropout masks
 and noise are the ones the checked node drew.
@@ -25,9 +27,10 @@ before the steps minus after. The job's program then holds that state, not a ver
 job: its `version` is forgotten (the next TRAIN task fetches its own). On a ring member the
 ring's live state is marked gone from the program (its next round loads its kept snapshot).
 
-Failures follow TRAIN's conventions (node_agent.runtime.dispatch.dispatch_task): anything raised here is
-reported by the dispatcher, which for a CHECK task answers ReportCheck(failed=True, error=...)
-(`TaskContext.report_failure`).
+Failures follow TRAIN's conventions (node_agent.runtime.dispatch.dispatch_task): anything raised
+before the answer is reported by the dispatcher, which for a CHECK task answers
+ReportCheck(failed=True, error=...) (`TaskContext.report_failure`); an answer that cannot be
+sent is logged (the coordinator's watchdog draws another checker when the deadline passes).
 """
 
 from __future__ import annotations
@@ -175,28 +178,34 @@ async def run_check_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
     compute = local_check_in_thread if local else check_in_thread
     result = await ctx.run_compute(compute, ctx, job, task)
     computed = time.monotonic()
-    await ctx.call(
-        "ReportCheck",
-        lambda: agent_pb2.ReportCheckRequest(
-            node_id=ctx.node_id,
-            lease_id=ctx.lease_id,
-            task_id=task.task_id,
-            loss=result.loss,
-            sketch=result.sketch,
-            compute_seconds=result.compute_s,
-        ),
-    )
-    ctx.log.info(
-        "check of round %d (version %d): %d samples, loss %.6g, compute %.3fs, total %.3fs "
-        "(load %.3f, params %.3f, compute+sketch %.3f, report %.3f)",
-        task.round,
-        task.params_version,
-        result.samples,
-        result.loss,
-        result.compute_s,
-        time.monotonic() - started,
-        loaded - started,
-        fetched - loaded,
-        computed - fetched,
-        time.monotonic() - computed,
-    )
+
+    async def report() -> None:
+        await ctx.call(
+            "ReportCheck",
+            lambda: agent_pb2.ReportCheckRequest(
+                node_id=ctx.node_id,
+                lease_id=ctx.lease_id,
+                task_id=task.task_id,
+                loss=result.loss,
+                sketch=result.sketch,
+                compute_seconds=result.compute_s,
+            ),
+        )
+        ctx.log.info(
+            "check of round %d (version %d): %d samples, loss %.6g, compute %.3fs, total "
+            "%.3fs (load %.3f, params %.3f, compute+sketch %.3f, report %.3f)",
+            task.round,
+            task.params_version,
+            result.samples,
+            result.loss,
+            result.compute_s,
+            time.monotonic() - started,
+            loaded - started,
+            fetched - loaded,
+            computed - fetched,
+            time.monotonic() - computed,
+        )
+
+    # The answer is computed: the report goes beside the agent's next task (a round waits on
+    # that one, nobody on this report but the check's own deadline).
+    await ctx.beside(report(), f"the report of check task {task.task_id}")

@@ -45,6 +45,12 @@ handler imports this module, never the dispatcher.
     ctx.tamper             Tamper: how the round's work is done other than as asked
                            (node_agent.training.tamper; HONEST unless the test entry point
                            installed another)
+    await ctx.beside(work, what)
+                           send what a finished part owes that nothing waits on (a check's
+                           report, a checked part's sketches and start state) beside the
+                           agent's next task instead of before it: the worker runs ``work``
+                           on its own and waits for it before the agent leaves; without a
+                           worker (``beside_next`` None) it is awaited here
 
 A TRAIN handler is `async def run_train_task(ctx: TaskContext, task: Task) -> None`. It
 reports its own results (PushUpdate, ReportProgress); raising makes the dispatcher report the
@@ -57,7 +63,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
@@ -136,6 +142,8 @@ class TaskContext:
     jobs: LoadedJobs = field(default_factory=LoadedJobs)
     ring_jobs: RingJobs = field(default_factory=RingJobs)
     tamper: Tamper = HONEST
+    # The worker's runner of work beside the next task (see `beside`); None: run it inline.
+    beside_next: Callable[[Coroutine[Any, Any, None], str], Awaitable[None]] | None = None
     log: logging.LoggerAdapter[logging.Logger] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +181,14 @@ class TaskContext:
             raise TaskCancelled(self.cancel_reason or "task cancelled")
 
     # -- helpers --------------------------------------------------------------------------------
+
+    async def beside(self, work: Coroutine[Any, Any, None], what: str) -> None:
+        """Hand ``work`` (``what`` it sends, for the log) to the worker to run beside the next
+        task; without a worker, run it now. ``work`` reports its own failures."""
+        if self.beside_next is None:
+            await work
+        else:
+            await self.beside_next(work, what)
 
     async def run_compute(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()

@@ -18,7 +18,10 @@ every chunk's gradient under its seed goes back with CommitSketches. A failure t
 logged: the round's update is in. When the answer to the sketches names a chunk, its start
 state is uploaded (PushUpdate kind "snapshot") for a checker to run its steps from
 (`recompute_local_chunk`); the ring trainer uploads its members' snapshots the same way
-(`push_snapshot`).
+(`push_snapshot`). Sketches and start state go beside the agent's next task
+(`TaskContext.beside`), not before it: the next round waits on that task, nothing on them but
+the check (their chunks are the part's own copies). A ring job's external node, whose start
+state is the program's live parameters, sends them before its next task.
 
 The round's `Tamper` (``ctx.tamper``, node_agent.training.tamper) may change what is computed
 and sent (node_agent.training.compute), consistently in its chunks and its update.
@@ -196,29 +199,47 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
         )
         wanted = response.sketch
         if wanted.buckets > 0:
-            drawn = await commit_sketches(ctx, task, chunks, wanted)
-            if drawn is not None and drawn.snapshot_wanted and chunks is not None:
-                index = drawn.snapshot_chunk
-                if not chunks.starts and 0 <= index < len(chunks.grads):
-                    # A ring job's external node: the parameters its part started from (the
-                    # coordinator holds the ring's versions only at checkpoints).
-                    params = await ctx.run_compute(start_parameters, job)
-                    await push_snapshot(ctx, task, params, index)
-                elif 0 <= index < len(chunks.starts):
-                    state = chunks.starts[index]
-                    if task.spec.aggregation == "ring":  # with the round's start parameters
-                        state = with_round_start(state, chunks.starts[0])
-                    await push_snapshot(ctx, task, state, index)
-                else:
-                    ctx.log.warning(
-                        "round %d: the coordinator asked for the start state of chunk %d; the "
-                        "part has %d",
-                        task.round,
-                        index,
-                        len(chunks.starts),
-                    )
+            owed = answer_check(ctx, task, job, chunks, wanted)
+            if task.spec.aggregation == "ring" and chunks is not None and not chunks.starts:
+                # A ring job's external node in a synchronous round: the start state it may be
+                # asked for is the program's parameters now, which the next task changes.
+                await owed
+            else:
+                await ctx.beside(owed, f"the sketches of round {task.round}")
     else:
         ctx.log.warning("round %d: update not applied: %s", task.round, response.reason)
+
+
+async def answer_check(
+    ctx: TaskContext,
+    task: agent_pb2.Task,
+    job: LoadedJob,
+    chunks: ChunkGradients | None,
+    wanted: agent_pb2.CheckSpec,
+) -> None:
+    """The PushUpdate response drew the part for a check: send its chunks' sketches, then, if
+    the answer names a chunk, the state that chunk started from."""
+    drawn = await commit_sketches(ctx, task, chunks, wanted)
+    if drawn is None or not drawn.snapshot_wanted or chunks is None:
+        return
+    index = drawn.snapshot_chunk
+    if not chunks.starts and 0 <= index < len(chunks.grads):
+        # A ring job's external node: the parameters its part started from (the coordinator
+        # holds the ring's versions only at checkpoints).
+        params = await ctx.run_compute(start_parameters, job)
+        await push_snapshot(ctx, task, params, index)
+    elif 0 <= index < len(chunks.starts):
+        state = chunks.starts[index]
+        if task.spec.aggregation == "ring":  # with the round's start parameters
+            state = with_round_start(state, chunks.starts[0])
+        await push_snapshot(ctx, task, state, index)
+    else:
+        ctx.log.warning(
+            "round %d: the coordinator asked for the start state of chunk %d; the part has %d",
+            task.round,
+            index,
+            len(chunks.starts),
+        )
 
 
 async def commit_sketches(

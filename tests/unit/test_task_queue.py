@@ -1,0 +1,120 @@
+"""A node's task queue at the coordinator and the agent's reports sent beside its next task:
+what keeps verification off a round's critical path."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from coordinator.engine.engine import insert_by_rank, queue_rank
+from epochmesh.v1 import agent_pb2
+from node_agent.core.config import AgentConfig
+from node_agent.link.connection import Stopped
+from node_agent.runtime import worker
+from node_agent.runtime.worker import Agent
+
+K = agent_pb2
+
+
+def task(kind: int, name: str) -> agent_pb2.Task:
+    return agent_pb2.Task(kind=kind, task_id=name)
+
+
+def test_round_tasks_go_before_checks_and_checks_before_benchmarks() -> None:
+    queue: deque[tuple[agent_pb2.Task, str]] = deque()
+    arrivals = [
+        task(K.TASK_KIND_BENCHMARK, "bench-1"),
+        task(K.TASK_KIND_CHECK, "check-1"),
+        task(K.TASK_KIND_TRAIN, "train-1"),  # the next round's task, queued after a check
+        task(K.TASK_KIND_CHECK, "check-2"),
+        task(K.TASK_KIND_BENCHMARK, "bench-2"),
+        task(K.TASK_KIND_TRAIN, "train-2"),
+    ]
+    for t in arrivals:
+        insert_by_rank(queue, t, "j")
+    assert [t.task_id for t, _ in queue] == [
+        "train-1",
+        "train-2",
+        "check-1",
+        "check-2",
+        "bench-1",
+        "bench-2",
+    ]
+    assert [queue_rank(t) for t, _ in queue] == [0, 0, 1, 1, 2, 2]
+
+
+def test_tasks_of_one_kind_keep_their_order_of_arrival() -> None:
+    queue: deque[tuple[agent_pb2.Task, str]] = deque()
+    for i in range(5):
+        insert_by_rank(queue, task(K.TASK_KIND_CHECK, f"c{i}"), f"job-{i}")
+    insert_by_rank(queue, task(K.TASK_KIND_TRAIN, "t"), "job-t")
+    assert [(t.task_id, j) for t, j in queue] == [("t", "job-t")] + [
+        (f"c{i}", f"job-{i}") for i in range(5)
+    ]
+
+
+def agent(tmp_path: Path) -> Agent:
+    return Agent(AgentConfig(coordinator="127.0.0.1:1", data_dir=tmp_path))
+
+
+async def test_reports_beside_the_next_task_run_on_their_own_bounded_in_number(
+    tmp_path: Path,
+) -> None:
+    a = agent(tmp_path)
+    release = asyncio.Event()
+    started: list[int] = []
+
+    async def report(i: int) -> None:
+        started.append(i)
+        await release.wait()
+
+    # Up to MAX_BESIDE are handed over without waiting: the task that owed them is over.
+    for i in range(worker.MAX_BESIDE):
+        await asyncio.wait_for(a._beside(report(i), f"report {i}"), timeout=5)
+    await asyncio.sleep(0)
+    assert sorted(started) == list(range(worker.MAX_BESIDE))
+    # One more waits for a slot.
+    extra = asyncio.ensure_future(a._beside(report(99), "report 99"))
+    await asyncio.sleep(0.05)
+    assert not extra.done() and 99 not in started
+    release.set()
+    await asyncio.wait_for(extra, timeout=5)
+    await asyncio.wait_for(a._finish_besides(), timeout=5)
+    assert 99 in started and not a._besides
+
+
+async def test_a_report_that_fails_is_logged_and_a_late_one_given_up_when_leaving(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker, "BESIDE_WAIT_S", 0.2)
+    a = agent(tmp_path)
+    never = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def broken() -> None:
+        raise ConnectionError("the coordinator went away")
+
+    async def stopped() -> None:
+        raise Stopped()
+
+    async def stuck() -> None:
+        try:
+            await never.wait()
+        finally:
+            cancelled.set()
+
+    with caplog.at_level(logging.INFO, logger=worker.__name__):
+        await a._beside(broken(), "the report of check task c-1")
+        await a._beside(stopped(), "the sketches of round 7")
+        await a._beside(stuck(), "the report of check task c-2")
+        await asyncio.wait_for(a._finish_besides(), timeout=5)
+    assert cancelled.is_set() and not a._besides
+    text = caplog.text
+    assert "the report of check task c-1 could not be sent" in text
+    assert "the coordinator went away" in text
+    assert "the sketches of round 7 was not sent: the agent stops" in text
+    assert "the report of check task c-2: not sent within" in text
