@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import compileall
+import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from epochmesh.export_cache import ENV_CACHE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("epochmesh", "client", "coordinator", "node_agent")
 _CACHE_DIR: str | None = None
+# Where the suite's time goes: with this set to a file, every test appends one JSON line with
+# its wall time and the CPU time the whole machine was busy meanwhile (from /proc/stat: the
+# test's processes and anything else running; run alone, that is the test's own). A test whose
+# CPU is a small share of its wall time waits (leases, deadlines, polling), and two workers
+# overlap it; one whose CPU is near its wall time needs less work to be faster.
+ENV_CPU_LOG = "EPOCHMESH_TEST_CPU_LOG"
 
 
 def _precompile() -> None:
@@ -27,6 +38,31 @@ def _precompile() -> None:
         return  # the processes write their bytecode themselves
     for package in PACKAGES:
         compileall.compile_dir(ROOT / package, quiet=2, workers=1)
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the machine has been busy since boot (all cores; not idle, not iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    path = os.environ.get(ENV_CPU_LOG)
+    if not path:
+        yield
+        return
+    wall0, cpu0 = time.monotonic(), _busy_cpu_s()
+    yield
+    line = {
+        "test": item.nodeid,
+        "wall_s": round(time.monotonic() - wall0, 2),
+        "busy_cpu_s": round(_busy_cpu_s() - cpu0, 2),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+    }
+    with open(path, "a") as log:  # one short line per write: appends do not interleave
+        log.write(json.dumps(line) + "\n")
 
 
 def pytest_configure() -> None:

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Collection
 from functools import partial
 
@@ -38,6 +37,7 @@ from coordinator.engine.submission import SubmitChecks
 from coordinator.engine.verification_store import stored_accused
 from coordinator.rounds.allocator import segments, split_batch
 from coordinator.scheduling.cluster_scheduler import JobPlan, Plan
+from coordinator.scheduling.task_queue import TaskQueue
 from epochmesh.errors import CodecError
 from epochmesh.limits import MAX_CHUNK_BYTES
 from epochmesh.money import format_credits
@@ -67,25 +67,6 @@ SILENCE_HEARTBEATS = 1.5
 
 KIND_CHECKPOINT = "checkpoint"
 KIND_SNAPSHOT = "snapshot"
-
-
-def queue_rank(task: agent_pb2.Task) -> int:
-    """Where a task goes in its node's queue (lower first): round tasks, checks, the rest."""
-    if task.kind == agent_pb2.TASK_KIND_TRAIN:
-        return 0
-    return 1 if task.kind == agent_pb2.TASK_KIND_CHECK else 2
-
-
-def insert_by_rank(
-    queue: deque[tuple[agent_pb2.Task, str]], task: agent_pb2.Task, job_id: str
-) -> None:
-    """Put ``task`` of ``job_id`` after every queued task of its rank or a lower one and
-    before those of a higher rank (`queue_rank`)."""
-    rank = queue_rank(task)
-    at = len(queue)
-    while at > 0 and queue_rank(queue[at - 1][0]) > rank:
-        at -= 1
-    queue.insert(at, (task, job_id))
 
 
 def job_codec(spec: common_pb2.JobSpec) -> str:
@@ -118,7 +99,7 @@ class Engine:
     def __init__(self, ctx: CoordinatorContext) -> None:
         self.ctx = ctx
         self.runners: dict[str, JobRunner] = {}
-        self.queues: dict[str, deque[tuple[agent_pb2.Task, str]]] = {}  # node -> (task, job)
+        self.queues: dict[str, TaskQueue] = {}
         self.queue_events: dict[str, asyncio.Event] = {}
         self.claims: dict[str, str] = {}  # node_id -> job_id
         # Which job may claim which node: the cluster scheduler (its state between passes).
@@ -352,12 +333,10 @@ class Engine:
             await self.ctx.registry.set_busy(node_id, None)
 
     def enqueue(self, node_id: str, task: agent_pb2.Task, job_id: str) -> None:
-        """Queue a task for the node, by kind (`queue_rank`), in order of arrival within a
-        kind: round tasks first (every node of a round waits for the slowest one), then
-        checks (a check's deadline is several rounds away: it runs in the node's wait for
-        the round to close), then the rest (benchmarks)."""
+        """Queue a task for the node: round tasks before checks before the rest, none passed
+        by more than one later task (`TaskQueue`)."""
         self.task_owner[task.task_id] = (node_id, job_id)
-        insert_by_rank(self.queues.setdefault(node_id, deque()), task, job_id)
+        self.queues.setdefault(node_id, TaskQueue()).push(task, job_id)
         self.queue_events.setdefault(node_id, asyncio.Event()).set()
 
     def round_finished(self, job_id: str, open_tasks: Collection[str]) -> None:
@@ -425,7 +404,7 @@ class Engine:
         while True:
             queue = self.queues.get(node_id)
             while queue:
-                task, job_id = queue.popleft()
+                task, job_id = queue.pop()
                 runner = self.runners.get(job_id)
                 if runner is None or runner.terminal:
                     continue

@@ -22,6 +22,7 @@ struck, and their records show verified rounds.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from tests.system.verification_checks import (
     quarantined_cheater,
     run_job,
 )
+
+log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,7 +128,11 @@ def test_a_cheating_ring_member_is_caught(
         cheater_rounds = cheater_parts(jobs, job_id, cheater, CHEAT_FROM)
         # Checked every round while new: caught by the check of its first cheated part or of
         # the next; on a loaded host a check can end undecided (no checker answered in time).
-        assert int(evidence["round"]) in cheater_rounds[:3], (cheater_rounds, evidence)
+        undecided = [e.message for e in events_of(events, "node.check_undecided")]
+        log.info(
+            "caught by the check of round %s; undecided checks: %s", evidence["round"], undecided
+        )
+        assert int(evidence["round"]) in cheater_rounds[:3], (cheater_rounds, evidence, undecided)
         assert events_of(events, "job.rolled_back"), "its cheated rounds were not undone"
 
         check_cheater_undone(

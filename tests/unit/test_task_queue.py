@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from pathlib import Path
 
 import pytest
 
-from coordinator.engine.engine import insert_by_rank, queue_rank
+from coordinator.scheduling.task_queue import MAX_PASSED, TaskQueue, queue_rank
 from epochmesh.v1 import agent_pb2
 from node_agent.core.config import AgentConfig
 from node_agent.link.connection import Stopped
@@ -24,37 +23,56 @@ def task(kind: int, name: str) -> agent_pb2.Task:
     return agent_pb2.Task(kind=kind, task_id=name)
 
 
-def test_round_tasks_go_before_checks_and_checks_before_benchmarks() -> None:
-    queue: deque[tuple[agent_pb2.Task, str]] = deque()
-    arrivals = [
-        task(K.TASK_KIND_BENCHMARK, "bench-1"),
-        task(K.TASK_KIND_CHECK, "check-1"),
-        task(K.TASK_KIND_TRAIN, "train-1"),  # the next round's task, queued after a check
-        task(K.TASK_KIND_CHECK, "check-2"),
-        task(K.TASK_KIND_BENCHMARK, "bench-2"),
-        task(K.TASK_KIND_TRAIN, "train-2"),
-    ]
-    for t in arrivals:
-        insert_by_rank(queue, t, "j")
-    assert [t.task_id for t, _ in queue] == [
-        "train-1",
-        "train-2",
-        "check-1",
-        "check-2",
-        "bench-1",
-        "bench-2",
-    ]
-    assert [queue_rank(t) for t, _ in queue] == [0, 0, 1, 1, 2, 2]
+def order(queue: TaskQueue) -> list[str]:
+    return [t.task_id for t, _ in queue.tasks()]
+
+
+def test_a_round_task_goes_before_a_check_and_a_check_before_a_benchmark() -> None:
+    queue = TaskQueue()
+    queue.push(task(K.TASK_KIND_CHECK, "check"), "j")
+    queue.push(task(K.TASK_KIND_BENCHMARK, "bench"), "j")
+    queue.push(task(K.TASK_KIND_TRAIN, "train"), "j")  # the next round's task, after a check
+    assert order(queue) == ["train", "check", "bench"]
+    assert [queue_rank(t) for t, _ in queue.tasks()] == [0, 1, 2]
+    assert [queue.pop()[0].task_id for _ in range(3)] == ["train", "check", "bench"]
+    assert len(queue) == 0
 
 
 def test_tasks_of_one_kind_keep_their_order_of_arrival() -> None:
-    queue: deque[tuple[agent_pb2.Task, str]] = deque()
+    queue = TaskQueue()
     for i in range(5):
-        insert_by_rank(queue, task(K.TASK_KIND_CHECK, f"c{i}"), f"job-{i}")
-    insert_by_rank(queue, task(K.TASK_KIND_TRAIN, "t"), "job-t")
-    assert [(t.task_id, j) for t, j in queue] == [("t", "job-t")] + [
+        queue.push(task(K.TASK_KIND_CHECK, f"c{i}"), f"job-{i}")
+    queue.push(task(K.TASK_KIND_TRAIN, "t"), "job-t")
+    assert [(t.task_id, j) for t, j in queue.tasks()] == [("t", "job-t")] + [
         (f"c{i}", f"job-{i}") for i in range(5)
     ]
+
+
+def test_no_task_is_passed_by_more_than_max_passed_later_ones() -> None:
+    """A node whose rounds follow one another finds its next round task queued each time it
+    asks: a check must still come out, after at most MAX_PASSED round tasks."""
+    assert MAX_PASSED == 1
+    queue = TaskQueue()
+    queue.push(task(K.TASK_KIND_CHECK, "check"), "j")
+    queue.push(task(K.TASK_KIND_BENCHMARK, "bench"), "j")
+    handed: list[str] = []
+    for r in range(4):  # each round's task arrives before the node asks again
+        queue.push(task(K.TASK_KIND_TRAIN, f"round-{r}"), "j")
+        handed.append(queue.pop()[0].task_id)
+    handed.extend(t.task_id for t, _ in queue.tasks())
+    # round-0 passed both; neither may be passed again, so both come out before round-1.
+    assert handed == ["round-0", "check", "bench", "round-1", "round-2", "round-3"]
+
+
+def test_a_task_that_may_not_be_passed_keeps_those_behind_it_in_place() -> None:
+    queue = TaskQueue()
+    queue.push(task(K.TASK_KIND_CHECK, "check-1"), "j")
+    queue.push(task(K.TASK_KIND_TRAIN, "train-1"), "j")  # passes check-1 (its one)
+    queue.push(task(K.TASK_KIND_BENCHMARK, "bench"), "j")
+    queue.push(task(K.TASK_KIND_CHECK, "check-2"), "j")  # passes the benchmark
+    # A round task may pass neither the benchmark (passed once) nor check-2 behind it.
+    queue.push(task(K.TASK_KIND_TRAIN, "train-2"), "j")
+    assert order(queue) == ["train-1", "check-1", "check-2", "bench", "train-2"]
 
 
 def agent(tmp_path: Path) -> Agent:
