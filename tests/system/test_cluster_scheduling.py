@@ -140,6 +140,11 @@ def set_slowdown(agents: list[AgentProc], factor: float) -> None:
         a.send(signal.SIGUSR1)
 
 
+def nodes_of(rnd: common_pb2.RoundRecord) -> int:
+    """The nodes a round handed a part to (a late best-effort part included)."""
+    return len({p.node_id for p in rnd.parts})
+
+
 def nodes_in_last_round(rounds: list[common_pb2.RoundRecord]) -> int:
     """Nodes with an applied part in the newest round that applied any."""
     done = [r for r in rounds if applied(r)]
@@ -220,28 +225,35 @@ def test_two_tenants_share_a_high_priority_job_preempts_and_a_kill9_loses_nothin
 
     events = {j: [e.kind for e in jobs.events(j)] for j in (job_a, job_b, urgent)}
     assert "node.reassigned" in events[job_b] + events[urgent], events
-    # the urgent job ran on its three nodes while the others waited or shrank
-    assert all(len(applied(r)) == 3 for r in urgent_rounds if applied(r))
+    # The urgent job ran on its three nodes while the others waited or shrank: every round
+    # handed a part to each of the three. (Not every part need be applied: a node late once on
+    # a loaded host gets a best-effort scrap that does not hold the round, and may miss it.)
+    log.info(
+        "the urgent job's rounds (node, status): %s",
+        [[(p.node_id, p.status) for p in r.parts] for r in urgent_rounds],
+    )
+    ran = [r for r in urgent_rounds if applied(r)]
+    assert ran and all(nodes_of(r) == 3 for r in ran)
     # B had about half of the cluster (its second node joins once its job benchmark there
     # is in: a second or so at this slowdown) while A had the other half: a round of each on
     # two nodes at the same time. The rounds the restart rolled back count (they ran; their
     # samples were trained again after it): A's two-node rounds may all lie after its last
     # checkpoint before the kill.
     rounds_a, rounds_b = (jobs.rounds(j, rolled_back=True) for j in (job_a, job_b))
-    b_half = [r for r in rounds_b if len(applied(r)) == 2]
-    assert b_half, [len(applied(r)) for r in rounds_b]
-    a_half = [r for r in rounds_a if len(applied(r)) == 2]
+    b_half = [r for r in rounds_b if applied(r) and nodes_of(r) == 2]
+    assert b_half, [nodes_of(r) for r in rounds_b]
+    a_half = [r for r in rounds_a if applied(r) and nodes_of(r) == 2]
     for name, rounds in (("A", rounds_a), ("B", rounds_b)):
         log.info(
-            "%s's rounds (nodes, rolled back): %s",
+            "%s's rounds (nodes, applied parts, rolled back): %s",
             name,
-            [(len(applied(r)), r.rolled_back) for r in rounds],
+            [(nodes_of(r), len(applied(r)), r.rolled_back) for r in rounds],
         )
     assert any(
         a.started_ms <= b.finished_ms and b.started_ms <= a.finished_ms
         for a in a_half
         for b in b_half
-    ), ("A and B never ran side by side on two nodes each", [len(applied(r)) for r in rounds_a])
+    ), ("A and B never ran side by side on two nodes each", [nodes_of(r) for r in rounds_a])
     for name, job_id in (("a", job_a), ("b", job_b), ("urgent", urgent)):
         n, epochs = sizes[name]
         rounds = jobs.rounds(job_id)
