@@ -48,6 +48,12 @@ class CoordinatorConfig:
     shutdown_grace_s: float = 5.0
     # Upper bound of a NextTask long poll.
     max_long_poll_s: float = 30.0
+    # Verification: the least time a node has for a checked part's sketches (a ring member for
+    # its evidence of a round), and a checker for its recomputation, in seconds; more when
+    # rounds are long (three and four rounds' time). A late checker is replaced without a
+    # strike; a node late with its sketches is struck.
+    sketch_wait_s: float = 10.0
+    check_wait_s: float = 15.0
     # "throughput": b_i in proportion to measured speed; "equal": the baseline of benchmarks.
     split: str = "throughput"
     log_level: str = "INFO"
@@ -129,6 +135,8 @@ class CoordinatorConfig:
             raise ValueError("the platform fee must be within 0..100 %")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
+        if not (self.sketch_wait_s > 0 and self.check_wait_s > 0):
+            raise ValueError("sketch_wait_s and check_wait_s must be positive")
         if not self.report_stalls_ms >= 0:
             raise ValueError("report_stalls_ms must be >= 0")
         if not self.max_heartbeats_per_s >= 0:

@@ -120,7 +120,12 @@ class JobRunner:
         # Verification (coordinator/engine/verifier.py): a failed check asks for a rollback to the
         # state before this round; the state at the start of recent rounds is kept for it.
         ring_state = self.rounds if isinstance(self.rounds, RingStatePort) else None
-        self.verifier = Verifier(self, ring_state=ring_state)
+        self.verifier = Verifier(
+            self,
+            ring_state=ring_state,
+            sketch_wait_s=self.ctx.config.sketch_wait_s,
+            check_wait_s=self.ctx.config.check_wait_s,
+        )
         self.billing.hold = (
             True  # a part's pay waits for its checks (coordinator/engine/verifier.py)
         )

@@ -119,8 +119,9 @@ from epochmesh.wire.tensors import encode_bundle
 log = logging.getLogger(__name__)
 NS = common_pb2.NodeState
 
-# Seconds a node has for its sketches, and a checker for its recomputation, beyond a few
-# rounds' time.
+# Seconds a node has for its sketches, and a checker for its recomputation, at least (more
+# when a few rounds take longer): the defaults of CoordinatorConfig.sketch_wait_s and
+# check_wait_s.
 MIN_SKETCH_WAIT_S = 10.0
 MIN_CHECK_WAIT_S = 15.0
 WATCH_EVERY_S = 0.25
@@ -137,10 +138,16 @@ class Verifier:
         rng: random.Random | None = None,
         *,
         ring_state: RingStatePort | None = None,
+        sketch_wait_s: float = MIN_SKETCH_WAIT_S,
+        check_wait_s: float = MIN_CHECK_WAIT_S,
     ) -> None:
         """``ring_state``: the ring strategy's agreed state, for a ring job's audits and
-        start-parameter checks (None in a parameter-server job)."""
+        start-parameter checks (None in a parameter-server job); ``sketch_wait_s`` and
+        ``check_wait_s``: the least time a node has for its sketches (a ring member for its
+        evidence) and a checker for its recomputation."""
         self.runner = runner
+        self.sketch_wait_s = sketch_wait_s
+        self.check_wait_s = check_wait_s
         self.ring_state = ring_state
         spec = runner.spec
         self.ring = spec.aggregation == "ring"
@@ -173,7 +180,7 @@ class Verifier:
             "nondeterministic": 0,
         }
         # Ring audits (coordinator/engine/ring_audits.py): their verdicts come back here.
-        self.audits = RingAudits(runner, self, evidence_wait_s=MIN_SKETCH_WAIT_S)
+        self.audits = RingAudits(runner, self, evidence_wait_s=sketch_wait_s)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -418,7 +425,7 @@ class Verifier:
         return self.ring_state
 
     def _sketch_wait(self) -> float:
-        return max(MIN_SKETCH_WAIT_S, 3.0 * self.runner.round_seconds())
+        return max(self.sketch_wait_s, 3.0 * self.runner.round_seconds())
 
     # -- sketches --------------------------------------------------------------------------------
 
@@ -617,7 +624,7 @@ class Verifier:
             local_batch=pc.local_batch if pc.digests else 0,
         )
         task.checked_node_id = pc.node_id  # its id seeds the program's draws, as on the node
-        wait = max(MIN_CHECK_WAIT_S, 4.0 * self.runner.round_seconds())
+        wait = max(self.check_wait_s, 4.0 * self.runner.round_seconds())
         pc.checkers.append(Checker(node, task_id, time.monotonic() + wait))
         pc.tried.add(node)
         self._by_check_task[task_id] = pc.task_id
@@ -827,7 +834,7 @@ class Verifier:
                             f"the sketches of its round {pc.round} (seed sent)",
                             "sketches_missing",
                             f"no sketch commitment for round {pc.round} within "
-                            f"{MIN_SKETCH_WAIT_S:g}s of its update",
+                            f"{self._sketch_wait():.3g}s of its update",
                         )
                     elif pc.state == "snapshot" and now > pc.deadline:
                         await self._missed(
@@ -841,6 +848,14 @@ class Verifier:
                     elif pc.state == "checking":
                         late = [c for c in pc.checkers if c.agrees is None and now > c.deadline]
                         for c in late:
+                            log.info(
+                                "job %s: checker %s did not answer for %s's round %d in time:"
+                                " replaced (no strike)",
+                                self.runner.job_id,
+                                c.node_id,
+                                pc.node_id,
+                                pc.round,
+                            )
                             pc.checkers.remove(c)
                             self._by_check_task.pop(c.task_id, None)
                         if late:

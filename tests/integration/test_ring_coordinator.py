@@ -49,6 +49,10 @@ from tests.integration.fake_agent import (
 )
 from tests.procs import async_wait_until, in_process_coordinator
 
+# Fake agents answer a check at once (they never recompute): the coordinator's wait for a
+# checker only runs out for one that died or was ejected, so it need not be the default 15 s.
+CHECK_WAIT_S = 4.0
+
 pytestmark = pytest.mark.timeout(240)
 
 NUM_SAMPLES = 96
@@ -354,7 +358,10 @@ async def test_a_dead_member_is_retried_without_and_externals_go_through_the_gat
     packed = ring_job(tmp_path, min_nodes=3, max_nodes=4)
     world = new_world(packed)
     async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
     ) as coord:
         doomed = FakeMember(world)
         doomed.kill_at_round = 3
@@ -420,7 +427,10 @@ async def test_a_checksum_mismatch_stops_the_job(tmp_path: Path) -> None:
     packed = ring_job(tmp_path, min_nodes=2, max_nodes=2)
     world = new_world(packed)
     async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
     ) as coord:
         odd = FakeMember(world)
         odd.checksum_salt = "bit flip"
@@ -467,7 +477,10 @@ async def test_a_ring_job_without_members_waits_and_says_why(tmp_path: Path) -> 
     packed = ring_job(tmp_path, min_nodes=1, max_nodes=2)
     world = new_world(packed)
     async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
     ) as coord:
         agent = await FakeAgent(coord, "ext", 200.0, FakeMember(world)).start()
         try:
@@ -489,7 +502,10 @@ async def test_when_every_holder_of_the_state_dies_the_job_rolls_back_to_its_che
     packed = ring_job(tmp_path, min_nodes=1, max_nodes=2, checkpoint_every=5)
     world = new_world(packed)
     async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
     ) as coord:
         doomed = [FakeMember(world), FakeMember(world)]
         for m in doomed:
@@ -541,7 +557,10 @@ async def test_the_ring_is_ordered_by_the_members_measured_links(tmp_path: Path)
 
     world["links"] = links
     async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
     ) as coord:
         agents = [
             await FakeAgent(

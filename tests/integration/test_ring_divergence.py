@@ -25,6 +25,10 @@ from tests.integration.test_ring_coordinator import (
 )
 from tests.procs import async_wait_until, in_process_coordinator
 
+# Fake agents answer a check at once (they never recompute): the coordinator's wait for a
+# checker only runs out for one that died or was ejected, so it need not be the default 15 s.
+CHECK_WAIT_S = 4.0
+
 pytestmark = pytest.mark.timeout(240)
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -74,7 +78,10 @@ async def test_a_member_with_a_wrong_checksum_is_ejected_with_a_strike(tmp_path:
     packed = ring_job(tmp_path, min_nodes=3, max_nodes=4)
     world = new_world(packed)
     async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
     ) as coord:
         liar = Member(world)
         liar.checksum_salt = "a forged step"
@@ -141,7 +148,10 @@ async def test_two_members_that_disagree_once_retry_the_round(tmp_path: Path) ->
     packed = ring_job(tmp_path, min_nodes=2, max_nodes=2)
     world = new_world(packed)
     async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
     ) as coord:
         agents = [
             await FakeAgent(
@@ -178,7 +188,10 @@ async def test_two_members_that_keep_disagreeing_wait_for_a_third_who_decides(
     packed = ring_job(tmp_path, min_nodes=2, max_nodes=3)
     world = new_world(packed)
     async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
     ) as coord:
         liar = Member(world)
         liar.checksum_salt = "a forged step"
@@ -232,7 +245,10 @@ async def test_ring_tasks_carry_the_revocation_list(tmp_path: Path) -> None:
     packed = ring_job(tmp_path, min_nodes=2, max_nodes=2)
     world = new_world(packed)
     async with in_process_coordinator(
-        tmp_path / "coord", engine_factory=Engine, heartbeat_interval_s=0.5
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
     ) as coord:
         gone = await FakeAgent(
             coord, "gone", 200.0, Member(world), peer_address="127.0.0.1:9"

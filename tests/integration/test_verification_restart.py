@@ -74,7 +74,13 @@ async def test_unverified_rounds_from_before_a_restart_are_undone_when_their_nod
         await push_scaled(agent, task, grads, took)
 
     data_dir = tmp_path / "coord"
-    kw = {"engine_factory": Engine, "heartbeat_interval_s": 1.0, "lease_ttl_s": 30.0}
+    # Fake agents never recompute: a check's wait runs out only for a checker that left.
+    kw = {
+        "engine_factory": Engine,
+        "heartbeat_interval_s": 1.0,
+        "lease_ttl_s": 30.0,
+        "check_wait_s": 4.0,
+    }
     async with in_process_coordinator(data_dir, **kw) as coord:
         good = await FakeAgent(coord, "good", RATE, honest).start()
         cheat = await FakeAgent(coord, "bad", RATE, bad).start()
