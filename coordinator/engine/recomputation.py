@@ -192,7 +192,9 @@ async def act(runner: JobPort, outcomes: CheckOutcomes, pc: PendingCheck) -> Non
     """Decide on ``pc`` (`judge`) and carry the decision out (see the module docstring)."""
     for _ in range(MAX_CHECKERS + 1):
         decision = judge(runner, pc)
-        log.info(
+        log.log(
+            # "wait": a checker answered and the other is still working, every check once
+            logging.DEBUG if decision.verdict is Verdict.WAIT else logging.INFO,
             "job %s: check of %s's round %d: %s (%s)",
             runner.job_id,
             pc.node_id,

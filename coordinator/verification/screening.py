@@ -23,11 +23,10 @@ catch those.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
-from typing import cast
 
 import torch
 
@@ -368,46 +367,66 @@ def _figures(parts: Sequence[tuple[int, Update]], samples: list[int]) -> list[_F
     count). With three nodes that would be the mean of two, which one bad node controls:
     then c_i is the median of all three."""
     n = len(parts)
-    names = list(parts[0][1])
-    for k, (_, upd) in enumerate(parts):
-        if set(upd) != set(names):
-            raise ValueError(f"part {k}: names {sorted(upd)} differ from part 0's {sorted(names)}")
     norm2 = torch.zeros(n, dtype=torch.float64)
     dot = torch.zeros(n, dtype=torch.float64)
     centre2 = torch.zeros(n, dtype=torch.float64)
     m = n - 1
     mids = [m // 2] if m % 2 else [m // 2 - 1, m // 2]
-    for name in names:
-        flats = [upd[name].detach().reshape(-1) for _, upd in parts]
-        numel = flats[0].numel()
-        if any(x.numel() != numel for x in flats):
-            raise ValueError(f"{name}: parts differ in size")
-        for lo in range(0, numel, CHUNK):
-            hi = min(numel, lo + CHUNK)
-            block = torch.stack([x[lo:hi].to(device="cpu", dtype=torch.float64) for x in flats])
-            vals, order = block.sort(dim=0)
+    for block in _blocks([upd for _, upd in parts]):
+        vals, order = block.sort(dim=0)
+        if n == 3:
+            centres = vals[1].expand_as(block)
+        else:
             rank = torch.empty_like(order).scatter_(
                 0, order, torch.arange(n).unsqueeze(1).expand_as(order)
             )
-            norm2 += (block * block).sum(dim=1)
-            for i in range(n):
-                if n == 3:
-                    c = vals[1]
-                else:
-                    # The t-th of the others in sorted order is at t below i's rank, else t + 1.
-                    c = cast(
-                        torch.Tensor,
-                        sum(vals.gather(0, (t + (rank[i] <= t))[None])[0] for t in mids),
-                    )
-                    c = c / len(mids)
-                dot[i] += block[i].dot(c)
-                centre2[i] += c.dot(c)
+            # Row i: the t-th of the others in sorted order, at t below i's rank, else t + 1.
+            picked = [vals.gather(0, t + (rank <= t).long()) for t in mids]
+            centres = picked[0] if len(picked) == 1 else (picked[0] + picked[1]) / 2
+        norm2 += (block * block).sum(dim=1)
+        dot += (block * centres).sum(dim=1)
+        centre2 += (centres * centres).sum(dim=1)
     return [
         _Figures(
             samples[i], float(norm2[i]), float(dot[i]), float(centre2[i]), _centre_var(samples, i)
         )
         for i in range(n)
     ]
+
+
+def _blocks(updates: Sequence[Update]) -> Iterator[torch.Tensor]:
+    """The parts' flat updates (names in part 0's order) as float64 blocks of about CHUNK
+    coordinates, one row per part: a large tensor in slices, small ones together (a few
+    operations a round for a model of many small tensors), memory bounded either way."""
+    names = list(updates[0])
+    for k, upd in enumerate(updates):
+        if set(upd) != set(names):
+            raise ValueError(f"part {k}: names {sorted(upd)} differ from part 0's {sorted(names)}")
+    pending: list[list[torch.Tensor]] = []  # slices of one block, each one row per part
+    size = 0
+    for name in names:
+        flats = [upd[name].detach().reshape(-1) for upd in updates]
+        numel = flats[0].numel()
+        if any(x.numel() != numel for x in flats):
+            raise ValueError(f"{name}: parts differ in size")
+        for lo in range(0, numel, CHUNK):
+            hi = min(numel, lo + CHUNK)
+            pending.append([x[lo:hi] for x in flats])
+            size += hi - lo
+            if size >= CHUNK:
+                yield _stacked(pending)
+                pending, size = [], 0
+    if pending:
+        yield _stacked(pending)
+
+
+def _stacked(pending: list[list[torch.Tensor]]) -> torch.Tensor:
+    return torch.stack(
+        [
+            torch.cat([slices[k] for slices in pending]).to(device="cpu", dtype=torch.float64)
+            for k in range(len(pending[0]))
+        ]
+    )
 
 
 def _centre_var(samples: list[int], i: int) -> float:
