@@ -44,5 +44,7 @@ rm -rf "$site_dir"
 # program-check verdicts and run torch on one thread each, tests/conftest.py). Two workers are
 # not the default yet: timing-sensitive scenarios have failed under the doubled load before
 # (the last run passed whole; one run is not enough to rely on).
-# The 25 slowest tests are listed at the end: where the suite's time goes.
+# The 25 slowest tests are listed at the end: where the suite's time goes. With
+# EPOCHMESH_TEST_CPU_LOG=FILE every test also appends its wall time and the machine's busy CPU
+# meanwhile to FILE (one JSON line each, tests/conftest.py): which tests wait, which compute.
 exec .venv/bin/python -m pytest -q --durations=25 -n "${EPOCHMESH_TEST_WORKERS:-0}" "$@"

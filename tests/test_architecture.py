@@ -53,9 +53,8 @@ ALLOWED_IMPURE = {
     ("coordinator.rounds.round_state", "asyncio"),
     ("coordinator.rounds.round_state", "time"),
     ("coordinator.rounds.round_state", "epochmesh.timeutil"),
-    # The planner's last-seen age of a node and its task ids.
+    # The planner's last-seen age of a node.
     ("coordinator.rounds.planner", "time"),
-    ("coordinator.rounds.planner", "uuid"),
 }
 MAX_TOP_MODULES = 4
 MAX_LINES = 1000

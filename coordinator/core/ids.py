@@ -55,6 +55,26 @@ def _is_prefixed_hex(value: str, prefix: str) -> bool:
     return all(c in "0123456789abcdef" for c in value[len(prefix) :])
 
 
+# -- tasks --------------------------------------------------------------------------------------
+
+# This process's tag in the ids of the tasks it hands out ("t-" a round or benchmark task, "c-"
+# a check; then the tag and 12 random hex). A node still running a task whose id carries
+# another tag got it before the coordinator restarted, or from another coordinator of the
+# cluster before a takeover: nothing waits for that task any more.
+TASK_TAG = secrets.token_hex(2)
+TASK_RANDOM_HEX = 12
+
+
+def new_task_id(prefix: str) -> str:
+    return f"{prefix}{TASK_TAG}{secrets.token_hex(TASK_RANDOM_HEX // 2)}"
+
+
+def from_another_process(task_id: str) -> bool:
+    """Whether ``task_id`` was handed out by another coordinator process than this one."""
+    tagged = len(task_id) == 2 + len(TASK_TAG) + TASK_RANDOM_HEX and task_id[1] == "-"
+    return not tagged or task_id[2 : 2 + len(TASK_TAG)] != TASK_TAG
+
+
 # -- nodes --------------------------------------------------------------------------------------
 
 NODE_ID_PREFIX = "n-"

@@ -27,6 +27,7 @@ from coordinator.core.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
+from coordinator.core.ids import from_another_process
 from coordinator.core.principal import current_principal_id
 from coordinator.engine.api import CoordinatorContext, Ctx
 from coordinator.engine.cluster_scheduling import ClusterScheduling
@@ -387,9 +388,14 @@ class Engine:
         self._wake_all()
 
     def cancel_task(self, node_id: str, task_id: str) -> bool:
+        """Whether the node should abandon the task it runs (told in its heartbeat's answer)."""
         owner = self.task_owner.get(task_id)
         if owner is None:
-            return False  # unknown (e.g. from before a restart): let it report, it is refused
+            # Handed out by another coordinator process (before a restart or a takeover):
+            # nothing waits for it, and a ring member stuck in it would hold its next ring for
+            # its whole join timeout. Unknown but ours (a check or part of a closed round, whose
+            # ids are forgotten): let it report; a late answer is refused or still counted.
+            return from_another_process(task_id)
         runner = self.runners.get(owner[1])
         return runner is None or runner.terminal or not runner.task_is_live(node_id, task_id)
 

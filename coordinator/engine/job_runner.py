@@ -12,7 +12,6 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,7 @@ import torch
 
 from coordinator.aggregation.param_server import ParameterServer
 from coordinator.core.errors import FailedPreconditionError
+from coordinator.core.ids import new_task_id
 from coordinator.engine import job_allocation, job_tasks
 from coordinator.engine.job_pay import JobPay, unobserved_standing
 from coordinator.engine.job_state import (
@@ -120,12 +120,7 @@ class JobRunner:
         # Verification (coordinator/engine/verifier.py): a failed check asks for a rollback to the
         # state before this round; the state at the start of recent rounds is kept for it.
         ring_state = self.rounds if isinstance(self.rounds, RingStatePort) else None
-        self.verifier = Verifier(
-            self,
-            ring_state=ring_state,
-            sketch_wait_s=self.ctx.config.sketch_wait_s,
-            check_wait_s=self.ctx.config.check_wait_s,
-        )
+        self.verifier = Verifier(self, ring_state=ring_state)
         self.billing.hold = (
             True  # a part's pay waits for its checks (coordinator/engine/verifier.py)
         )
@@ -394,7 +389,7 @@ class JobRunner:
         timeout = BENCHMARK_TIMEOUT_S + self.ctx.config.lease_ttl
         if not self.node_set.benchmark_due(node_id, now, timeout):
             return
-        task_id = "t-" + uuid.uuid4().hex[:12]
+        task_id = new_task_id("t-")
         task = job_tasks.benchmark_task(self.job, self.spec, task_id)
         self.node_set.asked_benchmark(node_id, task_id, now)
         self.host.enqueue(node_id, task, self.job_id)
@@ -541,7 +536,7 @@ class JobRunner:
         round_id = self.next_round
         self.rollback.keep_snapshot(round_id, self.ps, self.ledger, self.job, self.rounds_applied)
         self.next_round += 1
-        parts, deadline = self.planner.plan(round_id, nodes, self.ledger)
+        parts, deadline = self.planner.plan(round_id, nodes, self.ledger, new_task_id)
         prices = {}
         for n in parts:
             info = self.ctx.registry.get(n)

@@ -71,13 +71,13 @@ import logging
 import math
 import random
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from coordinator.core.errors import FailedPreconditionError, InvalidArgumentError
+from coordinator.core.ids import new_task_id
 from coordinator.engine.checker_selection import (
     checker_candidates,
     draw_checker,
@@ -120,11 +120,6 @@ from epochmesh.wire.tensors import encode_bundle
 log = logging.getLogger(__name__)
 NS = common_pb2.NodeState
 
-# Seconds a node has for its sketches, and a checker for its recomputation, at least (more
-# when a few rounds take longer): the defaults of CoordinatorConfig.sketch_wait_s and
-# check_wait_s.
-MIN_SKETCH_WAIT_S = 10.0
-MIN_CHECK_WAIT_S = 15.0
 WATCH_EVERY_S = 0.25
 # How long the job's end waits for the last checks.
 SETTLE_MAX_S = 120.0
@@ -139,16 +134,14 @@ class Verifier:
         rng: random.Random | None = None,
         *,
         ring_state: RingStatePort | None = None,
-        sketch_wait_s: float = MIN_SKETCH_WAIT_S,
-        check_wait_s: float = MIN_CHECK_WAIT_S,
     ) -> None:
         """``ring_state``: the ring strategy's agreed state, for a ring job's audits and
-        start-parameter checks (None in a parameter-server job); ``sketch_wait_s`` and
-        ``check_wait_s``: the least time a node has for its sketches (a ring member for its
-        evidence) and a checker for its recomputation."""
+        start-parameter checks (None in a parameter-server job)."""
         self.runner = runner
-        self.sketch_wait_s = sketch_wait_s
-        self.check_wait_s = check_wait_s
+        # The least time a node has for its sketches (a ring member for its evidence), and a
+        # checker for its recomputation (CoordinatorConfig).
+        self.sketch_wait_s = runner.ctx.config.sketch_wait_s
+        self.check_wait_s = runner.ctx.config.check_wait_s
         self.ring_state = ring_state
         spec = runner.spec
         self.ring = spec.aggregation == "ring"
@@ -181,7 +174,7 @@ class Verifier:
             "nondeterministic": 0,
         }
         # Ring audits (coordinator/engine/ring_audits.py): their verdicts come back here.
-        self.audits = RingAudits(runner, self, evidence_wait_s=sketch_wait_s)
+        self.audits = RingAudits(runner, self, evidence_wait_s=self.sketch_wait_s)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -616,7 +609,7 @@ class Verifier:
         start = int(sum(n for n, _ in pc.chunks[: pc.chunk]))
         end = start + int(pc.chunks[pc.chunk][0])
         runs = slice_runs(pc.ranges, start, end)
-        task_id = "c-" + uuid.uuid4().hex[:12]
+        task_id = new_task_id("c-")
         task = self.runner.check_task(
             task_id,
             pc.round,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
 from collections.abc import Callable
 
 from coordinator.rounds.allocator import quotas, split_batch
@@ -319,11 +318,16 @@ class RoundPlanner:
         return out
 
     def plan(
-        self, round_id: int, nodes: list[str], ledger: EpochLedger
+        self,
+        round_id: int,
+        nodes: list[str],
+        ledger: EpochLedger,
+        new_task_id: Callable[[str], str],
     ) -> tuple[dict[str, Part], float]:
         """Plan the next round: b_i per node (throughput-weighted, sum = global batch), H*b_i
         samples per node from the ledger (fewer at an epoch's end), and the deadline, sized
-        in samples from the estimates. Returns (parts by node, deadline)."""
+        in samples from the estimates. Returns (parts by node, deadline). ``new_task_id``
+        (prefix -> id) names each part's task."""
         self._observe_late_figures(len(nodes))
         ledger.rebalance(self.estimator.rates(nodes))
         batches, best_effort, planned_boxes = self.plan_batches(nodes)
@@ -382,7 +386,7 @@ class RoundPlanner:
             local_batch = samples if self.inner_steps == 1 else max(1, batches[node_id])
             parts[node_id] = Part(
                 node_id=node_id,
-                task_id="t-" + uuid.uuid4().hex[:12],
+                task_id=new_task_id("t-"),
                 ranges=index_run_array(ledger.positions_to_indices(positions)),
                 local_batch=local_batch,
                 samples=samples,

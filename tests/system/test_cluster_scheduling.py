@@ -289,8 +289,11 @@ def test_a_new_tenant_runs_within_a_minute_while_the_first_tenants_long_job_runs
     jobs = Jobs(address)
     # A outlasts B's submission and its wait for its share (up to a minute) because its rounds
     # are slowed down further meanwhile (sleeps: few rounds, little CPU, however long the wait
-    # is), not by its length: after that A and B run at full speed, and B need only run.
-    sizes = {"a": (576, 30), "b": (576, 4)}
+    # is), not by its length: after that A and B run at full speed, and B need only run. At
+    # the wait's slowdown a round of A took 0.24-0.68 s here (24 rounds an epoch), so even the
+    # whole minute would use ~10 of A's 16 epochs; B's first round came a second or two
+    # after its submission here, with 15 of A's epochs still to go.
+    sizes = {"a": (576, 16), "b": (576, 4)}
 
     def doc(name: str) -> dict[str, Any]:
         return job_doc(name, epochs=sizes[name][1], seed=SEED, checkpoint_every=4)

@@ -11,11 +11,11 @@ import logging
 import math
 import re
 import time
-import uuid
 from collections.abc import Mapping
 
 import torch
 
+from coordinator.core.ids import new_task_id
 from coordinator.engine.ports import JobPort
 from coordinator.engine.strategies.ring_externals import external_sum
 from coordinator.engine.strategies.ring_links import (
@@ -473,7 +473,7 @@ class RingRounds:
         now = time.monotonic()
         for rank, n in enumerate(order):
             part = rs.parts[n]
-            part.task_id = "t-" + uuid.uuid4().hex[:12]
+            part.task_id = new_task_id("t-")
             part.status = "pending"
             part.error = part.checksum = part.optim_checksum = part.failed_peer = ""
             part.ring_fault = agent_pb2.RING_FAULT_UNSPECIFIED
