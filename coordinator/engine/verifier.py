@@ -846,7 +846,7 @@ class Verifier:
                         for c in late:
                             log.info(
                                 "job %s: checker %s did not answer for %s's round %d in time:"
-                                " replaced (no strike)",
+                                " dropped, no strike (another may be drawn)",
                                 self.runner.job_id,
                                 c.node_id,
                                 pc.node_id,
