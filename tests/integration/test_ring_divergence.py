@@ -17,6 +17,7 @@ from epochmesh import identity as idm
 from epochmesh.v1 import agent_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.fake_agent import FakeAgent, submit_packed
 from tests.integration.test_ring_coordinator import (
+    CHECK_WAIT_S,
     FakeMember,
     check_exactly_once,
     new_world,
@@ -24,10 +25,6 @@ from tests.integration.test_ring_coordinator import (
     run_job,
 )
 from tests.procs import async_wait_until, in_process_coordinator
-
-# Fake agents answer a check at once (they never recompute): the coordinator's wait for a
-# checker only runs out for one that died or was ejected, so it need not be the default 15 s.
-CHECK_WAIT_S = 4.0
 
 pytestmark = pytest.mark.timeout(240)
 
