@@ -40,10 +40,10 @@ site_dir=$(mktemp -d)
 .venv/bin/mkdocs build --strict --site-dir "$site_dir"
 rm -rf "$site_dir"
 # One pytest process by default; EPOCHMESH_TEST_WORKERS=2 runs two pytest-xdist workers (a
-# fresh clone: 28:32 against 33:41; the workers share one export cache and one directory of
+# fresh clone: 28:35 against 32:46; the workers share one export cache and one directory of
 # program-check verdicts and run torch on one thread each, tests/conftest.py). Two workers are
 # not the default yet: timing-sensitive scenarios have failed under the doubled load before
-# (the last run passed whole; one run is not enough to rely on).
+# (the last two-worker runs passed every system test; a few runs are not enough to rely on).
 # The 25 slowest tests are listed at the end: where the suite's time goes. With
 # EPOCHMESH_TEST_CPU_LOG=FILE every test also appends its wall time and the machine's busy CPU
 # meanwhile to FILE (one JSON line each, tests/conftest.py): which tests wait, which compute.
