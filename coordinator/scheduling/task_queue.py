@@ -45,8 +45,8 @@ class TaskQueue:
             if before.rank <= rank or before.passed >= MAX_PASSED:
                 break
             at -= 1
-        for passed in self._queued[at:]:
-            passed.passed += 1
+        for overtaken in self._queued[at:]:
+            overtaken.passed += 1
         self._queued.insert(at, _Queued(task, job_id, rank))
 
     def pop(self) -> tuple[agent_pb2.Task, str]:

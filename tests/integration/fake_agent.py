@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 
 TrainHandler = Callable[["FakeAgent", agent_pb2.Task], Awaitable[None]]
 
+# The coordinator's wait for a checker (`check_wait_s`) in tests of fake agents: they answer a
+# check at once (they never recompute), so the wait only runs out for a checker that died or
+# was ejected, and need not be the default 15 s.
+CHECK_WAIT_S = 4.0
+
 
 class FakeAgent:
     def __init__(

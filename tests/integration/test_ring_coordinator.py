@@ -42,16 +42,13 @@ from epochmesh.verification import (
 from epochmesh.wire.tensors import encode_bundle, params_checksum
 from tests.fixtures import write_mlp_job
 from tests.integration.fake_agent import (
+    CHECK_WAIT_S,
     FakeAgent,
     submit_packed,
     task_indices,
     wait_for_job_state,
 )
 from tests.procs import async_wait_until, in_process_coordinator
-
-# Fake agents answer a check at once (they never recompute): the coordinator's wait for a
-# checker only runs out for one that died or was ejected, so it need not be the default 15 s.
-CHECK_WAIT_S = 4.0
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,9 +15,8 @@ from coordinator.engine.engine import Engine
 from coordinator.rounds.ring_verdicts import Agreement, checksum_verdict
 from epochmesh import identity as idm
 from epochmesh.v1 import agent_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.integration.fake_agent import FakeAgent, submit_packed
+from tests.integration.fake_agent import CHECK_WAIT_S, FakeAgent, submit_packed
 from tests.integration.test_ring_coordinator import (
-    CHECK_WAIT_S,
     FakeMember,
     check_exactly_once,
     new_world,

@@ -28,6 +28,7 @@ from epochmesh.spec import load_spec
 from epochmesh.v1 import agent_pb2, common_pb2
 from tests.fixtures import write_mlp_job
 from tests.integration.fake_agent import (
+    CHECK_WAIT_S,
     FakeAgent,
     job_events,
     submit_packed,
@@ -74,12 +75,11 @@ async def test_unverified_rounds_from_before_a_restart_are_undone_when_their_nod
         await push_scaled(agent, task, grads, took)
 
     data_dir = tmp_path / "coord"
-    # Fake agents never recompute: a check's wait runs out only for a checker that left.
     kw = {
         "engine_factory": Engine,
         "heartbeat_interval_s": 1.0,
         "lease_ttl_s": 30.0,
-        "check_wait_s": 4.0,
+        "check_wait_s": CHECK_WAIT_S,
     }
     async with in_process_coordinator(data_dir, **kw) as coord:
         good = await FakeAgent(coord, "good", RATE, honest).start()
