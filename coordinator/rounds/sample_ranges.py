@@ -14,6 +14,8 @@ import numpy as np
 # common.proto), for encode_ranges_field.
 TASK_RANGES_FIELD = 9
 ROUND_PART_RANGES_FIELD = 3
+# Up to this many runs are encoded in plain Python (`_encode_few`), more through arrays.
+SMALL_RUNS = 16
 
 
 def index_run_array(indices: np.ndarray) -> np.ndarray:
@@ -58,6 +60,26 @@ def _varints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return groups | (cont.astype(np.uint8) << 7), lengths
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _encode_few(field_number: int, runs: list[list[int]]) -> bytes:
+    """`encode_ranges_field` for a few runs (a round's part, a check's chunk): plain Python,
+    without the dozen array operations that cost more than the encoding itself."""
+    tag = bytes([(field_number << 3) | 2])
+    out = []
+    for start, stop in runs:
+        a, b = _varint(start), _varint(stop)
+        out.append(b"%s%c\x08%s\x10%s" % (tag, 2 + len(a) + len(b), a, b))
+    return b"".join(out)
+
+
 def encode_ranges_field(field_number: int, runs: np.ndarray) -> bytes:
     """The wire bytes of ``repeated SampleRange <field_number>`` holding ``runs`` ((k, 2)
     [start, stop) rows, >= 0): merged into a message with ``MergeFromString`` they append the
@@ -70,6 +92,8 @@ def encode_ranges_field(field_number: int, runs: np.ndarray) -> bytes:
         raise ValueError("sample ranges must not be negative")
     if not 0 < field_number < 16:
         raise ValueError(f"field number {field_number} needs a one-byte tag")
+    if n <= SMALL_RUNS:
+        return _encode_few(field_number, runs.tolist())
     start, start_len = _varints(runs[:, 0])
     stop, stop_len = _varints(runs[:, 1])
     # Columns: tag, length, 0x08, start (10), 0x10, stop (10); unused varint bytes masked out.

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
 
+import numpy as np
 import torch
 
 Update = Mapping[str, torch.Tensor]
@@ -346,12 +347,20 @@ def _unjudged(b: int, why: str) -> NodeScreen:
 @lru_cache(maxsize=4096)
 def _chi2_order_quantile(count: int, rank: int, alpha: float) -> float:
     """A value that the ``rank``-th smallest (1-based) of ``count`` independent chi-square(1)
-    variables falls below with probability at most ``alpha``."""
+    variables falls below with probability at most ``alpha``.
+
+    P(X_(rank) <= x) is the chance that at least ``rank`` of the ``count`` fall below x, a
+    binomial tail in F = P(chi2 <= x); F is found by bisection. The tail's terms are summed in
+    log space over one array (the history makes ``count`` a few hundred, and the count grows
+    every round until the history is full: each value is new, a cache alone does not help)."""
+    k = np.arange(rank, count + 1, dtype=np.float64)
+    log_comb = math.lgamma(count + 1) - np.array(
+        [math.lgamma(i + 1) + math.lgamma(count - i + 1) for i in range(rank, count + 1)]
+    )
+    rest = count - k
 
     def below(F: float) -> float:  # P(X_(rank) <= x) where P(chi2 <= x) = F
-        return sum(
-            math.comb(count, k) * F**k * (1 - F) ** (count - k) for k in range(rank, count + 1)
-        )
+        return float(np.exp(log_comb + k * math.log(F) + rest * math.log1p(-F)).sum())
 
     lo, hi = 0.0, 1.0
     for _ in range(60):
