@@ -14,7 +14,9 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from functools import cache
+from statistics import NormalDist
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from coordinator.verification.screening import (
     HISTORY_KEEP,
     Screening,
     ScreenParams,
+    _chi2_order_quantile,
     extend_history,
     per_step,
     screen,
@@ -337,3 +340,25 @@ def test_a_pseudo_gradient_is_screened_per_inner_step() -> None:
     assert flagged_per_step == 0, flagged_per_step
     with pytest.raises(ValueError, match="at least one inner step"):
         per_step(pseudo[0], 0)
+
+
+def _binomial_tail(count: int, rank: int, p: Fraction) -> Fraction:
+    """P(Binomial(count, p) >= rank), exactly."""
+    terms = (math.comb(count, k) * p**k * (1 - p) ** (count - k) for k in range(rank, count + 1))
+    return sum(terms, Fraction(0))
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, 40, 129, 260])
+@pytest.mark.parametrize("alpha", [0.001, 0.05])
+def test_the_order_statistic_bound_is_the_exact_binomial_tails_root(
+    count: int, alpha: float
+) -> None:
+    """The bound's F solves P(Binomial(count, F) >= rank) = alpha: summed exactly (integers
+    and fractions) the tail is below alpha just under it and not below just over it."""
+    for rank in sorted({1, max(1, count // 4), (count + 1) // 2, count}):
+        x = _chi2_order_quantile(count, rank, alpha)
+        assert x > 0
+        f = Fraction(2 * NormalDist().cdf(math.sqrt(x)) - 1).limit_denominator(10**9)
+        step = Fraction(1, 10**7)
+        low, high = _binomial_tail(count, rank, f - step), _binomial_tail(count, rank, f + step)
+        assert low < alpha <= high, (count, rank)
