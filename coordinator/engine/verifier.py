@@ -154,6 +154,8 @@ class Verifier:
         self._unverified: dict[str, set[int]] = {}  # node -> rounds applied, not verified
         self._force: set[str] = set()  # nodes whose next part is checked (screening)
         self._accused: set[str] = set()  # nodes this job quarantined
+        # node -> the first rounds of the failures being acted on (until their forfeit is done)
+        self._condemning: dict[str, list[int]] = {}
         self._history: tuple[float, ...] = ()
         self._payloads: dict[int, tuple[common_pb2.TensorBundle, bytes]] = {}
         # The parameters the open round started from (kept for its checks' recomputation).
@@ -702,11 +704,17 @@ class Verifier:
         if rounds:
             for r in [r for r in rounds if r <= pc.round and r not in running]:
                 rounds.discard(r)
-        await self.runner.ctx.registry.record_check(pc.node_id, pc.round, True)
         # Pay is released up to the round checked, short of any earlier round of the node
-        # whose check is still running (a failure there forfeits what is held from it on).
-        earlier = [p.round - 1 for p in self._pending.values() if p.node_id == pc.node_id]
-        await self.runner.release_pay(pc.node_id, min([pc.round, *earlier]))
+        # whose check still runs (a failure there forfeits what is held from it on) and of a
+        # failure being acted on (its forfeit is on its way). Decided now, before anything is
+        # awaited: a verdict that comes meanwhile must find this pay still held.
+        up_to = min(
+            [pc.round]
+            + [p.round - 1 for p in self._pending.values() if p.node_id == pc.node_id]
+            + [first - 1 for first in self._condemning.get(pc.node_id, [])]
+        )
+        await self.runner.ctx.registry.record_check(pc.node_id, pc.round, True)
+        await self.runner.release_pay(pc.node_id, up_to)
         log.info(
             "job %s: %s's round %d verified (chunk %d recomputed by %s)",
             self.runner.job_id,
@@ -794,11 +802,22 @@ class Verifier:
         first = min(rounds)
         self.changed_state()
         attrs = {"round": str(round_id), **evidence}
-        if accuse:
-            text = f"failed verification in job {self.runner.job_id}: {reason}"
-            await self.runner.ctx.registry.record_check(node, round_id, False, text)
-            await self.runner.ctx.registry.quarantine(node, text, attrs, job_id=self.runner.job_id)
-        await self.runner.on_verification_failed(node, first, reason, accuse=accuse)
+        # Until its forfeit is done, no check of the node that passes meanwhile releases the
+        # pay held from ``first`` on (`passed`).
+        self._condemning.setdefault(node, []).append(first)
+        try:
+            if accuse:
+                text = f"failed verification in job {self.runner.job_id}: {reason}"
+                await self.runner.ctx.registry.record_check(node, round_id, False, text)
+                await self.runner.ctx.registry.quarantine(
+                    node, text, attrs, job_id=self.runner.job_id
+                )
+            await self.runner.on_verification_failed(node, first, reason, accuse=accuse)
+        finally:
+            acting = self._condemning[node]
+            acting.remove(first)
+            if not acting:
+                del self._condemning[node]
 
     async def _missed(
         self, pc: PendingCheck, verbs: tuple[str, str], what: str, check: str, strike: str
