@@ -39,12 +39,13 @@ fi
 site_dir=$(mktemp -d)
 .venv/bin/mkdocs build --strict --site-dir "$site_dir"
 rm -rf "$site_dir"
-# One pytest process by default; EPOCHMESH_TEST_WORKERS=2 runs two pytest-xdist workers (a
-# fresh clone: 28:35 against 32:46; the workers share one export cache and one directory of
-# program-check verdicts and run torch on one thread each, tests/conftest.py). Two workers are
-# not the default yet: timing-sensitive scenarios have failed under the doubled load before
-# (the last two-worker runs passed every system test; a few runs are not enough to rely on).
+# One pytest process by default; EPOCHMESH_TEST_WORKERS=2 runs two pytest-xdist workers (the
+# workers share one export cache and one directory of program-check verdicts and run torch on
+# one thread each, tests/conftest.py; they take the system and integration tests first and
+# steal from each other at the end, so that neither waits idle behind a many-minute cluster
+# test the other was handed last). Two workers are not the default yet: scenarios timed for one
+# process have failed under the doubled load (docs/benchmarks.md).
 # The 25 slowest tests are listed at the end: where the suite's time goes. With
 # EPOCHMESH_TEST_CPU_LOG=FILE every test also appends its wall time and the machine's busy CPU
 # meanwhile to FILE (one JSON line each, tests/conftest.py): which tests wait, which compute.
-exec .venv/bin/python -m pytest -q --durations=25 -n "${EPOCHMESH_TEST_WORKERS:-0}" "$@"
+exec .venv/bin/python -m pytest -q --durations=25 -n "${EPOCHMESH_TEST_WORKERS:-0}" --dist worksteal "$@"

@@ -104,3 +104,20 @@ def pytest_unconfigure() -> None:
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
         os.environ.pop(ENV_CACHE_DIR, None)
         _CACHE_DIR = None
+
+
+# Under pytest-xdist, the whole clusters first: a worker that is handed a many-minute system test
+# near the end of the run leaves the other worker idle meanwhile; with these first, what is left
+# at the end are tests of a second or less, which `--dist worksteal` (scripts/test.sh) spreads.
+_RUN_FIRST = ("tests/system/", "tests/integration/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: the collection's order
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid
+        return next((i for i, p in enumerate(_RUN_FIRST) if path.startswith(p)), len(_RUN_FIRST))
+
+    items.sort(key=rank)  # stable: a file's tests keep their order, as every worker sees it
