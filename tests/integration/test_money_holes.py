@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from pathlib import Path
 
 import grpc
@@ -251,6 +253,7 @@ async def test_a_nodes_event_flood_is_cut_and_its_drops_reported_in_one_event(
     ) as coord:
         agent = await FakeAgent(coord, "chatty", 100.0, _never_trains).start()
         try:
+            began = time.monotonic()
             for i in range(400):
                 await agent.stub.ReportBenchmark(
                     agent_pb2.ReportBenchmarkRequest(
@@ -260,13 +263,16 @@ async def test_a_nodes_event_flood_is_cut_and_its_drops_reported_in_one_event(
                     ),
                     timeout=10,
                 )
+            # The drops are reported with each heartbeat flush: one summary per flush at most
+            # while the flood lasts (however long a busy host makes it), and one more here.
+            flushes = (time.monotonic() - began) / coord.config.heartbeat_flush_interval_s
             await coord.events.report_drops()
             mine = await coord.store.list_events(node_id=agent.node_id)
             assert len(mine) <= NODE_EVENTS_BURST + 40, len(mine)
             summaries = [e for e in mine if e.kind == "node.events_dropped"]
             dropped = sum(int(e.attrs["dropped"]) for e in summaries)
             assert dropped > 0 and coord.events.dropped_total >= dropped
-            assert len(summaries) <= 3
+            assert len(summaries) <= math.ceil(flushes) + 1, (len(summaries), flushes)
             # The node's latest figure is still the one kept.
             assert coord.registry.require(agent.node_id).benchmark.samples_per_second == 499.0
         finally:
