@@ -99,23 +99,21 @@ class BilledSamples:
 
     def split(self, epoch: int, runs: np.ndarray) -> tuple[int, int]:
         """(new, repeat) samples of ``runs`` ((k, 2) [start, stop) index rows) in ``epoch``."""
-        mask = self._mask(runs)
+        idx = self._indices(runs)
         paid = self._paid.get(epoch)
-        repeat = int(np.count_nonzero(mask & paid)) if paid is not None else 0
-        return int(np.count_nonzero(mask)) - repeat, repeat
+        repeat = int(np.count_nonzero(paid[idx])) if paid is not None else 0
+        return len(idx) - repeat, repeat
 
     def mark(self, epoch: int, runs: np.ndarray) -> None:
         """The submitter paid for ``runs`` in ``epoch``."""
         paid = self._paid.setdefault(epoch, np.zeros(self.num_samples, dtype=bool))
-        paid |= self._mask(runs)
+        paid[self._indices(runs)] = True
 
     def unpaid(self, epoch: int, runs: np.ndarray) -> np.ndarray:
-        """The indices of ``runs`` the submitter has not paid for in ``epoch``."""
-        mask = self._mask(runs)
+        """The indices of ``runs`` the submitter has not paid for in ``epoch`` (ascending)."""
+        idx = self._indices(runs)
         paid = self._paid.get(epoch)
-        if paid is not None:
-            mask &= ~paid
-        return np.flatnonzero(mask)
+        return idx[~paid[idx]] if paid is not None else idx
 
     def unmark(self, epoch: int, indices: np.ndarray) -> None:
         """The submitter's payment for ``indices`` in ``epoch`` was returned to it (the work
@@ -129,10 +127,26 @@ class BilledSamples:
         for e in [e for e in self._paid if e < epoch]:
             del self._paid[e]
 
-    def _mask(self, runs: np.ndarray) -> np.ndarray:
+    def _indices(self, runs: np.ndarray) -> np.ndarray:
+        """The distinct indices ``runs`` cover, ascending: built from the runs (a part's
+        samples), not from a mask of the whole epoch, so that billing a part costs its size,
+        not the dataset's."""
         runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
         if len(runs) and (int(runs.min()) < 0 or int(runs[:, 1].max()) > self.num_samples):
             raise ValueError("sample runs outside the dataset")
+        if len(runs) == 1:  # a part's one segment
+            return np.arange(runs[0, 0], max(runs[0, 0], runs[0, 1]), dtype=np.int64)
+        runs = runs[runs[:, 1] > runs[:, 0]]
+        if len(runs) > 1 and bool((runs[1:, 0] < runs[:-1, 1]).any()):  # not in order, apart
+            runs = runs[np.argsort(runs[:, 0], kind="stable")]
+            if bool((runs[1:, 0] < runs[:-1, 1]).any()):
+                return np.flatnonzero(self._mask(runs))  # overlapping runs: each index once
+        lengths = runs[:, 1] - runs[:, 0]
+        # Index i of the concatenation lies in run k: start_k + (i - the runs before k's length).
+        first = runs[:, 0] - (np.cumsum(lengths) - lengths)
+        return np.repeat(first, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+    def _mask(self, runs: np.ndarray) -> np.ndarray:
         delta = np.zeros(self.num_samples + 1, dtype=np.int64)
         np.add.at(delta, runs[:, 0], 1)
         np.add.at(delta, runs[:, 1], -1)

@@ -94,6 +94,35 @@ def test_billed_samples_split_new_from_repeats() -> None:
         paid.split(0, np.array([[8, 11]]))
 
 
+def _mask_of(runs: list[tuple[int, int]], n: int) -> np.ndarray:
+    """Which of n samples the runs cover, sample by sample (the rule, written plainly)."""
+    mask = np.zeros(n, dtype=bool)
+    for start, stop in runs:
+        mask[start:stop] = True
+    return mask
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 8)), max_size=10),
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 8)), max_size=10),
+)
+def test_billed_samples_count_each_covered_sample_once_in_any_order_or_overlap(
+    paid_runs: list[tuple[int, int]], part_runs: list[tuple[int, int]]
+) -> None:
+    n = 48
+    first = [(a, min(n, a + k)) for a, k in paid_runs]
+    part = [(a, min(n, a + k)) for a, k in part_runs]
+    billed = BilledSamples(n)
+    billed.mark(0, np.array(first, dtype=np.int64).reshape(-1, 2))
+    arr = np.array(part, dtype=np.int64).reshape(-1, 2)
+    covered, paid = _mask_of(part, n), _mask_of(first, n)
+    repeat = int((covered & paid).sum())
+    assert billed.split(0, arr) == (int(covered.sum()) - repeat, repeat)
+    assert billed.unpaid(0, arr).tolist() == np.flatnonzero(covered & ~paid).tolist()
+    assert billed.unpaid(1, arr).tolist() == np.flatnonzero(covered).tolist()
+
+
 def test_a_posting_is_all_or_nothing() -> None:
     book = CreditBook()
     book.post([grant(tenant_account("t"), 100, 0)])
