@@ -43,8 +43,9 @@ rm -rf "$site_dir"
 # workers share one export cache and one directory of program-check verdicts and run torch on
 # one thread each, tests/conftest.py; they take the system and integration tests first and
 # steal from each other at the end, so that neither waits idle behind a many-minute cluster
-# test the other was handed last). Two workers are not the default yet: scenarios timed for one
-# process have failed under the doubled load (docs/benchmarks.md).
+# test the other was handed last). On 2 cores two workers gain nothing: the suite is bound by
+# CPU, the balanced run took 37:27 against 32:46 for one process, and scenarios timed for one
+# process fail more often under the doubled load (docs/benchmarks.md). More cores, more workers.
 # The 25 slowest tests are listed at the end: where the suite's time goes. With
 # EPOCHMESH_TEST_CPU_LOG=FILE every test also appends its wall time and the machine's busy CPU
 # meanwhile to FILE (one JSON line each, tests/conftest.py): which tests wait, which compute.
