@@ -20,7 +20,7 @@ if [[ "${1:-}" == "wheels" ]]; then
     pyver=${PYVER:-3.12}
     mkdir -p .whl
     for name in grpcio grpcio-health-checking grpcio-reflection protobuf aiosqlite prometheus-client \
-        cryptography cffi pycparser; do
+        cryptography cffi pycparser blake3; do
         spec=$(pinned "$name") || spec=$name
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
             --implementation cp --platform manylinux_2_28_x86_64 \

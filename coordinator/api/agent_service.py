@@ -33,6 +33,7 @@ MAX_DEVICES = 64
 # Values of each part of a ring member's evidence (segments x buckets: 1 MiB of float64).
 MAX_RING_EVIDENCE_VALUES = 131_072
 MAX_LABELS = 64
+MAX_SEAL_DIGESTS = 16
 MAX_BENCHMARK_POINTS = 64
 _FILLER = bytes(MAX_CHUNK_BYTES)
 
@@ -130,6 +131,12 @@ class AgentService:
             check_text(key, "label key", max_len=128, required=True)
             check_text(value, f"label {key!r}", max_len=256)
         require_price(req.price_micro_per_hour)
+        if len(req.ring_seal_digests) > MAX_SEAL_DIGESTS:
+            raise InvalidArgumentError(
+                f"too many ring seal digests ({len(req.ring_seal_digests)} > {MAX_SEAL_DIGESTS})"
+            )
+        for digest in req.ring_seal_digests:
+            check_text(digest, "ring seal digest", max_len=32, required=True)
         reg = await self._registry.register(
             name=req.name,
             devices=list(req.devices),
@@ -139,6 +146,7 @@ class AgentService:
             node_id=node_id,
             new_id_ok=new_id_ok,
             price_micro_per_hour=req.price_micro_per_hour,
+            ring_seal_digests=list(req.ring_seal_digests),
         )
         return agent_pb2.RegisterResponse(
             node_id=reg.node_id,

@@ -333,6 +333,7 @@ class NodeRegistry:
         node_id: str = "",
         new_id_ok: bool = False,
         price_micro_per_hour: int = 0,
+        ring_seal_digests: Sequence[str] = (),
     ) -> Registration:
         """Join with a new id, or re-join as ``node_id`` (NotFoundError if unknown, unless
         ``new_id_ok``: a node whose certificate names its id joins under that id the first
@@ -370,6 +371,8 @@ class NodeRegistry:
         info.devices.extend(devices)
         info.peer_address = peer_address
         info.agent_version = agent_version
+        del info.ring_seal_digests[:]
+        info.ring_seal_digests.extend(ring_seal_digests)
         info.labels.clear()
         info.labels.update(labels or {})
         self._set_donor(info, donor)

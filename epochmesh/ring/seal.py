@@ -1,15 +1,25 @@
-"""The seal of a ring all-gather segment: its owner's SHA-256 digest of the segment's encoded
-bytes, the owner's signature over it and the owner's node certificate (docs/ring-rounds.md,
-"Sealed all-gather"). No networking: `node_agent.ring.allreduce` carries and checks seals.
+"""The seal of a ring all-gather segment: its owner's digest of the segment's encoded bytes, the
+owner's signature over it and the owner's node certificate (docs/ring-rounds.md, "Sealed
+all-gather"). No networking: `node_agent.ring.allreduce` carries and checks seals.
+
+Two digests (`SEAL_DIGESTS`), both 32 bytes: BLAKE3, which every member of a ring hashes about
+3.5 times faster than SHA-256 here (3.7 against 1.07 GB/s on one core of the 2-core VM), and
+SHA-256, what agents that do not declare BLAKE3 check. The coordinator names the ring's digest in
+each attempt's RingAssignment: BLAKE3 when every member declared it at registration, else SHA-256.
+The signed message names the digest (`seal_message`), so a seal made with one never checks as the
+other.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
+import blake3
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
@@ -24,8 +34,13 @@ from epochmesh.identity import (
     principal_of,
 )
 
-SEAL_CONTEXT = "epochmesh-ring-segment-v1"
-DIGEST_BYTES = 32  # SHA-256
+SEAL_CONTEXT = "epochmesh-ring-segment-v1"  # SHA-256 seals (what older agents make)
+SEAL_CONTEXT_V2 = "epochmesh-ring-segment-v2"  # seals naming their digest
+SHA256 = "sha256"
+BLAKE3 = "blake3"
+# The digests this agent can make and check, fastest first (declared at registration).
+SEAL_DIGESTS = (BLAKE3, SHA256)
+DIGEST_BYTES = 32  # both digests
 # Certificates a verifier remembers as checked against its CA (a ring has one per member).
 MAX_CACHED_CERTIFICATES = 256
 _ECDSA = ec.ECDSA(hashes.SHA256())
@@ -47,11 +62,59 @@ class Seal:
     certificate: bytes  # the owner's node certificate, DER
 
 
+class SegmentHasher(Protocol):
+    """An incremental digest of a segment's bytes (hashlib's and blake3's objects alike)."""
+
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def digest(self) -> bytes: ...
+
+
+def seal_digest(name: str) -> str:
+    """The digest a RingAssignment's `seal_digest` names ("" is SHA-256, what coordinators
+    that name none mean); SealError for one this agent does not know."""
+    digest = name or SHA256
+    if digest not in SEAL_DIGESTS:
+        raise SealError(f"unknown seal digest {name!r} (known: {', '.join(SEAL_DIGESTS)})")
+    return digest
+
+
+def ring_seal_digest(members: Iterable[Collection[str]]) -> str:
+    """The digest a ring seals with, given what each member declared (NodeInfo's
+    ring_seal_digests): the fastest one all of them check, as a RingAssignment names it ("" for
+    SHA-256, which every agent checks, declared or not)."""
+    common = set(SEAL_DIGESTS)
+    for declared in members:
+        common &= set(declared)
+    best = next((d for d in SEAL_DIGESTS if d in common), SHA256)
+    return "" if best == SHA256 else best
+
+
+def segment_hasher(digest: str) -> SegmentHasher:
+    """A fresh incremental hasher of `digest` (one of SEAL_DIGESTS)."""
+    if digest == BLAKE3:
+        return blake3.blake3()
+    if digest == SHA256:
+        return hashlib.sha256()
+    raise SealError(f"unknown seal digest {digest!r}")
+
+
 def seal_message(
-    job_id: str, round_: int, attempt: int, segment: int, owner: str, digest: bytes
+    job_id: str,
+    round_: int,
+    attempt: int,
+    segment: int,
+    owner: str,
+    digest: bytes,
+    algorithm: str = SHA256,
 ) -> bytes:
-    """What the owner of `segment` signs for attempt (job_id, round_, attempt)."""
-    return f"{SEAL_CONTEXT}|{job_id}|{round_}|{attempt}|{segment}|{owner}|{digest.hex()}".encode()
+    """What the owner of `segment` signs for attempt (job_id, round_, attempt), its segment
+    hashed with `algorithm`: SHA-256 seals keep the first version's message (agents of that
+    version check them); others name their digest."""
+    tail = f"{job_id}|{round_}|{attempt}|{segment}|{owner}|{digest.hex()}"
+    if algorithm == SHA256:
+        return f"{SEAL_CONTEXT}|{tail}".encode()
+    return f"{SEAL_CONTEXT_V2}|{algorithm}|{tail}".encode()
 
 
 class SegmentSigner:
@@ -155,12 +218,20 @@ class SegmentVerifier:
 
 
 __all__ = [
+    "BLAKE3",
     "DIGEST_BYTES",
     "SEAL_CONTEXT",
+    "SEAL_CONTEXT_V2",
+    "SEAL_DIGESTS",
+    "SHA256",
+    "SegmentHasher",
     "OwnerRevoked",
     "Seal",
     "SealError",
     "SegmentSigner",
     "SegmentVerifier",
+    "seal_digest",
+    "ring_seal_digest",
     "seal_message",
+    "segment_hasher",
 ]

@@ -29,7 +29,7 @@ RING_FAULT_NON_FINITE: RingFault
 RING_FAULT_TAMPERED: RingFault
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels", "price_micro_per_hour")
+    __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels", "price_micro_per_hour", "ring_seal_digests")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class RegisterRequest(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    RING_SEAL_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
     peer_address: str
@@ -51,7 +52,8 @@ class RegisterRequest(_message.Message):
     node_id: str
     labels: _containers.ScalarMap[str, str]
     price_micro_per_hour: int
-    def __init__(self, name: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., agent_version: _Optional[str] = ..., node_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., price_micro_per_hour: _Optional[int] = ...) -> None: ...
+    ring_seal_digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., agent_version: _Optional[str] = ..., node_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., price_micro_per_hour: _Optional[int] = ..., ring_seal_digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("node_id", "lease_id", "lease_ttl_ms", "heartbeat_interval_ms")

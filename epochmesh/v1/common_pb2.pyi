@@ -142,7 +142,7 @@ class BenchmarkResult(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., points: _Optional[_Iterable[_Union[BenchmarkPoint, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bandwidth_bytes_per_second: _Optional[float] = ..., measured_at_ms: _Optional[int] = ..., slowdown: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state", "price_micro_per_hour", "online_since_ms", "parts_applied", "parts_failed", "job_samples_per_second", "reputation", "revoked")
+    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state", "price_micro_per_hour", "online_since_ms", "parts_applied", "parts_failed", "job_samples_per_second", "reputation", "revoked", "ring_seal_digests")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class NodeInfo(_message.Message):
     JOB_SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     REPUTATION_FIELD_NUMBER: _ClassVar[int]
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    RING_SEAL_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     state: NodeState
@@ -201,7 +202,8 @@ class NodeInfo(_message.Message):
     job_samples_per_second: _containers.ScalarMap[str, float]
     reputation: Reputation
     revoked: bool
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ..., price_micro_per_hour: _Optional[int] = ..., online_since_ms: _Optional[int] = ..., parts_applied: _Optional[int] = ..., parts_failed: _Optional[int] = ..., job_samples_per_second: _Optional[_Mapping[str, float]] = ..., reputation: _Optional[_Union[Reputation, _Mapping]] = ..., revoked: _Optional[bool] = ...) -> None: ...
+    ring_seal_digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ..., price_micro_per_hour: _Optional[int] = ..., online_since_ms: _Optional[int] = ..., parts_applied: _Optional[int] = ..., parts_failed: _Optional[int] = ..., job_samples_per_second: _Optional[_Mapping[str, float]] = ..., reputation: _Optional[_Union[Reputation, _Mapping]] = ..., revoked: _Optional[bool] = ..., ring_seal_digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Reputation(_message.Message):
     __slots__ = ("verified_in_a_row", "verified_total", "failed_total", "last_verified_round", "last_failure_round", "last_failure_ms", "last_failure_evidence", "check_probability", "check_reason")
@@ -473,15 +475,17 @@ class Allocation(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeAllocation, _Mapping]]] = ..., round_deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class RingAssignment(_message.Message):
-    __slots__ = ("node_ids", "peer_addresses", "rank", "attempt", "deadline_seconds")
+    __slots__ = ("node_ids", "peer_addresses", "rank", "attempt", "deadline_seconds", "seal_digest")
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEAL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     node_ids: _containers.RepeatedScalarFieldContainer[str]
     peer_addresses: _containers.RepeatedScalarFieldContainer[str]
     rank: int
     attempt: int
     deadline_seconds: float
-    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., attempt: _Optional[int] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
+    seal_digest: str
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., attempt: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., seal_digest: _Optional[str] = ...) -> None: ...

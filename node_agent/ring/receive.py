@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import Iterator, Sequence
 
@@ -22,11 +21,14 @@ import torch
 from epochmesh.errors import CodecError
 from epochmesh.ring.schedule import ALL_GATHER
 from epochmesh.ring.seal import (
+    SHA256,
     OwnerRevoked,
     Seal,
     SealError,
+    SegmentHasher,
     SegmentVerifier,
     seal_message,
+    segment_hasher,
 )
 from epochmesh.v1 import agent_pb2
 from epochmesh.wire import compression
@@ -87,6 +89,7 @@ class ReceiveSlot:
         node_ids: Sequence[str],
         verifier: SegmentVerifier | None = None,
         received: torch.Tensor | None = None,
+        digest: str = SHA256,
     ) -> None:
         n = len(node_ids)
         self.key = key
@@ -100,7 +103,8 @@ class ReceiveSlot:
         # With a verifier every all-gather segment must match its owner's seal: hashed as
         # its chunks arrive, checked at its last one (which is kept to be forwarded).
         self._verifier = verifier
-        self._hasher: hashlib._Hash | None = None
+        self._digest = digest  # the seals' digest (epochmesh.ring.seal.SEAL_DIGESTS)
+        self._hasher: SegmentHasher | None = None
         self._sealed_chunk: RingChunkView | None = None  # the bulk chunk being received
         self._seals: dict[int, bytes] = {}  # segment -> its seal's RingChunk fields
         self.attached = False
@@ -167,7 +171,7 @@ class ReceiveSlot:
         if self._verifier is None or e.phase != ALL_GATHER:
             return
         if e.offset == 0:
-            self._hasher = hashlib.sha256()
+            self._hasher = segment_hasher(self._digest)
         assert self._hasher is not None
         self._hasher.update(data)
         if not e.last:
@@ -184,7 +188,9 @@ class ReceiveSlot:
         job_id, round_, attempt = self.key
         try:
             self._verifier.check(
-                owner, seal_message(job_id, round_, attempt, e.segment, owner, digest), seal
+                owner,
+                seal_message(job_id, round_, attempt, e.segment, owner, digest, self._digest),
+                seal,
             )
         except OwnerRevoked as exc:
             raise _Fault(f"{where}: {exc}", failed_node=owner) from None

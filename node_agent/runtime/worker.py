@@ -55,6 +55,7 @@ from google.protobuf import json_format
 
 from epochmesh import __version__
 from epochmesh.money import format_credits
+from epochmesh.ring.seal import SEAL_DIGESTS
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.core.config import AgentConfig, advertised_peer_address, parse_price
 from node_agent.core.devices import DeviceError, Discovered, discover_devices
@@ -375,6 +376,7 @@ class Agent:
             labels={"device": self.discovered.torch_device, **self.config.labels},
             peer_address=self.peer_address,
             price_micro_per_hour=self.price.get(),
+            ring_seal_digests=SEAL_DIGESTS,
         )
 
     # -- PeerService ----------------------------------------------------------------------------

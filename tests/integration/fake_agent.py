@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -55,8 +55,10 @@ class FakeAgent:
         *,
         peer_address: str = "",
         max_batch_size: int = 0,
+        seal_digests: Sequence[str] = (),
     ) -> None:
         self.coord = coord
+        self.seal_digests = list(seal_digests)  # declared at registration (none: an older agent)
         self.max_batch_size = max_batch_size  # what its benchmark says fits one pass (0: any)
         self.name = name
         self.rate = samples_per_second
@@ -80,7 +82,12 @@ class FakeAgent:
         )
         self.stub = agent_pb2_grpc.AgentServiceStub(channel)
         reg = await self.stub.Register(
-            agent_pb2.RegisterRequest(name=self.name, peer_address=self.peer_address), timeout=10
+            agent_pb2.RegisterRequest(
+                name=self.name,
+                peer_address=self.peer_address,
+                ring_seal_digests=self.seal_digests,
+            ),
+            timeout=10,
         )
         self.node_id, self.lease_id = reg.node_id, reg.lease_id
         self._loops = [

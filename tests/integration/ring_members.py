@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -91,14 +91,22 @@ async def ring_agents(
     world: dict,
     names: list[str],
     member: Callable[[str, PeerServer], RingMember],
+    seal_digests: Callable[[str], Sequence[str]] = lambda name: (),
 ) -> AsyncIterator[list[FakeAgent]]:
-    """Started FakeAgents named `names`, each a `member(name, its PeerServer)`; all stopped
-    (agents, transports, servers) at the end."""
+    """Started FakeAgents named `names`, each a `member(name, its PeerServer)` declaring
+    `seal_digests(name)` at registration; all stopped (agents, transports, servers) at the
+    end."""
     agents: list[FakeAgent] = []
     servers: list[PeerServer] = []
     try:
         for name in names:
-            agent = FakeAgent(coord, name, 200.0, None)  # type: ignore[arg-type]
+            agent = FakeAgent(
+                coord,
+                name,
+                200.0,
+                None,  # type: ignore[arg-type]
+                seal_digests=seal_digests(name),
+            )
             server = PeerServer("127.0.0.1:0", identity=agent._identity, tune_malloc=False)
             await server.start()
             servers.append(server)

@@ -97,6 +97,16 @@ async def test_bad_requests_are_refused_and_change_nothing(
         INVALID,
         "price_micro_per_hour must be 0..",
     )
+    await expect(
+        agent.Register(agent_pb2.RegisterRequest(name="a", ring_seal_digests=["x"] * 17)),
+        INVALID,
+        "too many ring seal digests",
+    )
+    await expect(
+        agent.Register(agent_pb2.RegisterRequest(name="a", ring_seal_digests=[""])),
+        INVALID,
+        "ring seal digest",
+    )
 
     # Heartbeat / Leave / NextTask / ReportBenchmark
     def hb(node_id: str, lease_id: str) -> object:

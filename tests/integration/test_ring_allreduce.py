@@ -25,6 +25,7 @@ import torch
 from epochmesh.errors import CodecError
 from epochmesh.identity import Identity
 from epochmesh.ring.schedule import RingSchedule, chunk_elems_for, simulate_allreduce
+from epochmesh.ring.seal import BLAKE3
 from epochmesh.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from node_agent.ring.allreduce import Ring, ring_allreduce
 from node_agent.ring.client import fetch_state, peer_channel, ping, probe_link
@@ -63,6 +64,7 @@ class Peers:
     servers: list[PeerServer]
     transports: list[RingTransport]
     ids: list[str]
+    seal_digest: str = BLAKE3  # what the rings' assignments name
 
     @property
     def addresses(self) -> list[str]:
@@ -75,6 +77,7 @@ class Peers:
             [self.servers[m].address for m in members],
             members.index(rank),
             attempt,
+            self.seal_digest,
         )
 
 

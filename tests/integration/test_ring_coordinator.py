@@ -24,6 +24,7 @@ from epochmesh import identity as idm
 from epochmesh.export_cache import ExportCache
 from epochmesh.optim import state_tensors
 from epochmesh.packaging import PackedJob, build_job
+from epochmesh.ring.seal import BLAKE3, SEAL_DIGESTS
 from epochmesh.spec import load_spec
 from epochmesh.v1 import (
     agent_pb2,
@@ -362,12 +363,23 @@ async def test_a_dead_member_is_retried_without_and_externals_go_through_the_gat
     ) as coord:
         doomed = FakeMember(world)
         doomed.kill_at_round = 3
+        # m3 declares no seal digests (an older agent): rings with it seal with SHA-256.
         agents = [
             await FakeAgent(
-                coord, "m1", 200.0, FakeMember(world), peer_address="127.0.0.1:1"
+                coord,
+                "m1",
+                200.0,
+                FakeMember(world),
+                peer_address="127.0.0.1:1",
+                seal_digests=SEAL_DIGESTS,
             ).start(),
             await FakeAgent(
-                coord, "m2", 200.0, FakeMember(world), peer_address="127.0.0.1:2"
+                coord,
+                "m2",
+                200.0,
+                FakeMember(world),
+                peer_address="127.0.0.1:2",
+                seal_digests=SEAL_DIGESTS,
             ).start(),
             await FakeAgent(coord, "m3", 200.0, doomed, peer_address="127.0.0.1:3").start(),
             await FakeAgent(coord, "ext", 200.0, FakeMember(world)).start(),
@@ -399,6 +411,7 @@ async def test_a_dead_member_is_retried_without_and_externals_go_through_the_gat
         assert not task.ring_gateway or task.ring.rank == 0
         assert task.ring.deadline_seconds >= 1.0
         assert task.ring_total_samples <= GLOBAL_BATCH
+        assert task.ring.seal_digest == ("" if m3 in task.ring.node_ids else BLAKE3)
     assert any(t.ring_gateway for t in world["tasks"])
     late = [t for t in world["tasks"] if t.round == rnd.round and t.ring.attempt == 1]
     assert sorted(t.ring.node_ids[t.ring.rank] for t in late) == sorted([m1, m2])

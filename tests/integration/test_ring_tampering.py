@@ -9,7 +9,6 @@ every sample trained once.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,14 @@ import torch
 
 from coordinator.engine.engine import Engine
 from epochmesh.ring.schedule import ALL_GATHER
-from epochmesh.ring.seal import SegmentSigner, seal_message
+from epochmesh.ring.seal import (
+    BLAKE3,
+    SEAL_DIGESTS,
+    SHA256,
+    SegmentSigner,
+    seal_message,
+    segment_hasher,
+)
 from epochmesh.v1 import agent_pb2, common_pb2, peer_pb2
 from node_agent.ring.allreduce import ring_allreduce
 from node_agent.ring.bulk import BulkError
@@ -41,11 +47,14 @@ class TamperingOutput:
     bit flipped (a finite change, unseen by the NaN check). `reseal`: it also replaces the
     owner's seal with its own signature over the tampered bytes."""
 
-    def __init__(self, out: RingOutput, signer: SegmentSigner | None, owners: list[str]) -> None:
+    def __init__(
+        self, out: RingOutput, signer: SegmentSigner | None, owners: list[str], digest: str
+    ) -> None:
         self._out = out
         self._signer = signer
         self._owners = owners
-        self._hasher = hashlib.sha256()
+        self._digest = digest  # the ring's seal digest
+        self._hasher = segment_hasher(digest)
         self.tampered = 0
 
     async def write_chunk(self, header: bytes, offset: int, payload: bytes | memoryview) -> None:
@@ -57,13 +66,19 @@ class TamperingOutput:
             self.tampered += 1
             if self._signer is not None:
                 if offset == 0:
-                    self._hasher = hashlib.sha256()
+                    self._hasher = segment_hasher(self._digest)
                 self._hasher.update(payload)
                 if head.last:
                     owner = self._owners[(head.segment - 1) % len(self._owners)]
                     digest = self._hasher.digest()
                     message = seal_message(
-                        head.job_id, head.round, head.attempt, head.segment, owner, digest
+                        head.job_id,
+                        head.round,
+                        head.attempt,
+                        head.segment,
+                        owner,
+                        digest,
+                        self._digest,
                     )
                     seal = self._signer.seal(message, digest)
                     head.segment_digest = seal.digest
@@ -90,41 +105,53 @@ class TamperingOutput:
 
 class TamperingTransport(RingTransport):
     """A RingTransport whose streams to the right neighbour tamper (`TamperingOutput`);
-    `owners`: the ring's node ids (whose seals a resealing forwarder replaces)."""
+    `owners`: the ring's node ids (whose seals a resealing forwarder replaces), `digest` the
+    ring's seal digest."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reseal = False
         self.owners: list[str] = []
+        self.digest = BLAKE3
         self.outputs: list[TamperingOutput] = []
 
     async def open_output(
         self, address: str, node_id: str, key: RingKey, timeout: float
     ) -> RingOutput:
         out = await super().open_output(address, node_id, key, timeout)
-        tampering = TamperingOutput(out, self.signer if self.reseal else None, self.owners)
+        tampering = TamperingOutput(
+            out, self.signer if self.reseal else None, self.owners, self.digest
+        )
         self.outputs.append(tampering)
         return tampering
 
 
 @pytest.mark.parametrize(
-    ("bulk", "codec", "reseal"),
-    [(True, "none", False), (False, "none", False), (True, "fp16", True), (False, "bf16", True)],
+    ("bulk", "codec", "reseal", "digest"),
+    [
+        (True, "none", False, BLAKE3),
+        (False, "none", False, SHA256),
+        (True, "fp16", True, SHA256),
+        (False, "bf16", True, BLAKE3),
+    ],
 )
 async def test_a_tampering_forwarder_is_blamed_by_its_right_neighbour(
-    tmp_path: Path, bulk: bool, codec: str, reseal: bool
+    tmp_path: Path, bulk: bool, codec: str, reseal: bool, digest: str
 ) -> None:
     """node-1 flips a bit in every segment it forwards in the all-gather: node-2 refuses the
     first one, and every member fails the attempt naming node-1; only node-2 reports the
-    fault as its own finding. The retry without node-1 gets the right sums."""
+    fault as its own finding. The retry without node-1 gets the right sums. Rings sealed
+    with either digest."""
     n, numel = 4, 4 * 300_000 + 3  # two chunks per segment
     async with _tls_peers(tmp_path, n) as (peers, _):
+        peers.seal_digest = digest
         honest = peers.transports[1]
         hostile = TamperingTransport.for_server(
             "node-1", peers.servers[1], identity=honest._identity
         )
         assert isinstance(hostile, TamperingTransport)
         hostile.reseal, hostile.owners = reseal, list(peers.ids)
+        hostile.digest = peers.ring(1).seal_digest
         peers.transports[1] = hostile
         await honest.close()
         for t in peers.transports:
@@ -179,6 +206,7 @@ async def ring_allreduce_all(
 
 
 async def test_a_tampering_member_is_struck_and_no_honest_one_is(tmp_path: Path) -> None:
+    """Every member declares the digests this version checks: the rings seal with BLAKE3."""
     packed = ring_job(tmp_path, min_nodes=3, max_nodes=4)
     world = new_world(packed)
     async with in_process_coordinator(
@@ -189,13 +217,17 @@ async def test_a_tampering_member_is_struck_and_no_honest_one_is(tmp_path: Path)
             cls = TamperingTransport if name == "m3" else RingTransport
             return RingMember(world, server, transport_cls=cls)
 
-        async with ring_agents(coord, world, ["m1", "m2", "m3", "m4"], member) as agents:
+        async with ring_agents(
+            coord, world, ["m1", "m2", "m3", "m4"], member, lambda name: SEAL_DIGESTS
+        ) as agents:
             final, rounds, events = await run_job(coord, packed)
+            digests = {t.ring.seal_digest for a in agents for t in a.tasks if t.ring.node_ids}
             ids = {a.name: a.node_id for a in agents}
             strikes = {a.name: coord.registry.get(a.node_id).strikes for a in agents}
             members = {a.name: a.on_train for a in agents}
     assert final.state == common_pb2.JOB_STATE_SUCCEEDED, final.message
     check_exactly_once(rounds)
+    assert digests == {BLAKE3}, digests
     assert strikes["m3"] >= 1, strikes
     assert all(strikes[n] == 0 for n in ("m1", "m2", "m4")), strikes
     struck = [e for e in events if e.kind == "node.strike"]

@@ -16,12 +16,18 @@ import pytest
 from epochmesh.identity import Identity
 from epochmesh.ring.schedule import ALL_GATHER
 from epochmesh.ring.seal import (
+    BLAKE3,
+    SEAL_CONTEXT,
+    SHA256,
     OwnerRevoked,
     Seal,
     SealError,
     SegmentSigner,
     SegmentVerifier,
+    ring_seal_digest,
+    seal_digest,
     seal_message,
+    segment_hasher,
 )
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.ring.mailbox import ChunkRejected
@@ -49,8 +55,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
     return ids  # type: ignore[return-value]
 
 
-def _sign(identity: Identity, owner: str, digest: bytes = DIGEST, segment: int = 1) -> Seal:
-    message = seal_message(*KEY, segment, owner, digest)
+def _sign(
+    identity: Identity,
+    owner: str,
+    digest: bytes = DIGEST,
+    segment: int = 1,
+    algorithm: str = SHA256,
+) -> Seal:
+    message = seal_message(*KEY, segment, owner, digest, algorithm)
     return SegmentSigner(lambda: identity).seal(message, digest)
 
 
@@ -159,21 +171,24 @@ N, NUMEL = 3, 3 * 300_000  # two chunks per segment
 RANK = 1  # receives from node-0; all_gather step 1 is node-2's segment, forwarded by node-0
 
 
-def _chunks(world: dict[str, Identity], data: np.ndarray) -> list[RingChunkView]:
-    """What node-0 sends node-1 in one honest attempt (all-gather segments sealed)."""
+def _chunks(
+    world: dict[str, Identity], data: np.ndarray, digest: str = SHA256
+) -> list[RingChunkView]:
+    """What node-0 sends node-1 in one honest attempt (all-gather segments sealed with
+    `digest`)."""
     plan = attempt_plan(N, NUMEL, "none", RANK)
     out: list[RingChunkView] = []
-    hasher = hashlib.sha256()
+    hasher = segment_hasher(digest)
     for e in plan.expect:
         payload = memoryview(data[e.lo : e.hi].tobytes())
         seal = Seal(b"", b"", b"")
         if e.phase == ALL_GATHER:
             if e.offset == 0:
-                hasher = hashlib.sha256()
+                hasher = segment_hasher(digest)
             hasher.update(payload)
             if e.last:
                 owner = NODES[(e.segment - 1) % N]
-                seal = _sign(world[owner], owner, hasher.digest(), e.segment)
+                seal = _sign(world[owner], owner, hasher.digest(), e.segment, digest)
         out.append(
             RingChunkView(
                 *KEY,
@@ -193,11 +208,13 @@ def _chunks(world: dict[str, Identity], data: np.ndarray) -> list[RingChunkView]
     return out
 
 
-def _slot(world: dict[str, Identity], revoked: frozenset[str] = frozenset()) -> ReceiveSlot:
+def _slot(
+    world: dict[str, Identity], revoked: frozenset[str] = frozenset(), digest: str = SHA256
+) -> ReceiveSlot:
     verifier = SegmentVerifier(world["node-1"].ca_pem, lambda: revoked)
     plan = attempt_plan(N, NUMEL, "none", RANK)
     buf = np.zeros(NUMEL, dtype=np.float32)
-    return ReceiveSlot(KEY, plan.expect, RANK, "none", buf, NODES, verifier=verifier)
+    return ReceiveSlot(KEY, plan.expect, RANK, "none", buf, NODES, verifier=verifier, digest=digest)
 
 
 def _feed(slot: ReceiveSlot, chunks: list[RingChunkView]) -> ChunkRejected | None:
@@ -224,6 +241,49 @@ async def test_the_slot_takes_sealed_segments_and_keeps_their_seals(
     for seg in {c.segment for c in chunks if c.phase == ALL_GATHER}:
         assert slot.seal_of(seg)  # what this node forwards
     assert slot.seal_of(RANK + 1) == b""  # its own segment: it seals that one itself
+
+
+async def test_blake3_seals_check_in_a_blake3_ring_only(world: dict[str, Identity]) -> None:
+    """A ring whose assignment names BLAKE3 takes BLAKE3 seals; a member told SHA-256 refuses
+    them (its digest differs), and a BLAKE3 member refuses SHA-256 seals the same way."""
+    data = np.arange(NUMEL, dtype=np.float32)
+    slot = _slot(world, digest=BLAKE3)
+    assert _feed(slot, _chunks(world, data, BLAKE3)) is None and slot.complete
+    assert slot.failure is None
+    for told, sent in ((SHA256, BLAKE3), (BLAKE3, SHA256)):
+        slot = _slot(world, digest=told)
+        err = _feed(slot, _chunks(world, data, sent))
+        assert err is not None and "does not match its owner's digest" in str(err), (told, err)
+        assert slot.failure is not None and slot.failure.node_id == "node-0"
+
+
+def test_the_signed_message_names_its_digest(world: dict[str, Identity]) -> None:
+    """SHA-256 seals sign the first version's message (older agents check them); others name
+    their digest, so a BLAKE3 seal never checks as a SHA-256 one with the same 32 bytes."""
+    v1 = seal_message(*KEY, 1, "node-0", DIGEST)
+    assert v1 == seal_message(*KEY, 1, "node-0", DIGEST, SHA256)
+    assert v1 == f"{SEAL_CONTEXT}|job|4|1|1|node-0|{DIGEST.hex()}".encode()
+    assert seal_message(*KEY, 1, "node-0", DIGEST, BLAKE3).startswith(
+        b"epochmesh-ring-segment-v2|blake3|job|4|1|1|node-0|"
+    )
+    seal = _sign(world["node-0"], "node-0", algorithm=BLAKE3)
+    verifier = SegmentVerifier(world["node-1"].ca_pem)
+    verifier.check("node-0", seal_message(*KEY, 1, "node-0", DIGEST, BLAKE3), seal)
+    with pytest.raises(SealError, match="signature"):
+        verifier.check("node-0", seal_message(*KEY, 1, "node-0", DIGEST, SHA256), seal)
+
+
+def test_a_ring_seals_with_blake3_when_every_member_checks_it() -> None:
+    both = ["blake3", "sha256"]
+    assert ring_seal_digest([both, both, ["blake3"]]) == BLAKE3
+    assert ring_seal_digest([both, [], both]) == ""  # an older agent: SHA-256 for all
+    assert ring_seal_digest([both, ["sha256", "md5"]]) == ""
+    assert ring_seal_digest([["md5"], ["md5"]]) == ""  # unknown names are never chosen
+    assert seal_digest("") == SHA256 and seal_digest(BLAKE3) == BLAKE3
+    with pytest.raises(SealError, match="unknown seal digest 'md5'"):
+        seal_digest("md5")
+    assert segment_hasher(BLAKE3).digest() != segment_hasher(SHA256).digest()
+    assert segment_hasher(SHA256).digest() == hashlib.sha256().digest()
 
 
 def _flip(c: RingChunkView) -> RingChunkView:

@@ -44,6 +44,7 @@ from coordinator.rounds.ring_verdicts import (
 from coordinator.rounds.round_state import MAX_DEADLINE_EXTENSIONS, Part, RoundState
 from epochmesh.errors import CodecError
 from epochmesh.ring.schedule import RING_CODECS, ring_order, step_deadline_s
+from epochmesh.ring.seal import ring_seal_digest
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.wire.tensors import params_checksum
 
@@ -226,6 +227,13 @@ class RingRounds:
     def _peer_address(self, node_id: str) -> str:
         info = self.runner.ctx.registry.get(node_id)
         return info.peer_address if info is not None else ""
+
+    def _seal_digest(self, order: list[str]) -> str:
+        """The digest the attempt's members seal the all-gather with: one all of them check."""
+        infos = [self.runner.ctx.registry.get(n) for n in order]
+        return ring_seal_digest(
+            list(info.ring_seal_digests) if info is not None else [] for info in infos
+        )
 
     def cannot_run(self, nodes: list[str]) -> str:
         members = {n for n in nodes if self._peer_address(n)}
@@ -471,6 +479,7 @@ class RingRounds:
         rs.attempts = number + 1
         self.push.pushed = None
         now = time.monotonic()
+        digest = self._seal_digest(order)
         for rank, n in enumerate(order):
             part = rs.parts[n]
             part.task_id = new_task_id("t-")
@@ -487,6 +496,7 @@ class RingRounds:
                     rank=rank,
                     attempt=number,
                     deadline_seconds=step,
+                    seal_digest=digest,
                 )
             )
             task.ring_total_samples = att.total
