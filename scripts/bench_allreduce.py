@@ -10,7 +10,9 @@ so the ratio is against plaintext gloo.
 
 Our ring runs as agents run it: chunks over each PeerServer's bulk socket (`node_agent.ring.bulk`,
 set up per attempt through the OpenBulk RPC), or with `--transport grpc` over PushChunks (the
-fallback for peers without a bulk socket). `ours_streams` counts the attempts' streams by path.
+fallback for peers without a bulk socket). `ours_streams` counts the attempts' streams by path
+("bulk_kept": those of the bulk streams that went on a connection kept from an earlier
+attempt, as agents keep them; the first repetition opens them).
 
 Spawns `--peers` processes (multiprocessing "spawn"). Each one starts a PeerServer on a loopback
 port and joins a gloo process group (TCP store on loopback), then, `--reps` times, all-reduces
@@ -184,7 +186,11 @@ def _run_worker(
             await floor.stop()
         return {
             "rank": rank,
-            "streams": {"bulk": transport.bulk_streams, "grpc": transport.grpc_streams},
+            "streams": {
+                "bulk": transport.bulk_streams,
+                "grpc": transport.grpc_streams,
+                "bulk_kept": transport.bulk_reused,
+            },
             "times": times,
             "cpu": cpu,
             "digest": digest,
@@ -410,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "ours_runs_gbps": [round(b, 3) for b in ours_bw],
         "gloo_runs_gbps": [round(b, 3) for b in gloo_bw],
         "ours_streams": {
-            kind: sum(r["streams"][kind] for r in results) for kind in ("bulk", "grpc")
+            kind: sum(r["streams"][kind] for r in results) for kind in ("bulk", "grpc", "bulk_kept")
         },
         "identical_across_ranks": len(digests) == 1 and "differs-between-reps" not in digests,
         "sums_match_gloo": all(r["close"] for r in results),

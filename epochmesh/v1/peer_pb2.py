@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epochmesh.v1 import common_pb2 as epochmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65pochmesh/v1/peer.proto\x12\x0c\x65pochmesh.v1\x1a\x19\x65pochmesh/v1/common.proto\"\xa9\x02\n\tRingChunk\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x03\x12\x14\n\x0c\x66rom_node_id\x18\x04 \x01(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x05\x12\x0f\n\x07segment\x18\x07 \x01(\x05\x12&\n\x04spec\x18\x08 \x01(\x0b\x32\x18.epochmesh.v1.TensorSpec\x12&\n\x05\x63hunk\x18\t \x01(\x0b\x32\x17.epochmesh.v1.DataChunk\x12\x0c\n\x04last\x18\n \x01(\x08\x12\x16\n\x0esegment_digest\x18\x0b \x01(\x0c\x12\x17\n\x0fowner_signature\x18\x0c \x01(\x0c\x12\x19\n\x11owner_certificate\x18\r \x01(\x0c\"!\n\x07RingAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x03\"W\n\x0fOpenBulkRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x03\x12\x14\n\x0c\x66rom_node_id\x18\x04 \x01(\t\"E\n\x10OpenBulkResponse\x12\x0c\n\x04port\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\"H\n\x14TransferStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"b\n\x13TransferStateHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12*\n\x06\x62undle\x18\x03 \x01(\x0b\x32\x1a.epochmesh.v1.TensorBundle\"~\n\x15TransferStateResponse\x12\x33\n\x06header\x18\x01 \x01(\x0b\x32!.epochmesh.v1.TransferStateHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.epochmesh.v1.DataChunkH\x00\x42\x06\n\x04part\"d\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x14\n\x0c\x66rom_node_id\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x03\"a\n\x0cPingResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x15\n\rattempt_known\x18\x02 \x01(\x08\x12\x11\n\tstarved_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x66\x61iled_node_id\x18\x04 \x01(\t2\xb3\x02\n\x0bPeerService\x12>\n\nPushChunks\x12\x17.epochmesh.v1.RingChunk\x1a\x15.epochmesh.v1.RingAck(\x01\x12Z\n\rTransferState\x12\".epochmesh.v1.TransferStateRequest\x1a#.epochmesh.v1.TransferStateResponse0\x01\x12=\n\x04Ping\x12\x19.epochmesh.v1.PingRequest\x1a\x1a.epochmesh.v1.PingResponse\x12I\n\x08OpenBulk\x12\x1d.epochmesh.v1.OpenBulkRequest\x1a\x1e.epochmesh.v1.OpenBulkResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65pochmesh/v1/peer.proto\x12\x0c\x65pochmesh.v1\x1a\x19\x65pochmesh/v1/common.proto\"\xa9\x02\n\tRingChunk\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x03\x12\x14\n\x0c\x66rom_node_id\x18\x04 \x01(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x05\x12\x0f\n\x07segment\x18\x07 \x01(\x05\x12&\n\x04spec\x18\x08 \x01(\x0b\x32\x18.epochmesh.v1.TensorSpec\x12&\n\x05\x63hunk\x18\t \x01(\x0b\x32\x17.epochmesh.v1.DataChunk\x12\x0c\n\x04last\x18\n \x01(\x08\x12\x16\n\x0esegment_digest\x18\x0b \x01(\x0c\x12\x17\n\x0fowner_signature\x18\x0c \x01(\x0c\x12\x19\n\x11owner_certificate\x18\r \x01(\x0c\"!\n\x07RingAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x03\"W\n\x0fOpenBulkRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x03\x12\x14\n\x0c\x66rom_node_id\x18\x04 \x01(\t\"Y\n\x10OpenBulkResponse\x12\x0c\n\x04port\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\x12\x12\n\nkeep_alive\x18\x04 \x01(\x08\"H\n\x14TransferStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"b\n\x13TransferStateHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12*\n\x06\x62undle\x18\x03 \x01(\x0b\x32\x1a.epochmesh.v1.TensorBundle\"~\n\x15TransferStateResponse\x12\x33\n\x06header\x18\x01 \x01(\x0b\x32!.epochmesh.v1.TransferStateHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.epochmesh.v1.DataChunkH\x00\x42\x06\n\x04part\"d\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x14\n\x0c\x66rom_node_id\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x03\"a\n\x0cPingResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x15\n\rattempt_known\x18\x02 \x01(\x08\x12\x11\n\tstarved_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x66\x61iled_node_id\x18\x04 \x01(\t2\xb3\x02\n\x0bPeerService\x12>\n\nPushChunks\x12\x17.epochmesh.v1.RingChunk\x1a\x15.epochmesh.v1.RingAck(\x01\x12Z\n\rTransferState\x12\".epochmesh.v1.TransferStateRequest\x1a#.epochmesh.v1.TransferStateResponse0\x01\x12=\n\x04Ping\x12\x19.epochmesh.v1.PingRequest\x1a\x1a.epochmesh.v1.PingResponse\x12I\n\x08OpenBulk\x12\x1d.epochmesh.v1.OpenBulkRequest\x1a\x1e.epochmesh.v1.OpenBulkResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENBULKREQUEST']._serialized_start=403
   _globals['_OPENBULKREQUEST']._serialized_end=490
   _globals['_OPENBULKRESPONSE']._serialized_start=492
-  _globals['_OPENBULKRESPONSE']._serialized_end=561
-  _globals['_TRANSFERSTATEREQUEST']._serialized_start=563
-  _globals['_TRANSFERSTATEREQUEST']._serialized_end=635
-  _globals['_TRANSFERSTATEHEADER']._serialized_start=637
-  _globals['_TRANSFERSTATEHEADER']._serialized_end=735
-  _globals['_TRANSFERSTATERESPONSE']._serialized_start=737
-  _globals['_TRANSFERSTATERESPONSE']._serialized_end=863
-  _globals['_PINGREQUEST']._serialized_start=865
-  _globals['_PINGREQUEST']._serialized_end=965
-  _globals['_PINGRESPONSE']._serialized_start=967
-  _globals['_PINGRESPONSE']._serialized_end=1064
-  _globals['_PEERSERVICE']._serialized_start=1067
-  _globals['_PEERSERVICE']._serialized_end=1374
+  _globals['_OPENBULKRESPONSE']._serialized_end=581
+  _globals['_TRANSFERSTATEREQUEST']._serialized_start=583
+  _globals['_TRANSFERSTATEREQUEST']._serialized_end=655
+  _globals['_TRANSFERSTATEHEADER']._serialized_start=657
+  _globals['_TRANSFERSTATEHEADER']._serialized_end=755
+  _globals['_TRANSFERSTATERESPONSE']._serialized_start=757
+  _globals['_TRANSFERSTATERESPONSE']._serialized_end=883
+  _globals['_PINGREQUEST']._serialized_start=885
+  _globals['_PINGREQUEST']._serialized_end=985
+  _globals['_PINGRESPONSE']._serialized_start=987
+  _globals['_PINGRESPONSE']._serialized_end=1084
+  _globals['_PEERSERVICE']._serialized_start=1087
+  _globals['_PEERSERVICE']._serialized_end=1394
 # @@protoc_insertion_point(module_scope)

@@ -55,14 +55,16 @@ class OpenBulkRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., from_node_id: _Optional[str] = ...) -> None: ...
 
 class OpenBulkResponse(_message.Message):
-    __slots__ = ("port", "token", "expires_in_s")
+    __slots__ = ("port", "token", "expires_in_s", "keep_alive")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     port: int
     token: bytes
     expires_in_s: float
-    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    keep_alive: bool
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ..., keep_alive: _Optional[bool] = ...) -> None: ...
 
 class TransferStateRequest(_message.Message):
     __slots__ = ("job_id", "node_id", "version")

@@ -7,7 +7,7 @@ header and a view of the caller's buffer; under TLS one AES-GCM pass) and none b
 kernel's on the way in (payloads land, or are decrypted, in a preallocated buffer, or straight
 in the ring buffer where a chunk is only copied).
 
-Handshake (one connection per ring attempt, sender = the left neighbour):
+Handshake (one connection per peer, sender = the left neighbour; kept across attempts, below):
 
 1. The sender calls ``OpenBulk(job, round, attempt, from_node_id)`` on the receiver's
    PeerService. That RPC is authenticated exactly like PushChunks (under mutual TLS the caller's
@@ -45,6 +45,21 @@ failed node's id, details); the receiver sends one final reply, ACK or ERROR. An
 names a failed node is what PushChunks says with its ``epochmesh-failed-node`` trailer, so the
 sender learns who failed instead of blaming the receiver. The receiver reads on (and discards)
 for a moment after an ERROR so that the reply is not lost to a TCP reset.
+
+Kept connections. A receiver that says so in its OpenBulk answer (``keep_alive``) keeps the
+connection open after an ACK, for `KEEP_IDLE_S`, waiting for the same sender's next stream:
+``MAGIC_NEXT`` + ``<u16 job_len><i64 round><i64 attempt>`` + the job id, which it answers OK (or
+ERROR, and closes) exactly as a token, then frames as above. The stream is bound to the node the
+connection was opened for (under TLS its certificate, checked again against the revocation list
+at every stream; plaintext: the node its token was issued to), and the attempt must have been
+announced here (within `NEXT_STREAM_WAIT_S`) with that node as left neighbour, as for a token. The sender (`node_agent.ring.transport`) keeps one idle
+connection per peer and uses it for the next attempt while it is younger than `KEEP_REUSE_S`:
+an attempt then costs one round trip instead of OpenBulk, a TCP connect, the TLS handshake and
+the token (four round trips and, under TLS, ~2-3 ms of CPU each side). A kept connection that
+turns out closed before its OK costs nothing but a fresh one. A sender of an older version
+closes after the ACK, as before; at its connection limit the receiver closes its longest idle
+kept connection rather than refuse a new one. Under TLS the sealed records go on with their
+sequence numbers, so a kept connection is never reused past half its sealed-byte limit.
 """
 
 from __future__ import annotations
@@ -53,6 +68,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import secrets
 import socket
 import ssl
@@ -70,10 +86,17 @@ import grpc
 from epochmesh import identity as idm
 from epochmesh.fsutil import write_private
 from epochmesh.limits import MAX_CHUNK_BYTES
-from node_agent.ring.bulk_conn import KEY_SHARE_BYTES, BulkError, Conn, TlsConn
+from node_agent.ring.bulk_conn import (
+    KEY_SHARE_BYTES,
+    MAX_SEALED_BYTES,
+    BulkError,
+    Conn,
+    TlsConn,
+)
 from node_agent.ring.mailbox import AttemptExpired, ChunkRejected, RingMailbox
 from node_agent.ring.wire import (
     ABORT_PHASE,
+    MAX_ID_CHARS,
     RingKey,
     WireError,
     failed_id_of,
@@ -84,6 +107,17 @@ from node_agent.ring.wire import (
 log = logging.getLogger(__name__)
 
 MAGIC = b"EMB2"
+MAGIC_NEXT = b"EMBN"  # the next stream on a kept connection
+# How long a receiver keeps a connection open after a stream's ACK for the sender's next one,
+# and how old an idle connection the sender still uses (well inside that, so that the receiver
+# does not close it while the next stream starts).
+KEEP_IDLE_S = 60.0
+KEEP_REUSE_S = 30.0
+# How long the next stream on a kept connection waits for its attempt to be announced here (as
+# OpenBulk does for a token; under the sender's wait for the answer, RESUME_TIMEOUT_S in
+# node_agent.ring.transport, so that a refusal reaches it).
+NEXT_STREAM_WAIT_S = 1.5
+_NEXT = struct.Struct("<Hqq")
 # A connection must complete its TLS handshake and present its token within this many seconds
 # of the accept, and at most MAX_HANDSHAKES connections may be at that stage at once: a caller
 # that connects and says nothing holds a slot only that long.
@@ -212,10 +246,13 @@ def chunk_head(header: bytes, offset: int) -> bytes:
 
 
 class BulkOutput:
-    """The sender's end of one bulk connection (one ring attempt to the right neighbour)."""
+    """The sender's end of one stream (one ring attempt to the right neighbour) on a bulk
+    connection. With `release`, a stream that ends with the receiver's ACK hands the connection
+    to `release` (to be kept for the next attempt) instead of closing it."""
 
-    def __init__(self, conn: Conn) -> None:
+    def __init__(self, conn: Conn, release: Callable[[Conn], None] | None = None) -> None:
         self._conn = conn
+        self._release = release
         self._closed = False
         self._reply: asyncio.Task[tuple[int, bytes]] = asyncio.get_running_loop().create_task(
             _read_reply(conn), name="bulk-reply"
@@ -266,7 +303,11 @@ class BulkOutput:
         except Exception as exc:
             raise BulkError(f"connection broke: {exc!r}") from None
         if kind == REPLY_ACK and len(body) == _ACK.size:
-            self.close()
+            if self._release is not None and not self._closed and reusable(self._conn):
+                self._closed = True
+                self._release(self._conn)
+            else:
+                self.close()
             return int(_ACK.unpack(body)[0])
         raise self._final_error()
 
@@ -301,6 +342,37 @@ class BulkOutput:
             self._conn.close()
 
 
+def reusable(conn: Conn) -> bool:
+    """Whether a connection whose stream ended with an ACK may carry another: under TLS, while
+    it has sealed less than half its byte limit in each direction."""
+    if isinstance(conn, TlsConn):
+        return max(conn.sealed_bytes) < MAX_SEALED_BYTES // 2
+    return True
+
+
+def next_hello(key: RingKey) -> bytes:
+    """What starts the stream of attempt `key` on a kept connection."""
+    job_id, round_, attempt = key
+    job = job_id.encode()
+    return MAGIC_NEXT + _NEXT.pack(len(job), round_, attempt) + job
+
+
+async def resume(
+    conn: Conn, key: RingKey, release: Callable[[Conn], None] | None = None
+) -> BulkOutput:
+    """Start the stream of attempt `key` on a kept connection (the receiver answers OK, or
+    ERROR and closes). BulkError / OSError / ssl.SSLError when it cannot carry it (closed by
+    the receiver meanwhile, refused): the caller closes it and opens a fresh one; the caller
+    bounds the time."""
+    await conn.sendall([next_hello(key)])
+    kind, body = await _read_reply(conn)
+    if kind == REPLY_ERROR:
+        raise _parse_error(body)
+    if kind != REPLY_OK or body:
+        raise BulkError(f"unexpected reply {kind} ({len(body)} bytes) to the next stream")
+    return BulkOutput(conn, release)
+
+
 async def connect(
     host: str,
     port: int,
@@ -308,10 +380,12 @@ async def connect(
     *,
     node_id: str,
     ssl_context: ssl.SSLContext | None,
+    release: Callable[[Conn], None] | None = None,
 ) -> BulkOutput:
     """Open a bulk connection to node `node_id` (TLS with `ssl_context`, which checks the
-    certificate names `node_id`) and present `token`. Raises BulkError when refused, OSError /
-    ssl.SSLError when the socket fails; the caller bounds the time."""
+    certificate names `node_id`) and present `token`; with `release`, the connection is handed
+    to it after an ACK (see BulkOutput). Raises BulkError when refused, OSError / ssl.SSLError
+    when the socket fails; the caller bounds the time."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     if not infos:
@@ -340,7 +414,7 @@ async def connect(
             raise BulkError(f"unexpected reply {kind} ({len(body)} bytes) to the token")
         if isinstance(conn, TlsConn):
             conn.seal(share, body)
-        return BulkOutput(conn)
+        return BulkOutput(conn, release)
     except BaseException:
         if conn is not None:
             conn.close()
@@ -381,6 +455,8 @@ class BulkListener:
         max_tokens: int = 1024,
         max_tokens_per_peer: int = MAX_TOKENS_PER_PEER,
         max_handshakes: int = MAX_HANDSHAKES,
+        keep_alive: bool = True,
+        keep_idle_s: float = KEEP_IDLE_S,
     ) -> None:
         self.service = service
         self.host = host
@@ -392,6 +468,12 @@ class BulkListener:
         self.max_tokens = max_tokens
         self.max_tokens_per_peer = max_tokens_per_peer
         self.max_handshakes = max_handshakes
+        # Kept connections: offered in OpenBulk answers; how long one waits for its next stream.
+        self.keep_alive = keep_alive
+        self.keep_idle_s = keep_idle_s
+        self.kept_streams = 0  # streams that came on a kept connection
+        # Handlers of kept connections waiting for their next stream, longest idle first.
+        self._idle: OrderedDict[asyncio.Task[None], None] = OrderedDict()
         self.handshaking = 0  # connections that have not presented a valid token yet
         self.port = 0
         self._grants: OrderedDict[bytes, _Grant] = OrderedDict()
@@ -477,7 +559,11 @@ class BulkListener:
                 log.warning("bulk socket accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            if (
+            if len(self._handlers) >= self.max_connections and self._idle:
+                # A new connection goes before the longest idle kept one.
+                oldest, _ = self._idle.popitem(last=False)
+                oldest.cancel()
+            elif (
                 len(self._handlers) >= self.max_connections
                 or self.handshaking >= self.max_handshakes
             ):
@@ -551,11 +637,83 @@ class BulkListener:
                 conn.seal(bytes(hello[len(MAGIC) + TOKEN_BYTES :]), share)
             else:
                 await conn.sendall([_REPLY.pack(REPLY_OK, 0)])
-            await self._receive(conn, grant)
+            peer = grant.from_node_id  # the connection's node, for every stream on it
+            next_grant: _Grant | None = grant
+            while next_grant is not None and await self._receive(conn, next_grant):
+                next_grant = await self._next_stream(conn, peer, tls)
         except (TimeoutError, OSError, ssl.SSLError, BulkError) as exc:
             log.debug("bulk connection ended: %r", exc)
         finally:
             conn.close()
+
+    async def _next_stream(self, conn: Conn, peer: str, tls: bool) -> _Grant | None:
+        """Wait (up to `keep_idle_s`) for `peer`'s next stream on a kept connection: its grant
+        (answered OK), or None when the sender closes, stays idle or is refused (then closed)."""
+        head = bytearray(len(MAGIC_NEXT) + _NEXT.size)
+        view = memoryview(head)
+        task = asyncio.current_task()
+        assert task is not None
+        self._idle[task] = None
+        try:
+            async with asyncio.timeout(self.keep_idle_s):
+                got = await conn.recv_into(view)
+        except TimeoutError:
+            return None
+        finally:
+            self._idle.pop(task, None)
+        if got == 0:
+            return None  # the sender closed (an older one does after every stream)
+        async with asyncio.timeout(self.handshake_timeout_s):
+            await conn.recv_exactly(view[got:])
+            if bytes(head[: len(MAGIC_NEXT)]) != MAGIC_NEXT:
+                return None  # not our protocol: just close
+            job_len, round_, attempt = _NEXT.unpack_from(head, len(MAGIC_NEXT))
+            if not 0 < job_len <= 4 * MAX_ID_CHARS or round_ < 0 or attempt < 0:
+                await self._refuse(
+                    conn,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"malformed next stream (job id of {job_len} bytes, round {round_}, "
+                    f"attempt {attempt})",
+                )
+                return None
+            raw = bytearray(job_len)
+            await conn.recv_exactly(memoryview(raw))
+        try:
+            job_id = raw.decode()
+        except UnicodeDecodeError:
+            job_id = ""
+        if not job_id or len(job_id) > MAX_ID_CHARS:
+            await self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, "malformed job id")
+            return None
+        if tls:
+            principal = conn.peer_principal()
+            if principal is None or principal.id in self.service.revoked:
+                await self._refuse(
+                    conn,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"the certificate of node {peer!r} has been revoked (the coordinator's "
+                    "revocation list)",
+                )
+                return None
+        key: RingKey = (job_id, round_, attempt)
+        try:
+            ann = await self.service.mailbox.wait_open(key, NEXT_STREAM_WAIT_S)
+        except AttemptExpired as exc:
+            await self._refuse(conn, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return None
+        if ann is None or ann.left_node_id != peer:
+            why = (
+                f"was not announced to this node within {NEXT_STREAM_WAIT_S:.1f}s"
+                if ann is None
+                else f"has {ann.left_node_id!r}, not {peer!r}, as this node's left neighbour"
+            )
+            await self._refuse(
+                conn, grpc.StatusCode.FAILED_PRECONDITION, f"ring attempt {key} {why}"
+            )
+            return None
+        await conn.sendall([_REPLY.pack(REPLY_OK, 0)])
+        self.kept_streams += 1
+        return _Grant(key, peer, math.inf)
 
     async def _refuse(
         self,
@@ -573,14 +731,16 @@ class BulkListener:
                 while await conn.recv_into(sink):
                     pass
 
-    async def _receive(self, conn: Conn, grant: _Grant) -> None:
+    async def _receive(self, conn: Conn, grant: _Grant) -> bool:
+        """Route one stream to its attempt's receive slot; True when it ended with an ACK on a
+        connection kept for the next stream."""
         service = self.service
         key = grant.key
         try:
             receiver = await service.mailbox.wait_for(key, service.join_timeout_s)
         except AttemptExpired as exc:
             await self._refuse(conn, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            return
+            return False
         if receiver is None:
             await self._refuse(
                 conn,
@@ -588,7 +748,7 @@ class BulkListener:
                 f"no ring all-reduce for attempt {key} started here within "
                 f"{service.join_timeout_s:.1f}s",
             )
-            return
+            return False
         if grant.from_node_id != receiver.left_node_id:
             await self._refuse(
                 conn,
@@ -596,12 +756,12 @@ class BulkListener:
                 f"node {grant.from_node_id!r} is not this node's left neighbour "
                 f"({receiver.left_node_id!r}) in attempt {key}",
             )
-            return
+            return False
         if receiver.attached:
             await self._refuse(
                 conn, grpc.StatusCode.ALREADY_EXISTS, f"attempt {key} already has a stream"
             )
-            return
+            return False
         receiver.attached = True
         prefix = bytearray(_FRAME.size)
         prefix_view = memoryview(prefix)
@@ -637,7 +797,7 @@ class BulkListener:
                         failed,
                     )
                     end_reason = "the attempt failed"
-                    return
+                    return False
                 if chunk.phase == ABORT_PHASE:
                     data = scratch[:payload_len]
                     await conn.recv_exactly(data)
@@ -662,7 +822,7 @@ class BulkListener:
                     # blame this node for ending its stream.
                     end_reason = f"sent a bad chunk: {exc}"
                     error = (exc.code, str(exc), exc.failed_node or grant.from_node_id)
-                    return
+                    return False
                 received += payload_len
                 service.received_bytes += payload_len
                 service.received_chunks += 1
@@ -673,7 +833,7 @@ class BulkListener:
         except WireError as exc:
             end_reason = f"sent a malformed frame: {exc}"
             error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc), None)
-            return
+            return False
         except TimeoutError:
             end_reason = f"its stream was idle for {self.idle_timeout_s:.0f}s"
             raise
@@ -689,8 +849,10 @@ class BulkListener:
                 f"ring attempt {key} was aborted: node {failed!r} failed",
                 failed,
             )
-            return
+            return False
         await conn.sendall([_REPLY.pack(REPLY_ACK, _ACK.size) + _ACK.pack(received)])
+        if self.keep_alive:
+            return True
         conn.shutdown_write()
         # Wait (briefly) for the sender to close first, so the ACK is not lost to a reset.
         with contextlib.suppress(OSError, ssl.SSLError, TimeoutError):
@@ -698,6 +860,7 @@ class BulkListener:
                 sink = memoryview(bytearray(4096))
                 while await conn.recv_into(sink):
                     pass
+        return False
 
 
 def listen_host(listen: str) -> str:

@@ -256,6 +256,11 @@ class TlsConn(Conn):
     def sealed(self) -> bool:
         return self._seal_out is not None
 
+    @property
+    def sealed_bytes(self) -> tuple[int, int]:
+        """Plaintext bytes sealed so far (sent, received) under this connection's keys."""
+        return self._sealed_out, self._sealed_in
+
     def seal(self, sender_share: bytes, receiver_share: bytes) -> None:
         """Leave TLS: from now on both directions are AES-256-GCM records keyed from the two
         shares (exchanged inside TLS). Call it on both ends right after the exchange: the

@@ -102,6 +102,7 @@ class BulkIssuer(Protocol):
     """The bulk socket behind OpenBulk (node_agent.ring.bulk.BulkListener)."""
 
     port: int
+    keep_alive: bool  # connections kept after a stream for the caller's next one
 
     def issue(self, key: RingKey, from_node_id: str) -> tuple[bytes, float]:
         """A one-time token for `from_node_id`'s stream of attempt `key`, and its lifetime;
@@ -440,7 +441,9 @@ class PeerService:
             except TooManyTokens as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
                 raise
-        return peer_pb2.OpenBulkResponse(port=self.bulk.port, token=token, expires_in_s=ttl)
+        return peer_pb2.OpenBulkResponse(
+            port=self.bulk.port, token=token, expires_in_s=ttl, keep_alive=self.bulk.keep_alive
+        )
 
     async def _abort_stream(
         self,

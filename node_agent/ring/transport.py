@@ -3,13 +3,16 @@
 `RingTransport` lives as long as the agent's PeerServer: it caches a channel per peer, opens each
 attempt's `RingOutput` to the right neighbour (its bulk socket, `node_agent.ring.bulk`, else a
 PushChunks call), pings, probes and reports aborts, and with an identity holds the seal signer
-and verifier of the all-gather.
+and verifier of the all-gather. It keeps one idle bulk connection per peer whose receiver keeps
+them (`node_agent.ring.bulk`, "Kept connections") for that peer's next attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Callable, Collection
 from typing import Protocol
@@ -24,6 +27,7 @@ from epochmesh.ring.seal import (
 from epochmesh.v1 import peer_pb2
 from node_agent.ring import bulk, client
 from node_agent.ring.bulk import BulkError
+from node_agent.ring.bulk_conn import Conn
 from node_agent.ring.mailbox import RingMailbox, RingStatus
 from node_agent.ring.service import PeerServer
 from node_agent.ring.wire import (
@@ -41,6 +45,9 @@ log = logging.getLogger(__name__)
 
 
 BULK_FAILED_RETRY_S = 60.0  # after a bulk socket could not be set up
+# The longest a kept bulk connection may take to take the next stream before a fresh one is
+# opened instead (it answers within a round trip when it is alive).
+RESUME_TIMEOUT_S = 2.0
 
 
 class RingOutput(Protocol):
@@ -134,8 +141,13 @@ class RingTransport:
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         # Peers whose bulk socket is not to be tried again before a time (time.monotonic()).
         self._no_bulk: dict[tuple[str, str], float] = {}
+        # One kept bulk connection per peer: (connection, time.monotonic() it went idle, the
+        # identity it was opened with).
+        self._kept: dict[tuple[str, str], tuple[Conn, float, Identity | None]] = {}
         self.bulk_streams = 0  # attempts sent over the bulk socket / over PushChunks
         self.grpc_streams = 0
+        self.bulk_reused = 0  # of bulk_streams: sent on a kept connection
+        self._closed = False
         self.signer: SegmentSigner | None = None
         self.verifier: SegmentVerifier | None = None
         if identity is not None:
@@ -197,6 +209,20 @@ class RingTransport:
         return _GrpcOutput(self.push_call(address, node_id))
 
     async def _open_bulk(self, address: str, node_id: str, key: RingKey) -> bulk.BulkOutput:
+        identity = self._current_identity()
+        peer_key = (address, node_id)
+        kept = self._kept.pop(peer_key, None)
+        if kept is not None:
+            conn, since, opened_with = kept
+            if opened_with is identity and time.monotonic() - since < bulk.KEEP_REUSE_S:
+                try:
+                    async with asyncio.timeout(RESUME_TIMEOUT_S):
+                        out = await bulk.resume(conn, key, self._keeper(peer_key, identity))
+                    self.bulk_reused += 1
+                    return out
+                except (TimeoutError, OSError, ssl.SSLError, BulkError) as exc:
+                    log.debug("kept bulk connection to %s unusable (%r): a fresh one", node_id, exc)
+            conn.close()
         method = self.channel(address, node_id).unary_unary(
             OPEN_BULK,
             request_serializer=peer_pb2.OpenBulkRequest.SerializeToString,
@@ -211,9 +237,38 @@ class RingTransport:
         if not 0 < reply.port < 65536 or len(reply.token) != bulk.TOKEN_BYTES:
             raise BulkError("malformed OpenBulk reply")
         host, _ = split_address(address)
-        identity = self._current_identity()
         ctx = bulk.client_ssl_context(identity) if identity is not None else None
-        return await bulk.connect(host, reply.port, reply.token, node_id=node_id, ssl_context=ctx)
+        return await bulk.connect(
+            host,
+            reply.port,
+            reply.token,
+            node_id=node_id,
+            ssl_context=ctx,
+            release=self._keeper(peer_key, identity) if reply.keep_alive else None,
+        )
+
+    def _keeper(
+        self, peer_key: tuple[str, str], identity: Identity | None
+    ) -> Callable[[Conn], None]:
+        """Where a stream to `peer_key` that ended with an ACK leaves its connection: kept for
+        the peer's next attempt (one per peer; a second one is closed)."""
+
+        def keep(conn: Conn) -> None:
+            if self._closed or peer_key in self._kept:
+                conn.close()
+                return
+            self._kept[peer_key] = (conn, time.monotonic(), identity)
+
+        return keep
+
+    def _drop_kept(self, peer_key: tuple[str, str] | None = None) -> None:
+        """Close the kept bulk connection to `peer_key` (None: all of them)."""
+        keys = list(self._kept) if peer_key is None else [peer_key]
+        for k in keys:
+            kept = self._kept.pop(k, None)
+            if kept is not None:
+                with contextlib.suppress(OSError):
+                    kept[0].close()
 
     def _current_identity(self) -> Identity | None:
         """This node's identity, renewed certificate included (channels of an older one are
@@ -283,11 +338,14 @@ class RingTransport:
     async def drop_channel(self, address: str, node_id: str) -> None:
         """Close the channel to a peer that left (a later call opens a new one)."""
         self._no_bulk.pop((address, node_id), None)
+        self._drop_kept((address, node_id))
         ch = self._channels.pop((address, node_id if self._identity is not None else ""), None)
         if ch is not None:
             await ch.close()
 
     async def close(self) -> None:
+        self._closed = True
+        self._drop_kept()
         channels, self._channels = [*self._retired, *self._channels.values()], {}
         self._retired = []
         for ch in channels:

@@ -674,4 +674,4 @@ def test_bench_script_compares_with_gloo_and_the_grpc_floor() -> None:
     assert {"ratio", "floor_vs_gloo", "ours_vs_floor"} <= figures.keys()
     # Our ring ran over the bulk sockets, as between agents (one stream per rank and run).
     assert figures["transport"] == "bulk"
-    assert figures["ours_streams"] == {"bulk": 2, "grpc": 0}
+    assert figures["ours_streams"] == {"bulk": 2, "grpc": 0, "bulk_kept": 0}

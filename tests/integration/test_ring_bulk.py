@@ -12,6 +12,7 @@ import contextlib
 import os
 import socket
 import ssl
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from tests.integration.test_ring_allreduce import (
     _expected,
     started_peers,
 )
+from tests.procs import async_wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,12 +112,120 @@ async def test_the_ring_runs_over_the_bulk_socket(tmp_path: Path, tls: bool) -> 
             want = _expected(inputs)
             assert all(b.numpy().tobytes() == want for b in bufs)
         _assert_paths(peers, range(n), bulk_streams=2, grpc_streams=0)
+        # The second round went on the connections the first one opened.
+        assert [t.bulk_reused for t in peers.transports] == [1] * n
+        assert [s.bulk.kept_streams for s in peers.servers if s.bulk] == [1] * n
         # Lossy codecs too (forwarded chunks are kept in buffers of their own).
         inputs = [_data(r, numel, seed=7) for r in range(n)]
         bufs = [x.clone() for x in inputs]
         await _allreduce_all(peers, bufs, round_=2, codec="int8")
         assert all(torch.equal(b, bufs[0]) for b in bufs)
         _assert_paths(peers, range(n), bulk_streams=3, grpc_streams=0)
+        assert [t.bulk_reused for t in peers.transports] == [2] * n
+
+
+# ---------------------------------------------------------------------------------------------
+# Kept connections
+
+
+async def _round(peers: Peers, round_: int, numel: int = 300_007) -> None:
+    inputs = [_data(r, numel, seed=round_) for r in range(len(peers.ids))]
+    bufs = [x.clone() for x in inputs]
+    await _allreduce_all(peers, bufs, round_=round_)
+    want = _expected(inputs)
+    assert all(b.numpy().tobytes() == want for b in bufs)
+
+
+def _kept_conn(peers: Peers, sender: int, receiver: int) -> bulk.Conn:
+    """The connection `sender` keeps to `receiver` (taken out of its transport)."""
+    kept = peers.transports[sender]._kept.pop(
+        (peers.addresses[receiver], peers.ids[receiver]), None
+    )
+    assert kept is not None, "no kept connection"
+    return kept[0]
+
+
+@pytest.mark.parametrize("how", ["idle", "older_receiver"])
+async def test_a_connection_the_receiver_does_not_keep_is_opened_afresh(
+    tmp_path: Path, how: str
+) -> None:
+    """A receiver that closed a kept connection (its idle time ran out) or never keeps one (an
+    older agent: OpenBulk says so): every attempt still goes over the bulk socket."""
+    n = 3
+    async with started_peers(n, _identities(tmp_path, n)[1]) as peers:
+        listeners = [s.bulk for s in peers.servers if s.bulk is not None]
+        for listener in listeners:
+            if how == "idle":
+                listener.keep_idle_s = 0.05
+            else:
+                listener.keep_alive = False
+        await _round(peers, 0)
+        if how == "idle":
+            # Each receiver closes its kept connection; the senders do not know it yet.
+            await async_wait_until(
+                lambda: all(not listener._handlers for listener in listeners),
+                timeout=10,
+                message="the receivers did not close their idle connections",
+            )
+            assert all(t._kept for t in peers.transports)
+        else:
+            assert not any(t._kept for t in peers.transports)
+        await _round(peers, 1)
+        _assert_paths(peers, range(n), bulk_streams=2, grpc_streams=0)
+        assert [t.bulk_reused for t in peers.transports] == [0] * n
+        assert all(listener.kept_streams == 0 for listener in listeners)
+
+
+async def test_a_kept_connection_is_checked_at_every_stream(tmp_path: Path) -> None:
+    """The next stream on a kept connection is refused when its attempt does not have the
+    connection's node as left neighbour here (or was never announced here), when it is
+    malformed, and when its node was revoked meanwhile."""
+    n = 3
+    async with started_peers(n, _identities(tmp_path, n)[1]) as peers:
+        await _round(peers, 0)
+        # node-0's kept connection to node-1, for an attempt where node-2 is node-1's left.
+        key = ("job", 1, 0)
+        peers.servers[1].mailbox.announce(key, ["node-2", "node-1", "node-0"], 1, 60.0)
+        with pytest.raises(BulkError) as refused:
+            await asyncio.wait_for(bulk.resume(_kept_conn(peers, 0, 1), key), 10)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "has 'node-2', not 'node-0', as this node's left neighbour" in str(refused.value)
+        await _round(peers, 2)  # keeps fresh connections again
+        with pytest.raises(BulkError) as refused:
+            await asyncio.wait_for(bulk.resume(_kept_conn(peers, 0, 1), ("job", 9, 0)), 10)
+        assert "was not announced to this node" in str(refused.value)
+        # Malformed: no job id.
+        conn = _kept_conn(peers, 1, 2)
+        await conn.sendall([bulk.MAGIC_NEXT + struct.pack("<Hqq", 0, 1, 0)])
+        kind, body = await asyncio.wait_for(bulk._read_reply(conn), 10)
+        assert kind == bulk.REPLY_ERROR
+        assert bulk._parse_error(body).code == grpc.StatusCode.INVALID_ARGUMENT
+        conn.close()
+        # Revoked since the connection was opened.
+        peers.servers[0].service.add_revoked(["node-2"])
+        with pytest.raises(BulkError) as refused:
+            await asyncio.wait_for(bulk.resume(_kept_conn(peers, 2, 0), ("job", 1, 0)), 10)
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert "revoked" in refused.value.details
+
+
+async def test_at_its_limit_a_receiver_closes_an_idle_kept_connection(tmp_path: Path) -> None:
+    n = 2
+    identities = _identities(tmp_path, n)[1]
+    async with started_peers(n, identities) as peers:
+        await _round(peers, 0)
+        listener = peers.servers[1].bulk
+        assert listener is not None
+        await async_wait_until(
+            lambda: len(listener._idle) == 1, timeout=10, message="no idle kept connection"
+        )
+        listener.max_connections = 1
+        key = ("job", 5, 0)
+        out = await _connect(await _token(peers, 1, as_node=0, key=key), "node-1", identities[0])
+        out.close()
+        # The kept one is gone: its next stream is not taken.
+        with pytest.raises((BulkError, OSError)):
+            await asyncio.wait_for(bulk.resume(_kept_conn(peers, 0, 1), ("job", 6, 0)), 10)
 
 
 # ---------------------------------------------------------------------------------------------
