@@ -51,12 +51,13 @@ cached (`attempt_plan` in `node_agent.ring.plan`): a round only prefixes the chu
 Over the bulk socket a chunk costs no copy in Python on the way out (`sendmsg` of its header and
 a view of the buffer) and none beyond the kernel's on the way in (into a preallocated buffer,
 reduced from there with numpy; a chunk that is only copied lands in the buffer directly), plus
-the reduction and per attempt one OpenBulk call and a connect (a TLS handshake with
-identities). With 4 ranks on 2 cores, 64 MiB, plaintext, `scripts/bench_allreduce.py` measures
-it at roughly 0.8-1.0 of gloo's bus bandwidth on a quiet machine (0.6-0.75 at load average 5-7:
-gloo's threads cope better with shared cores) for about 1.2-1.4x gloo's CPU; with TLS (AES-GCM
-on this process's event loop) it is about as fast as PushChunks over TLS, roughly 0.25-0.3 of
-gloo, for a little less CPU. PushChunks (the fallback, `--transport grpc`)
+the reduction and per attempt one round trip on the connection kept from the attempt before
+(the first attempt to a peer: an OpenBulk call and a connect, a TLS handshake with identities).
+With 4 ranks on 2 cores, 64 MiB, plaintext, `scripts/bench_allreduce.py` measures it at roughly
+0.65-0.75 of gloo's bus bandwidth on a quiet machine (0.8-1.0 in earlier runs) for about 1.5x
+gloo's CPU; with TLS (AES-GCM on this process's event loop, BLAKE3 seals) about 0.35-0.42 of
+gloo: the encryption and the seals' hash cost more CPU than gloo's whole all-reduce
+(docs/benchmarks.md). PushChunks (the fallback, `--transport grpc`)
 reaches about 0.45 of gloo plaintext: grpcio's Python data path copies every message twice on
 the way out and three times or more on the way in, with a thread hand-off per message each side
 (`--floor` times that transport alone). With identities the all-gather is sealed

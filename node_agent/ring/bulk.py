@@ -52,8 +52,9 @@ connection open after an ACK, for `KEEP_IDLE_S`, waiting for the same sender's n
 ERROR, and closes) exactly as a token, then frames as above. The stream is bound to the node the
 connection was opened for (under TLS its certificate, checked again against the revocation list
 at every stream; plaintext: the node its token was issued to), and the attempt must have been
-announced here (within `NEXT_STREAM_WAIT_S`) with that node as left neighbour, as for a token. The sender (`node_agent.ring.transport`) keeps one idle
-connection per peer and uses it for the next attempt while it is younger than `KEEP_REUSE_S`:
+announced here (within `NEXT_STREAM_WAIT_S`) with that node as left neighbour, as for a token.
+The sender (`node_agent.ring.transport`) keeps one idle connection per peer and uses it for
+the next attempt while it is younger than `KEEP_REUSE_S`:
 an attempt then costs one round trip instead of OpenBulk, a TCP connect, the TLS handshake and
 the token (four round trips and, under TLS, ~2-3 ms of CPU each side). A kept connection that
 turns out closed before its OK costs nothing but a fresh one. A sender of an older version
@@ -559,7 +560,11 @@ class BulkListener:
                 log.warning("bulk socket accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            if len(self._handlers) >= self.max_connections and self._idle:
+            if (
+                len(self._handlers) >= self.max_connections
+                and self._idle
+                and self.handshaking < self.max_handshakes
+            ):
                 # A new connection goes before the longest idle kept one.
                 oldest, _ = self._idle.popitem(last=False)
                 oldest.cancel()
