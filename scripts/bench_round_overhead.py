@@ -1,4 +1,5 @@
-"""The fixed cost of a synchronous parameter-server round, against gloo DDP on the same model.
+"""The fixed cost of a synchronous parameter-server (or ring) round, against gloo DDP on the same
+model.
 
 One coordinator and four agents as in production (TLS, agents enrolled with join tokens, see
 scripts/local_cluster.py; one compute thread each, no slowdown). For each agent count (--agents,
@@ -19,6 +20,10 @@ on loopback, one thread each) on the same model and global batch split over the 
 ranks, the median time of one step (forward, backward with the gradient all-reduce, optimizer
 step) over the same number of rounds, the slowest rank's. `ddp_compute_ms` is the same step in
 one process without DDP at the per-rank batch (what a rank computes).
+
+`--aggregation ring`: the same jobs as synchronous ring rounds (the agents listen for peers,
+`--peer-listen`; counts of 2 or more): a round's overhead then holds the task's trip, the
+all-reduce over the members' bulk sockets (mutual TLS, sealed), the step and the report.
 
 The machine is shared: the 1-minute load average is recorded for every measurement. With
 --cycles C every count is measured C times, in alternating order, and the figures are the
@@ -85,7 +90,7 @@ lr = 0.05
 momentum = 0.9
 seed = 0
 [cluster]
-aggregation = "ps"
+aggregation = "{aggregation}"
 min_nodes = {nodes}
 max_nodes = {nodes}
 """
@@ -98,11 +103,15 @@ def dataset(n: int) -> dict[str, torch.Tensor]:
     return {"x": x, "y": (x @ w).argmax(dim=1)}
 
 
-def write_job(d: Path, batch: int, rounds: int, nodes: int, name: str) -> Path:
+def write_job(
+    d: Path, batch: int, rounds: int, nodes: int, name: str, aggregation: str = "ps"
+) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "model.py").write_text(MODEL)
     save_file(dataset(batch * rounds), str(d / "train.safetensors"))
-    (d / "job.toml").write_text(JOB.format(batch=batch, nodes=nodes, name=name))
+    (d / "job.toml").write_text(
+        JOB.format(batch=batch, nodes=nodes, name=name, aggregation=aggregation)
+    )
     return d / "job.toml"
 
 
@@ -147,13 +156,15 @@ def round_figures(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 class Cluster:
     """One coordinator and `agents` agents (processes kept across the measurements)."""
 
-    def __init__(self, work: Path, agents: int, coordinator_args: list[str]) -> None:
+    def __init__(
+        self, work: Path, agents: int, coordinator_args: list[str], ring: bool = False
+    ) -> None:
         self.work = work
         self.cluster = LocalCluster(work)
         self.cluster.start_coordinator(*coordinator_args)
         self.names = [f"a{i}" for i in range(agents)]
         for name in self.names:
-            self.cluster.start_agent(name)
+            self.cluster.start_agent(name, *(["--peer-listen", "127.0.0.1:0"] if ring else []))
         self.cluster.login()
 
         def registered() -> list[dict[str, Any]] | None:
@@ -231,6 +242,7 @@ class Cluster:
             args.rounds,
             count,
             f"overhead-{count}",
+            args.aggregation,
         )
         out = self.cluster.cli("submit", str(job_toml), "--output", "json")
         job_id = json.loads(out)["job_id"]
@@ -386,6 +398,9 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=1, help="measurements per agent count")
     parser.add_argument("--no-ddp", action="store_true", help="skip the gloo DDP runs")
     parser.add_argument(
+        "--aggregation", choices=("ps", "ring"), default="ps", help="the jobs' aggregation"
+    )
+    parser.add_argument(
         "--coordinator-arg",
         action="append",
         default=[],
@@ -399,6 +414,8 @@ def main() -> int:
     counts = [int(c) for c in args.agents.split(",") if c.strip()]
     if not counts or min(counts) < 1 or args.rounds <= args.warmup + 2 or args.cycles < 1:
         parser.error("need agent counts >= 1, --rounds > --warmup + 2 and --cycles >= 1")
+    if args.aggregation == "ring" and min(counts) < 2:
+        parser.error("a ring needs agent counts >= 2")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = args.keep or Path(tempfile.mkdtemp(prefix="epochmesh-overhead-"))
@@ -410,7 +427,9 @@ def main() -> int:
     ours: dict[int, list[dict[str, Any]]] = {c: [] for c in counts}
     ddp: dict[int, list[dict[str, Any]]] = {c: [] for c in counts}
     try:
-        cluster = Cluster(work / "cluster", max(counts), args.coordinator_arg)
+        cluster = Cluster(
+            work / "cluster", max(counts), args.coordinator_arg, args.aggregation == "ring"
+        )
         try:
             for c in range(args.cycles):
                 order = counts if c % 2 == 0 else counts[::-1]
@@ -430,6 +449,7 @@ def main() -> int:
 
     out: dict[str, Any] = {
         "model": f"mlp {IN} -> {HIDDEN} -> {OUT}",
+        "aggregation": args.aggregation,
         "global_batch": args.batch,
         "rounds": args.rounds,
         "warmup_rounds": args.warmup,
