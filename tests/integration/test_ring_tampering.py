@@ -9,6 +9,9 @@ every sample trained once.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -256,3 +259,26 @@ async def test_a_tampering_member_is_struck_and_no_honest_one_is(tmp_path: Path)
         and "alone: retried with another member to its right" in e.message
         for e in retried
     ), [e.message for e in retried]
+
+
+def test_the_seal_bench_times_both_digests() -> None:
+    """scripts/bench_ring_seal.py (small sizes): figures for BLAKE3 and SHA-256, and a real
+    sealed ring with each (its ranks' sums identical, else it fails)."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(root / "scripts" / "bench_ring_seal.py"),
+            *("--members", "4", "--mb", "4", "--ring", "2", "--ring-mb", "2", "--reps", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    for digest in SEAL_DIGESTS:
+        assert figures[f"{digest}_mib_per_s"] > 0
+        assert figures[f"ring_{digest}_s"] > 0 and figures[f"ring_{digest}_vs_unsealed"] > 0
+    assert figures["ring_unsealed_s"] > 0 and figures["seal_wire_bytes_per_segment"] > 500
