@@ -26,6 +26,7 @@ from epochmesh.v1 import peer_pb2, peer_pb2_grpc
 from node_agent.ring import bulk
 from node_agent.ring.allreduce import ring_allreduce
 from node_agent.ring.bulk import BulkError
+from node_agent.ring.bulk_conn import MAX_SEALED_BYTES, TlsConn
 from node_agent.ring.client import peer_channel
 from node_agent.ring.failure import RingPeerFailed
 from node_agent.ring.service import PeerServer
@@ -207,6 +208,25 @@ async def test_a_kept_connection_is_checked_at_every_stream(tmp_path: Path) -> N
             await asyncio.wait_for(bulk.resume(_kept_conn(peers, 2, 0), ("job", 1, 0)), 10)
         assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert "revoked" in refused.value.details
+
+
+async def test_a_connection_past_half_its_sealed_bytes_is_not_kept(tmp_path: Path) -> None:
+    """AES-GCM records go on with their sequence numbers on a kept connection: one that has
+    sealed half the connection's byte limit is closed after its stream, and the next attempt
+    opens a fresh one."""
+    n = 2
+    async with started_peers(n, _identities(tmp_path, n)[1]) as peers:
+        await _round(peers, 0)
+        conn = peers.transports[0]._kept[(peers.addresses[1], peers.ids[1])][0]
+        assert isinstance(conn, TlsConn) and bulk.reusable(conn)
+        conn._sealed_out = MAX_SEALED_BYTES // 2
+        assert not bulk.reusable(conn)
+        await _round(peers, 1)  # on the kept connection, which is then closed
+        assert peers.transports[0].bulk_reused == 1
+        assert (peers.addresses[1], peers.ids[1]) not in peers.transports[0]._kept
+        await _round(peers, 2)  # a fresh connection
+        assert peers.transports[0].bulk_reused == 1
+        _assert_paths(peers, range(n), bulk_streams=3, grpc_streams=0)
 
 
 async def test_at_its_limit_a_receiver_closes_an_idle_kept_connection(tmp_path: Path) -> None:
