@@ -56,7 +56,7 @@ announced here (within `NEXT_STREAM_WAIT_S`) with that node as left neighbour, a
 The sender (`node_agent.ring.transport`) keeps one idle connection per peer and uses it for
 the next attempt while it is younger than `KEEP_REUSE_S`:
 an attempt then costs one round trip instead of OpenBulk, a TCP connect, the TLS handshake and
-the token (four round trips and, under TLS, ~2-3 ms of CPU each side). A kept connection that
+the token (four round trips and, under TLS, ~4-5 ms of CPU each end). A kept connection that
 turns out closed before its OK costs nothing but a fresh one. A sender of an older version
 closes after the ACK, as before; at its connection limit the receiver closes its longest idle
 kept connection rather than refuse a new one. Under TLS the sealed records go on with their
