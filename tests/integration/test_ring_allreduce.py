@@ -642,32 +642,29 @@ async def test_peer_process_dies_or_stalls_mid_reduce(mode: str) -> None:
 # The benchmark script (issue 7's figure) still runs end to end
 
 
-@pytest.mark.timeout(150)
-def test_bench_script_compares_with_gloo_and_the_grpc_floor() -> None:
+def bench_figures(script: str, *args: str, timeout: float) -> dict[str, Any]:
+    """Run scripts/`script` with `args` (from the repository root); the JSON line it ends with."""
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        [
-            sys.executable,
-            str(root / "scripts" / "bench_allreduce.py"),
-            "--peers",
-            "2",
-            "--mb",
-            "1",
-            "--reps",
-            "1",
-            "--warmup",
-            "0",
-            "--floor",
-            "--timeout",
-            "120",
-        ],
+        [sys.executable, str(root / "scripts" / script), *args],
         capture_output=True,
         text=True,
-        timeout=140,
+        timeout=timeout,
         cwd=root,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return figures
+
+
+@pytest.mark.timeout(150)
+def test_bench_script_compares_with_gloo_and_the_grpc_floor() -> None:
+    figures = bench_figures(
+        "bench_allreduce.py",
+        *("--peers", "2", "--mb", "1", "--reps", "1", "--warmup", "0", "--floor"),
+        *("--timeout", "120"),
+        timeout=140,
+    )
     assert figures["identical_across_ranks"] and figures["sums_match_gloo"]
     for key in ("ours_bus_gbps", "gloo_bus_gbps", "floor_bus_gbps"):
         assert figures[key] > 0

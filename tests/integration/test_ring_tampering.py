@@ -9,9 +9,6 @@ every sample trained once.
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +34,13 @@ from node_agent.ring.service import PeerServer
 from node_agent.ring.transport import RingOutput, RingTransport
 from node_agent.ring.wire import RingKey
 from tests.integration.ring_members import RingMember, ring_agents
-from tests.integration.test_ring_allreduce import Peers, _allreduce_all, _data, _expected
+from tests.integration.test_ring_allreduce import (
+    Peers,
+    _allreduce_all,
+    _data,
+    _expected,
+    bench_figures,
+)
 from tests.integration.test_ring_coordinator import check_exactly_once, new_world, ring_job, run_job
 from tests.integration.test_ring_peer_attacks import _tls_peers
 from tests.procs import in_process_coordinator
@@ -264,20 +267,11 @@ async def test_a_tampering_member_is_struck_and_no_honest_one_is(tmp_path: Path)
 def test_the_seal_bench_times_both_digests() -> None:
     """scripts/bench_ring_seal.py (small sizes): figures for BLAKE3 and SHA-256, and a real
     sealed ring with each (its ranks' sums identical, else it fails)."""
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(root / "scripts" / "bench_ring_seal.py"),
-            *("--members", "4", "--mb", "4", "--ring", "2", "--ring-mb", "2", "--reps", "1"),
-        ],
-        capture_output=True,
-        text=True,
+    figures = bench_figures(
+        "bench_ring_seal.py",
+        *("--members", "4", "--mb", "4", "--ring", "2", "--ring-mb", "2", "--reps", "1"),
         timeout=80,
-        cwd=root,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
     for digest in SEAL_DIGESTS:
         assert figures[f"{digest}_mib_per_s"] > 0
         assert figures[f"ring_{digest}_s"] > 0 and figures[f"ring_{digest}_vs_unsealed"] > 0
