@@ -32,7 +32,8 @@ A ring round (a TRAIN task with `task.ring`), per the session protocol B.4:
    reduce-scatter. When the report's answer says the part is checked and/or the round audited,
    `send_check_evidence` sends the chunk and update sketches and the member's evidence of the
    all-reduce (epochmesh.ring.evidence), and uploads the round's start parameters when a chunk
-   is drawn. (The round's `Tamper`, ``ctx.tamper``, may change the update and the
+   is drawn, beside the member's next task (`TaskContext.beside`): the next ring round waits
+   on no member's sketches. (The round's `Tamper`, ``ctx.tamper``, may change the update and the
    contribution put into the ring: node_agent.training.tamper.)
 
 Reported times: compute_seconds is the device time of the update the step used (a retry
@@ -327,7 +328,14 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     if task.push_state:
         await push_state(ctx, task, snapshot, checksum, cached)
     if reply is not None and (reply.sketch.buckets > 0 or reply.ring_audit.buckets > 0):
-        await send_check_evidence(ctx, task, state, cached, copies, version, reply)
+        # Beside the next task, not before it: the next round's ring waits on nobody's
+        # sketches. What they are computed from is this round's own (the cached update, the
+        # audit copies, the start snapshot taken now: the next round prunes it from the state).
+        start = state.snapshots.get(version)
+        await ctx.beside(
+            send_check_evidence(ctx, task, state.shapes, cached, copies, start, version, reply),
+            f"the sketches of round {task.round}",
+        )
 
 
 @dataclass
@@ -378,18 +386,20 @@ def ring_evidence(
 async def send_check_evidence(
     ctx: TaskContext,
     task: agent_pb2.Task,
-    state: RingJobState,
+    shapes: Shapes,
     cached: CachedUpdate,
     copies: AuditCopies | None,
+    start: StateSnapshot | None,
     version: int,
     reply: agent_pb2.ReportProgressResponse,
 ) -> None:
     """Verification: the answer to the report says this member's part is checked (``sketch``)
     and/or the round is audited (``ring_audit``). Send, under the seed, the sketches of its
     chunks and of the update it put into the all-reduce, and its evidence of the all-reduce
-    (CommitSketches); when the answer to them draws a chunk, upload the parameters of
-    ``version`` (the round's start; still kept as the pre-step snapshot) for its checker.
-    Failures are logged, never raised (the round is done)."""
+    (CommitSketches); when the answer to them draws a chunk, upload ``start`` (the state of
+    ``version``, the round's start) for its checker. Runs beside the member's next task
+    (`TaskContext.beside`): it reads nothing the next round changes. Failures are logged,
+    never raised (the round is done)."""
     check, audit = reply.sketch, reply.ring_audit
     if max(check.buckets, audit.buckets) > MAX_BUCKETS:
         ctx.log.warning("round %d: sketches of more than %d buckets asked", task.round, MAX_BUCKETS)
@@ -403,14 +413,14 @@ async def send_check_evidence(
     )
     t0 = time.monotonic()
     if check.buckets > 0 and cached.chunks is not None:
-        update = unflatten(cached.flat, state.shapes)
+        update = unflatten(cached.flat, shapes)
         request.sketches.extend(
             await ctx.run_compute(cached.chunks.sketches, check.seed, check.buckets)
         )
         own = await ctx.run_compute(sketch, update, check.seed, check.buckets)
         request.update_sketch.extend(own.tolist())
     if audit.buckets > 0 and copies is not None and copies.result is not None:
-        evidence = await ctx.run_compute(ring_evidence, task, state.shapes, copies, audit)
+        evidence = await ctx.run_compute(ring_evidence, task, shapes, copies, audit)
         request.ring.CopyFrom(evidence)
     t1 = time.monotonic()
     try:
@@ -442,7 +452,6 @@ async def send_check_evidence(
         starts = cached.chunks.starts
         await push_snapshot(ctx, task, with_round_start(starts[index], starts[0]), index)
         return
-    start = state.snapshots.get(version)
     if start is None:
         ctx.log.warning(
             "round %d: the parameters of version %d are asked for a check; no longer kept",
