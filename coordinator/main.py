@@ -43,7 +43,7 @@ import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from coordinator.core.config import (
     DEFAULT_BLOB_QUOTA_BYTES,
@@ -677,7 +677,8 @@ async def _create_token(
         await store.close()
 
 
-def run_token(args: argparse.Namespace) -> int:
+def run_token(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``token create``: the token on ``out`` (default stdout), errors logged; the exit code."""
     from coordinator.trust.tokens import check_donor, check_uses, parse_cert_ttl, parse_ttl
 
     try:
@@ -727,8 +728,9 @@ def run_token(args: argparse.Namespace) -> int:
     except (RuntimeError, CoordinatorError, OSError) as exc:
         log.error("cannot create a token in %s: %s", args.data_dir, exc)
         return 1
-    sys.stdout.write(token + "\n")
-    sys.stdout.flush()
+    stream = sys.stdout if out is None else out
+    stream.write(token + "\n")
+    stream.flush()
     return 0
 
 

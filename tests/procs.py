@@ -14,7 +14,7 @@ Public helpers:
 TLS is on in every test, transparently: each coordinator the helpers start has its own CA
 (made on its first start in its data dir) and is remembered by address, so that
 - ``identity_for(address, role)`` gives a certificate of that role (subprocess coordinators:
-  through a real ``epochmesh-coordinator token create`` + enrollment; in-process ones:
+  through the coordinator's ``token create`` (in this process) + enrollment; in-process ones:
   issued by the coordinator's CA), cached per coordinator and role;
 - ``sync_channel_for(address, role="operator")`` / ``aio_channel_for(...)`` open channels
   with it (plaintext when the coordinator runs ``--insecure``);
@@ -25,8 +25,10 @@ TLS is on in every test, transparently: each coordinator the helpers start has i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
+import io
 import os
 import signal
 import socket
@@ -188,29 +190,21 @@ def trust_of(address: str) -> _Trust | None:
 
 
 def create_token(data_dir: Path | str, role: str, *extra: str) -> str:
-    """A join token from the real ``epochmesh-coordinator token create`` on ``data_dir``
-    (``extra``: e.g. "--ttl", "1s", "--reusable")."""
-    result = subprocess.run(
-        [
-            str(console_script("epochmesh-coordinator")),
-            "token",
-            "create",
-            "--data-dir",
-            str(data_dir),
-            "--role",
-            role,
-            "--log-level",
-            "WARNING",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"token create failed ({result.returncode}): {result.stderr}")
-    return result.stdout.strip()
+    """A join token from the coordinator's ``token create`` on ``data_dir`` (``extra``: e.g.
+    "--ttl", "1s", "--reusable"): its own parser and code (``EPOCHMESH_STORE`` included), run
+    in this process, in a thread of its own (it runs an event loop, also when called from a
+    test's). A console-script start per token cost ~0.3 s, some 250 times a suite; the console
+    script itself is run by tests/system/test_trust_hardening.py and test_readme_manual.py."""
+    from coordinator.main import build_parser, run_token
+
+    argv = ["token", "create", "--data-dir", str(data_dir), "--role", role, *extra]
+    args = build_parser().parse_args(argv)
+    out = io.StringIO()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="token-create") as pool:
+        code = pool.submit(run_token, args, out).result(timeout=60)
+    if code != 0:
+        raise RuntimeError(f"token create failed ({code}): its error is in the test's log")
+    return out.getvalue().strip()
 
 
 def token_for(address: str, role: str = "node", *extra: str) -> str | None:
@@ -355,7 +349,7 @@ class CoordinatorProc:
         return "--insecure" in self.extra_args
 
     def create_token(self, role: str, *extra: str) -> str:
-        """A join token through the real ``epochmesh-coordinator token create``."""
+        """A join token through the coordinator's ``token create`` (`create_token`)."""
         return create_token(self.data_dir, role, *extra)
 
     def identity(self, role: str = ROLE_OPERATOR) -> Identity | None:
