@@ -33,6 +33,7 @@ MAX_DEVICES = 64
 # Values of each part of a ring member's evidence (segments x buckets: 1 MiB of float64).
 MAX_RING_EVIDENCE_VALUES = 131_072
 MAX_LABELS = 64
+# Ring seal digests, and ring features, a registration may declare.
 MAX_SEAL_DIGESTS = 16
 MAX_BENCHMARK_POINTS = 64
 _FILLER = bytes(MAX_CHUNK_BYTES)
@@ -137,6 +138,12 @@ class AgentService:
             )
         for digest in req.ring_seal_digests:
             check_text(digest, "ring seal digest", max_len=32, required=True)
+        if len(req.ring_features) > MAX_SEAL_DIGESTS:
+            raise InvalidArgumentError(
+                f"too many ring features ({len(req.ring_features)} > {MAX_SEAL_DIGESTS})"
+            )
+        for feature in req.ring_features:
+            check_text(feature, "ring feature", max_len=32, required=True)
         reg = await self._registry.register(
             name=req.name,
             devices=list(req.devices),
@@ -147,6 +154,7 @@ class AgentService:
             new_id_ok=new_id_ok,
             price_micro_per_hour=req.price_micro_per_hour,
             ring_seal_digests=list(req.ring_seal_digests),
+            ring_features=list(req.ring_features),
         )
         return agent_pb2.RegisterResponse(
             node_id=reg.node_id,

@@ -22,6 +22,7 @@ import torch
 from coordinator.core.errors import FailedPreconditionError, InvalidArgumentError
 from coordinator.engine.ports import JobPort
 from epochmesh.ring.evidence import RingEvidence, judge
+from epochmesh.ring.weights import tail_sketch
 from epochmesh.sketch import sketch
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.wire.tensors import decode_bundle
@@ -43,7 +44,8 @@ class RingAudit:
     codec: str
     seed: int
     buckets: int
-    scales: dict[str, float]  # member -> b_i / B
+    scales: dict[str, float]  # member -> b_i / B (weighted: samples trained / samples handed out)
+    weighted: bool  # a time-boxed attempt: contributions end in their weight's tail
     gateway: str
     external: tuple[common_pb2.TensorBundle, bytes] | None
     draws: dict[str, str | None]  # member -> its standing when its part is checked, else None
@@ -157,11 +159,17 @@ class RingAudits:
             external = await asyncio.to_thread(
                 lambda: sketch(decode_bundle(*sent), audit.seed, audit.buckets)
             )
+        offsets: dict[str, torch.Tensor] = {}
+        tail = await self._weight_tail(audit) if audit.updates else None
         for m, update in audit.updates.items():
             expected[m] = audit.scales[m] * update
             if m == audit.gateway and external is not None:
                 expected[m] = expected[m] + external
-        verdict = await asyncio.to_thread(judge, audit.order, audit.codec, audit.evidence, expected)
+            if tail is not None:
+                offsets[m] = audit.scales[m] * tail
+        verdict = await asyncio.to_thread(
+            judge, audit.order, audit.codec, audit.evidence, expected, offsets
+        )
         if verdict.clean:
             log.info(
                 "job %s: ring round %d (attempt %d) audited: %d members agree",
@@ -181,6 +189,16 @@ class RingAudits:
             )
         for sender, receiver, why in verdict.hops:
             await self._disputed_hop(audit, sender, receiver, why)
+
+    async def _weight_tail(self, audit: RingAudit) -> torch.Tensor | None:
+        """A weighted attempt: the sketch of a weight of 1's tail in its members' buffers
+        (epochmesh.ring.weights), else None."""
+        if not audit.weighted:
+            return None
+        sizes = {name: t.numel() for name, t in self.runner.ps.params.items()}
+        return await asyncio.to_thread(
+            tail_sketch, sizes, len(audit.order), audit.seed, audit.buckets
+        )
 
     async def _disputed_hop(self, audit: RingAudit, sender: str, receiver: str, why: str) -> None:
         """``sender`` and ``receiver`` disagree on what passed between them: one of them lies.

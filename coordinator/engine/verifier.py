@@ -95,6 +95,7 @@ from coordinator.engine.ring_audits import RingAudit, RingAudits
 from coordinator.engine.verification_store import StateWriter, read_stored
 from coordinator.rounds.ring_verdicts import RingAttempt
 from coordinator.rounds.round_state import Part, RoundState
+from coordinator.rounds.sample_ranges import head_of_runs
 from coordinator.verification.reputation import (
     CHECK_FRACTION,
     P_FLOOR,
@@ -383,6 +384,7 @@ class Verifier:
                         for m in attempt.order
                         if m in rs.parts
                     },
+                    weighted=attempt.weighted,
                     gateway=attempt.gateway,
                     external=attempt.external_sum,
                     draws=draws,
@@ -392,6 +394,8 @@ class Verifier:
         audit = self.audits.audits[key]
         if audit is None or req.node_id not in audit.scales:
             return None, None
+        if attempt.weighted:  # its weight: the samples it trained (the ring strategy checked it)
+            audit.scales[req.node_id] = req.samples_done / attempt.total
         self.audits.audit_of[req.task_id] = key
         spec = agent_pb2.CheckSpec(seed=audit.seed, buckets=audit.buckets)
         standing = audit.draws.get(req.node_id)
@@ -402,7 +406,11 @@ class Verifier:
             task_id=req.task_id,
             round=rs.round,
             version=rs.version,
-            ranges=part.ranges.copy(),
+            ranges=(
+                head_of_runs(part.ranges, req.samples_done)  # a time-boxed member's prefix
+                if attempt.weighted and 0 < req.samples_done < part.samples
+                else part.ranges.copy()
+            ),
             chunks=[(c.samples, c.loss) for c in req.chunks],
             codec="none",  # the member sketches its update itself: no wire codec between
             seed=audit.seed,

@@ -334,6 +334,7 @@ class NodeRegistry:
         new_id_ok: bool = False,
         price_micro_per_hour: int = 0,
         ring_seal_digests: Sequence[str] = (),
+        ring_features: Sequence[str] = (),
     ) -> Registration:
         """Join with a new id, or re-join as ``node_id`` (NotFoundError if unknown, unless
         ``new_id_ok``: a node whose certificate names its id joins under that id the first
@@ -373,6 +374,8 @@ class NodeRegistry:
         info.agent_version = agent_version
         del info.ring_seal_digests[:]
         info.ring_seal_digests.extend(ring_seal_digests)
+        del info.ring_features[:]
+        info.ring_features.extend(ring_features)
         info.labels.clear()
         info.labels.update(labels or {})
         self._set_donor(info, donor)

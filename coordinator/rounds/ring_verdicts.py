@@ -7,15 +7,18 @@ protocol: docs/ring-rounds.md.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from coordinator.rounds.round_state import Part
+from coordinator.rounds.round_state import Part, RoundState
 from epochmesh.v1 import agent_pb2, common_pb2
 
 # Part statuses of a ring round that take a node out of the round.
 DEAD = ("failed", "late", "rejected")
+_CHECKSUM = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass
@@ -25,13 +28,36 @@ class RingAttempt:
     number: int  # 0, 1, 2 (Task.ring.attempt)
     order: list[str]  # members, ring order
     externals: list[str]
-    total: int  # B: sum of local_batch over members and externals
+    total: int  # B: sum of local_batch over members and externals (weighted: of their samples)
     gateway: str  # member that adds the externals' sum ("" without externals)
     push_state_node: str  # member asked for its state after the round ("" when none is due)
     step_deadline_s: float
     deadline_s: float
     started: float  # when it was formed (time.monotonic())
     external_sum: tuple[common_pb2.TensorBundle, bytes] | None = None
+    # A time-boxed local SGD round (Task.ring_weighted): each member weighs its update by the
+    # samples it trained over ``total``, which is then the samples handed out (epochmesh.ring.weights).
+    weighted: bool = False
+
+
+def report_problem(req: agent_pb2.ReportProgressRequest, rs: RoundState, weighted: bool) -> str:
+    """Why a member's successful report of its part of ``rs`` cannot be taken ("" if it can):
+    the version it made, its checksums, finite figures, and in a ``weighted`` (time-boxed)
+    attempt the samples it trained, its weight in the all-reduce (whole steps of its part, or
+    all of it)."""
+    if req.params_version != rs.version + 1:
+        return f"reported version {req.params_version}, the round makes {rs.version + 1}"
+    if not _CHECKSUM.match(req.params_checksum):
+        return "params_checksum is not a sha256 hex digest"
+    if req.optim_checksum and not _CHECKSUM.match(req.optim_checksum):
+        return "optim_checksum is not a sha256 hex digest"
+    if not all(
+        math.isfinite(x) and x >= 0 for x in (req.compute_seconds, req.communicate_seconds)
+    ) or not math.isfinite(req.mean_loss):
+        return "non-finite loss or times"
+    if weighted:
+        return rs.samples_problem(req.node_id, req.task_id, req.samples_done)
+    return ""
 
 
 class Agreement(Enum):

@@ -63,6 +63,9 @@ class Part:
     failed_peer: str = ""
     ring_fault: int = 0  # agent_pb2.RingFault this member found in its left neighbour's data
     comm_s: float | None = None
+    # A member of a weighted ring attempt (time-boxed): the samples it reported trained, a
+    # prefix of the part; the part is narrowed to them when the round commits.
+    trained: int = 0
     # The market, fixed at hand-out (coordinator/market/job_billing.py): the node's price in
     # micro-credits per hour and its measured samples/s for the job.
     price: int = 0

@@ -29,7 +29,7 @@ RING_FAULT_NON_FINITE: RingFault
 RING_FAULT_TAMPERED: RingFault
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels", "price_micro_per_hour", "ring_seal_digests")
+    __slots__ = ("name", "devices", "peer_address", "agent_version", "node_id", "labels", "price_micro_per_hour", "ring_seal_digests", "ring_features")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class RegisterRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     PRICE_MICRO_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     RING_SEAL_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    RING_FEATURES_FIELD_NUMBER: _ClassVar[int]
     name: str
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
     peer_address: str
@@ -53,7 +54,8 @@ class RegisterRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     price_micro_per_hour: int
     ring_seal_digests: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., agent_version: _Optional[str] = ..., node_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., price_micro_per_hour: _Optional[int] = ..., ring_seal_digests: _Optional[_Iterable[str]] = ...) -> None: ...
+    ring_features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., agent_version: _Optional[str] = ..., node_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., price_micro_per_hour: _Optional[int] = ..., ring_seal_digests: _Optional[_Iterable[str]] = ..., ring_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("node_id", "lease_id", "lease_ttl_ms", "heartbeat_interval_ms")
@@ -136,7 +138,7 @@ class NextTaskRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state", "ring_total_samples", "state_source_node_id", "push_state", "state_source_address", "ring_gateway", "params_bundle", "params_data", "compute_budget_seconds", "verify_chunks", "check", "revoked_node_ids", "state_params_checksum", "state_optim_checksum", "restored_version", "checked_node_id")
+    __slots__ = ("task_id", "kind", "job_id", "spec", "program", "shards", "epoch", "round", "ranges", "local_batch", "params_version", "deadline_seconds", "benchmark_batch_sizes", "ring", "inner_steps", "initial_state", "ring_total_samples", "state_source_node_id", "push_state", "state_source_address", "ring_gateway", "params_bundle", "params_data", "compute_budget_seconds", "verify_chunks", "check", "revoked_node_ids", "state_params_checksum", "state_optim_checksum", "restored_version", "checked_node_id", "ring_weighted")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,7 @@ class Task(_message.Message):
     STATE_OPTIM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     RESTORED_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RING_WEIGHTED_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     kind: TaskKind
     job_id: str
@@ -199,7 +202,8 @@ class Task(_message.Message):
     state_optim_checksum: str
     restored_version: int
     checked_node_id: str
-    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., ring_total_samples: _Optional[int] = ..., state_source_node_id: _Optional[str] = ..., push_state: _Optional[bool] = ..., state_source_address: _Optional[str] = ..., ring_gateway: _Optional[bool] = ..., params_bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., params_data: _Optional[bytes] = ..., compute_budget_seconds: _Optional[float] = ..., verify_chunks: _Optional[int] = ..., check: _Optional[_Union[CheckSpec, _Mapping]] = ..., revoked_node_ids: _Optional[_Iterable[str]] = ..., state_params_checksum: _Optional[str] = ..., state_optim_checksum: _Optional[str] = ..., restored_version: _Optional[int] = ..., checked_node_id: _Optional[str] = ...) -> None: ...
+    ring_weighted: bool
+    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.JobSpec, _Mapping]] = ..., program: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.Shard, _Mapping]]] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.SampleRange, _Mapping]]] = ..., local_batch: _Optional[int] = ..., params_version: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., benchmark_batch_sizes: _Optional[_Iterable[int]] = ..., ring: _Optional[_Union[_common_pb2.RingAssignment, _Mapping]] = ..., inner_steps: _Optional[int] = ..., initial_state: _Optional[_Union[_common_pb2.BlobRef, _Mapping]] = ..., ring_total_samples: _Optional[int] = ..., state_source_node_id: _Optional[str] = ..., push_state: _Optional[bool] = ..., state_source_address: _Optional[str] = ..., ring_gateway: _Optional[bool] = ..., params_bundle: _Optional[_Union[_common_pb2.TensorBundle, _Mapping]] = ..., params_data: _Optional[bytes] = ..., compute_budget_seconds: _Optional[float] = ..., verify_chunks: _Optional[int] = ..., check: _Optional[_Union[CheckSpec, _Mapping]] = ..., revoked_node_ids: _Optional[_Iterable[str]] = ..., state_params_checksum: _Optional[str] = ..., state_optim_checksum: _Optional[str] = ..., restored_version: _Optional[int] = ..., checked_node_id: _Optional[str] = ..., ring_weighted: _Optional[bool] = ...) -> None: ...
 
 class CheckSpec(_message.Message):
     __slots__ = ("seed", "buckets")

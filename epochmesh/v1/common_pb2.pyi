@@ -142,7 +142,7 @@ class BenchmarkResult(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., points: _Optional[_Iterable[_Union[BenchmarkPoint, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., bandwidth_bytes_per_second: _Optional[float] = ..., measured_at_ms: _Optional[int] = ..., slowdown: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state", "price_micro_per_hour", "online_since_ms", "parts_applied", "parts_failed", "job_samples_per_second", "reputation", "revoked", "ring_seal_digests")
+    __slots__ = ("node_id", "name", "state", "devices", "peer_address", "registered_at_ms", "last_heartbeat_ms", "lease_expires_ms", "benchmark", "current_job_id", "strikes", "agent_version", "labels", "observed_samples_per_second", "return_state", "price_micro_per_hour", "online_since_ms", "parts_applied", "parts_failed", "job_samples_per_second", "reputation", "revoked", "ring_seal_digests", "ring_features")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class NodeInfo(_message.Message):
     REPUTATION_FIELD_NUMBER: _ClassVar[int]
     REVOKED_FIELD_NUMBER: _ClassVar[int]
     RING_SEAL_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    RING_FEATURES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     state: NodeState
@@ -203,7 +204,8 @@ class NodeInfo(_message.Message):
     reputation: Reputation
     revoked: bool
     ring_seal_digests: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ..., price_micro_per_hour: _Optional[int] = ..., online_since_ms: _Optional[int] = ..., parts_applied: _Optional[int] = ..., parts_failed: _Optional[int] = ..., job_samples_per_second: _Optional[_Mapping[str, float]] = ..., reputation: _Optional[_Union[Reputation, _Mapping]] = ..., revoked: _Optional[bool] = ..., ring_seal_digests: _Optional[_Iterable[str]] = ...) -> None: ...
+    ring_features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., peer_address: _Optional[str] = ..., registered_at_ms: _Optional[int] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., benchmark: _Optional[_Union[BenchmarkResult, _Mapping]] = ..., current_job_id: _Optional[str] = ..., strikes: _Optional[int] = ..., agent_version: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., observed_samples_per_second: _Optional[float] = ..., return_state: _Optional[_Union[NodeState, str]] = ..., price_micro_per_hour: _Optional[int] = ..., online_since_ms: _Optional[int] = ..., parts_applied: _Optional[int] = ..., parts_failed: _Optional[int] = ..., job_samples_per_second: _Optional[_Mapping[str, float]] = ..., reputation: _Optional[_Union[Reputation, _Mapping]] = ..., revoked: _Optional[bool] = ..., ring_seal_digests: _Optional[_Iterable[str]] = ..., ring_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Reputation(_message.Message):
     __slots__ = ("verified_in_a_row", "verified_total", "failed_total", "last_verified_round", "last_failure_round", "last_failure_ms", "last_failure_evidence", "check_probability", "check_reason")

@@ -56,6 +56,7 @@ from google.protobuf import json_format
 from epochmesh import __version__
 from epochmesh.money import format_credits
 from epochmesh.ring.seal import SEAL_DIGESTS
+from epochmesh.ring.weights import RING_FEATURES
 from epochmesh.v1 import agent_pb2, common_pb2
 from node_agent.core.config import AgentConfig, advertised_peer_address, parse_price
 from node_agent.core.devices import DeviceError, Discovered, discover_devices
@@ -377,6 +378,7 @@ class Agent:
             peer_address=self.peer_address,
             price_micro_per_hour=self.price.get(),
             ring_seal_digests=SEAL_DIGESTS,
+            ring_features=RING_FEATURES,
         )
 
     # -- PeerService ----------------------------------------------------------------------------

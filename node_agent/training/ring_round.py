@@ -18,6 +18,10 @@ A ring round (a TRAIN task with `task.ring`), per the session protocol B.4:
 3. Flattened in parameter order into a float32 buffer scaled by b_i / B (task.local_batch /
    task.ring_total_samples); the round's gateway member (task.ring_gateway) adds the sum of
    the coordinator-side contributions (PullParameters(external_round=round), already scaled).
+   A time-boxed round of local SGD (task.ring_weighted; the update covers the steps that fit
+   in task.compute_budget_seconds): scaled by the samples trained / task.ring_total_samples
+   instead, with that weight appended (epochmesh.ring.weights), and the all-reduced update is
+   divided by the summed weight before step 5: the sample-weighted mean of what was trained.
 4. `ring_allreduce` with the spec's wire codec (fp16/bf16/int8; anything else travels "none"),
    the per-step deadline task.ring.deadline_seconds, and the rest of the task's deadline as the
    join timeout (neighbours may still be computing).
@@ -64,6 +68,12 @@ from epochmesh.optim import (
 )
 from epochmesh.ring.evidence import FlatSketch, member_evidence
 from epochmesh.ring.schedule import RING_CODECS, RingSchedule, chunk_elems_for
+from epochmesh.ring.weights import (
+    weight_of,
+    weighted_contribution,
+    weighted_mean,
+    weighted_shapes,
+)
 from epochmesh.sketch import sketch
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import MAX_BUCKETS, with_round_start
@@ -211,7 +221,17 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
         state.cached = cached
     ctx.check_cancelled()
 
-    buffer = await ctx.run_compute(torch.mul, cached.flat, scale)
+    weighted = task.ring_weighted
+    if weighted:
+        # A time-boxed round: the weight is the samples trained, the tail carries it.
+        if task.ring_gateway:
+            raise ValueError("a weighted ring round has no external nodes to sum in")
+        weight = weight_of(cached.num_samples, int(task.ring_total_samples))
+        buffer = await ctx.run_compute(
+            weighted_contribution, cached.flat, weight, len(ring.node_ids)
+        )
+    else:
+        buffer = await ctx.run_compute(torch.mul, cached.flat, scale)
     if task.ring_gateway:
         external = await pull_external_sum(ctx, state, task)
         buffer.add_(external)
@@ -285,6 +305,11 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     ring_s = time.monotonic() - ring_t0
     if copies is not None:
         copies.result = await ctx.run_compute(torch.clone, buffer)
+    weights = ""
+    if weighted:
+        # The summed weight is positive for honest members; anything else is not stepped on.
+        weights = f", weight {weight:.6f} of {float(buffer[-1]):.6f}"
+        buffer = await ctx.run_compute(weighted_mean, buffer, cached.flat.numel())
 
     state.live_version = None
     snapshot = await ctx.run_compute(apply_round, state, buffer, version + 1)
@@ -310,7 +335,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     )
     ctx.log.info(
         "round %d attempt %d: %s of %d samples in %d step(s), loss %.4f, compute %.3fs, "
-        "ring %.3fs (%d members, %s), state from %s, version %d -> %d",
+        "ring %.3fs (%d members, %s%s), state from %s, version %d -> %d",
         task.round,
         attempt,
         cached.kind,
@@ -321,6 +346,7 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
         ring_s,
         len(ring.node_ids),
         ring_codec(task.spec),
+        weights,
         source.value,
         version,
         version + 1,
@@ -362,7 +388,9 @@ def ring_evidence(
     codec = ring_codec(task.spec)
     n = len(task.ring.node_ids)
     schedule = RingSchedule.build(n, copies.contribution.numel(), chunk_elems_for(codec))
-    fs = FlatSketch.build(shapes, audit.seed, audit.buckets)
+    # A weighted round's buffer ends in the weight's tail, sketched as one more tensor.
+    flat_shapes = weighted_shapes(shapes, n) if task.ring_weighted else shapes
+    fs = FlatSketch.build(flat_shapes, audit.seed, audit.buckets)
     ev = member_evidence(
         schedule,
         int(task.ring.rank),

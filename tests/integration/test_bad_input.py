@@ -107,6 +107,16 @@ async def test_bad_requests_are_refused_and_change_nothing(
         INVALID,
         "ring seal digest",
     )
+    await expect(
+        agent.Register(agent_pb2.RegisterRequest(name="a", ring_features=["x"] * 17)),
+        INVALID,
+        "too many ring features",
+    )
+    await expect(
+        agent.Register(agent_pb2.RegisterRequest(name="a", ring_features=["x" * 33])),
+        INVALID,
+        "ring feature",
+    )
 
     # Heartbeat / Leave / NextTask / ReportBenchmark
     def hb(node_id: str, lease_id: str) -> object:

@@ -6,6 +6,9 @@ submitted with the `epochmesh` CLI.
   rounds (plain PyTorch, the submitter's model.py) within 1e-5, every epoch covered once.
 - A ``--no-peer`` agent takes part in a ring job through the coordinator (its update reaches
   the ring through the round's gateway member); the replay still matches.
+- Time-boxed local SGD rings: members weigh their pseudo-gradients by the samples they trained in
+  their boxes; a member slowed after its benchmark trains fewer steps instead of holding the
+  ring; every sample once, the weights add up, the audits accuse nobody.
 - A peer killed with kill -9 in the middle of an all-reduce: the round is retried without it
   (event round.retried), the job finishes, and every sample of every epoch is trained exactly
   once according to the records.
@@ -300,6 +303,111 @@ def test_local_sgd_with_int8_in_a_ring(ring_cluster: tuple[str, dict], tmp_path:
     first, last = rounds[0].loss, rounds[-1].loss
     assert last < 0.8 * first, (
         f"loss {first:.3f} -> {last:.3f}: {[round(r.loss, 3) for r in rounds]}"
+    )
+
+
+# A member's line after a time-boxed (weighted) ring round: round, samples, steps, its weight and
+# the round's summed weight.
+WEIGHTED_ROUND = re.compile(
+    r"round (\d+) attempt \d+: pseudo_gradient of (\d+) samples in (\d+) step\(s\).*"
+    r"weight ([0-9.]+) of ([0-9.]+)\)"
+)
+BOXED_H = 192
+
+
+@pytest.mark.timeout(180)
+def test_time_boxed_local_sgd_rings_weigh_members_by_the_samples_they_trained(
+    ring_cluster: tuple[str, dict], tmp_path: Path
+) -> None:
+    """Every member declares weighted contributions, so local SGD ring rounds are time-boxed:
+    each member steps for its box and weighs its pseudo-gradient by the samples it trained
+    (int8 on the wire, the weight in its own block). A member slowed down after its benchmark
+    trains fewer steps in its box instead of holding the ring; what it did not train goes back
+    to pending. Every sample is trained once, the replicas agree, the members' weights add up
+    to the summed weight each divided by, the audits of the weighted all-reduce accuse nobody,
+    and the loss falls."""
+    address, agents = ring_cluster
+    n = 24 * BOXED_H * 5
+    job_toml, _ = ring_job(
+        tmp_path,
+        n,
+        train={
+            "epochs": 1,
+            "global_batch": 24,
+            "lr": 0.05,
+            "momentum": 0.0,
+            "sync": "local_sgd",
+            "inner_steps": BOXED_H,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.5,
+            "compression": "int8",
+        },
+        min_nodes=3,
+        max_nodes=3,
+    )
+    slowed = agents["x1"]
+    slowed_id = slowed.node_id()
+    starts = {name: len(a.log_text()) for name, a in agents.items()}
+    job_id = submit(address, job_toml)
+    try:
+        with sync_channel_for(address) as ch:
+            jobs = job_pb2_grpc.JobServiceStub(ch)
+
+            def first_round_applied() -> bool:
+                got = jobs.GetRounds(job_pb2.GetRoundsRequest(job_id=job_id), timeout=10)
+                return any(applied(r) for r in got.rounds)
+
+            wait_until(first_round_applied, timeout=90, message="no round was applied")
+        # Three times slower than its benchmark and first round said (DATA_DIR/slowdown).
+        (slowed.data_dir / "slowdown").write_text("3")
+        rounds, events, _ = finish(address, job_id, timeout=120)
+    finally:
+        (slowed.data_dir / "slowdown").write_text("1")
+    check_exactly_once(rounds, n, epochs=1)
+    kinds = {e.kind for e in events}
+    assert not kinds & {"job.diverged", "round.disputed", "round.aborted"}, kinds
+
+    # What the members logged of their weighted rounds: (round, node) -> samples, steps,
+    # weight, summed weight.
+    weighted: dict[tuple[int, str], tuple[int, int, float, float]] = {}
+    for name, agent in agents.items():
+        for m in WEIGHTED_ROUND.finditer(agent.log_text()[starts[name] :]):
+            rnd, samples, steps = int(m.group(1)), int(m.group(2)), int(m.group(3))
+            weighted[(rnd, agent.node_id())] = (
+                samples,
+                steps,
+                float(m.group(4)),
+                float(m.group(5)),
+            )
+    by_round = {r.round: r for r in rounds}
+    boxed = sorted({rnd for rnd, _ in weighted})
+    assert len(boxed) >= 2, sorted(weighted)
+    for rnd in boxed:
+        record = by_round[rnd]
+        parts = {p.node_id: p for p in applied(record)}
+        members = {node: v for (r, node), v in weighted.items() if r == rnd}
+        assert set(members) == set(parts), (rnd, sorted(members), sorted(parts))
+        total = sum(w for _, _, w, _ in members.values())
+        for node, (samples, steps, _, summed) in members.items():
+            # The record holds the prefix the member trained, and the weight it put in.
+            assert len(part_indices(parts[node])) == samples, (rnd, node)
+            assert parts[node].inner_steps == steps == -(-samples // parts[node].local_batch)
+            assert abs(summed - total) <= 1e-5 * total + 2e-6, (rnd, summed, total)
+    # Slowed after its benchmark, x1 trained fewer steps than its box was planned for, at
+    # least once before the estimates caught up: its untrained samples were trained later.
+    slowed_steps = [steps for (_, node), (_, steps, _, _) in weighted.items() if node == slowed_id]
+    assert min(slowed_steps) < 0.75 * BOXED_H, slowed_steps
+    # The weighted rounds were audited (new nodes are checked every round) and nobody was
+    # accused or struck for them.
+    nodes = {x.node_id: x for x in list_nodes(address)}
+    for agent in agents.values():
+        info = nodes[agent.node_id()]
+        assert info.strikes == 0, (agent.node_id(), info.strikes)
+        assert info.reputation.failed_total == 0, info.reputation
+    assert rounds[-1].loss < rounds[0].loss, [round(r.loss, 4) for r in rounds]
+    log.info(
+        "time-boxed rounds (round, node: samples, steps, weight, summed): %s",
+        {k: v for k, v in sorted(weighted.items())},
     )
 
 

@@ -82,6 +82,8 @@ def ring_agent(address: str, root: Path, name: str, slowdown: int, **env: str) -
         ("scaled", "recomputation", "sync"),
         ("contribution", "ring_contribution", "sync"),
         ("scaled", "recomputation", "local_sgd"),
+        # Time-boxed local SGD rounds: x100 also on the weight it appends (epochmesh.ring.weights).
+        ("contribution", "ring_contribution", "local_sgd"),
     ],
 )
 def test_a_cheating_ring_member_is_caught(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections.abc import Mapping
 
@@ -39,12 +38,15 @@ from coordinator.rounds.ring_verdicts import (
     checksum_verdict,
     fault_verdict,
     keep_apart,
+    report_problem,
     state_key,
 )
 from coordinator.rounds.round_state import MAX_DEADLINE_EXTENSIONS, Part, RoundState
+from coordinator.rounds.sample_ranges import head_of_runs
 from epochmesh.errors import CodecError
 from epochmesh.ring.schedule import RING_CODECS, ring_order, step_deadline_s
 from epochmesh.ring.seal import ring_seal_digest
+from epochmesh.ring.weights import RING_FEATURE_WEIGHTED
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.wire.tensors import params_checksum
 
@@ -60,7 +62,6 @@ STEP_DEADLINE_FLOOR_S = 3.0
 # restarted coordinator must not number a round as one that was in flight before.
 ROUND_MARK_STEP = 64
 ROUND_MARK_KEY = "ring_round_mark"
-_CHECKSUM = re.compile(r"^[0-9a-f]{64}$")
 
 
 # The revocation list handed to ring members is read from the store at most this often.
@@ -72,7 +73,7 @@ class RingRounds:
 
     # Records and checkpoints (of a state a member pushes) are written in line.
     writes_in_background = False
-    # No time boxes: the members' weights in the all-reduce are fixed before they step.
+    # Set round by round (`_weighted_ring`: weights by samples trained, epochmesh.ring.weights).
     time_boxing = False
 
     def __init__(self, runner: JobPort) -> None:
@@ -235,6 +236,16 @@ class RingRounds:
             list(info.ring_seal_digests) if info is not None else [] for info in infos
         )
 
+    def _weighted_ring(self, nodes: list[str]) -> bool:
+        """Whether a round on ``nodes`` may be time-boxed: all of them members whose agents
+        declared weighted contributions (an external node's update is summed in by the
+        gateway at a weight fixed before the round)."""
+        infos = [self.runner.ctx.registry.get(n) for n in nodes]
+        return bool(infos) and all(
+            i is not None and i.peer_address and RING_FEATURE_WEIGHTED in i.ring_features
+            for i in infos
+        )
+
     def cannot_run(self, nodes: list[str]) -> str:
         members = {n for n in nodes if self._peer_address(n)}
         if members and self._disputed and members <= self._disputed:
@@ -280,6 +291,7 @@ class RingRounds:
         if not self._holder(v, members, "") and self.state_stale:
             await self._rollback(f"no live ring member holds version {v}")
             return
+        self.runner.planner.time_boxing = self._weighted_ring(nodes)
         round_id, parts, compute_deadline = self.runner.plan_parts(nodes)
         if not any(self._peer_address(n) for n in parts):
             # The end of an epoch gave the last samples to external nodes only: plan again
@@ -464,16 +476,22 @@ class RingRounds:
             if not holder and self.state_stale:
                 return False
             sources[n] = holder
+        # Time-boxed (a part with a box, no externals): members weigh by the samples trained.
+        weighted = not externals and any(rs.parts[n].budget_s > 0 for n in order)
         att = RingAttempt(
             number=number,
             order=order,
             externals=externals,
-            total=sum(rs.parts[n].local_batch for n in order + externals),
+            total=sum(
+                rs.parts[n].samples if weighted else rs.parts[n].local_batch
+                for n in order + externals
+            ),
             gateway=order[0] if externals else "",
             push_state_node=order[0] if push_state else "",
             step_deadline_s=step,
             deadline_s=deadline,
             started=time.monotonic(),
+            weighted=weighted,
         )
         self.attempt = att
         rs.attempts = number + 1
@@ -486,6 +504,7 @@ class RingRounds:
             part.status = "pending"
             part.error = part.checksum = part.optim_checksum = part.failed_peer = ""
             part.ring_fault = agent_pb2.RING_FAULT_UNSPECIFIED
+            part.trained = 0
             part.handed_out = now
             task = self.runner.train_task(rs, part)
             task.deadline_seconds = deadline
@@ -500,6 +519,7 @@ class RingRounds:
                 )
             )
             task.ring_total_samples = att.total
+            task.ring_weighted = weighted
             task.revoked_node_ids.extend(self._revoked)
             task.push_state = n == att.push_state_node
             task.ring_gateway = n == att.gateway
@@ -517,7 +537,7 @@ class RingRounds:
             self.runner.host.enqueue(n, task, self.runner.job_id)
         log.info(
             "job %s round %d attempt %d: ring %s (ordered by %s), %d external(s), B=%d, "
-            "step deadline %.2fs, deadline %.2fs, version %d%s",
+            "step deadline %.2fs, deadline %.2fs, version %d%s%s",
             self.runner.job_id,
             rs.round,
             number,
@@ -529,6 +549,7 @@ class RingRounds:
             deadline,
             v,
             ", push_state" if att.push_state_node else "",
+            ", weighted (time-boxed)" if weighted else "",
         )
         return True
 
@@ -766,6 +787,11 @@ class RingRounds:
             loaded = await self.push.load(self.runner, rs, att.push_state_node, agreed, new_version)
         for n in att.order + att.externals:
             p = rs.parts[n]
+            if att.weighted and 0 < p.trained < p.samples:
+                # A time-boxed member trained this prefix: only it commits, the rest is pending.
+                p.ranges = head_of_runs(p.ranges, p.trained)
+                p.samples = p.trained
+                p.inner_steps = -(-p.trained // p.local_batch)
             p.status = "applied"
             p.grads = None
         for n in att.order:
@@ -874,17 +900,7 @@ class RingRounds:
             part.failed_peer = req.failed_peer_node_id[:128]
             part.ring_fault = req.ring_fault
         else:
-            problem = ""
-            if req.params_version != rs.version + 1:
-                problem = f"reported version {req.params_version}, the round makes {rs.version + 1}"
-            elif not _CHECKSUM.match(req.params_checksum):
-                problem = "params_checksum is not a sha256 hex digest"
-            elif req.optim_checksum and not _CHECKSUM.match(req.optim_checksum):
-                problem = "optim_checksum is not a sha256 hex digest"
-            elif not all(
-                math.isfinite(x) and x >= 0 for x in (req.compute_seconds, req.communicate_seconds)
-            ) or not math.isfinite(req.mean_loss):
-                problem = "non-finite loss or times"
+            problem = report_problem(req, rs, att.weighted)
             if problem:
                 part.status = "rejected"
                 part.error = problem
@@ -897,7 +913,8 @@ class RingRounds:
                 part.comm_s = req.communicate_seconds
                 part.wall_s = time.monotonic() - part.handed_out
                 part.arrived = time.monotonic()
-                if req.samples_done != part.samples:
+                part.trained = req.samples_done if att.weighted else 0
+                if req.samples_done != part.samples and not att.weighted:
                     log.warning(
                         "job %s round %d: %s reports %d samples, its part has %d",
                         self.runner.job_id,
