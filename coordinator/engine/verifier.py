@@ -106,6 +106,7 @@ from coordinator.verification.reputation import (
 from coordinator.verification.restart_state import StoredVerification
 from coordinator.verification.screening import Screening, extend_history, per_step, screen
 from coordinator.verification.snapshot_check import ring_start_problem, snapshot_problem
+from epochmesh.ring.weights import weight_of
 from epochmesh.sketch import combine, relative_distance, sketch
 from epochmesh.v1 import agent_pb2, common_pb2
 from epochmesh.verification import (
@@ -395,7 +396,7 @@ class Verifier:
         if audit is None or req.node_id not in audit.scales:
             return None, None
         if attempt.weighted:  # its weight: the samples it trained (the ring strategy checked it)
-            audit.scales[req.node_id] = req.samples_done / attempt.total
+            audit.scales[req.node_id] = weight_of(req.samples_done, attempt.total)
         self.audits.audit_of[req.task_id] = key
         spec = agent_pb2.CheckSpec(seed=audit.seed, buckets=audit.buckets)
         standing = audit.draws.get(req.node_id)

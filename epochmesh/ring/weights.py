@@ -58,12 +58,15 @@ def tail_length(numel: int, n: int) -> int:
 
 
 def weight_of(samples: int, total: int) -> float:
-    """``w_i = samples / total``: the member's weight (0 < samples <= total)."""
+    """``w_i = samples / total``, rounded to float32: the member's weight (0 < samples <=
+    total), exactly the value its buffer's tail holds, so that the coordinator, which computes
+    the same from the member's report, takes exactly the tail's share off the member's sketch
+    (even when its update is zero)."""
     if not 0 < samples <= total:
         raise ValueError(
             f"a weighted contribution needs 0 < samples <= the round's total ({samples} of {total})"
         )
-    return samples / total
+    return float(torch.tensor(samples / total, dtype=torch.float32))
 
 
 def weighted_contribution(flat: torch.Tensor, weight: float, n: int) -> torch.Tensor:

@@ -56,9 +56,11 @@ class FakeAgent:
         peer_address: str = "",
         max_batch_size: int = 0,
         seal_digests: Sequence[str] = (),
+        ring_features: Sequence[str] = (),
     ) -> None:
         self.coord = coord
         self.seal_digests = list(seal_digests)  # declared at registration (none: an older agent)
+        self.ring_features = list(ring_features)  # idem
         self.max_batch_size = max_batch_size  # what its benchmark says fits one pass (0: any)
         self.name = name
         self.rate = samples_per_second
@@ -86,6 +88,7 @@ class FakeAgent:
                 name=self.name,
                 peer_address=self.peer_address,
                 ring_seal_digests=self.seal_digests,
+                ring_features=self.ring_features,
             ),
             timeout=10,
         )

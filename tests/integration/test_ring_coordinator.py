@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,15 @@ from epochmesh import identity as idm
 from epochmesh.export_cache import ExportCache
 from epochmesh.optim import state_tensors
 from epochmesh.packaging import PackedJob, build_job
+from epochmesh.ring.evidence import FlatSketch, member_evidence
+from epochmesh.ring.schedule import REDUCE_SCATTER, RingSchedule
 from epochmesh.ring.seal import BLAKE3, SEAL_DIGESTS
+from epochmesh.ring.weights import (
+    RING_FEATURES,
+    weight_of,
+    weighted_contribution,
+    weighted_shapes,
+)
 from epochmesh.spec import load_spec
 from epochmesh.v1 import (
     agent_pb2,
@@ -92,6 +101,16 @@ class FakeMember:
         # "" none, "commitments" (a chunk short), "update_sketch" (a value short), "start" (the
         # uploaded start parameters moved), "digests" (local SGD: no start digests).
         self.wrong = ""
+        # Time-boxed (weighted) rounds: the inner steps it gets through in its box (0: all).
+        self.box_steps = 0
+
+    def trained(self, task: agent_pb2.Task) -> int:
+        """The samples it "trains": all of its part, or in a weighted round the prefix of
+        ``box_steps`` steps."""
+        samples = len(task_indices(task))
+        if task.ring_weighted and self.box_steps:
+            return min(samples, self.box_steps * task.local_batch)
+        return samples
 
     async def ask_source(self, agent: FakeAgent, task: agent_pb2.Task) -> None:
         """What the state source's agent asks the coordinator when this node calls its
@@ -162,6 +181,10 @@ class FakeMember:
         self.world["tasks"].append(task)
         # The "all-reduce": a barrier of the attempt's members; a member that died breaks it.
         key = (task.round, task.ring.attempt)
+        trained = self.trained(task)
+        if task.ring_weighted:  # its weight, for the members' evidence of the weighted ring
+            weight = weight_of(trained, int(task.ring_total_samples))
+            self.world["weights"][key][int(task.ring.rank)] = weight
         self.world["present"][key].add(agent.node_id)
 
         def ring_done() -> bool:
@@ -193,8 +216,9 @@ class FakeMember:
                 for rtt, bw in [links(agent.node_id, n)]
             ]
         start = dict(self.params)
-        fields["chunks"] = self.commitments(task)[: -1 if self.wrong == "commitments" else None]
-        samples = len(task_indices(task))
+        chunks = self.commitments(task, trained)
+        fields["chunks"] = chunks[: -1 if self.wrong == "commitments" else None]
+        samples = trained
         checksum = params_checksum(self.params)
         if self.checksum_salt:
             checksum = hashlib.sha256((checksum + self.checksum_salt).encode()).hexdigest()
@@ -223,11 +247,12 @@ class FakeMember:
             )
             self.world["checkpoints"].append((task.round, reply.accepted, reply.reason))
         if answer.sketch.buckets > 0 or answer.ring_audit.buckets > 0:
-            await self.send_check_evidence(agent, task, answer, start)
+            await self.send_check_evidence(agent, task, answer, start, len(chunks))
 
-    def commitments(self, task: agent_pb2.Task) -> list[agent_pb2.ChunkCommitment]:
-        """Verification: a zero gradient in every chunk (local SGD: every chunk starts from
-        the round's parameters, no optimizer state; ``wrong`` "digests": none committed)."""
+    def commitments(self, task: agent_pb2.Task, trained: int) -> list[agent_pb2.ChunkCommitment]:
+        """Verification: a zero gradient in every chunk of the ``trained`` samples (local SGD:
+        every chunk starts from the round's parameters, no optimizer state; ``wrong``
+        "digests": none committed)."""
         samples = len(task_indices(task))
         if task.spec.sync != "local_sgd":
             return [
@@ -238,7 +263,7 @@ class FakeMember:
         digest = b"" if self.wrong == "digests" else state_digest(state_tensors(self.params, {}))
         return [
             agent_pb2.ChunkCommitment(samples=n, loss=1.0, start_digest=digest)
-            for n in local_sgd_chunk_samples(samples, task.local_batch, task.verify_chunks, samples)
+            for n in local_sgd_chunk_samples(samples, task.local_batch, task.verify_chunks, trained)
         ]
 
     async def send_check_evidence(
@@ -247,10 +272,13 @@ class FakeMember:
         task: agent_pb2.Task,
         answer: agent_pb2.ReportProgressResponse,
         start: dict[str, torch.Tensor],
+        chunks: int,
     ) -> None:
         """What a member sends after its report when its part is checked or the round audited:
-        the sketches of its (zero) chunks and update, its (zero: nothing moved) evidence of
-        the all-reduce, then the parameters its round started from when a chunk is drawn."""
+        the sketches of its (zero) chunks and update, its evidence of the all-reduce (zero:
+        nothing moved; in a weighted round that of the weights' all-reduce,
+        `weighted_evidence`), then the parameters its round started from when a chunk is
+        drawn."""
         wanted, audit = answer.sketch, answer.ring_audit
         request = agent_pb2.CommitSketchesRequest(
             node_id=agent.node_id,
@@ -260,11 +288,23 @@ class FakeMember:
             seed=wanted.seed or audit.seed,
         )
         if wanted.buckets > 0:
-            k = len(self.commitments(task))
-            request.sketches.extend([0.0] * (k * wanted.buckets))
+            request.sketches.extend([0.0] * (chunks * wanted.buckets))
             n = wanted.buckets - (self.wrong == "update_sketch")
             request.update_sketch.extend([0.0] * n)
-        if audit.buckets > 0:
+        if audit.buckets > 0 and task.ring_weighted:
+            key = (task.round, task.ring.attempt)
+            weights = self.world["weights"][key]
+            await async_wait_until(
+                lambda: len(weights) == len(task.ring.node_ids),
+                timeout=10,
+                message="the other members' weights",
+            )
+            request.ring.CopyFrom(
+                weighted_evidence(
+                    task, [weights[r] for r in range(len(weights))], self.world, audit
+                )
+            )
+        elif audit.buckets > 0:
             zeros = [0.0] * (len(task.ring.node_ids) * audit.buckets)
             request.ring.CopyFrom(
                 agent_pb2.RingEvidence(
@@ -289,6 +329,60 @@ class FakeMember:
             await agent.push_snapshot(task, state, drawn.snapshot_chunk)
 
 
+def weighted_evidence(
+    task: agent_pb2.Task, weights: list[float], world: dict, audit: agent_pb2.CheckSpec
+) -> agent_pb2.RingEvidence:
+    """A member's evidence of a weighted ring's all-reduce of zero updates (every member's
+    contribution a weight's tail, epochmesh.ring.weights): the schedule run on the members'
+    buffers (tests hold them all), what this rank received in the reduce-scatter kept."""
+    n, rank = len(task.ring.node_ids), int(task.ring.rank)
+    sizes = {name: math.prod(shape) for name, shape in world["shapes"].items()}
+    numel = sum(sizes.values())
+    buffers = [weighted_contribution(torch.zeros(numel), w, n).numpy() for w in weights]
+    schedule = RingSchedule.build(n, buffers[0].size)
+    results = [b.copy() for b in buffers]
+    received = np.zeros_like(buffers[0])
+    for t in range(schedule.num_steps):
+        sent = [
+            [
+                results[r][lo:hi].copy()
+                for lo, hi in schedule.segment_chunks(schedule.send_segment(r, t))
+            ]
+            for r in range(n)
+        ]
+        for r in range(n):
+            chunks = schedule.segment_chunks(schedule.recv_segment(r, t))
+            for (lo, hi), data in zip(chunks, sent[(r - 1) % n], strict=True):
+                if schedule.phase(t) == REDUCE_SCATTER:
+                    if r == rank:
+                        received[lo:hi] = data
+                    results[r][lo:hi] += data
+                else:
+                    results[r][lo:hi] = data
+    # The parameters are zeros: their order in the flat buffer does not change the sketches.
+    fs = FlatSketch.build(
+        weighted_shapes({name: (k,) for name, k in sizes.items()}, n), audit.seed, audit.buckets
+    )
+    ev = member_evidence(
+        schedule,
+        rank,
+        "none",
+        torch.from_numpy(buffers[rank]),
+        torch.from_numpy(received),
+        torch.from_numpy(results[rank]),
+        fs,
+    )
+    sent_, received_, own, result = ev.flat()
+    return agent_pb2.RingEvidence(
+        seed=audit.seed,
+        buckets=audit.buckets,
+        sent=sent_,
+        received=received_,
+        own=own,
+        result=result,
+    )
+
+
 def new_world(packed: PackedJob) -> dict:
     from safetensors.torch import load as st_load
 
@@ -305,6 +399,7 @@ def new_world(packed: PackedJob) -> dict:
         "checkpoints": [],
         "checked": [],  # (member, round, its start state asked for) of checked parts
         "audited": [],  # (member, round, evidence asked for) of checked or audited parts
+        "weights": defaultdict(dict),  # (round, attempt) -> rank -> weight (weighted rounds)
         "names": list(packed.state_names),
         "shapes": {n: t.shape for n, t in initial.items()},
     }
@@ -610,3 +705,102 @@ async def test_the_ring_is_ordered_by_the_members_measured_links(tmp_path: Path)
     first, *later = sorted(orders)
     assert _adjacent(orders[first], *ids[:2]), orders[first]
     assert later and not any(_adjacent(orders[r], *ids[:2]) for r in later), orders
+
+
+LOCAL_SGD = {"sync": "local_sgd", "inner_steps": 4, "outer_lr": 0.7, "outer_momentum": 0.5}
+
+
+async def run_local_sgd_ring(
+    tmp_path: Path, features: list[list[str]], box_steps: list[int]
+) -> tuple[common_pb2.Job, list[common_pb2.RoundRecord], dict, list[FakeAgent]]:
+    """A local SGD ring job on three fake members (each declaring ``features[i]`` and getting
+    through ``box_steps[i]`` steps of a boxed round): its end, rounds and world."""
+    packed = ring_job(tmp_path, train=LOCAL_SGD, min_nodes=3, max_nodes=3)
+    world = new_world(packed)
+    async with in_process_coordinator(
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
+    ) as coord:
+        members = [FakeMember(world) for _ in features]
+        for member, steps in zip(members, box_steps, strict=True):
+            member.box_steps = steps
+        agents = [
+            await FakeAgent(
+                coord,
+                f"m{i}",
+                200.0,
+                member,
+                peer_address=f"127.0.0.1:{i + 1}",
+                ring_features=declared,
+            ).start()
+            for i, (member, declared) in enumerate(zip(members, features, strict=True))
+        ]
+        try:
+            final, rounds, _ = await run_job(coord, packed)
+            nodes = {n.node_id: n for n in coord.registry.list()}
+        finally:
+            for a in agents:
+                await a.stop()
+    world["nodes"] = nodes
+    return final, rounds, world, agents
+
+
+async def test_a_time_boxed_ring_commits_the_prefix_each_member_trained(tmp_path: Path) -> None:
+    """Every member declares weighted contributions: local SGD rounds are time-boxed (the epoch's
+    last round aside), each task says so with its box and T (the samples handed out) as
+    ring_total_samples. A member that gets through one step of its box reports that prefix:
+    the round commits it, the rest is trained in a later round (every sample once), and the
+    audits of the weighted all-reduce (the members' evidence of a real weighted ring) accuse
+    nobody."""
+    final, rounds, world, agents = await run_local_sgd_ring(
+        tmp_path, [list(RING_FEATURES)] * 3, [1, 0, 0]
+    )
+    assert final.state == common_pb2.JOB_STATE_SUCCEEDED
+    check_exactly_once(rounds)
+    weighted = [t for t in world["tasks"] if t.ring_weighted]
+    assert weighted, "no round was time-boxed"
+    by_key: dict[tuple[int, int], list[agent_pb2.Task]] = defaultdict(list)
+    for t in weighted:
+        assert t.compute_budget_seconds > 0 and not t.ring_gateway
+        by_key[(t.round, t.ring.attempt)].append(t)
+    for tasks in by_key.values():
+        # T: the samples the attempt handed out, all of its members' parts.
+        total = sum(len(task_indices(t)) for t in tasks)
+        assert all(t.ring_total_samples == total for t in tasks)
+    slow = agents[0].node_id
+    records = {r.round: r for r in rounds}
+    for rnd in {t.round for t in weighted}:
+        part = next(p for p in records[rnd].parts if p.node_id == slow)
+        assert part.status == "applied"
+        # One step of its box: the prefix of local_batch samples, recorded as one step.
+        assert sum(r.stop - r.start for r in part.ranges) == part.local_batch
+        assert part.inner_steps == 1
+    # Unboxed rounds (each epoch's last) train whole parts.
+    assert any(not t.ring_weighted for t in world["tasks"])
+    boxed_rounds = {t.round for t in weighted}
+    audited = [a for a in world["audited"] if a[2] and a[1] in boxed_rounds]
+    assert audited, "no weighted round was audited"
+    for node in world["nodes"].values():
+        assert node.strikes == 0, (node.node_id, node.strikes)
+        assert node.reputation.failed_total == 0, node.reputation
+
+
+async def test_a_ring_with_a_member_that_declared_nothing_is_not_time_boxed(
+    tmp_path: Path,
+) -> None:
+    """One member is an older agent (no ring features): its rings of local SGD run unboxed,
+    weighted as before (b_i / B), every part whole."""
+    final, rounds, world, _ = await run_local_sgd_ring(
+        tmp_path, [list(RING_FEATURES), list(RING_FEATURES), []], [1, 1, 1]
+    )
+    assert final.state == common_pb2.JOB_STATE_SUCCEEDED
+    check_exactly_once(rounds)
+    assert world["tasks"]
+    for t in world["tasks"]:
+        assert not t.ring_weighted and t.compute_budget_seconds == 0
+        assert t.ring_total_samples <= GLOBAL_BATCH
+    for rnd in rounds:
+        for p in rnd.parts:
+            assert p.inner_steps == -(-sum(r.stop - r.start for r in p.ranges) // p.local_batch)

@@ -102,6 +102,7 @@ def test_a_summed_weight_that_is_not_positive_is_refused() -> None:
 
 def test_weights_need_samples_within_the_total() -> None:
     assert weight_of(3, 12) == 0.25
+    assert weight_of(1, 3) == float(torch.tensor(1 / 3, dtype=torch.float32))
     for samples, total in ((0, 10), (11, 10), (-1, 10)):
         with pytest.raises(ValueError, match="0 < samples <= the round's total"):
             weight_of(samples, total)
@@ -124,6 +125,19 @@ def test_the_contribution_sketches_as_the_coordinator_expects() -> None:
     # The parameters' own coordinates keep the draws of a sketch of the parameters alone.
     plain = FlatSketch.build(shapes, seed, buckets)
     torch.testing.assert_close(fs.of(flat), plain.of(flat))
+
+
+def test_a_zero_update_leaves_nothing_once_the_tail_is_taken_off() -> None:
+    """The coordinator's offset is the tail's exact share (the weight is a float32 value on both
+    sides): an honest member whose update is zero is not accused of a non-zero contribution."""
+    shapes = {"w": (300,), "b": (7,)}
+    n, seed, buckets = 4, 99, 32
+    w = weight_of(17, 384)
+    assert w == float(torch.tensor(w, dtype=torch.float32))
+    contribution = weighted_contribution(torch.zeros(307), w, n)
+    own = FlatSketch.build(weighted_shapes(shapes, n), seed, buckets).of(contribution)
+    offset = w * tail_sketch({"w": 300, "b": 7}, n, seed, buckets)
+    assert torch.equal(own - offset, torch.zeros(buckets, dtype=torch.float64))
 
 
 def test_a_parameter_name_after_the_weights_is_refused() -> None:
