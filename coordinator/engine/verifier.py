@@ -99,6 +99,7 @@ from coordinator.rounds.sample_ranges import head_of_runs
 from coordinator.verification.reputation import (
     CHECK_FRACTION,
     P_FLOOR,
+    ReputationRecord,
     check_probability,
     checked_micro_batches,
     should_check,
@@ -342,14 +343,18 @@ class Verifier:
         the coordinator's secret randomness, after the part's update is fixed): its standing
         ("new", "building", "trusted") if so, else None."""
         forced = node_id in self._force
-        record = self.runner.ctx.registry.reputation(node_id)
-        p = check_probability(record)
-        standing = "new" if p >= 1.0 else "trusted" if p <= P_FLOOR else "building"
+        standing, record = self._standing(node_id)
         self.trained[standing] += samples
         if not (forced or should_check(record, self.rng)):
             return None
         self._force.discard(node_id)
         return standing
+
+    def _standing(self, node_id: str) -> tuple[str, ReputationRecord]:
+        """The node's standing ("new", "building", "trusted") and its reputation record."""
+        record = self.runner.ctx.registry.reputation(node_id)
+        p = check_probability(record)
+        return ("new" if p >= 1.0 else "trusted" if p <= P_FLOOR else "building"), record
 
     def ring_commitment_problem(self, req: agent_pb2.ReportProgressRequest, part: Part) -> str:
         """Why a ring member's successful report's chunk commitments do not fit it ("")."""
@@ -370,7 +375,12 @@ class Verifier:
             return None, None
         key = (rs.round, attempt.number)
         if key not in self.audits.audits:
-            draws = {m: self._draw(m, rs.parts[m].samples) for m in attempt.order if m in rs.parts}
+            # A time-boxed member's samples are counted at its own report (what it trained).
+            draws = {
+                m: self._draw(m, 0 if attempt.weighted else rs.parts[m].samples)
+                for m in attempt.order
+                if m in rs.parts
+            }
             audit = None
             if any(d is not None for d in draws.values()):
                 audit = RingAudit(
@@ -392,6 +402,8 @@ class Verifier:
                     deadline=time.monotonic() + self._sketch_wait(),
                 )
             self.audits.add(key, audit)
+        if attempt.weighted:
+            self.trained[self._standing(req.node_id)[0]] += req.samples_done
         audit = self.audits.audits[key]
         if audit is None or req.node_id not in audit.scales:
             return None, None
