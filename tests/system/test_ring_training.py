@@ -39,7 +39,7 @@ from epochmesh.v1 import (
     scheduler_pb2_grpc,
 )
 from tests.fixtures import write_job
-from tests.procs import start_coordinator, sync_channel_for, wait_until
+from tests.procs import STDERR_LOG, start_coordinator, sync_channel_for, wait_until
 from tests.system.test_agent import AgentProc, list_nodes
 from tests.system.test_training import import_model, submit
 
@@ -309,7 +309,7 @@ def test_local_sgd_with_int8_in_a_ring(ring_cluster: tuple[str, dict], tmp_path:
 # A member's line after a time-boxed (weighted) ring round: round, samples, steps, its weight and
 # the round's summed weight.
 WEIGHTED_ROUND = re.compile(
-    r"round (\d+) attempt \d+: pseudo_gradient of (\d+) samples in (\d+) step\(s\).*"
+    r"round (\d+) attempt (\d+): pseudo_gradient of (\d+) samples in (\d+) step\(s\).*"
     r"weight ([0-9.]+) of ([0-9.]+)\)"
 )
 BOXED_H = 192
@@ -326,7 +326,10 @@ def test_time_boxed_local_sgd_rings_weigh_members_by_the_samples_they_trained(
     to pending. Every sample is trained once, the replicas agree, the members' weights add up
     to the summed weight each divided by, the audits of the weighted all-reduce accuse nobody,
     and the loss falls."""
-    address, agents = ring_cluster
+    address, all_agents = ring_cluster
+    # Ring members only: a --no-peer node (an earlier test's) would leave the ring unboxed.
+    agents = {name: a for name, a in all_agents.items() if name != "ext"}
+    ext = all_agents.get("ext")
     n = 24 * BOXED_H * 5
     job_toml, _ = ring_job(
         tmp_path,
@@ -348,6 +351,10 @@ def test_time_boxed_local_sgd_rings_weigh_members_by_the_samples_they_trained(
     slowed = agents["x1"]
     slowed_id = slowed.node_id()
     starts = {name: len(a.log_text()) for name, a in agents.items()}
+    with sync_channel_for(address) as ch:
+        sched = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        if ext is not None:
+            sched.Cordon(scheduler_pb2.NodeRequest(node_id=ext.node_id()), timeout=10)
     job_id = submit(address, job_toml)
     try:
         with sync_channel_for(address) as ch:
@@ -358,45 +365,65 @@ def test_time_boxed_local_sgd_rings_weigh_members_by_the_samples_they_trained(
                 return any(applied(r) for r in got.rounds)
 
             wait_until(first_round_applied, timeout=90, message="no round was applied")
-        # Three times slower than its benchmark and first round said (DATA_DIR/slowdown).
-        (slowed.data_dir / "slowdown").write_text("3")
+        # Far slower than its benchmark and first round said (DATA_DIR/slowdown).
+        (slowed.data_dir / "slowdown").write_text("20")
         rounds, events, _ = finish(address, job_id, timeout=120)
     finally:
         (slowed.data_dir / "slowdown").write_text("1")
+        if ext is not None:
+            with sync_channel_for(address) as ch:
+                scheduler_pb2_grpc.SchedulerServiceStub(ch).Uncordon(
+                    scheduler_pb2.NodeRequest(node_id=ext.node_id()), timeout=10
+                )
     check_exactly_once(rounds, n, epochs=1)
     kinds = {e.kind for e in events}
     assert not kinds & {"job.diverged", "round.disputed", "round.aborted"}, kinds
 
-    # What the members logged of their weighted rounds: (round, node) -> samples, steps,
-    # weight, summed weight.
-    weighted: dict[tuple[int, str], tuple[int, int, float, float]] = {}
+    # What the members logged of their weighted rounds, the last attempt of each: (round, node)
+    # -> attempt, samples, steps, weight, summed weight.
+    logged: dict[tuple[int, str], tuple[int, int, int, float, float]] = {}
     for name, agent in agents.items():
         for m in WEIGHTED_ROUND.finditer(agent.log_text()[starts[name] :]):
-            rnd, samples, steps = int(m.group(1)), int(m.group(2)), int(m.group(3))
-            weighted[(rnd, agent.node_id())] = (
-                samples,
-                steps,
-                float(m.group(4)),
-                float(m.group(5)),
-            )
+            rnd, attempt, samples, steps = (int(m.group(k)) for k in range(1, 5))
+            key = (rnd, agent.node_id())
+            if key not in logged or logged[key][0] <= attempt:
+                logged[key] = (attempt, samples, steps, float(m.group(5)), float(m.group(6)))
     by_round = {r.round: r for r in rounds}
+    # The attempt each round applied (a retried round's members logged earlier ones too).
+    weighted = {
+        (rnd, node): v[1:]
+        for (rnd, node), v in logged.items()
+        if rnd in by_round and v[0] == by_round[rnd].attempts - 1
+    }
     boxed = sorted({rnd for rnd, _ in weighted})
-    assert len(boxed) >= 2, sorted(weighted)
+    assert len(boxed) >= 2, sorted(logged.items())
     for rnd in boxed:
         record = by_round[rnd]
         parts = {p.node_id: p for p in applied(record)}
         members = {node: v for (r, node), v in weighted.items() if r == rnd}
-        assert set(members) == set(parts), (rnd, sorted(members), sorted(parts))
+        assert set(members) == set(parts), (rnd, members, record)
         total = sum(w for _, _, w, _ in members.values())
         for node, (samples, steps, _, summed) in members.items():
             # The record holds the prefix the member trained, and the weight it put in.
             assert len(part_indices(parts[node])) == samples, (rnd, node)
             assert parts[node].inner_steps == steps == -(-samples // parts[node].local_batch)
             assert abs(summed - total) <= 1e-5 * total + 2e-6, (rnd, summed, total)
-    # Slowed after its benchmark, x1 trained fewer steps than its box was planned for, at
-    # least once before the estimates caught up: its untrained samples were trained later.
-    slowed_steps = [steps for (_, node), (_, steps, _, _) in weighted.items() if node == slowed_id]
-    assert min(slowed_steps) < 0.75 * BOXED_H, slowed_steps
+    # Slowed after its benchmark, x1 trained far fewer steps than its box was planned for (the
+    # coordinator's "about N steps" of the round), at least once before the estimates caught
+    # up, instead of holding the ring: its untrained samples were trained later.
+    coord_log = (slowed.data_dir.parent / "coord" / STDERR_LOG).read_text(errors="replace")
+    planned = {
+        int(m.group(1)): int(m.group(2))
+        for m in re.finditer(
+            rf"job {job_id} round (\d+): time boxes .* for about (\d+) steps", coord_log
+        )
+    }
+    short = [
+        (rnd, steps, planned[rnd])
+        for (rnd, node), (_, steps, _, _) in weighted.items()
+        if node == slowed_id and rnd in planned and steps < 0.5 * planned[rnd]
+    ]
+    assert short, (planned, sorted(weighted.items()))
     # The weighted rounds were audited (new nodes are checked every round) and nobody was
     # accused or struck for them.
     nodes = {x.node_id: x for x in list_nodes(address)}
@@ -446,7 +473,14 @@ def test_a_peer_killed_mid_allreduce_is_left_out_and_the_round_retried(
     assert retried, [e.kind for e in events]
     blamed = [e for e in retried if victim_id in e.attrs["failed"].split(",")]
     assert blamed, [e.message for e in retried]
-    rnd = next(r for r in rounds if r.round == int(blamed[0].attrs["round"]))
+    # The victim's rounds whose check it had not answered yet (its sketches and start state go
+    # beside its next task, the one it was killed in) are undone with the rounds after them:
+    # the retried round may be among the rolled-back ones.
+    with sync_channel_for(address) as ch:
+        recorded = job_pb2_grpc.JobServiceStub(ch).GetRounds(
+            job_pb2.GetRoundsRequest(job_id=job_id, include_rolled_back=True), timeout=10
+        )
+    rnd = next(r for r in recorded.rounds if r.round == int(blamed[0].attrs["round"]))
     assert rnd.round == killed_round, "the retried round is the one whose all-reduce was cut"
     assert rnd.attempts >= 2
     assert {p.node_id: p.status for p in rnd.parts}[victim_id] == "failed"
