@@ -711,11 +711,12 @@ LOCAL_SGD = {"sync": "local_sgd", "inner_steps": 4, "outer_lr": 0.7, "outer_mome
 
 
 async def run_local_sgd_ring(
-    tmp_path: Path, features: list[list[str]], box_steps: list[int]
+    tmp_path: Path, features: list[list[str]], box_steps: list[int], kill_at_round: int = 0
 ) -> tuple[common_pb2.Job, list[common_pb2.RoundRecord], dict, list[FakeAgent]]:
-    """A local SGD ring job on three fake members (each declaring ``features[i]`` and getting
-    through ``box_steps[i]`` steps of a boxed round): its end, rounds and world."""
-    packed = ring_job(tmp_path, train=LOCAL_SGD, min_nodes=3, max_nodes=3)
+    """A local SGD ring job on fake members (each declaring ``features[i]`` and getting
+    through ``box_steps[i]`` steps of a boxed round; the last one killed in round
+    ``kill_at_round`` when set): its end, rounds and world."""
+    packed = ring_job(tmp_path, train=LOCAL_SGD, min_nodes=3, max_nodes=len(features))
     world = new_world(packed)
     async with in_process_coordinator(
         tmp_path / "coord",
@@ -726,6 +727,7 @@ async def run_local_sgd_ring(
         members = [FakeMember(world) for _ in features]
         for member, steps in zip(members, box_steps, strict=True):
             member.box_steps = steps
+        members[-1].kill_at_round = kill_at_round
         agents = [
             await FakeAgent(
                 coord,
@@ -753,16 +755,22 @@ async def test_a_time_boxed_ring_commits_the_prefix_each_member_trained(tmp_path
     ring_total_samples. A member that gets through one step of its box reports that prefix:
     the round commits it, the rest is trained in a later round (every sample once), and the
     audits of the weighted all-reduce (the members' evidence of a real weighted ring) accuse
-    nobody."""
+    nobody. A fourth member dies in round 3 (boxed): the round is retried without it, weighted over
+    the survivors' samples."""
     final, rounds, world, agents = await run_local_sgd_ring(
-        tmp_path, [list(RING_FEATURES)] * 3, [1, 0, 0]
+        tmp_path, [list(RING_FEATURES)] * 4, [1, 0, 0, 0], kill_at_round=3
     )
     assert final.state == common_pb2.JOB_STATE_SUCCEEDED
     check_exactly_once(rounds)
+    retried = [t for t in world["tasks"] if t.ring_weighted and t.ring.attempt > 0]
+    assert retried, "the round the fourth member died in was not retried weighted"
+    assert all(agents[3].node_id not in t.ring.node_ids for t in retried)
     weighted = [t for t in world["tasks"] if t.ring_weighted]
     assert weighted, "no round was time-boxed"
     by_key: dict[tuple[int, int], list[agent_pb2.Task]] = defaultdict(list)
-    for t in weighted:
+    # Every member's task (the one that died in it too: world["tasks"] has the others').
+    every = [t for a in agents for t in a.tasks if t.ring_weighted]
+    for t in every:
         assert t.compute_budget_seconds > 0 and not t.ring_gateway
         by_key[(t.round, t.ring.attempt)].append(t)
     for tasks in by_key.values():
@@ -783,8 +791,9 @@ async def test_a_time_boxed_ring_commits_the_prefix_each_member_trained(tmp_path
     audited = [a for a in world["audited"] if a[2] and a[1] in boxed_rounds]
     assert audited, "no weighted round was audited"
     for node in world["nodes"].values():
-        assert node.strikes == 0, (node.node_id, node.strikes)
-        assert node.reputation.failed_total == 0, node.reputation
+        if node.node_id != agents[3].node_id:
+            assert node.strikes == 0, (node.node_id, node.strikes)
+            assert node.reputation.failed_total == 0, node.reputation
 
 
 async def test_a_ring_with_a_member_that_declared_nothing_is_not_time_boxed(
