@@ -25,6 +25,7 @@ sketch plus `tail_sketch`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -94,7 +95,7 @@ def weighted_shapes(shapes: Mapping[str, Sequence[int]], n: int) -> dict[str, tu
     for name in shapes:
         if not name < WEIGHT_NAME:
             raise ValueError(f"parameter name {name!r} sorts after the ring weight's")
-    numel = sum(_numel(s) for s in shapes.values())
+    numel = sum(math.prod(int(d) for d in s) for s in shapes.values())
     out = {name: tuple(int(d) for d in s) for name, s in shapes.items()}
     out[WEIGHT_NAME] = (tail_length(numel, n),)
     return out
@@ -110,13 +111,6 @@ def tail_sketch(sizes: Mapping[str, int], n: int, seed: int, buckets: int) -> to
     for name, where, sign in coordinate_draws(all_sizes, seed, buckets):
         if name == WEIGHT_NAME:
             out[int(where[-1])] += float(sign[-1])
-    return out
-
-
-def _numel(shape: Sequence[int]) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
     return out
 
 
