@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import math
 from collections import defaultdict
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import grpc
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.app import Coordinator
 from coordinator.engine.engine import Engine
 from epochmesh import identity as idm
 from epochmesh.export_cache import ExportCache
@@ -364,6 +366,17 @@ def weighted_evidence(
     return ring_evidence(task, {name: (k,) for name, k in sizes.items()}, copies, audit)
 
 
+def ring_coordinator(tmp_path: Path) -> AbstractAsyncContextManager[Coordinator]:
+    """The in-process coordinator of these tests: the real engine, short heartbeats and
+    check waits."""
+    return in_process_coordinator(
+        tmp_path / "coord",
+        engine_factory=Engine,
+        heartbeat_interval_s=0.5,
+        check_wait_s=CHECK_WAIT_S,
+    )
+
+
 def new_world(packed: PackedJob) -> dict:
     from safetensors.torch import load as st_load
 
@@ -431,12 +444,7 @@ async def test_a_dead_member_is_retried_without_and_externals_go_through_the_gat
 ) -> None:
     packed = ring_job(tmp_path, min_nodes=3, max_nodes=4)
     world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         doomed = FakeMember(world)
         doomed.kill_at_round = 3
         # m3 declares no seal digests (an older agent): rings with it seal with SHA-256.
@@ -512,12 +520,7 @@ async def test_a_dead_member_is_retried_without_and_externals_go_through_the_gat
 async def test_a_checksum_mismatch_stops_the_job(tmp_path: Path) -> None:
     packed = ring_job(tmp_path, min_nodes=2, max_nodes=2)
     world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         odd = FakeMember(world)
         odd.checksum_salt = "bit flip"
         agents = [
@@ -562,12 +565,7 @@ async def test_topk_with_a_ring_is_refused(tmp_path: Path) -> None:
 async def test_a_ring_job_without_members_waits_and_says_why(tmp_path: Path) -> None:
     packed = ring_job(tmp_path, min_nodes=1, max_nodes=2)
     world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         agent = await FakeAgent(coord, "ext", 200.0, FakeMember(world)).start()
         try:
             job = await submit_packed(coord, packed)
@@ -587,12 +585,7 @@ async def test_when_every_holder_of_the_state_dies_the_job_rolls_back_to_its_che
     with every epoch covered exactly once by the live rounds."""
     packed = ring_job(tmp_path, min_nodes=1, max_nodes=2, checkpoint_every=5)
     world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         doomed = [FakeMember(world), FakeMember(world)]
         for m in doomed:
             m.kill_at_round = 4
@@ -642,12 +635,7 @@ async def test_the_ring_is_ordered_by_the_members_measured_links(tmp_path: Path)
         return (400.0, 1e5) if {a, b} == slow else (1.0, 1e9)
 
     world["links"] = links
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         agents = [
             await FakeAgent(
                 coord, f"m{i}", 200.0, FakeMember(world), peer_address=f"127.0.0.1:{i + 1}"
@@ -698,12 +686,7 @@ async def run_local_sgd_ring(
     through ``box_steps[i]`` steps of a boxed round): its end, rounds and world."""
     packed = ring_job(tmp_path, train=LOCAL_SGD, min_nodes=3, max_nodes=len(features))
     world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         members = [FakeMember(world) for _ in features]
         for member, steps in zip(members, box_steps, strict=True):
             member.box_steps = steps

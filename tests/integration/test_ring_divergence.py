@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine.engine import Engine
 from coordinator.rounds.ring_verdicts import Agreement, checksum_verdict
 from epochmesh import identity as idm
 from epochmesh.v1 import agent_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.integration.fake_agent import CHECK_WAIT_S, FakeAgent, submit_packed
+from tests.integration.fake_agent import FakeAgent, submit_packed
 from tests.integration.test_ring_coordinator import (
     FakeMember,
     check_exactly_once,
     new_world,
+    ring_coordinator,
     ring_job,
     run_job,
 )
-from tests.procs import async_wait_until, in_process_coordinator
+from tests.procs import async_wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -73,12 +73,7 @@ async def test_a_member_with_a_wrong_checksum_is_ejected_with_a_strike(tmp_path:
     the job succeeds with every sample once per epoch."""
     packed = ring_job(tmp_path, min_nodes=3, max_nodes=4)
     world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         liar = Member(world)
         liar.checksum_salt = "a forged step"
         agents = [
@@ -143,12 +138,7 @@ async def test_two_members_that_disagree_once_retry_the_round(tmp_path: Path) ->
     test_ring_coordinator.py::test_a_checksum_mismatch_stops_the_job.)"""
     packed = ring_job(tmp_path, min_nodes=2, max_nodes=2)
     world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         agents = [
             await FakeAgent(
                 coord, "m1", 200.0, FakeMember(world), peer_address="127.0.0.1:1"
@@ -183,12 +173,7 @@ async def test_two_members_that_keep_disagreeing_wait_for_a_third_who_decides(
     strike, and the job succeeds with every sample once per epoch."""
     packed = ring_job(tmp_path, min_nodes=2, max_nodes=3)
     world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         liar = Member(world)
         liar.checksum_salt = "a forged step"
         agents = [
@@ -240,12 +225,7 @@ async def test_ring_tasks_carry_the_revocation_list(tmp_path: Path) -> None:
     test_ring_peer_attacks.py)."""
     packed = ring_job(tmp_path, min_nodes=2, max_nodes=2)
     world = new_world(packed)
-    async with in_process_coordinator(
-        tmp_path / "coord",
-        engine_factory=Engine,
-        heartbeat_interval_s=0.5,
-        check_wait_s=CHECK_WAIT_S,
-    ) as coord:
+    async with ring_coordinator(tmp_path) as coord:
         gone = await FakeAgent(
             coord, "gone", 200.0, Member(world), peer_address="127.0.0.1:9"
         ).start()
