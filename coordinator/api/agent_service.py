@@ -33,8 +33,8 @@ MAX_DEVICES = 64
 # Values of each part of a ring member's evidence (segments x buckets: 1 MiB of float64).
 MAX_RING_EVIDENCE_VALUES = 131_072
 MAX_LABELS = 64
-# Ring seal digests, and ring features, a registration may declare.
-MAX_SEAL_DIGESTS = 16
+# Ring seal digests, and ring features, a registration may declare (each).
+MAX_RING_NAMES = 16
 MAX_BENCHMARK_POINTS = 64
 _FILLER = bytes(MAX_CHUNK_BYTES)
 
@@ -132,18 +132,14 @@ class AgentService:
             check_text(key, "label key", max_len=128, required=True)
             check_text(value, f"label {key!r}", max_len=256)
         require_price(req.price_micro_per_hour)
-        if len(req.ring_seal_digests) > MAX_SEAL_DIGESTS:
-            raise InvalidArgumentError(
-                f"too many ring seal digests ({len(req.ring_seal_digests)} > {MAX_SEAL_DIGESTS})"
-            )
-        for digest in req.ring_seal_digests:
-            check_text(digest, "ring seal digest", max_len=32, required=True)
-        if len(req.ring_features) > MAX_SEAL_DIGESTS:
-            raise InvalidArgumentError(
-                f"too many ring features ({len(req.ring_features)} > {MAX_SEAL_DIGESTS})"
-            )
-        for feature in req.ring_features:
-            check_text(feature, "ring feature", max_len=32, required=True)
+        for what, names in (
+            ("ring seal digest", req.ring_seal_digests),
+            ("ring feature", req.ring_features),
+        ):
+            if len(names) > MAX_RING_NAMES:
+                raise InvalidArgumentError(f"too many {what}s ({len(names)} > {MAX_RING_NAMES})")
+            for name in names:
+                check_text(name, what, max_len=32, required=True)
         reg = await self._registry.register(
             name=req.name,
             devices=list(req.devices),
