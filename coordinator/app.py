@@ -65,6 +65,7 @@ from coordinator.api.market_service import MarketService
 from coordinator.api.queries import watch_caps
 from coordinator.api.scheduler_service import SchedulerService
 from coordinator.core.config import CoordinatorConfig, parse_listen
+from coordinator.core.errors import FencedError
 from coordinator.core.stream_caps import StreamCaps, fetch_caps
 from coordinator.engine.api import CoordinatorContext, EngineFactory, NullEngine, TrainingEngine
 from coordinator.ha.blob_dir import claim_blob_dir
@@ -333,6 +334,8 @@ class Coordinator:
         serving, self._serving = self._serving, contextlib.AsyncExitStack()
         try:
             await serving.aclose()
+        except FencedError as exc:  # e.g. the last heartbeats: the next active one reloads
+            log.warning("what this coordinator served could not write its last state: %s", exc)
         except Exception:  # the next takeover starts afresh all the same
             log.exception("stopping what this coordinator served failed")
         self.shutdown = asyncio.Event()

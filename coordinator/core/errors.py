@@ -66,3 +66,10 @@ class StoreError(CoordinatorError):
     """The store cannot be used (e.g. its schema is newer than this program)."""
 
     code = "INTERNAL"
+
+
+class FencedError(StoreError):
+    """A write refused because this coordinator no longer holds the lease: nothing was
+    written, and the caller may retry against the active coordinator."""
+
+    code = "UNAVAILABLE"

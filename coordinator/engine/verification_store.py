@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from coordinator.core.errors import FencedError
 from coordinator.engine.ports import JobPort
 from coordinator.store.base import Store
 from coordinator.verification.restart_state import StoredVerification
@@ -44,6 +45,9 @@ class StateWriter:
             data = self._state().to_bytes()
             try:
                 await self.runner.ctx.store.put_job_state(self.runner.job_id, STATE_KEY, data)
+            except FencedError as exc:  # stepping down: the next active one reloads it
+                log.warning("job %s: verification state not stored: %s", self.runner.job_id, exc)
+                return
             except Exception:
                 log.exception("job %s: verification state not stored", self.runner.job_id)
                 return

@@ -25,7 +25,7 @@ PgBouncer (not needed against a server directly).
   raises the domain error without aborting the transaction on the server.
 - Fencing (several coordinators on one database, coordinator/ha/lease.py): once `fence` is
   given the epoch of the lease this coordinator holds, every write transaction first reads the
-  lease row ``FOR SHARE`` and refuses (StoreError, nothing written) when the epoch moved on or
+  lease row ``FOR SHARE`` and refuses (FencedError, UNAVAILABLE to a caller; nothing written) when the epoch moved on or
   the lease is known lost. A takeover bumps the epoch with an UPDATE of that row, which waits
   for every write transaction still holding the share lock: the old coordinator's writes all
   commit before the new one's first, or not at all.
@@ -45,7 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 
 from coordinator.accounting.credit_book import Entry
-from coordinator.core.errors import AlreadyExistsError, NotFoundError, StoreError
+from coordinator.core.errors import AlreadyExistsError, FencedError, NotFoundError, StoreError
 from coordinator.store.base import (
     BlobRecord,
     BlobStats,
@@ -231,7 +231,7 @@ class PostgresStore(Store):
             )
             if current == epoch:
                 return
-        raise StoreError(
+        raise FencedError(
             f"this coordinator lost its lease (epoch {epoch}): another one is active; "
             "nothing was written"
         )

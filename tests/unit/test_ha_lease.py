@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from coordinator.core.errors import StoreError
+from coordinator.core.errors import FencedError
 from coordinator.ha.lease import PostgresLease
 from coordinator.store.postgres import PostgresStore
 from tests.pg import PgServer, pg_server, pg_url  # noqa: F401 (fixtures)
@@ -60,12 +60,12 @@ def test_one_holder_a_takeover_bumps_the_epoch_and_fences_the_old_store(
             assert not a.held()
             store_b.fence(b.epoch, b.held)
             await store_b.put_scheduler_state("k", b"from b")
-            with pytest.raises(StoreError, match="lost its lease"):
+            with pytest.raises(FencedError, match="lost its lease"):
                 await store_a.put_scheduler_state("k", b"from a, too late")
 
             # The database's check alone (the old process not knowing it lost): refused too.
             store_a.fence(1, lambda: True)
-            with pytest.raises(StoreError, match="lost its lease"):
+            with pytest.raises(FencedError, match="lost its lease"):
                 await store_a.put_scheduler_state("k", b"from a, unaware")
             assert await store_b.get_scheduler_state("k") == b"from b"
             row = await b.read()
