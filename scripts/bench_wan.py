@@ -14,6 +14,14 @@ the same agents, and one job trained twice, one run after the other:
       fp32 gradient (SGD lr 0.3, momentum 0.9: the best of 0.1 / 0.2 / 0.3 / 0.4 / 0.5 in a
       single-process sweep; 0.5 diverges). Global batch 96 in both.
 
+  (c) with --modes ring (e.g. --modes ring,sync): (b) with aggregation = "ring": the agents
+      all-reduce their int8 pseudo-gradients among themselves (time-boxed ring rounds, each
+      member's update weighted by the samples it trained) instead of pushing them to the
+      coordinator. Each agent's PeerService and bulk socket sit behind a relay on an address
+      of its own (127.0.0.11, .12, .13) that crosses the agent's site: one access link per
+      agent, 100 Mbit/s each way and 50 ms RTT, shared by its connection to the coordinator and
+      what the other agents send it (see `add_peer_relays` for what is charged where).
+
 The job: an MLP 128-640-640-10 (0.5 M parameters, 2.0 MB in fp32) regressing (MSE) a small
 random tanh teacher network on 2 H x 96 Gaussian samples (see `dataset`; two rounds of (b) an
 epoch: a time-boxed one and the epoch's last, which trains what the first left). Its loss sits
@@ -50,9 +58,12 @@ clock starts when its first round starts (enrolment, benchmarks and blob downloa
   - time_to_loss_s: the same clock to the first round at or below 0.1, 0.05, 0.025, 0.015 and
     0.01 (null: not reached before the run stopped), to show how the ratio depends on the
     target;
-  - speedup: (a)'s time to target / (b)'s (speedup_at_least when (a) was stopped first).
+  - bytes_between_agents_per_sample: (c)'s bytes through the agents' peer relays;
+  - speedup: (a)'s time to target / (b)'s (speedup_at_least when (a) was stopped first);
+    ring_speedup the same for (c).
 
-Prints ONE JSON line (progress on stderr). Targets: utilisation >= 0.9 for (b), speedup >= 10.
+Prints ONE JSON line (progress on stderr). Targets: utilisation >= 0.95 for (b) and (c),
+speed-ups >= 10.
 
 Choosing H is a trade-off between those two. Utilisation needs rounds much longer than their
 fixed cost; the time to target grows with the round length (the first round starts from
@@ -98,7 +109,7 @@ import torch
 from local_cluster import LocalCluster, wait_for
 from safetensors.torch import save_file
 
-from epochmesh.testing.wan import WanLink, WanThread, format_bandwidth, parse_bandwidth
+from epochmesh.testing.wan import Site, WanLink, WanThread, format_bandwidth, parse_bandwidth
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import (
     common_pb2,
@@ -157,11 +168,21 @@ compression = "{compression}"
 sync = "{sync}"
 {local_sgd}
 [cluster]
-aggregation = "ps"
+aggregation = "{aggregation}"
 min_nodes = {nodes}
 max_nodes = {nodes}
 checkpoint_every = 1000000
 """
+
+# Ring mode: agent i's PeerService and bulk socket listen on 127.0.0.1 and are advertised as
+# 127.0.0.<PEER_HOST_BASE + i>, where relays through agent i's site (PEER_LINKS names) forward to
+# them; the coordinator's links are named "agent<i>".
+PEER_HOST_BASE = 11
+PEER_LINKS = ("peer", "bulk")
+# What an agent logs once its PeerService listens: its bulk socket's port
+# (node_agent/ring/service.py), then the address it advertises (node_agent/runtime/worker.py).
+BULK_LISTENING = re.compile(r"PeerService listening on .*; bulk socket on port (\d+)\)")
+PEER_ADVERTISED = re.compile(r"PeerService on \S+, advertised as ([0-9.]+):(\d+) ")
 
 TERMINAL = {
     common_pb2.JOB_STATE_SUCCEEDED,
@@ -194,6 +215,7 @@ class Mode:
     inner_steps: int = 1
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    aggregation: str = "ps"
 
     def job_toml(self, batch: int) -> str:
         local = ""
@@ -211,27 +233,32 @@ class Mode:
             sync=self.sync,
             local_sgd=local,
             nodes=NODES,
+            aggregation=self.aggregation,
         )
 
 
 class ByteSampler:
     """Samples the relays' byte counters every `interval` seconds on a thread, so that bytes
-    between two wall-clock instants (round records carry epoch milliseconds) can be read."""
+    between two wall-clock instants (round records carry epoch milliseconds) can be read: up
+    (agents -> coordinator), down (coordinator -> agents) and between the agents (the ring's
+    relays, both directions)."""
 
     def __init__(self, wan: WanThread, interval: float = 0.05) -> None:
         self.wan = wan
         self.interval = interval
         self.times: list[int] = []
-        self.up: list[int] = []
-        self.down: list[int] = []
+        self.series: dict[str, list[int]] = {"up": [], "down": [], "peer": []}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="byte-sampler", daemon=True)
 
     def _sample(self) -> None:
         stats = self.wan.stats()
+        peer = [s for s in stats if s.name.startswith(PEER_LINKS)]
+        coordinator = [s for s in stats if not s.name.startswith(PEER_LINKS)]
         self.times.append(now_ms())
-        self.up.append(sum(s.bytes_to_target for s in stats))
-        self.down.append(sum(s.bytes_to_client for s in stats))
+        self.series["up"].append(sum(s.bytes_to_target for s in coordinator))
+        self.series["down"].append(sum(s.bytes_to_client for s in coordinator))
+        self.series["peer"].append(sum(s.bytes_to_target + s.bytes_to_client for s in peer))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -248,19 +275,18 @@ class ByteSampler:
         self._thread.join()
         self._sample()
 
-    def at(self, t_ms: int) -> tuple[float, float]:
-        """(up, down) bytes carried by wall-clock time t_ms (linear between samples)."""
+    def at(self, t_ms: int, series: str) -> float:
+        """Bytes of ``series`` ("up", "down", "peer") carried by wall-clock time t_ms (linear
+        between samples)."""
+        values = self.series[series]
         i = bisect.bisect_right(self.times, t_ms)
         if i == 0:
-            return float(self.up[0]), float(self.down[0])
+            return float(values[0])
         if i >= len(self.times):
-            return float(self.up[-1]), float(self.down[-1])
+            return float(values[-1])
         t0, t1 = self.times[i - 1], self.times[i]
         f = (t_ms - t0) / (t1 - t0) if t1 > t0 else 1.0
-        return (
-            self.up[i - 1] + f * (self.up[i] - self.up[i - 1]),
-            self.down[i - 1] + f * (self.down[i] - self.down[i - 1]),
-        )
+        return values[i - 1] + f * (values[i] - values[i - 1])
 
 
 @dataclass
@@ -294,33 +320,39 @@ def wait_nodes(sched: scheduler_pb2_grpc.SchedulerServiceStub, n: int, timeout: 
 def run_all(
     work: Path, modes: list[Mode], args: argparse.Namespace
 ) -> list[tuple[Run, ByteSampler]]:
-    """One coordinator, NODES agents behind their links; the modes' jobs one after the other
+    """One coordinator, NODES agents behind their sites; the modes' jobs one after the other
     (each job is cancelled once its figures are in, before the next one is submitted)."""
     out: list[tuple[Run, ByteSampler]] = []
+    ring = any(m.aggregation == "ring" for m in modes)
     with LocalCluster(work) as cluster:
         cluster.start_coordinator("--split", args.split)
+        # One site (access link) per agent: its connection to the coordinator and, in ring
+        # mode, what the other agents send it share the site's wires.
+        sites = [Site(f"agent{i}", args.bandwidth, args.rtt) for i in range(NODES)]
         links = [
-            WanLink(
-                "127.0.0.1:0",
-                cluster.address,
-                args.bandwidth,
-                args.rtt,
-                name=f"agent{i}",
-                seed=i,
+            WanLink.between(
+                "127.0.0.1:0", cluster.address, client=sites[i], name=f"agent{i}", seed=i
             )
             for i in range(NODES)
         ]
         with WanThread(*links) as wan:
             for i, link in enumerate(links):
+                peer = (
+                    ["--peer-listen", "127.0.0.1:0", "--peer-advertise", peer_host(i)]
+                    if ring
+                    else ["--no-peer"]
+                )
                 cluster.start_agent(
                     f"agent{i}",
                     "--slowdown",
                     str(args.slowdown),
-                    "--no-peer",
+                    *peer,
                     "--drain-grace",
                     "1",
                     coordinator=link.address,
                 )
+            if ring:
+                add_peer_relays(cluster, wan, sites, args)
             cluster.login()
             with cluster.operator_channel() as channel:
                 jobs = job_pb2_grpc.JobServiceStub(channel)
@@ -348,6 +380,53 @@ def run_all(
                         wait_nodes(sched, NODES, 60)
                     out.append((run, sampler))
     return out
+
+
+def peer_host(i: int) -> str:
+    return f"127.0.0.{PEER_HOST_BASE + i}"
+
+
+def add_peer_relays(
+    cluster: LocalCluster, wan: WanThread, sites: list[Site], args: argparse.Namespace
+) -> None:
+    """Ring mode: once each agent logged its PeerService and bulk ports, relays on its
+    advertised host with those ports, forwarding to where it listens. A connection to agent i
+    crosses agent i's site (its down-link carries what the others send it) and, on the sending
+    side, a wire without a bandwidth limit and half the RTT: every connection comes from
+    127.0.0.1, so a relay cannot tell which agent dialled it and whose up-link to charge. In a
+    ring every agent sends and receives the same bytes per hop, so charging the receiver's
+    down-link alone gives each hop its time; the RTT between two agents is 2 x --rtt."""
+    senders = Site("sending agents", None, args.rtt)
+    for i in range(NODES):
+        name = f"agent{i}"
+        found: list[str] = []
+
+        def listening(name: str = name, found: list[str] = found) -> bool:
+            text = cluster.logs[name].read_text(errors="replace")
+            bulk, advertised = BULK_LISTENING.search(text), PEER_ADVERTISED.search(text)
+            if bulk is None or advertised is None:
+                return False
+            found[:] = [advertised.group(1), advertised.group(2), bulk.group(1)]
+            return True
+
+        wait_for(listening, 120, f"{name}'s PeerService", interval=0.2)
+        host, port, bulk = found
+        if host != peer_host(i):
+            raise RuntimeError(f"{name} advertises {host}, not {peer_host(i)}")
+        for kind, p in (("peer", port), ("bulk", bulk)):
+            wan.add(
+                WanLink.between(
+                    f"{host}:{p}",
+                    f"127.0.0.1:{p}",
+                    client=senders,
+                    server=sites[i],
+                    name=f"{kind}{i}",
+                    seed=100 * (kind == "bulk") + 10 + i,
+                )
+            )
+        log.info(
+            "%s: PeerService relayed at %s:%s, bulk socket at %s:%s", name, host, port, host, bulk
+        )
 
 
 def follow(
@@ -477,10 +556,13 @@ def figures(run: Run, sampler: ByteSampler) -> dict[str, Any]:
     end = run.target_index if run.target_index is not None else len(recs) - 1
     window = recs[: end + 1]
     wall, compute, communicate, samples, steps = window_figures(window)
-    up0, down0 = sampler.at(window[0].started_ms)
-    up1, down1 = sampler.at(window[-1].finished_ms)
+    carried = {
+        name: sampler.at(window[-1].finished_ms, name) - sampler.at(window[0].started_ms, name)
+        for name in sampler.series
+    }
     losses = [r.loss for r in recs if math.isfinite(r.loss)]
     out: dict[str, Any] = {
+        "aggregation": run.mode.aggregation,
         "sync": run.mode.sync,
         "compression": run.mode.compression,
         "lr": run.mode.lr,
@@ -496,8 +578,9 @@ def figures(run: Run, sampler: ByteSampler) -> dict[str, Any]:
         "communicate_s": round(communicate, 1),
         "compute_s_per_step": round(compute / steps, 4) if steps else None,
         "samples_per_s": round(samples / wall, 1) if wall > 0 else None,
-        "bytes_up_per_sample": round((up1 - up0) / samples, 1) if samples else None,
-        "bytes_down_per_sample": round((down1 - down0) / samples, 1) if samples else None,
+        "bytes_up_per_sample": round(carried["up"] / samples, 1) if samples else None,
+        "bytes_down_per_sample": round(carried["down"] / samples, 1) if samples else None,
+        "bytes_between_agents_per_sample": round(carried["peer"] / samples, 1) if samples else None,
         "loss_first_round": finite(recs[0].loss),
         "loss_at_end": finite(window[-1].loss),
         "best_loss": round(min(losses), 4) if losses else None,
@@ -539,6 +622,25 @@ def device_utilisation(
     if seen != applied or wall <= 0:
         return None
     return round(device / (wall * NODES), 3)
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """(a)'s figures against a local SGD run's: the speed-up to the target and the ratio of
+    bytes per sample through the agents' sites (to and from the coordinator and, in ring
+    mode, between the agents, counted once: at the receiving site)."""
+    out: dict[str, Any] = {}
+    if b["time_to_target_s"]:
+        if a["time_to_target_s"] is not None:
+            out[f"{prefix}speedup"] = round(a["time_to_target_s"] / b["time_to_target_s"], 2)
+        else:
+            out[f"{prefix}speedup_at_least"] = round(
+                a["time_to_target_at_least_s"] / b["time_to_target_s"], 2
+            )
+    keys = ("bytes_up_per_sample", "bytes_down_per_sample", "bytes_between_agents_per_sample")
+    moved_a, moved_b = (sum(run[k] or 0.0 for k in keys) for run in (a, b))
+    if moved_b > 0:
+        out[f"{prefix}bytes_per_sample_ratio"] = round(moved_a / moved_b, 1)
+    return out
 
 
 def main() -> int:
@@ -583,13 +685,24 @@ def main() -> int:
             args.outer_lr,
             args.outer_momentum,
         ),
+        "ring": Mode(
+            "ring_local_sgd_int8",
+            "local_sgd",
+            "int8",
+            args.inner_lr,
+            args.momentum,
+            args.inner_steps,
+            args.outer_lr,
+            args.outer_momentum,
+            aggregation="ring",
+        ),
     }
     if args.samples <= 0:
         args.samples = 2 * args.inner_steps * args.batch
     chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in modes]
     if unknown or not chosen:
-        parser.error(f"--modes: choose from sync, local (got {args.modes!r})")
+        parser.error(f"--modes: choose from sync, local, ring (got {args.modes!r})")
     work = args.keep or Path(tempfile.mkdtemp(prefix="epochmesh-bench-wan-"))
     started = time.monotonic()
     load_before = os.getloadavg()[0]
@@ -597,7 +710,7 @@ def main() -> int:
     try:
         for run, sampler in run_all(work, [modes[k] for k in chosen], args):
             results[run.mode.name] = figures(run, sampler)
-            if run.mode.sync == "local_sgd" and run.records:
+            if run.mode.name == "local_sgd_int8" and run.records:
                 end = run.target_index if run.target_index is not None else len(run.records) - 1
                 results[run.mode.name]["device_utilisation"] = device_utilisation(
                     work, run.records[: end + 1], args.slowdown
@@ -624,20 +737,11 @@ def main() -> int:
         "load_avg": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         **results,
     }
-    a, b = results.get("sync_fp32"), results.get("local_sgd_int8")
-    if a and b and b["time_to_target_s"]:
-        if a["time_to_target_s"] is not None:
-            out["speedup"] = round(a["time_to_target_s"] / b["time_to_target_s"], 2)
-        else:
-            out["speedup_at_least"] = round(
-                a["time_to_target_at_least_s"] / b["time_to_target_s"], 2
-            )
-    if a and b:
-        out["bytes_per_sample_ratio"] = round(
-            (a["bytes_up_per_sample"] + a["bytes_down_per_sample"])
-            / (b["bytes_up_per_sample"] + b["bytes_down_per_sample"]),
-            1,
-        )
+    a = results.get("sync_fp32")
+    for name, prefix in (("local_sgd_int8", ""), ("ring_local_sgd_int8", "ring_")):
+        b = results.get(name)
+        if a and b:
+            out.update(compare(a, b, prefix))
     out["script_seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(out))
     return 0

@@ -39,14 +39,26 @@ fi
 site_dir=$(mktemp -d)
 .venv/bin/mkdocs build --strict --site-dir "$site_dir"
 rm -rf "$site_dir"
-# One pytest process by default; EPOCHMESH_TEST_WORKERS=2 runs two pytest-xdist workers (the
-# workers share one export cache and one directory of program-check verdicts and run torch on
-# one thread each, tests/conftest.py; they take the system and integration tests first and
-# steal from each other at the end, so that neither waits idle behind a many-minute cluster
-# test the other was handed last). On 2 cores two workers gain nothing: the suite is bound by
-# CPU, the balanced run took 37:27 against 32:46 for one process, and scenarios timed for one
-# process fail more often under the doubled load (docs/benchmarks.md). More cores, more workers.
-# The 25 slowest tests are listed at the end: where the suite's time goes. With
+# Two phases. The unit and integration tests (and the architecture checks) run in two
+# pytest-xdist workers: they use under one core in one process (waits on loopback servers,
+# children starting), so two overlap them (6:53 against 11:50 here). The system tests (whole
+# clusters of processes, 1.4 cores busy on average, timed scenarios) run in one process: on 2
+# cores two workers made them slower and flakier (docs/benchmarks.md). EPOCHMESH_TEST_WORKERS
+# sets the second phase's workers (more cores, more workers); arguments run one pytest with
+# them instead (e.g. scripts/test.sh tests/unit -x). Both phases and their workers share one
+# export cache and one directory of program-check verdicts (EPOCHMESH_TEST_SHARED_CACHE), and
+# workers run torch on one thread each (tests/conftest.py).
+# The 25 slowest tests of each phase are listed at its end: where the suite's time goes. With
 # EPOCHMESH_TEST_CPU_LOG=FILE every test also appends its wall time and the machine's busy CPU
 # meanwhile to FILE (one JSON line each, tests/conftest.py): which tests wait, which compute.
-exec .venv/bin/python -m pytest -q --durations=25 -n "${EPOCHMESH_TEST_WORKERS:-0}" --dist worksteal "$@"
+pytest=(.venv/bin/python -m pytest -q --durations=25 --dist worksteal)
+if [ "$#" -gt 0 ]; then
+    exec "${pytest[@]}" -n "${EPOCHMESH_TEST_WORKERS:-0}" "$@"
+fi
+EPOCHMESH_TEST_SHARED_CACHE=$(mktemp -d -t epochmesh-test-cache-XXXXXX)
+export EPOCHMESH_TEST_SHARED_CACHE
+trap 'rm -rf "$EPOCHMESH_TEST_SHARED_CACHE"' EXIT
+status=0
+"${pytest[@]}" -n 2 --ignore=tests/system tests || status=$?
+"${pytest[@]}" -n "${EPOCHMESH_TEST_WORKERS:-0}" tests/system || status=$?
+exit "$status"

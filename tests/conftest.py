@@ -26,6 +26,10 @@ _CACHE_DIR: str | None = None
 # CPU is a small share of its wall time waits (leases, deadlines, polling), and two workers
 # overlap it; one whose CPU is near its wall time needs less work to be faster.
 ENV_CPU_LOG = "EPOCHMESH_TEST_CPU_LOG"
+# A folder for the run's export cache and program-check verdicts given by the caller (the test
+# command's two pytest runs share one, which it removes): models exported and programs checked
+# by the first run are not exported and checked again by the second.
+ENV_SHARED_CACHE = "EPOCHMESH_TEST_SHARED_CACHE"
 
 
 def _precompile() -> None:
@@ -81,7 +85,10 @@ def pytest_configure() -> None:
     # removes it.
     global _CACHE_DIR
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker and os.environ.get(ENV_CACHE_DIR, "").startswith(_shared_cache_prefix()):
+    given = os.environ.get(ENV_SHARED_CACHE)
+    if given:
+        os.environ[ENV_CACHE_DIR] = given  # the caller's, left for the caller to remove
+    elif worker and os.environ.get(ENV_CACHE_DIR, "").startswith(_shared_cache_prefix()):
         pass  # the controller's folder
     elif _CACHE_DIR is None:
         _CACHE_DIR = tempfile.mkdtemp(prefix="epochmesh-test-cache-")

@@ -780,6 +780,16 @@ class WanThread:
             raise
         return self
 
+    def add(self, link: WanLink, timeout: float = 10.0) -> WanLink:
+        """Start one more link on the running thread (e.g. a relay to a port that a process
+        started behind the other links only chose later); `stats` and `stop` include it."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("WanThread is not started")
+        asyncio.run_coroutine_threadsafe(link.start(), loop).result(timeout)
+        self.links.append(link)
+        return link
+
     async def _start_all(self) -> None:
         for link in self.links:
             await link.start()

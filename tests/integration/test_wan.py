@@ -488,6 +488,15 @@ def test_wan_thread_runs_links_for_synchronous_callers(thread_echo_addr: str) ->
         assert min(tb) >= 0.059 and statistics.median(tb) < 0.060 + _slack(direct), (tb, direct)
         wait_until(lambda: all(s.connections_active == 0 for s in wan.stats()), timeout=5)
         assert [s.bytes_to_target for s in wan.stats()] == [12, 12]
+        # A link added to the running thread relays too, and is counted and stopped with it.
+        site = Site("c", 100e6, 40)
+        added = wan.add(WanLink.between("127.0.0.1:0", thread_echo_addr, client=site, name="c"))
+        tc = _sync_echo(added.address, b"abc", 4)[1:]
+        assert min(tc) >= 0.039 and statistics.median(tc) < 0.040 + _slack(direct), (tc, direct)
+        wait_until(lambda: all(s.connections_active == 0 for s in wan.stats()), timeout=5)
+        assert [s.bytes_to_target for s in wan.stats()] == [12, 12, 12]
+    with pytest.raises(RuntimeError, match="not started"):
+        wan.add(WanLink(target=thread_echo_addr, name="d"))
 
 
 def _start_script(*args: str) -> tuple[subprocess.Popen[str], dict[str, dict[str, str]]]:
