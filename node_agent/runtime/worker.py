@@ -131,6 +131,9 @@ class Agent:
         self.ring_jobs = RingJobs()
         self.tamper = tamper
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        # Verification beside the next task (TaskContext.run_beside): a finished round's
+        # sketches are computed while the next round computes, not after it.
+        self.beside_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside")
         self.current: TaskContext | None = None
         self.programs = ProgramHosts("cpu", None, None)  # replaced once the device is known
         self.reference_result: common_pb2.BenchmarkResult | None = None
@@ -364,6 +367,7 @@ class Agent:
         await self.connection.close()
         await self._stop_peer_server()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.beside_executor.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.programs.close_all)
         if self._drain_waiter is not None:
             self._drain_waiter.cancel()
@@ -650,6 +654,7 @@ class Agent:
             device_info=self.discovered.selected,
             slowdown=self.slowdown,
             executor=self.executor,
+            beside_executor=self.beside_executor,
             memory_limit_bytes=self.config.memory_limit_bytes,
             programs=self.programs,
             job_benchmark=QUICK_JOB_PLAN if self.config.benchmark == "quick" else JOB_PLAN,

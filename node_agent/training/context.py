@@ -144,6 +144,9 @@ class TaskContext:
     tamper: Tamper = HONEST
     # The worker's runner of work beside the next task (see `beside`); None: run it inline.
     beside_next: Callable[[Coroutine[Any, Any, None], str], Awaitable[None]] | None = None
+    # The thread that computes that work (sketches, start-state encodings: `run_beside`); None:
+    # `executor`. Not the compute thread: there it would wait for the next round's compute.
+    beside_executor: Executor | None = None
     log: logging.LoggerAdapter[logging.Logger] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -193,6 +196,12 @@ class TaskContext:
     async def run_compute(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, partial(fn, *args))
+
+    async def run_beside(self, fn: Callable[..., T], *args: Any) -> T:
+        """`run_compute` for work beside the next task: ``fn`` reads only what that task does
+        not change (a finished round's own copies), never the program or the job's state."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.beside_executor or self.executor, partial(fn, *args))
 
     async def call(
         self, method: str, make_request: Callable[[], Any], timeout: float = 10.0

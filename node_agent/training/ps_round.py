@@ -249,9 +249,9 @@ async def commit_sketches(
     wanted: agent_pb2.CheckSpec,
 ) -> agent_pb2.CommitSketchesResponse | None:
     """The PushUpdate response asked for the sketches of the round's chunks: compute them
-    (compute thread) and send them with CommitSketches; the coordinator's answer (None when
-    they were not sent). The update is in whatever happens here: a failure is logged, never
-    raised (except the agent's own stop)."""
+    (beside the compute thread: `TaskContext.run_beside`) and send them with CommitSketches;
+    the coordinator's answer (None when they were not sent). The update is in whatever happens
+    here: a failure is logged, never raised (except the agent's own stop)."""
     if chunks is None:
         ctx.log.warning(
             "round %d: the coordinator asked for chunk sketches, but the update has no chunks "
@@ -269,7 +269,7 @@ async def commit_sketches(
         return None
     try:
         t0 = time.monotonic()
-        values = await ctx.run_compute(chunks.sketches, wanted.seed, wanted.buckets)
+        values = await ctx.run_beside(chunks.sketches, wanted.seed, wanted.buckets)
         t1 = time.monotonic()
         reply = await ctx.call(
             "CommitSketches",
@@ -321,7 +321,7 @@ async def push_snapshot(
     start state, whose digest went with the update; for a ring member the parameters its round
     started from. Failures are logged, never raised (except the agent's own stop)."""
     t0 = time.monotonic()
-    bundle, payload = await ctx.run_compute(encode_bundle, state)
+    bundle, payload = await ctx.run_beside(encode_bundle, state)
     header = agent_pb2.UpdateHeader(
         node_id=ctx.node_id,
         lease_id=ctx.lease_id,

@@ -443,12 +443,12 @@ async def send_check_evidence(
     if check.buckets > 0 and cached.chunks is not None:
         update = unflatten(cached.flat, shapes)
         request.sketches.extend(
-            await ctx.run_compute(cached.chunks.sketches, check.seed, check.buckets)
+            await ctx.run_beside(cached.chunks.sketches, check.seed, check.buckets)
         )
-        own = await ctx.run_compute(sketch, update, check.seed, check.buckets)
+        own = await ctx.run_beside(sketch, update, check.seed, check.buckets)
         request.update_sketch.extend(own.tolist())
     if audit.buckets > 0 and copies is not None and copies.result is not None:
-        evidence = await ctx.run_compute(ring_evidence, task, shapes, copies, audit)
+        evidence = await ctx.run_beside(ring_evidence, task, shapes, copies, audit)
         request.ring.CopyFrom(evidence)
     t1 = time.monotonic()
     try:

@@ -13,10 +13,13 @@ loopback, with the job's program in its real confined child:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -337,6 +340,39 @@ async def test_a_refused_sketch_commitment_does_not_fail_the_round(
     await dispatch_task(agent.ctx(task))
     assert len(agent.stand_in.updates) == 1 and len(agent.stand_in.sketches) == 1
     assert agent.stand_in.progress == []  # not reported failed
+
+
+async def test_the_sketches_beside_the_next_task_do_not_wait_for_its_compute(
+    agent: Agent, packed: PackedJob
+) -> None:
+    """The agent runs a round's compute on one thread and the sketches it owes beside its next
+    task on another: they are sent while the next round still computes, not after it (on one
+    thread they came a whole round late, past the coordinator's wait for them)."""
+    agent.stand_in.ask = agent_pb2.CheckSpec(seed=11, buckets=BUCKETS)
+    owed: list[Any] = []
+
+    async def beside_next(work: Any, what: str) -> None:
+        owed.append(work)
+
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside")
+    next_round = threading.Event()
+    try:
+        task = train_task(packed, 2, 0, 60, K, **params_of(1, packed))
+        ctx = agent.ctx(task)
+        ctx.executor, ctx.beside_executor, ctx.beside_next = compute, beside, beside_next
+        await ps_round.run_train_task(ctx, task)
+        assert len(agent.stand_in.updates) == 1 and agent.stand_in.sketches == []
+        [work] = owed
+        busy = compute.submit(next_round.wait, 60)  # the next round computes
+        await asyncio.wait_for(work, timeout=30)
+        [request] = agent.stand_in.sketches
+        assert request.task_id == task.task_id and len(request.sketches) == K * BUCKETS
+        assert not busy.done()
+    finally:
+        next_round.set()
+        compute.shutdown(wait=True)
+        beside.shutdown(wait=True)
 
 
 async def test_the_cheat_switch_starts_at_its_round(agent: Agent, packed: PackedJob) -> None:
