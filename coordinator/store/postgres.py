@@ -25,10 +25,10 @@ PgBouncer (not needed against a server directly).
   raises the domain error without aborting the transaction on the server.
 - Fencing (several coordinators on one database, coordinator/ha/lease.py): once `fence` is
   given the epoch of the lease this coordinator holds, every write transaction first reads the
-  lease row ``FOR SHARE`` and refuses (FencedError, UNAVAILABLE to a caller; nothing written) when the epoch moved on or
-  the lease is known lost. A takeover bumps the epoch with an UPDATE of that row, which waits
-  for every write transaction still holding the share lock: the old coordinator's writes all
-  commit before the new one's first, or not at all.
+  lease row ``FOR SHARE`` and refuses (FencedError, UNAVAILABLE to a caller; nothing written)
+  when the epoch moved on or the lease is known lost. A takeover bumps the epoch with an
+  UPDATE of that row, which waits for every write transaction still holding the share lock:
+  the old coordinator's writes all commit before the new one's first, or not at all.
 - Opening fails fast: an unreachable server, a wrong database or role raise StoreError with a
   one-line reason (password left out) within ``connect_timeout_s``.
 """
