@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import json
 import logging
 import math
@@ -673,29 +674,20 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="keep the work directory (logs) here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    local = Mode(
+        "local_sgd_int8",
+        "local_sgd",
+        "int8",
+        args.inner_lr,
+        args.momentum,
+        args.inner_steps,
+        args.outer_lr,
+        args.outer_momentum,
+    )
     modes = {
         "sync": Mode("sync_fp32", "sync", "none", args.sync_lr, args.momentum),
-        "local": Mode(
-            "local_sgd_int8",
-            "local_sgd",
-            "int8",
-            args.inner_lr,
-            args.momentum,
-            args.inner_steps,
-            args.outer_lr,
-            args.outer_momentum,
-        ),
-        "ring": Mode(
-            "ring_local_sgd_int8",
-            "local_sgd",
-            "int8",
-            args.inner_lr,
-            args.momentum,
-            args.inner_steps,
-            args.outer_lr,
-            args.outer_momentum,
-            aggregation="ring",
-        ),
+        "local": local,
+        "ring": dataclasses.replace(local, name="ring_local_sgd_int8", aggregation="ring"),
     }
     if args.samples <= 0:
         args.samples = 2 * args.inner_steps * args.batch
