@@ -102,6 +102,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -400,21 +401,13 @@ def add_peer_relays(
     senders = Site("sending agents", None, args.rtt)
     for i in range(NODES):
         name = f"agent{i}"
-        found: list[str] = []
-
-        def listening(name: str = name, found: list[str] = found) -> bool:
-            text = cluster.logs[name].read_text(errors="replace")
-            bulk, advertised = BULK_LISTENING.search(text), PEER_ADVERTISED.search(text)
-            if bulk is None or advertised is None:
-                return False
-            found[:] = [advertised.group(1), advertised.group(2), bulk.group(1)]
-            return True
-
-        wait_for(listening, 120, f"{name}'s PeerService", interval=0.2)
-        host, port, bulk = found
+        log_file = cluster.logs[name]
+        host, port, bulk = wait_for(
+            partial(peer_ports, log_file), 120, f"{name}'s PeerService", interval=0.2
+        )
         if host != peer_host(i):
             raise RuntimeError(f"{name} advertises {host}, not {peer_host(i)}")
-        for kind, p in (("peer", port), ("bulk", bulk)):
+        for k, (kind, p) in enumerate((("peer", port), ("bulk", bulk))):
             wan.add(
                 WanLink.between(
                     f"{host}:{p}",
@@ -422,12 +415,21 @@ def add_peer_relays(
                     client=senders,
                     server=sites[i],
                     name=f"{kind}{i}",
-                    seed=100 * (kind == "bulk") + 10 + i,
+                    seed=100 * k + 10 + i,
                 )
             )
         log.info(
             "%s: PeerService relayed at %s:%s, bulk socket at %s:%s", name, host, port, host, bulk
         )
+
+
+def peer_ports(log_file: Path) -> tuple[str, str, str] | None:
+    """(advertised host, PeerService port, bulk port) once the agent's log names them."""
+    text = log_file.read_text(errors="replace")
+    bulk, advertised = BULK_LISTENING.search(text), PEER_ADVERTISED.search(text)
+    if bulk is None or advertised is None:
+        return None
+    return advertised.group(1), advertised.group(2), bulk.group(1)
 
 
 def follow(
