@@ -627,6 +627,39 @@ def device_utilisation(
     return round(device / (wall * NODES), 3)
 
 
+# An agent's check line (node_agent/training/check_task.py), after its log line's time:
+# "check of round N (version V): S samples, loss L, compute C s, total T s (... report R)".
+AGENT_CHECK = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*?check of round \d+ .*?compute "
+    r"([0-9.]+)s, total [0-9.]+s \(.*?report ([0-9.]+)\)",
+    re.M,
+)
+
+
+def check_share(work: Path, recs: list[common_pb2.RoundRecord]) -> dict[str, Any]:
+    """What the nodes' check tasks took of the same rounds' node-seconds as `utilisation`:
+    `check_share`, the checks' device seconds (each node recomputes chunks of the others'
+    parts: docs/verification-protocol.md; the agents log each check) / (wall x nodes), a
+    check counted in the window when its compute ended inside it; `checks` how many;
+    `busy_share` = utilisation + check_share, the share the devices spent computing at all.
+    A new node's every part is checked twice over 1/24 of it, so its checks cost ~1/12 of its
+    training compute: utilisation cannot pass ~0.92 of what communication leaves while the
+    nodes are new (every round of this benchmark)."""
+    start, end = recs[0].started_ms / 1000.0, recs[-1].finished_ms / 1000.0
+    seconds = 0.0
+    count = 0
+    for log_file in sorted(work.glob("agent-*.log")):
+        for m in AGENT_CHECK.finditer(log_file.read_text(errors="replace")):
+            logged = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+            computed = logged + int(m.group(2)) / 1000.0 - float(m.group(4))
+            if start <= computed <= end:
+                seconds += float(m.group(3))
+                count += 1
+    wall = end - start
+    share = round(seconds / (wall * NODES), 3) if wall > 0 else None
+    return {"checks": count, "check_s": round(seconds, 1), "check_share": share}
+
+
 def compare(a: dict[str, Any], b: dict[str, Any], prefix: str) -> dict[str, Any]:
     """(a)'s figures against a local SGD run's: the speed-up to the target and the ratio of
     bytes per sample through the agents' sites (to and from the coordinator and, in ring
@@ -704,6 +737,12 @@ def main() -> int:
     try:
         for run, sampler in run_all(work, [modes[k] for k in chosen], args):
             results[run.mode.name] = figures(run, sampler)
+            if run.records:
+                out = results[run.mode.name]
+                end = run.target_index if run.target_index is not None else len(run.records) - 1
+                out.update(check_share(work, run.records[: end + 1]))
+                if out["utilisation"] is not None and out["check_share"] is not None:
+                    out["busy_share"] = round(out["utilisation"] + out["check_share"], 3)
             if run.mode.name == "local_sgd_int8" and run.records:
                 end = run.target_index if run.target_index is not None else len(run.records) - 1
                 results[run.mode.name]["device_utilisation"] = device_utilisation(

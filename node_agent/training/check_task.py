@@ -175,6 +175,10 @@ async def run_check_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
             )
     fetched = time.monotonic()
     ctx.check_cancelled()
+    # The inputs are in: the next task (another check's inputs, the next round) comes while
+    # this one computes.
+    if ctx.poll_next is not None:
+        ctx.poll_next()
     compute = local_check_in_thread if local else check_in_thread
     result = await ctx.run_compute(compute, ctx, job, task)
     computed = time.monotonic()

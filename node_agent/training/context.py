@@ -134,9 +134,12 @@ class TaskContext:
     received_at: float = field(default_factory=time.monotonic)
     cancel_reason: str = ""
     failure_reported: bool = False
-    # Called once a parameter-server round's update is sent, before its answer (the agent
-    # starts its next NextTask poll then).
-    on_pushing: Callable[[], None] | None = None
+    # Called once what is left of the task does not need the coordinator to wait for this
+    # node's next poll: a parameter-server round's update is sent (before its answer), a ring
+    # round's all-reduce is applied (before its report), a check's inputs are in (before its
+    # compute). The agent starts its next NextTask poll then; the task it brings runs once
+    # this one has finished.
+    poll_next: Callable[[], None] | None = None
     peer: PeerRuntime | None = None
     # The worker's, for its life (a fresh one per context by default: tests).
     jobs: LoadedJobs = field(default_factory=LoadedJobs)

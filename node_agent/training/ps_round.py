@@ -160,8 +160,8 @@ async def run_train_task(ctx: TaskContext, task: agent_pb2.Task) -> None:
         async for msg in push_requests(header, payload):
             yield msg
         # The update is out: the agent's next NextTask poll can start (see Agent._poll_early).
-        if ctx.on_pushing is not None:
-            ctx.on_pushing()
+        if ctx.poll_next is not None:
+            ctx.poll_next()
 
     timeout = max(5.0, task.deadline_seconds)
     accepted = False

@@ -321,6 +321,10 @@ async def run_ring_task(ctx: TaskContext, task: agent_pb2.Task, runtime: PeerRun
     checksum = await ctx.run_compute(params_checksum, params_of(snapshot))
     optim_sum = await ctx.run_compute(params_checksum, optim_of(snapshot))
 
+    # The round is applied here: the next task's poll waits at the coordinator while the
+    # report (and any state push) goes out.
+    if ctx.poll_next is not None:
+        ctx.poll_next()
     reply = await ctx.report_progress(
         chunks=cached.chunks.commitments() if cached.chunks is not None else (),
         samples_done=cached.num_samples,

@@ -375,6 +375,41 @@ async def test_the_sketches_beside_the_next_task_do_not_wait_for_its_compute(
         beside.shutdown(wait=True)
 
 
+async def test_a_check_polls_for_the_next_task_before_it_computes(
+    agent: Agent, packed: PackedJob
+) -> None:
+    """A check lets the agent poll for its next task once its inputs are in, before its
+    compute: the next check's inputs (a local SGD check's are a start state of megabytes) or
+    the next round's task come while it computes instead of after it."""
+
+    class Recording(ThreadPoolExecutor):
+        """The compute thread, naming what it was given to run."""
+
+        def __init__(self) -> None:
+            super().__init__(max_workers=1, thread_name_prefix="compute")
+            self.ran: list[str] = []
+
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            self.ran.append(getattr(getattr(fn, "func", fn), "__name__", "?"))
+            return super().submit(fn, *args, **kwargs)
+
+    compute = Recording()
+    ran_at_poll: list[list[str]] = []
+    try:
+        check = check_task(packed, "c-poll", 0, 4, 42, **params_of(3, packed))
+        ctx = agent.ctx(check)
+        ctx.executor = compute
+        ctx.poll_next = lambda: ran_at_poll.append(list(compute.ran))
+        await dispatch_task(ctx)
+        [report] = agent.stand_in.checks
+        assert report.task_id == "c-poll" and not report.failed, report.error
+        assert "check_in_thread" in compute.ran
+        [before] = ran_at_poll  # polled once, before the check's compute was handed over
+        assert "check_in_thread" not in before
+    finally:
+        compute.shutdown(wait=True)
+
+
 async def test_the_cheat_switch_starts_at_its_round(agent: Agent, packed: PackedJob) -> None:
     cheat = cheat_from_environment({CHEAT_ENV: "scaled:2"})  # as node_agent.main installs it
     assert cheat is not None
