@@ -51,14 +51,31 @@ def sketch(
     tensors: Mapping[str, torch.Tensor], seed: int, buckets: int = DEFAULT_BUCKETS
 ) -> torch.Tensor:
     """The float64 sketch of ``tensors`` (taken in sorted name order) under ``seed``."""
+    return sketch_many([tensors], seed, buckets)[0]
+
+
+def sketch_many(
+    parts: Sequence[Mapping[str, torch.Tensor]], seed: int, buckets: int = DEFAULT_BUCKETS
+) -> list[torch.Tensor]:
+    """``[sketch(p, seed, buckets) for p in parts]``, bit for bit, for parts of the same names
+    and sizes (a part's chunks): each tensor's buckets and signs are drawn once for all of
+    them (drawing them is most of a sketch's work), one tensor at a time (memory of the
+    largest tensor, as `sketch`). ValueError for parts of other names or sizes."""
     if buckets < 1:
         raise ValueError("a sketch needs at least one bucket")
-    out = torch.zeros(buckets, dtype=torch.float64)
-    sizes = {name: t.numel() for name, t in tensors.items()}
+    if not parts:
+        return []
+    sizes = {name: t.numel() for name, t in parts[0].items()}
+    for i, part in enumerate(parts[1:], start=1):
+        other = {name: t.numel() for name, t in part.items()}
+        if other != sizes:
+            raise ValueError(f"part {i} has other tensors or sizes than part 0")
+    outs = [torch.zeros(buckets, dtype=torch.float64) for _ in parts]
     for name, where, sign in coordinate_draws(sizes, seed, buckets):
-        flat = tensors[name].detach().reshape(-1).to("cpu", torch.float64)
-        out.index_add_(0, where, flat * sign)
-    return out
+        for out, part in zip(outs, parts, strict=True):
+            flat = part[name].detach().reshape(-1).to("cpu", torch.float64)
+            out.index_add_(0, where, flat * sign)
+    return outs
 
 
 def combine(parts: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:

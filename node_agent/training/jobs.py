@@ -21,7 +21,7 @@ import torch
 
 from epochmesh.dataset import ShardedDataset
 from epochmesh.program.archive import TrainableProgram
-from epochmesh.sketch import sketch
+from epochmesh.sketch import sketch_many
 from epochmesh.v1 import agent_pb2
 from epochmesh.wire.compression import ErrorFeedback
 from node_agent.sandbox.host import (
@@ -91,8 +91,8 @@ class ChunkGradients:
     def sketches(self, seed: int, buckets: int) -> list[float]:
         """The CountSketch of every chunk's gradient under ``seed`` (float64), chunk-major."""
         out: list[float] = []
-        for g in self.grads:
-            out.extend(sketch(g, seed, buckets).tolist())
+        for s in sketch_many(self.grads, seed, buckets):
+            out.extend(s.tolist())
         return out
 
 

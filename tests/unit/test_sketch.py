@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochmesh.sketch import combine, relative_distance, sketch
+from epochmesh.sketch import combine, coordinate_draws, relative_distance, sketch, sketch_many
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,6 +30,41 @@ def test_a_sketch_is_linear(seed: int, wa: float, wb: float) -> None:
     left = sketch(mixed, seed)
     right = combine([(wa, sketch(a, seed)), (wb, sketch(b, seed))])
     assert torch.allclose(left, right, rtol=1e-5, atol=1e-4)
+
+
+def one_by_one(tensors: dict[str, torch.Tensor], seed: int, buckets: int) -> torch.Tensor:
+    """The definition, coordinate by coordinate: sketch[h(j)] += s(j) g[j]."""
+    sizes = {k: v.numel() for k, v in tensors.items()}
+    out = [0.0] * buckets
+    for name, where, sign in coordinate_draws(sizes, seed, buckets):
+        flat = tensors[name].reshape(-1).double().tolist()
+        for j, (b, sg) in enumerate(zip(where.tolist(), sign.tolist(), strict=True)):
+            out[b] += sg * flat[j]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**63 - 1), st.integers(1, 5), st.sampled_from([1, 7, 64]))
+def test_sketch_many_is_each_part_sketched_alone(seed: int, n: int, buckets: int) -> None:
+    parts = [
+        {"w": torch.randn(12, 5, generator=torch.Generator().manual_seed(i)), "b": torch.ones(3)}
+        for i in range(n)
+    ]
+    many = sketch_many(parts, seed, buckets)
+    assert len(many) == n
+    for part, s in zip(parts, many, strict=True):
+        assert torch.equal(s, sketch(part, seed, buckets))  # bit for bit
+        assert torch.allclose(s, one_by_one(part, seed, buckets), rtol=1e-12, atol=1e-12)
+    assert sketch_many([], seed, buckets) == []
+
+
+def test_sketch_many_refuses_parts_of_other_shapes() -> None:
+    with pytest.raises(ValueError, match="part 1"):
+        sketch_many([{"w": torch.zeros(4)}, {"w": torch.zeros(5)}], 1)
+    with pytest.raises(ValueError, match="part 1"):
+        sketch_many([{"w": torch.zeros(4)}, {"v": torch.zeros(4)}], 1)
+    with pytest.raises(ValueError, match="bucket"):
+        sketch_many([{"w": torch.zeros(4)}], 1, 0)
 
 
 def test_norms_are_kept_within_a_few_over_sqrt_k_and_seeds_differ() -> None:
