@@ -111,6 +111,7 @@ import torch
 from local_cluster import LocalCluster, wait_for
 from safetensors.torch import save_file
 
+from coordinator.verification.reputation import P_FLOOR
 from epochmesh.testing.wan import Site, WanLink, WanThread, format_bandwidth, parse_bandwidth
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import (
@@ -298,6 +299,8 @@ class Run:
     target_index: int | None = None
     stopped_after_s: float = 0.0
     allocation: list[dict[str, Any]] = field(default_factory=list)
+    # Each node's check probability when the run's job was submitted (1: new, every part).
+    check_probabilities: dict[str, float] = field(default_factory=dict)
 
 
 def record_samples(r: common_pb2.RoundRecord) -> int:
@@ -360,9 +363,11 @@ def run_all(
                 jobs = job_pb2_grpc.JobServiceStub(channel)
                 sched = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                 wait_nodes(sched, NODES, 120)
+                if args.trusted:
+                    earn_trust(cluster, jobs, sched, work / "trust_warmup", args.trust_limit)
                 data = dataset(args.samples)
                 for mode in modes:
-                    run = Run(mode)
+                    run = Run(mode, check_probabilities=check_probabilities(sched))
                     job_dir = work / mode.name
                     job_dir.mkdir(parents=True, exist_ok=True)
                     (job_dir / "model.py").write_text(model_source(args.hidden))
@@ -382,6 +387,51 @@ def run_all(
                         wait_nodes(sched, NODES, 60)
                     out.append((run, sampler))
     return out
+
+
+# --trusted: the warm-up job's model (tiny, so that its rounds are short) and its mode.
+TRUST_HIDDEN = 16
+TRUST_MODE = Mode("trust_warmup", "sync", "none", lr=0.05)
+
+
+def check_probabilities(sched: scheduler_pb2_grpc.SchedulerServiceStub) -> dict[str, float]:
+    """Each node's probability that its next round is checked (its verification record)."""
+    nodes = sched.ListNodes(scheduler_pb2.ListNodesRequest(), timeout=10).nodes
+    return {n.name: round(n.reputation.check_probability, 3) for n in nodes}
+
+
+def earn_trust(
+    cluster: LocalCluster,
+    jobs: job_pb2_grpc.JobServiceStub,
+    sched: scheduler_pb2_grpc.SchedulerServiceStub,
+    job_dir: Path,
+    limit_s: float,
+) -> None:
+    """--trusted: a warm-up job of short rounds (a tiny MLP, synchronous) until every agent is
+    checked with the floor probability P_FLOOR (its verification record: N0 / P_FLOOR verified
+    rounds in a row, coordinator/verification/reputation.py), then cancelled: the measured runs
+    then see what a long-lived cluster's trusted donors cost in checks, not new ones'."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "model.py").write_text(model_source(TRUST_HIDDEN))
+    save_file(dataset(960, seed=1), str(job_dir / "train.safetensors"))
+    (job_dir / "job.toml").write_text(TRUST_MODE.job_toml(96))
+    job_id = json.loads(cluster.cli("submit", str(job_dir / "job.toml"), "--output", "json"))[
+        "job_id"
+    ]
+    log.info("trust warm-up: job %s until every agent is checked with p = %g", job_id, P_FLOOR)
+    started = time.monotonic()
+
+    def trusted() -> bool:
+        p = check_probabilities(sched)
+        log.info("trust warm-up: check probabilities %s", p)
+        return len(p) >= NODES and all(v <= P_FLOOR + 1e-9 for v in p.values())
+
+    try:
+        wait_for(trusted, limit_s, "every agent trusted", interval=5.0)
+    finally:
+        jobs.CancelJob(job_pb2.CancelJobRequest(job_id=job_id), timeout=10)
+    log.info("trust warm-up: done in %.0fs", time.monotonic() - started)
+    wait_nodes(sched, NODES, 60)
 
 
 def peer_host(i: int) -> str:
@@ -597,6 +647,7 @@ def figures(run: Run, sampler: ByteSampler) -> dict[str, Any]:
         w, c, _, _, _ = window_figures(recs[1:])
         out["utilisation_after_round_1"] = round(c / (w * NODES), 3) if w > 0 else None
     out["nodes"] = run.allocation
+    out["check_probabilities"] = run.check_probabilities
     return out
 
 
@@ -707,6 +758,13 @@ def main() -> int:
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between polls")
     parser.add_argument("--modes", default="local,sync", help="which runs, in order")
     parser.add_argument("--keep", type=Path, help="keep the work directory (logs) here")
+    parser.add_argument(
+        "--trusted",
+        action="store_true",
+        help="let every agent earn trust first (a warm-up job of short rounds until each is "
+        "checked with the floor probability): the figures of a long-lived cluster",
+    )
+    parser.add_argument("--trust-limit", type=float, default=900.0, help="the warm-up at most, s")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     local = Mode(
@@ -768,6 +826,7 @@ def main() -> int:
         "target_loss": args.target,
         "cpu_cores": os.cpu_count(),
         "load_avg": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
+        "trusted": args.trusted,
         **results,
     }
     a = results.get("sync_fp32")
