@@ -58,6 +58,11 @@ clock starts when its first round starts (enrolment, benchmarks and blob downloa
   - time_to_loss_s: the same clock to the first round at or below 0.1, 0.05, 0.025, 0.015 and
     0.01 (null: not reached before the run stopped), to show how the ratio depends on the
     target;
+  - check_share: the seconds the nodes' check tasks computed (recomputing chunks of each
+    other's parts: a new node's every part, a trusted one's one round in five) / (wall time x
+    3 nodes), checks ending in the same window; busy_share = utilisation + check_share;
+    check_probabilities: each node's when the run's job was submitted (--trusted first runs a
+    warm-up job until every agent is trusted: a long-lived cluster's figures);
   - bytes_between_agents_per_sample: (c)'s bytes through the agents' peer relays;
   - speedup: (a)'s time to target / (b)'s (speedup_at_least when (a) was stopped first);
     ring_speedup the same for (c).
@@ -84,6 +89,7 @@ apart).
 About 4-5 minutes:
 
     .venv/bin/python scripts/bench_wan.py [--slowdown 2] [--inner-steps 700] [--keep DIR]
+        [--modes local,ring,sync] [--trusted]
 """
 
 from __future__ import annotations
