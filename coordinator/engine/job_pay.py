@@ -3,11 +3,13 @@
 `JobPay` wraps the job's `JobBilling` (coordinator/market/job_billing.py) for the runner
 (coordinator/engine/job_runner.py): each move waits for the round entries that hold the pay
 where it must, records the job and its event, and logs a failure instead of failing the job
-(a move that fails leaves the pay where it was). Every member is called on the runner's task.
+(a move that fails leaves the pay where it was). Every member is called on the runner's task,
+but `record_end`, which a cancel calls on its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence, Set
 
@@ -46,6 +48,9 @@ class JobPay:
         self.job_id = job.job_id
         self.billing = billing
         self.writer = writer
+        # Held while the job's end is recorded and settled (`record_end`), and by the runner's
+        # last settlement (`settle_at_exit`), which then finds the end's money moved.
+        self._ending = asyncio.Lock()
         if planner is not None:
             planner.reference_of = self.reference_floor
 
@@ -119,7 +124,7 @@ class JobPay:
         ``previous``, the ledger is read back, and the error is raised."""
         store = self.ctx.store
         try:
-            async with store.transaction():
+            async with self._ending, store.transaction():
                 await self.settle_ended(accused)
                 await store.update_job(self.job)
                 name = JS.Name(self.job.state).removeprefix("JOB_STATE_").lower()
@@ -130,6 +135,17 @@ class JobPay:
             self.job.state = previous  # type: ignore[assignment]
             await self.ctx.credits.reload()
             raise
+
+    async def settle_at_exit(self, accused: Set[str]) -> None:
+        """The runner's last step: once a recording of the job's end in progress is done
+        (`record_end`: a cancel's, on another task), an ended job's held pay is settled and
+        its escrow refunded (`settle`, `refund`). Without the wait the two computed the same
+        refund, one from the store as it was and one from the ledger as it had become, and
+        the cancel failed."""
+        async with self._ending:
+            if self.job.state in TERMINAL:
+                await self.settle(accused)
+                await self.refund()
 
     async def top_up(self, amount: int) -> None:
         """Top the escrow up by ``amount`` from the tenant (InsufficientCredits when short)."""

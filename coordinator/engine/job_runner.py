@@ -237,9 +237,7 @@ class JobRunner:
                 await self.writer.checkpoint_written()
             except Exception:
                 log.exception("job %s: the last checkpoint could not be written", self.job_id)
-            if self.terminal:
-                await self.pay.settle(self.verifier.accused)
-                await self.pay.refund()
+            await self.pay.settle_at_exit(self.verifier.accused)
             await self._release_all()
             self.ended = True
             await self.notify()

@@ -34,6 +34,9 @@ from coordinator.accounting.credit_book import (
 )
 from coordinator.core.config import CoordinatorConfig
 from coordinator.engine.engine import Engine
+from coordinator.engine.job_pay import JobPay
+from coordinator.engine.round_writer import RoundWriter
+from coordinator.market.job_billing import JobBilling
 from coordinator.nodes.registry import PRICE_EVENT_INTERVAL_S
 from coordinator.store.events import NODE_EVENTS_BURST, NODE_EVENTS_PER_S
 from coordinator.store.sqlite import SqliteStore
@@ -197,6 +200,49 @@ async def test_a_cancel_records_the_end_and_its_refund_together(tmp_path: Path) 
         stored = await coord.store.get_job(JOB)
         assert stored is not None and stored.state == JS.JOB_STATE_CANCELLED
         assert stored.escrow_micro == 0
+
+
+async def test_a_cancel_and_its_runners_last_settlement_refund_the_escrow_once(
+    tmp_path: Path,
+) -> None:
+    """A cancel records the job's end and settles its money on the cancel's task while the
+    job's runner, seeing the job ended, settles on its own: the runner's settlement waits for
+    the recording, so the escrow is refunded once and the cancel does not fail (it did: the
+    runner's refund emptied the escrow in the ledger, while the cancel's settlement, computed
+    from the store where that refund was not written yet, wanted it again)."""
+    async with in_process_coordinator(tmp_path / "coord", engine_factory=Engine) as coord:
+        await coord.store.create_job(
+            common_pb2.Job(job_id=JOB, name="x", state=JS.JOB_STATE_QUEUED), owner=TENANT
+        )
+        await coord.credits.post(
+            [
+                grant(tenant_account(TENANT), 1_000, at_ms=1),
+                fund_escrow(JOB, TENANT, 600, at_ms=2, reason="budget"),
+            ]
+        )
+        job = await coord.store.get_job(JOB)
+        assert job is not None
+        ctx = coord.engine.ctx  # type: ignore[attr-defined]
+
+        async def stored() -> None:
+            return None
+
+        writer = RoundWriter(ctx, job, background=False, on_stored=stored)
+        pay = JobPay(ctx, job, JobBilling(job, coord.credits), writer)
+        previous = job.state
+        job.state = JS.JOB_STATE_CANCELLED  # as the runner's _set_state, then record_end
+        await asyncio.wait_for(
+            asyncio.gather(pay.record_end(previous, set()), pay.settle_at_exit(set())), 30
+        )
+        assert coord.credits.balance(escrow_account(JOB)) == 0
+        assert coord.credits.balance(tenant_account(TENANT)) == 1_000
+        refunds = [
+            e for _, e in await coord.store.list_ledger_entries(job_id=JOB) if e.reason == "refund"
+        ]
+        assert [e.amount for e in refunds] == [600]
+        ended = await coord.store.get_job(JOB)
+        assert ended is not None and ended.state == JS.JOB_STATE_CANCELLED
+        assert ended.escrow_micro == 0
 
 
 async def test_a_node_flipping_its_price_makes_few_events_and_its_last_price_counts(
