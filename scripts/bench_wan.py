@@ -308,6 +308,11 @@ class Run:
     # Each node's check probability when the run's job was submitted (1: new, every part).
     check_probabilities: dict[str, float] = field(default_factory=dict)
 
+    def window(self) -> list[common_pb2.RoundRecord]:
+        """The rounds the figures are taken over: up to the target's (all, when not reached)."""
+        end = self.target_index if self.target_index is not None else len(self.records) - 1
+        return self.records[: end + 1]
+
 
 def record_samples(r: common_pb2.RoundRecord) -> int:
     return sum(
@@ -612,8 +617,7 @@ def figures(run: Run, sampler: ByteSampler) -> dict[str, Any]:
     recs = run.records
     if not recs:
         raise RuntimeError(f"{run.mode.name}: no rounds recorded")
-    end = run.target_index if run.target_index is not None else len(recs) - 1
-    window = recs[: end + 1]
+    window = run.window()
     wall, compute, communicate, samples, steps = window_figures(window)
     carried = {
         name: sampler.at(window[-1].finished_ms, name) - sampler.at(window[0].started_ms, name)
@@ -697,8 +701,8 @@ def check_share(work: Path, recs: list[common_pb2.RoundRecord]) -> dict[str, Any
     """What the nodes' check tasks took of the same rounds' node-seconds as `utilisation`:
     `check_share`, the checks' device seconds (each node recomputes chunks of the others'
     parts: docs/verification-protocol.md; the agents log each check) / (wall x nodes), a
-    check counted in the window when its compute ended inside it; `checks` how many;
-    `busy_share` = utilisation + check_share, the share the devices spent computing at all.
+    check counted in the window when its compute ended inside it; `checks` how many (main
+    adds `busy_share` = utilisation + check_share, the share the devices computed at all).
     A new node's every part is checked twice over 1/24 of it, so its checks cost ~1/12 of its
     training compute: utilisation cannot pass ~0.92 of what communication leaves while the
     nodes are new (every round of this benchmark)."""
@@ -800,19 +804,14 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     try:
         for run, sampler in run_all(work, [modes[k] for k in chosen], args):
-            results[run.mode.name] = figures(run, sampler)
-            if run.records:
-                out = results[run.mode.name]
-                end = run.target_index if run.target_index is not None else len(run.records) - 1
-                out.update(check_share(work, run.records[: end + 1]))
-                if out["utilisation"] is not None and out["check_share"] is not None:
-                    out["busy_share"] = round(out["utilisation"] + out["check_share"], 3)
-            if run.mode.name == "local_sgd_int8" and run.records:
-                end = run.target_index if run.target_index is not None else len(run.records) - 1
-                results[run.mode.name]["device_utilisation"] = device_utilisation(
-                    work, run.records[: end + 1], args.slowdown
-                )
-            log.info("%s: %s", run.mode.name, json.dumps(results[run.mode.name]))
+            figs = results[run.mode.name] = figures(run, sampler)  # raises without rounds
+            window = run.window()
+            figs.update(check_share(work, window))
+            if figs["utilisation"] is not None and figs["check_share"] is not None:
+                figs["busy_share"] = round(figs["utilisation"] + figs["check_share"], 3)
+            if run.mode.name == "local_sgd_int8":
+                figs["device_utilisation"] = device_utilisation(work, window, args.slowdown)
+            log.info("%s: %s", run.mode.name, json.dumps(figs))
     except grpc.RpcError as exc:
         log.error("coordinator call failed: %s", exc)
         return 1

@@ -32,6 +32,7 @@ from coordinator.accounting.credit_book import (
     held_account,
     tenant_account,
 )
+from coordinator.app import Coordinator
 from coordinator.core.config import CoordinatorConfig
 from coordinator.engine.engine import Engine
 from coordinator.engine.job_pay import JobPay
@@ -178,28 +179,38 @@ async def test_an_ended_job_left_with_its_escrow_by_a_crash_is_settled_at_start_
             assert job.escrow_micro == 0
 
 
+async def queued_with_escrow(coord: Coordinator) -> None:
+    """JOB, queued and without a runner (as one submitted on another coordinator), with 600 of
+    its tenant's 1,000 micro-credits in its escrow."""
+    await coord.store.create_job(
+        common_pb2.Job(job_id=JOB, name="x", state=JS.JOB_STATE_QUEUED), owner=TENANT
+    )
+    await coord.credits.post(
+        [
+            grant(tenant_account(TENANT), 1_000, at_ms=1),
+            fund_escrow(JOB, TENANT, 600, at_ms=2, reason="budget"),
+        ]
+    )
+
+
+async def assert_cancelled_and_refunded(coord: Coordinator) -> None:
+    """JOB is stored CANCELLED with its escrow back with its tenant."""
+    assert coord.credits.balance(escrow_account(JOB)) == 0
+    assert coord.credits.balance(tenant_account(TENANT)) == 1_000
+    stored = await coord.store.get_job(JOB)
+    assert stored is not None and stored.state == JS.JOB_STATE_CANCELLED
+    assert stored.escrow_micro == 0
+
+
 async def test_a_cancel_records_the_end_and_its_refund_together(tmp_path: Path) -> None:
     """A job cancelled on a coordinator that has no runner for it (none started yet) is
     refunded with its CANCELLED record, not left holding its escrow."""
     async with in_process_coordinator(tmp_path / "coord", engine_factory=Engine) as coord:
-        # A job the engine has no runner for (as one submitted on another coordinator).
-        await coord.store.create_job(
-            common_pb2.Job(job_id=JOB, name="x", state=JS.JOB_STATE_QUEUED), owner=TENANT
-        )
-        await coord.credits.post(
-            [
-                grant(tenant_account(TENANT), 1_000, at_ms=1),
-                fund_escrow(JOB, TENANT, 600, at_ms=2, reason="budget"),
-            ]
-        )
+        await queued_with_escrow(coord)
         engine: Engine = coord.engine  # type: ignore[assignment]
         assert JOB not in engine.runners
         await engine.cancel_job(job_pb2.CancelJobRequest(job_id=JOB), None)  # type: ignore[arg-type]
-        assert coord.credits.balance(escrow_account(JOB)) == 0
-        assert coord.credits.balance(tenant_account(TENANT)) == 1_000
-        stored = await coord.store.get_job(JOB)
-        assert stored is not None and stored.state == JS.JOB_STATE_CANCELLED
-        assert stored.escrow_micro == 0
+        await assert_cancelled_and_refunded(coord)
 
 
 async def test_a_cancel_and_its_runners_last_settlement_refund_the_escrow_once(
@@ -211,15 +222,7 @@ async def test_a_cancel_and_its_runners_last_settlement_refund_the_escrow_once(
     runner's refund emptied the escrow in the ledger, while the cancel's settlement, computed
     from the store where that refund was not written yet, wanted it again)."""
     async with in_process_coordinator(tmp_path / "coord", engine_factory=Engine) as coord:
-        await coord.store.create_job(
-            common_pb2.Job(job_id=JOB, name="x", state=JS.JOB_STATE_QUEUED), owner=TENANT
-        )
-        await coord.credits.post(
-            [
-                grant(tenant_account(TENANT), 1_000, at_ms=1),
-                fund_escrow(JOB, TENANT, 600, at_ms=2, reason="budget"),
-            ]
-        )
+        await queued_with_escrow(coord)
         job = await coord.store.get_job(JOB)
         assert job is not None
         ctx = coord.engine.ctx  # type: ignore[attr-defined]
@@ -234,15 +237,11 @@ async def test_a_cancel_and_its_runners_last_settlement_refund_the_escrow_once(
         await asyncio.wait_for(
             asyncio.gather(pay.record_end(previous, set()), pay.settle_at_exit(set())), 30
         )
-        assert coord.credits.balance(escrow_account(JOB)) == 0
-        assert coord.credits.balance(tenant_account(TENANT)) == 1_000
         refunds = [
             e for _, e in await coord.store.list_ledger_entries(job_id=JOB) if e.reason == "refund"
         ]
         assert [e.amount for e in refunds] == [600]
-        ended = await coord.store.get_job(JOB)
-        assert ended is not None and ended.state == JS.JOB_STATE_CANCELLED
-        assert ended.escrow_micro == 0
+        await assert_cancelled_and_refunded(coord)
 
 
 async def test_a_node_flipping_its_price_makes_few_events_and_its_last_price_counts(
