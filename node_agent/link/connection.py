@@ -584,15 +584,21 @@ class CoordinatorConnection:
     # -- heartbeats -----------------------------------------------------------------------------
 
     async def heartbeat_loop(self, hooks: HeartbeatHooks, wake: asyncio.Event) -> None:
-        """Renew the lease every heartbeat interval until cancelled. `wake` sends one at once."""
+        """Renew the lease every heartbeat interval until the agent stops (or the loop is
+        cancelled). `wake` sends one at once.
+
+        The stop ends the loop on its own, not only a cancellation: on Python 3.11 a
+        cancellation can be lost, when it arrives as the awaited heartbeat's answer (gRPC's
+        call swallows it and returns the response) or the wake-up (`asyncio.wait_for`) is
+        already in; a loop that only a cancellation ends would then beat forever, and an agent
+        told to leave would never get past waiting for it."""
         self._heartbeat_wake = wake
         backoff = self.new_backoff()
         delay = 0.0
-        while True:
-            try:
-                await asyncio.wait_for(wake.wait(), timeout=delay)
-            except TimeoutError:
-                pass
+        while not self._stop.is_set():
+            await self._wait_wake_or_stop(wake, delay)
+            if self._stop.is_set():
+                return
             wake.clear()
             try:
                 delay = await self._heartbeat_once(hooks, backoff)
@@ -601,6 +607,17 @@ class CoordinatorConnection:
             except Exception:  # a bug here must not silently end the lease
                 log.exception("heartbeat failed unexpectedly")
                 delay = self.heartbeat_interval_s
+
+    async def _wait_wake_or_stop(self, wake: asyncio.Event, seconds: float) -> None:
+        """Wait until `wake` or the stop is set, or `seconds` have passed."""
+        if wake.is_set() or seconds <= 0:
+            return
+        waiters = {asyncio.ensure_future(wake.wait()), asyncio.ensure_future(self._stop.wait())}
+        try:
+            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     async def _heartbeat_once(self, hooks: HeartbeatHooks, backoff: Backoff) -> float:
         """One heartbeat; returns the delay until the next one."""

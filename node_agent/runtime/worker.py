@@ -106,6 +106,9 @@ ABANDON_WAIT_S = 5.0
 # waits for a slot), and how long the agent waits for them when it leaves.
 MAX_BESIDE = 4
 BESIDE_WAIT_S = 15.0
+# The longest the agent waits for its heartbeat loop to stop (a heartbeat in flight has a
+# timeout of at most max(1 s, the heartbeat interval)).
+HEARTBEAT_STOP_WAIT_S = 10.0
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
@@ -358,11 +361,12 @@ class Agent:
         await self._finish_besides()
         if self.connection.registered:
             await self.connection.send_draining(task_id="")
-        self._stop.set()
+        self._stop.set()  # ends the heartbeat loop even if the cancellation below is lost
         if heartbeats is not None:
             heartbeats.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeats
+            done, _ = await asyncio.wait({heartbeats}, timeout=HEARTBEAT_STOP_WAIT_S)
+            if not done:
+                log.warning("the heartbeat loop did not stop; leaving without it")
         await self.connection.leave(self.drain_reason or "agent stopped")
         await self.connection.close()
         await self._stop_peer_server()

@@ -97,3 +97,38 @@ async def test_a_call_that_gets_through_again_renews_the_lease_at_once(tmp_path:
         await asyncio.gather(beats, return_exceptions=True)
         await conn.close()
         await server.stop(None)
+
+
+async def test_the_heartbeat_loop_ends_when_the_agent_stops_without_a_cancellation(
+    tmp_path: Path,
+) -> None:
+    """The agent's stop ends the loop by itself: on Python 3.11 a cancellation that arrives
+    with a heartbeat's answer is lost (gRPC's call returns the answer), and an agent that
+    waited for a loop only a cancellation ends never left."""
+    address = f"127.0.0.1:{free_port()}"
+    servicer = Coordinator()
+    server = await serve(address, servicer)
+    stop = asyncio.Event()
+    conn = CoordinatorConnection(
+        address, tmp_path / "agent", agent_pb2.RegisterRequest, stop=stop, insecure=True
+    )
+    conn.node_id, conn.lease_id = "n-0123456789", "lease"
+    hooks = HeartbeatHooks(
+        current_task_id=lambda: "",
+        draining=lambda: False,
+        on_state=lambda state: None,
+        on_cancel_task=lambda task_id: None,
+    )
+    beats = asyncio.create_task(conn.heartbeat_loop(hooks, asyncio.Event()))
+    try:
+        await wait_heartbeats(servicer, 1, timeout=10)  # then it sleeps INTERVAL_S
+        stop.set()
+        done, _ = await asyncio.wait({beats}, timeout=10)
+        assert done, "the heartbeat loop went on after the agent stopped"
+        assert not beats.cancelled() and beats.exception() is None
+        assert len(servicer.heartbeats) == 1
+    finally:
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+        await conn.close()
+        await server.stop(None)
