@@ -108,8 +108,8 @@ class JobPay:
             )
 
     async def settle_ended(self, accused: Set[str]) -> None:
-        """The job reaches its terminal state: called inside the store transaction that
-        records it, so that the state and the money move together (a crash leaves both or
+        """The job reaches its terminal state: called inside ``billing.settling()`` and the
+        store transaction that records it (`record_end`), so that the state and the money move together (a crash leaves both or
         neither): held pay to the donors (an ``accused`` node's forfeited), the escrow back to
         the tenant but what a round in flight could still cost, each with its event. Raises
         (the caller's transaction fails and the ledger is read back)."""
@@ -124,7 +124,8 @@ class JobPay:
         ``previous``, the ledger is read back, and the error is raised."""
         store = self.ctx.store
         try:
-            async with self._ending, store.transaction():
+            # The billing's lock before the store's (as a release or a forfeit takes them).
+            async with self._ending, self.billing.settling(), store.transaction():
                 await self.settle_ended(accused)
                 await store.update_job(self.job)
                 name = JS.Name(self.job.state).removeprefix("JOB_STATE_").lower()

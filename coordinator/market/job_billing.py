@@ -22,9 +22,10 @@ any node if it has a budget, else only donated ones (no budget: it pays nothing)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,8 +115,10 @@ class JobBilling:
         self._reserved = 0
         # Releases, forfeits and the end's settlement one at a time: the settlement reads the
         # stored ledger and posts what is left, so a release posted between its read and its
-        # post would be paid twice (and refused: the held account short).
+        # post would be paid twice (and refused: the held account short). Always taken before
+        # the store's write lock (see `settling`).
         self._settling = asyncio.Lock()
+        self._settling_task: asyncio.Task[object] | None = None
 
     @property
     def job_id(self) -> str:
@@ -339,13 +342,29 @@ class JobBilling:
 
     # -- the job's end --------------------------------------------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def settling(self) -> AsyncIterator[None]:
+        """Hold releases and forfeits off while the job's end is settled (`settle_ended`).
+        Enter it before the store transaction the settlement runs in: a release or a forfeit
+        takes the same lock before its own store write, which waits for the store's write lock
+        a transaction holds, so a settlement that took it inside the transaction could wait
+        for a release that waits for the transaction, for ever."""
+        async with self._settling:
+            self._settling_task = asyncio.current_task()
+            try:
+                yield
+            finally:
+                self._settling_task = None
+
     async def settle_ended(self, store: Store, accused: Iterable[str]) -> list[Entry]:
         """The job ended: its held pay settled and its escrow refunded (`settle_ended_job`),
-        in the caller's store transaction if any (it calls ``credits.reload()`` should that
-        fail). What a round in flight could still cost stays in the escrow (refunded when the
-        runner ends, or by the start-up sweep). The entries posted."""
-        async with self._settling:
-            return await self._settle_ended(store, frozenset(accused))
+        inside `settling` and in the caller's store transaction if any (it calls
+        ``credits.reload()`` should that fail). What a round in flight could still cost stays
+        in the escrow (refunded when the runner ends, or by the start-up sweep). The entries
+        posted. RuntimeError outside `settling`."""
+        if self._settling_task is None or self._settling_task is not asyncio.current_task():
+            raise RuntimeError("settle_ended runs inside JobBilling.settling()")
+        return await self._settle_ended(store, frozenset(accused))
 
     async def _settle_ended(self, store: Store, accused: frozenset[str]) -> list[Entry]:
         for attempt in range(SETTLE_ATTEMPTS):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from coordinator.accounting.billing import earned_micro, per_credit, quantized_rate
-from coordinator.accounting.credit_book import fund_escrow, grant
+from coordinator.accounting.credit_book import Entry, fund_escrow, grant
 from coordinator.market.credit_ledger import CreditLedger
 from coordinator.market.job_billing import AboveMaxPrice, BudgetExhausted, JobBilling
 from coordinator.rounds.round_state import Part, part_record
@@ -277,10 +277,51 @@ async def test_a_release_while_the_job_ends_is_paid_once(
     billing.hold = True
     for r in range(1, 5):
         await charged(billing, ledger, r, part("n1", 10 * r, 10 * r + 10))
-    released, settled = await asyncio.gather(
-        billing.release("n1", 2), billing.settle_ended(store, ())
-    )
+
+    async def settle() -> list[Entry]:
+        async with billing.settling():
+            return await billing.settle_ended(store, ())
+
+    released, settled = await asyncio.gather(billing.release("n1", 2), settle())
     assert released == 200
     assert ledger.balance("donor:n1") == 400 and ledger.balance(f"held:{JOB}") == 0
     assert billing.held() == 0 and await billing.release_all() == 0
     assert ledger.balance(f"escrow:{JOB}") == 0 and settled
+
+
+async def test_a_release_waiting_for_the_store_while_the_end_is_settled_in_a_transaction(
+    store: SqliteStore, ledger: CreditLedger
+) -> None:
+    """The end's settlement runs in the store transaction that records the end (holding the
+    store's write lock). A release that got in first waits for that lock after taking the
+    billing's: were the billing's lock taken inside the transaction, each would wait for the
+    other for ever. Taken before it (`settling`), the release waits and then finds the pay
+    already settled."""
+    billing = JobBilling(job(), ledger)
+    billing.hold = True
+    for r in range(1, 5):
+        await charged(billing, ledger, r, part("n1", 10 * r, 10 * r + 10))
+    release: asyncio.Task[int] | None = None
+
+    async def end() -> list[Entry]:
+        nonlocal release
+        async with billing.settling(), store.transaction():
+            # A check's verdict arrives while the transaction is open.
+            release = asyncio.create_task(billing.release("n1", 2))
+            await asyncio.sleep(0.05)
+            return await billing.settle_ended(store, ())
+
+    settled = await asyncio.wait_for(end(), timeout=10)
+    assert release is not None
+    assert await asyncio.wait_for(release, timeout=10) == 0  # settled already
+    assert settled and ledger.balance("donor:n1") == 400 and ledger.balance(f"held:{JOB}") == 0
+    assert billing.held() == 0
+
+
+async def test_the_ends_settlement_is_refused_outside_settling(
+    store: SqliteStore, ledger: CreditLedger
+) -> None:
+    billing = JobBilling(job(), ledger)
+    with pytest.raises(RuntimeError, match="settling"):
+        await billing.settle_ended(store, ())
+    assert ledger.balance(f"escrow:{JOB}") == 1_000  # nothing moved
