@@ -74,6 +74,14 @@ single-cycle runs a few minutes apart: unpinned, the fast node's part of a round
 outside its compute and computed 17 % slower per sample than alone (cluster / sum of solos
 0.673); pinned, 13 ms and as fast as alone (0.787). --no-pin measures without.
 
+New nodes have every round checked (two others each recompute 1/24 of it) until they are
+trusted, so in a fresh cluster each node spends ~1/12 of its compute on checks and the
+cluster cannot pass ~0.92 of the sum of solos (a solo node has nobody to check it).
+--trusted first runs a warm-up job of short rounds on all three agents until each is checked
+with the floor probability (a fifth of its rounds), then measures: a long-lived cluster's
+figures. The output says whether the run was trusted and each node's check probability
+when the measurements started.
+
 Prints one JSON line: cluster_over_sum_of_solos (target >= 0.85),
 cluster_over_sum_of_share_solos, cluster_over_sum_of_concurrent_solos, equal_over_sum_of_solos, system_over_plain_loop (one agent
 through the whole system vs the plain loop, target >= 0.9), per-cycle ratios (also from median
@@ -81,7 +89,7 @@ rounds: each run's median over rounds of samples / time since the previous round
 a few rounds delayed by other work do not move), load, foreign and stolen CPU of every run.
 
     .venv/bin/python scripts/bench_training.py [--cycles 3] [--rounds 24] [--batch 768]
-        [--micro-batch 128]
+        [--micro-batch 128] [--trusted]
 """
 
 from __future__ import annotations
@@ -107,8 +115,15 @@ import torch
 from local_cluster import BIN, LocalCluster, wait_for
 from safetensors.torch import save_file
 
+from coordinator.verification.reputation import P_FLOOR
+
 SLOWDOWNS = (1, 2, 4)
 TOGETHER_EPOCHS = 20
+# --trusted: the warm-up job's batch (no micro-batches: rounds of a few tens of ms) and the
+# epochs it is given (it is cancelled once every agent is trusted, long before they run out).
+TRUST_BATCH = 48
+TRUST_ROUNDS_PER_EPOCH = 20
+TRUST_EPOCHS = 1000
 log = logging.getLogger("bench_training")
 
 MODEL = """
@@ -362,6 +377,44 @@ class Bench:
         self.sampler.__exit__()
         self.cluster.stop()
 
+    def check_probabilities(self) -> dict[str, float]:
+        """Each agent's probability that its next round is checked (its verification record)."""
+        nodes = json.loads(self.cluster.cli("nodes", "--output", "json"))["nodes"]
+        return {n["name"]: round(n["reputation"]["check_probability"], 3) for n in nodes}
+
+    def earn_trust(self, limit_s: float) -> float:
+        """--trusted: a warm-up job of short rounds on every agent until each is checked with
+        the floor probability P_FLOOR (N0 / P_FLOOR verified rounds in a row,
+        coordinator/verification/reputation.py), then cancelled, so that the measured runs
+        see what a long-lived cluster's trusted donors cost in checks (a fifth of their rounds
+        checked, 1/24 of each by two others) and not new ones' (every round). Returns the
+        warm-up's seconds."""
+        self.use([f"x{s}" for s in SLOWDOWNS])
+        job_toml = write_job(
+            self.work / "trust_warmup",
+            TRUST_BATCH,
+            TRUST_ROUNDS_PER_EPOCH,
+            len(SLOWDOWNS),
+            "bench-trust-warmup",
+            epochs=TRUST_EPOCHS,
+        )
+        job_id = json.loads(self.cluster.cli("submit", str(job_toml), "--output", "json"))["job_id"]
+        log.info("trust warm-up: job %s until every agent is checked with p = %g", job_id, P_FLOOR)
+        started = time.monotonic()
+
+        def trusted() -> bool:
+            p = self.check_probabilities()
+            log.info("trust warm-up: check probabilities %s", p)
+            return len(p) >= len(SLOWDOWNS) and all(v <= P_FLOOR + 1e-9 for v in p.values())
+
+        try:
+            wait_for(trusted, limit_s, "every agent trusted", interval=5.0)
+        finally:
+            self.cluster.cli("cancel", job_id)
+        took = time.monotonic() - started
+        log.info("trust warm-up: done in %.0fs", took)
+        return took
+
     def use(self, names: list[str]) -> None:
         """Cordon every agent but `names`."""
         for s in SLOWDOWNS:
@@ -609,6 +662,13 @@ def main() -> int:
         help="measure a run again when other work and the hypervisor took more than this",
     )
     parser.add_argument("--retries", type=int, default=3, help="at most this many times")
+    parser.add_argument(
+        "--trusted",
+        action="store_true",
+        help="let every agent earn trust first (a warm-up job of short rounds until each is "
+        "checked with the floor probability): a long-lived cluster's figures, not new nodes'",
+    )
+    parser.add_argument("--trust-limit", type=float, default=600.0, help="the warm-up at most, s")
     parser.add_argument("--keep", type=Path, help="keep the work dir and round records here")
     args = parser.parse_args()
     if args.cycles < 1 or args.rounds <= args.warmup + 1:
@@ -627,9 +687,14 @@ def main() -> int:
     cycles: list[dict[str, Run]] = []
     plains: list[float] = []
     equal: Run | None = None
+    warmup_s: float | None = None
+    check_probabilities: dict[str, float] = {}
     try:
         bench = Bench(work / "throughput", args)
         try:
+            if args.trusted:
+                warmup_s = bench.earn_trust(args.trust_limit)
+            check_probabilities = bench.check_probabilities()
             for c in range(args.cycles):
                 # Alternate the order, so that a drift of the load does not favour one side.
                 order = configs if c % 2 == 0 else configs[::-1]
@@ -736,6 +801,9 @@ def main() -> int:
         "foreign_cores_per_run": foreign,
         "steal_cores_per_run": steal,
         "runs_measured_again": reruns,
+        "trusted": args.trusted,
+        "trust_warmup_s": round(warmup_s, 1) if warmup_s is not None else None,
+        "check_probabilities_at_start": check_probabilities,
         "load_avg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         "minutes": round((time.time() - started) / 60.0, 1),
     }
