@@ -677,6 +677,15 @@ def _compute(
         todo = slices[: chunk_steps[-1][1]]
     elif partly:
         todo = slices[: tamper.share(len(slices))]
+    budget = ctx.time_box(task.compute_budget_seconds)
+    if 0 < budget <= task.compute_budget_seconds - 0.01:
+        ctx.log.info(
+            "round %d: time box %.2fs instead of %.2fs (the task waited for the agent's "
+            "work before it)",
+            task.round,
+            budget,
+            task.compute_budget_seconds,
+        )
     try:
         update = local_sgd_steps(
             job.program,
@@ -685,7 +694,7 @@ def _compute(
             job.dataset.get_batch,
             ctx.slowdown,
             ctx.check_cancelled,
-            0.0 if partly else max(0.0, task.compute_budget_seconds),
+            0.0 if partly else budget,
             micro_batch=spec.micro_batch,
             chunk_steps=chunk_steps,
             scope=scope,

@@ -105,6 +105,8 @@ MAX_INTEGRITY_FAILURES = 3
 
 # Without a task deadline, results are retried for this long before they are dropped.
 DEFAULT_REPORT_WINDOW_S = 120.0
+# The smallest time box (`TaskContext.time_box`): any positive box runs one step.
+MIN_TIME_BOX_S = 1e-6
 
 
 class TaskCancelled(Exception):
@@ -132,6 +134,9 @@ class TaskContext:
     job_benchmark: BenchmarkPlan = JOB_PLAN  # a BENCHMARK task's plan (its sizes from the task)
     cancelled: threading.Event = field(default_factory=threading.Event)
     received_at: float = field(default_factory=time.monotonic)
+    # When the agent started the task (the context is made then): later than received_at for a
+    # task brought by an early poll while another task (a check) was still running.
+    started_at: float = field(default_factory=time.monotonic)
     cancel_reason: str = ""
     failure_reported: bool = False
     # Called once what is left of the task does not need the coordinator to wait for this
@@ -174,6 +179,17 @@ class TaskContext:
         if self.task.deadline_seconds > 0:
             return self.received_at + self.task.deadline_seconds
         return None
+
+    def time_box(self, budget_s: float) -> float:
+        """The task's time box (local SGD, `Task.compute_budget_seconds`; 0: none) less the time
+        the task waited on this agent for the work before it (a check it was computing when
+        the task came). The box then ends when it would have had the task started on arrival:
+        a node that had a check to finish trains fewer steps this round instead of making
+        every node of the round wait for it. At least one step (a box of a microsecond)."""
+        if budget_s <= 0:
+            return 0.0
+        waited = max(0.0, self.started_at - self.received_at)
+        return max(budget_s - waited, MIN_TIME_BOX_S)
 
     # -- cancellation ---------------------------------------------------------------------------
 

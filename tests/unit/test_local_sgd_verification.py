@@ -270,6 +270,47 @@ async def test_a_time_boxed_part_commits_the_chunks_it_reached(
     assert local_sgd_commitment_problem(commitments, 5, update.mean_loss, 58, 5, 6) == ""
 
 
+async def test_a_task_that_waited_for_a_check_has_its_time_box_cut_by_the_wait(
+    ctx: TaskContext, packed: PackedJob, dataset: ShardedDataset
+) -> None:
+    """The box ends when it would have had the task started on arrival: a task that came
+    while the agent finished a check trains for the box less that wait (at least one step),
+    so that the round does not wait for this node; one that started at once trains its whole
+    box."""
+    spec = local_spec(packed)
+    task = local_task(0, 0, 58, 5, 6, spec)
+    task.compute_budget_seconds = 600.0  # far more than the 12 steps take
+    at_once = update_in_thread(
+        ctx, LoadedJob(program=fresh(packed), dataset=dataset), task, verify=True
+    )
+    assert at_once.steps == 12 and at_once.num_samples == 58
+    ctx.received_at = ctx.started_at - 900.0  # the box was over before the task started
+    late = update_in_thread(
+        ctx, LoadedJob(program=fresh(packed), dataset=dataset), task, verify=True
+    )
+    assert late.steps == 1 and late.num_samples == 5
+    assert late.chunks is not None and late.chunks.samples == [5]
+
+
+def test_the_time_box_less_the_wait_before_the_task_started() -> None:
+    task = agent_pb2.Task()
+    ctx = TaskContext(
+        task=task,
+        connection=None,  # type: ignore[arg-type]  # time_box reads the clocks only
+        cache=None,  # type: ignore[arg-type]
+        device="cpu",
+        device_info=common_pb2.Device(),
+        slowdown=SlowdownController(),
+        received_at=100.0,
+        started_at=102.5,
+    )
+    assert ctx.time_box(0.0) == 0.0  # no box stays none
+    assert ctx.time_box(10.0) == pytest.approx(7.5)
+    assert 0 < ctx.time_box(2.0) <= 1e-6  # waited past it: one step
+    ctx.started_at = 99.0  # clocks read in another order: no wait, not a longer box
+    assert ctx.time_box(10.0) == 10.0
+
+
 def test_a_part_cut_short_still_has_its_chunks(packed: PackedJob, dataset: ShardedDataset) -> None:
     """A part a time box stopped after 7 of its 12 planned steps: the 7 pieces of its grid it
     reached are grouped into 6 chunks (cut from 6 planned chunks of two steps it would have had
