@@ -109,10 +109,11 @@ class JobPay:
 
     async def settle_ended(self, accused: Set[str]) -> None:
         """The job reaches its terminal state: called inside ``billing.settling()`` and the
-        store transaction that records it (`record_end`), so that the state and the money move together (a crash leaves both or
-        neither): held pay to the donors (an ``accused`` node's forfeited), the escrow back to
-        the tenant but what a round in flight could still cost, each with its event. Raises
-        (the caller's transaction fails and the ledger is read back)."""
+        store transaction that records it (`record_end`), so that the state and the money
+        move together (a crash leaves both or neither): held pay to the donors (an
+        ``accused`` node's forfeited), the escrow back to the tenant but what a round in
+        flight could still cost, each with its event. Raises (the caller's transaction fails
+        and the ledger is read back)."""
         posted = await self.billing.settle_ended(self.ctx.store, accused)
         await settlement_events(self.ctx, self.job, posted)
 
