@@ -56,12 +56,12 @@ async def wait_heartbeats(servicer: Coordinator, n: int, timeout: float) -> None
     await asyncio.wait_for(reached(), timeout)
 
 
-async def test_a_call_that_gets_through_again_renews_the_lease_at_once(tmp_path: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"
-    servicer = Coordinator()
-    server = await serve(address, servicer)
+def beating(
+    address: str, data_dir: Path, stop: asyncio.Event | None = None
+) -> tuple[CoordinatorConnection, asyncio.Task[None]]:
+    """A connection with a lease, and its heartbeat loop started."""
     conn = CoordinatorConnection(
-        address, tmp_path / "agent", agent_pb2.RegisterRequest, insecure=True
+        address, data_dir, agent_pb2.RegisterRequest, stop=stop, insecure=True
     )
     conn.node_id, conn.lease_id = "n-0123456789", "lease"
     hooks = HeartbeatHooks(
@@ -70,7 +70,14 @@ async def test_a_call_that_gets_through_again_renews_the_lease_at_once(tmp_path:
         on_state=lambda state: None,
         on_cancel_task=lambda task_id: None,
     )
-    beats = asyncio.create_task(conn.heartbeat_loop(hooks, asyncio.Event()))
+    return conn, asyncio.create_task(conn.heartbeat_loop(hooks, asyncio.Event()))
+
+
+async def test_a_call_that_gets_through_again_renews_the_lease_at_once(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    servicer = Coordinator()
+    server = await serve(address, servicer)
+    conn, beats = beating(address, tmp_path / "agent")
     try:
         await wait_heartbeats(servicer, 1, timeout=10)  # the first one goes at once
         # The coordinator restarts: a call fails, then gets through to the new process.
@@ -109,17 +116,7 @@ async def test_the_heartbeat_loop_ends_when_the_agent_stops_without_a_cancellati
     servicer = Coordinator()
     server = await serve(address, servicer)
     stop = asyncio.Event()
-    conn = CoordinatorConnection(
-        address, tmp_path / "agent", agent_pb2.RegisterRequest, stop=stop, insecure=True
-    )
-    conn.node_id, conn.lease_id = "n-0123456789", "lease"
-    hooks = HeartbeatHooks(
-        current_task_id=lambda: "",
-        draining=lambda: False,
-        on_state=lambda state: None,
-        on_cancel_task=lambda task_id: None,
-    )
-    beats = asyncio.create_task(conn.heartbeat_loop(hooks, asyncio.Event()))
+    conn, beats = beating(address, tmp_path / "agent", stop)
     try:
         await wait_heartbeats(servicer, 1, timeout=10)  # then it sleeps INTERVAL_S
         stop.set()
