@@ -587,11 +587,12 @@ class CoordinatorConnection:
         """Renew the lease every heartbeat interval until the agent stops (or the loop is
         cancelled). `wake` sends one at once.
 
-        The stop ends the loop on its own, not only a cancellation: on Python 3.11 a
-        cancellation can be lost, when it arrives as the awaited heartbeat's answer (gRPC's
-        call swallows it and returns the response) or the wake-up (`asyncio.wait_for`) is
-        already in; a loop that only a cancellation ends would then beat forever, and an agent
-        told to leave would never get past waiting for it."""
+        The stop ends the loop on its own, not only a cancellation: a cancellation can be
+        lost, when it arrives as the wake-up is already in (Python 3.11's `asyncio.wait_for`
+        then returns) or as the heartbeat's call finishes (gRPC's unary call catches the
+        cancellation and raises an RpcError instead); a loop that only a cancellation ends
+        would then beat for ever, and an agent told to leave would never get past waiting
+        for it."""
         self._heartbeat_wake = wake
         backoff = self.new_backoff()
         delay = 0.0

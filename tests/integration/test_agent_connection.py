@@ -109,8 +109,9 @@ async def test_a_call_that_gets_through_again_renews_the_lease_at_once(tmp_path:
 async def test_the_heartbeat_loop_ends_when_the_agent_stops_without_a_cancellation(
     tmp_path: Path,
 ) -> None:
-    """The agent's stop ends the loop by itself: on Python 3.11 a cancellation that arrives
-    with a heartbeat's answer is lost (gRPC's call returns the answer), and an agent that
+    """The agent's stop ends the loop by itself: a cancellation can be lost (Python 3.11's
+    `asyncio.wait_for` returns when its event is already set; gRPC's unary call turns a
+    cancellation into an RpcError when the call finishes meanwhile), and an agent that
     waited for a loop only a cancellation ends never left."""
     address = f"127.0.0.1:{free_port()}"
     servicer = Coordinator()
