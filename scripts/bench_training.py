@@ -112,10 +112,8 @@ from typing import Any
 
 import psutil
 import torch
-from local_cluster import BIN, LocalCluster, wait_for
+from local_cluster import BIN, LocalCluster, earn_trust, wait_for
 from safetensors.torch import save_file
-
-from coordinator.verification.reputation import P_FLOOR
 
 SLOWDOWNS = (1, 2, 4)
 TOGETHER_EPOCHS = 20
@@ -383,12 +381,8 @@ class Bench:
         return {n["name"]: round(n["reputation"]["check_probability"], 3) for n in nodes}
 
     def earn_trust(self, limit_s: float) -> float:
-        """--trusted: a warm-up job of short rounds on every agent until each is checked with
-        the floor probability P_FLOOR (N0 / P_FLOOR verified rounds in a row,
-        coordinator/verification/reputation.py), then cancelled, so that the measured runs
-        see what a long-lived cluster's trusted donors cost in checks (a fifth of their rounds
-        checked, 1/24 of each by two others) and not new ones' (every round). Returns the
-        warm-up's seconds."""
+        """--trusted: a warm-up job of short rounds on every agent until each is trusted
+        (local_cluster.earn_trust); the warm-up's seconds."""
         self.use([f"x{s}" for s in SLOWDOWNS])
         job_toml = write_job(
             self.work / "trust_warmup",
@@ -398,22 +392,7 @@ class Bench:
             "bench-trust-warmup",
             epochs=TRUST_EPOCHS,
         )
-        job_id = json.loads(self.cluster.cli("submit", str(job_toml), "--output", "json"))["job_id"]
-        log.info("trust warm-up: job %s until every agent is checked with p = %g", job_id, P_FLOOR)
-        started = time.monotonic()
-
-        def trusted() -> bool:
-            p = self.check_probabilities()
-            log.info("trust warm-up: check probabilities %s", p)
-            return len(p) >= len(SLOWDOWNS) and all(v <= P_FLOOR + 1e-9 for v in p.values())
-
-        try:
-            wait_for(trusted, limit_s, "every agent trusted", interval=5.0)
-        finally:
-            self.cluster.cli("cancel", job_id)
-        took = time.monotonic() - started
-        log.info("trust warm-up: done in %.0fs", took)
-        return took
+        return earn_trust(self.cluster, job_toml, self.check_probabilities, len(SLOWDOWNS), limit_s)
 
     def use(self, names: list[str]) -> None:
         """Cordon every agent but `names`."""

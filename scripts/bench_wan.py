@@ -115,9 +115,9 @@ from typing import Any
 import grpc
 import torch
 from local_cluster import LocalCluster, wait_for
+from local_cluster import earn_trust as shared_earn_trust
 from safetensors.torch import save_file
 
-from coordinator.verification.reputation import P_FLOOR
 from epochmesh.testing.wan import Site, WanLink, WanThread, format_bandwidth, parse_bandwidth
 from epochmesh.timeutil import now_ms
 from epochmesh.v1 import (
@@ -375,7 +375,7 @@ def run_all(
                 sched = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                 wait_nodes(sched, NODES, 120)
                 if args.trusted:
-                    earn_trust(cluster, jobs, sched, work / "trust_warmup", args.trust_limit)
+                    earn_trust(cluster, sched, work / "trust_warmup", args.trust_limit)
                 data = dataset(args.samples)
                 for mode in modes:
                     run = Run(mode, check_probabilities=check_probabilities(sched))
@@ -413,35 +413,19 @@ def check_probabilities(sched: scheduler_pb2_grpc.SchedulerServiceStub) -> dict[
 
 def earn_trust(
     cluster: LocalCluster,
-    jobs: job_pb2_grpc.JobServiceStub,
     sched: scheduler_pb2_grpc.SchedulerServiceStub,
     job_dir: Path,
     limit_s: float,
 ) -> None:
     """--trusted: a warm-up job of short rounds (a tiny MLP, synchronous) until every agent is
-    checked with the floor probability P_FLOOR (its verification record: N0 / P_FLOOR verified
-    rounds in a row, coordinator/verification/reputation.py), then cancelled: the measured runs
-    then see what a long-lived cluster's trusted donors cost in checks, not new ones'."""
+    trusted (local_cluster.earn_trust)."""
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "model.py").write_text(model_source(TRUST_HIDDEN))
     save_file(dataset(960, seed=1), str(job_dir / "train.safetensors"))
     (job_dir / "job.toml").write_text(TRUST_MODE.job_toml(96))
-    job_id = json.loads(cluster.cli("submit", str(job_dir / "job.toml"), "--output", "json"))[
-        "job_id"
-    ]
-    log.info("trust warm-up: job %s until every agent is checked with p = %g", job_id, P_FLOOR)
-    started = time.monotonic()
-
-    def trusted() -> bool:
-        p = check_probabilities(sched)
-        log.info("trust warm-up: check probabilities %s", p)
-        return len(p) >= NODES and all(v <= P_FLOOR + 1e-9 for v in p.values())
-
-    try:
-        wait_for(trusted, limit_s, "every agent trusted", interval=5.0)
-    finally:
-        jobs.CancelJob(job_pb2.CancelJobRequest(job_id=job_id), timeout=10)
-    log.info("trust warm-up: done in %.0fs", time.monotonic() - started)
+    shared_earn_trust(
+        cluster, job_dir / "job.toml", partial(check_probabilities, sched), NODES, limit_s
+    )
     wait_nodes(sched, NODES, 60)
 
 
